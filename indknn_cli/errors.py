@@ -1,0 +1,64 @@
+"""Typed errors of the indknn library and the exit codes the CLI maps them to.
+
+Exit codes (documented in README and `indknn --help`):
+
+    0  success
+    1  runtime error (I/O failure, lock timeout, corrupt file, ...)
+    2  usage error / bad input (nothing was written)
+    3  budget exhausted (no active record left, or fewer than --min-active)
+    4  budget check failed (`indknn account --eps E`: the guarantee is above E)
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_BUDGET_EXHAUSTED = 3
+EXIT_CHECK_FAILED = 4
+
+
+class IndknnError(Exception):
+    """Base class of every error the library raises on purpose."""
+
+    exit_code = EXIT_RUNTIME
+
+
+class BadInputError(IndknnError, ValueError):
+    """Malformed or inconsistent input: nothing was written."""
+
+    exit_code = EXIT_USAGE
+
+
+class StoreError(IndknnError):
+    """The feature store is missing, corrupt or of another format/extractor."""
+
+    exit_code = EXIT_USAGE
+
+
+class LedgerError(IndknnError):
+    """The budget ledger is missing, corrupt, foreign or of another format."""
+
+    exit_code = EXIT_USAGE
+
+
+class LockTimeoutError(IndknnError):
+    """Another process holds the ledger or store lock."""
+
+    exit_code = EXIT_RUNTIME
+
+
+class BudgetExhaustedError(IndknnError):
+    """No active record is left (or fewer than the operator's minimum)."""
+
+    exit_code = EXIT_BUDGET_EXHAUSTED
+
+
+class PrivacyRefusedError(BadInputError):
+    """A request that would break the privacy argument (e.g. IVF trained on private data)."""
+
+
+class CheckFailedError(IndknnError):
+    """A budget check (`account --eps`) did not pass."""
+
+    exit_code = EXIT_CHECK_FAILED

@@ -1,0 +1,333 @@
+"""The Zarr v3 feature store: private, public and query vectors (see docs/FORMAT.md).
+
+Each role is a group of row-aligned arrays. The number of *committed* rows of a
+group is the group attribute ``n_rows``, written last: an append first writes
+the new rows past ``n_rows`` (zarr's LocalStore replaces each chunk file
+atomically, so full chunks already committed are never touched and the
+partially filled tail chunk is swapped whole) and only then bumps ``n_rows``.
+A crash before that leaves the store as it was for every reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import zarr
+
+from . import FORMAT_VERSION
+from .errors import BadInputError, LockTimeoutError, StoreError
+
+ROLES = ("private", "public", "query")
+GROUP_OF_ROLE = {"private": "private", "public": "public", "query": "queries"}
+NORM_TOLERANCE = 1e-3  # |‖x‖ − 1| accepted on input before re-normalising
+
+
+@dataclass(frozen=True)
+class ExtractorInfo:
+    """Which public, data-independent extractor produced the vectors."""
+
+    name: str
+    model: str
+    version: str
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "model": self.model, "version": self.version}
+
+
+def chunk_rows_for(dim: int) -> int:
+    """Rows per chunk: a power of two giving chunks of at most ~8 MiB."""
+    rows = max(256, (8 << 20) // (4 * max(dim, 1)))
+    return min(65536, 1 << (rows.bit_length() - 1))
+
+
+def normalize_rows(x: np.ndarray, *, what: str = "vectors") -> np.ndarray:
+    """L2-normalise each row on its own (per-vector, SPEC §8); refuse NaN/inf/zero rows."""
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise BadInputError(f"{what}: expected a 2-d array of vectors, got shape {x.shape}")
+    if x.shape[0] == 0:
+        raise BadInputError(f"{what}: empty input (0 vectors)")
+    x64 = x.astype(np.float64, copy=False)
+    finite = np.isfinite(x64).all(axis=1)
+    if not finite.all():
+        bad = int(np.flatnonzero(~finite)[0])
+        raise BadInputError(f"{what}: row {bad} contains NaN or infinite values")
+    norms = np.sqrt((x64 * x64).sum(axis=1))
+    if (norms == 0).any():
+        bad = int(np.flatnonzero(norms == 0)[0])
+        raise BadInputError(f"{what}: row {bad} is a zero vector (cannot be L2-normalised)")
+    return (x64 / norms[:, None]).astype(np.float32)
+
+
+class FeatureStore:
+    """A Zarr v3 store of L2-normalised float32 vectors with labels and ids."""
+
+    LOCK_NAME = ".indknn-store.lock"
+
+    def __init__(self, path: str | os.PathLike, root: zarr.Group, *, read_only: bool):
+        self.path = Path(path)
+        self.root = root
+        self.read_only = read_only
+        attrs = dict(root.attrs)
+        self.format_version = attrs.get("format_version")
+        self.dim = int(attrs["dim"])
+        self.extractor = ExtractorInfo(**attrs["extractor"])
+        self.label_names: list[str] = list(attrs["label_names"])
+        self.uuid: str = attrs["store_uuid"]
+        self.chunk_rows = int(attrs["chunk_rows"])
+
+    # -- opening ---------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        *,
+        extractor: ExtractorInfo,
+        dim: int,
+        label_names: Sequence[str],
+        chunk_rows: int | None = None,
+    ) -> "FeatureStore":
+        path = Path(path)
+        if path.exists() and any(path.iterdir()):
+            raise StoreError(f"{path}: exists and is not empty; refusing to create a store there")
+        if dim <= 0:
+            raise BadInputError(f"dimension must be positive, got {dim}")
+        chunk_rows = chunk_rows or chunk_rows_for(dim)
+        tmp = path.with_name(f".{path.name}.creating-{uuid.uuid4().hex[:8]}")
+        root = zarr.open_group(str(tmp), mode="w")
+        for role, group in GROUP_OF_ROLE.items():
+            g = root.create_group(group)
+            g.create_array("features", shape=(0, dim), chunks=(chunk_rows, dim), dtype="float32",
+                           compressors=None, fill_value=0.0)
+            g.create_array("labels", shape=(0,), chunks=(chunk_rows * 4,), dtype="int32", fill_value=-1)
+            g.create_array("record_id", shape=(0,), chunks=(chunk_rows * 4,), dtype=str)
+            g.create_array("user_id", shape=(0,), chunks=(chunk_rows * 4,), dtype=str)
+            g.create_array("deleted", shape=(0,), chunks=(chunk_rows * 4,), dtype="bool", fill_value=False)
+            if role == "query":
+                g.create_array("batch", shape=(0,), chunks=(chunk_rows * 4,), dtype=str)
+            g.attrs.update({"n_rows": 0, "role": role, "batches": {}})
+        root.attrs.update({
+            "format_version": FORMAT_VERSION,
+            "store_uuid": uuid.uuid4().hex,
+            "dim": int(dim),
+            "extractor": extractor.as_dict(),
+            "label_names": [str(n) for n in label_names],
+            "normalized": True,
+            "chunk_rows": int(chunk_rows),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        })
+        if path.exists():
+            path.rmdir()
+        os.replace(tmp, path)
+        return cls.open(path, mode="a")
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        mode: str = "r",
+        expect_extractor: ExtractorInfo | None = None,
+        expect_dim: int | None = None,
+    ) -> "FeatureStore":
+        path = Path(path)
+        if not (path / "zarr.json").is_file():
+            raise StoreError(f"{path}: not an indknn feature store (no zarr.json); create one with `indknn embed`")
+        try:
+            root = zarr.open_group(str(path), mode="r" if mode == "r" else "r+")
+            attrs = dict(root.attrs)
+        except Exception as exc:  # corrupt JSON, foreign layout
+            raise StoreError(f"{path}: cannot be read as a Zarr v3 group ({type(exc).__name__})") from None
+        version = attrs.get("format_version")
+        if version != FORMAT_VERSION:
+            raise StoreError(f"{path}: store format_version {version!r}, this indknn reads {FORMAT_VERSION}")
+        for key in ("dim", "extractor", "label_names", "store_uuid", "chunk_rows"):
+            if key not in attrs:
+                raise StoreError(f"{path}: store attribute {key!r} is missing (corrupt or foreign store)")
+        store = cls(path, root, read_only=(mode == "r"))
+        if expect_extractor is not None and (
+            (store.extractor.name, store.extractor.model) != (expect_extractor.name, expect_extractor.model)
+        ):
+            raise StoreError(
+                f"{path}: store was built with extractor {store.extractor.name}:{store.extractor.model}, "
+                f"not {expect_extractor.name}:{expect_extractor.model}"
+            )
+        if expect_dim is not None and store.dim != expect_dim:
+            raise StoreError(f"{path}: store has d={store.dim}, input has d={expect_dim}")
+        return store
+
+    # -- locking ---------------------------------------------------------
+    @contextlib.contextmanager
+    def write_lock(self, timeout: float = 60.0) -> Iterator[None]:
+        """One writer at a time (an fcntl lock on a file inside the store)."""
+        fd = os.open(self.path / self.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise LockTimeoutError(f"{self.path}: another indknn process is writing this store")
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)
+
+    # -- reading ---------------------------------------------------------
+    def group(self, role: str) -> zarr.Group:
+        if role not in GROUP_OF_ROLE:
+            raise BadInputError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        return self.root[GROUP_OF_ROLE[role]]
+
+    def n_rows(self, role: str = "private") -> int:
+        return int(self.group(role).attrs["n_rows"])
+
+    def read(self, role: str, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        n = self.n_rows(role)
+        stop = n if stop is None else min(stop, n)
+        if stop <= start:
+            arr = self.group(role)[name]
+            return np.empty((0,) + tuple(arr.shape[1:]), dtype=arr.dtype if name != "record_id" else object)
+        return np.asarray(self.group(role)[name][start:stop])
+
+    def iter_chunks(self, role: str = "private", rows: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
+        """Stream (start_row, float32 features) in row chunks; never loads the whole array."""
+        n = self.n_rows(role)
+        step = rows or self.chunk_rows
+        arr = self.group(role)["features"]
+        for start in range(0, n, step):
+            yield start, np.asarray(arr[start:min(n, start + step)])
+
+    def record_ids(self, role: str = "private") -> np.ndarray:
+        return self.read(role, "record_id").astype(object)
+
+    def batches(self) -> dict[str, dict]:
+        return dict(self.group("query").attrs.get("batches", {}))
+
+    def query_batch(self, name: str) -> tuple[int, int, str]:
+        """(start, stop, content sha256) of a stored query batch."""
+        info = self.batches().get(name)
+        if info is None:
+            raise BadInputError(f"query batch {name!r} is not in store {self.path}")
+        return int(info["start"]), int(info["stop"]), str(info["sha256"])
+
+    # -- writing ---------------------------------------------------------
+    def appender(self, role: str, *, batch: str | None = None) -> "Appender":
+        """Start an append; rows become visible only at :meth:`Appender.commit`."""
+        if self.read_only:
+            raise StoreError(f"{self.path}: opened read-only")
+        return Appender(self, role, batch=batch)
+
+    def append(
+        self,
+        role: str,
+        features: np.ndarray,
+        *,
+        labels: np.ndarray | None = None,
+        record_ids: Sequence[str],
+        user_ids: Sequence[str] | None = None,
+        batch: str | None = None,
+    ) -> tuple[int, int]:
+        """Append and commit one block of rows. Returns (start, stop)."""
+        app = self.appender(role, batch=batch)
+        app.write(features, labels=labels, record_ids=record_ids, user_ids=user_ids)
+        return app.commit()
+
+    def erase_rows(self, role: str, rows: np.ndarray) -> int:
+        """Physically overwrite features and labels of rows (deleted := True). Returns bytes rewritten."""
+        g = self.group(role)
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        if rows.size == 0:
+            return 0
+        feats = g["features"]
+        rewritten = 0
+        for chunk in np.unique(rows // self.chunk_rows):
+            lo = int(chunk) * self.chunk_rows
+            hi = min(lo + self.chunk_rows, feats.shape[0])
+            block = np.asarray(feats[lo:hi])
+            sel = rows[(rows >= lo) & (rows < hi)] - lo
+            block[sel] = 0.0
+            feats[lo:hi] = block  # zarr replaces the chunk file atomically
+            rewritten += block.nbytes
+        labels = g["labels"]
+        deleted = g["deleted"]
+        for r in rows:
+            labels[int(r)] = -1
+            deleted[int(r)] = True
+        return rewritten
+
+
+class Appender:
+    """Writes rows past the committed ``n_rows``; :meth:`commit` bumps it (the commit point).
+
+    Uncommitted rows are invisible to readers and are overwritten by the next
+    append, so a failed or abandoned append leaves the store as it was.
+    """
+
+    def __init__(self, store: FeatureStore, role: str, *, batch: str | None = None):
+        self.store = store
+        self.role = role
+        self.group = store.group(role)
+        self.batch = batch
+        self.start = store.n_rows(role)
+        self.stop = self.start
+        self._hash = hashlib.sha256()
+
+    def write(self, features: np.ndarray, *, labels: np.ndarray | None = None,
+              record_ids: Sequence[str], user_ids: Sequence[str] | None = None) -> None:
+        feats = np.ascontiguousarray(features, dtype=np.float32)
+        if feats.ndim != 2 or feats.shape[1] != self.store.dim:
+            raise BadInputError(f"vectors have shape {feats.shape}, store expects d={self.store.dim}")
+        m = feats.shape[0]
+        if m == 0:
+            return
+        if labels is None:
+            labels = np.full(m, -1, dtype=np.int32)
+        start, stop = self.stop, self.stop + m
+        arrays = {
+            "features": feats,
+            "labels": np.asarray(labels, dtype=np.int32),
+            "record_id": np.asarray([str(r) for r in record_ids], dtype=str),
+            "user_id": np.asarray(["" if u is None else str(u) for u in (user_ids or [""] * m)], dtype=str),
+            "deleted": np.zeros(m, dtype=bool),
+        }
+        if self.role == "query":
+            arrays["batch"] = np.asarray([self.batch or ""] * m, dtype=str)
+        for name, values in arrays.items():
+            if len(values) != m:
+                raise BadInputError(f"{name}: {len(values)} values for {m} vectors")
+        for name, values in arrays.items():
+            arr = self.group[name]
+            if arr.shape[0] < stop:
+                arr.resize((stop,) + tuple(arr.shape[1:]))
+            arr[start:stop] = values
+        self._hash.update(feats.tobytes())
+        self.stop = stop
+
+    def commit(self, extra_attrs: dict | None = None) -> tuple[int, int]:
+        if self.store.n_rows(self.role) != self.start:
+            raise StoreError(f"{self.store.path}: {self.role} rows changed during the append (concurrent writer?)")
+        attrs: dict = {"n_rows": self.stop}
+        if self.role == "query" and self.batch is not None:
+            batches = dict(self.group.attrs.get("batches", {}))
+            batches[self.batch] = {"start": self.start, "stop": self.stop, "sha256": self._hash.hexdigest()}
+            attrs["batches"] = batches
+        if extra_attrs:
+            attrs.update(extra_attrs)
+        self.group.attrs.update(attrs)  # the commit point: one atomic zarr.json replace
+        return self.start, self.stop
+
+
+def vectors_sha256(x: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(x, dtype=np.float32).tobytes()).hexdigest()
