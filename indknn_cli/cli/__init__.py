@@ -1,0 +1,1 @@
+"""The `indknn` command line: one thin module per command (parse, call one library function, print)."""

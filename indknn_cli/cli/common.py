@@ -1,0 +1,105 @@
+"""Shared plumbing of the CLI: env fallbacks, JSON lines on stdout, errors on stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import typer
+from rich.console import Console
+
+from ..errors import EXIT_RUNTIME, IndknnError
+
+T = TypeVar("T")
+DEFAULT_STORE = "indknn-store.zarr"
+DEFAULT_LEDGER = "indknn-ledger"
+
+
+def stderr_console() -> Console:
+    width = os.environ.get("INDKNN_WIDTH")
+    return Console(stderr=True, width=int(width) if width else None, highlight=False)
+
+
+def stdout_console() -> Console:
+    width = os.environ.get("INDKNN_WIDTH")
+    return Console(width=int(width) if width else None, highlight=False)
+
+
+def emit_json(obj: dict) -> None:
+    """One compact JSON line on stdout (data only), flushed so pipes see it at once."""
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def run_library_call(fn: Callable[[], T]) -> T:
+    """Run a library call; map typed errors to a message on stderr and the documented exit code.
+
+    Unexpected exceptions print their type only (never a traceback with local
+    values or private data) unless INDKNN_DEBUG=1.
+    """
+    try:
+        return fn()
+    except IndknnError as exc:
+        stderr_console().print(f"[bold red]Error:[/] {exc}", markup=True, soft_wrap=True)
+        raise typer.Exit(code=exc.exit_code) from None
+    except KeyboardInterrupt:
+        stderr_console().print("Interrupted.")
+        raise typer.Exit(code=130) from None
+    except OSError as exc:
+        stderr_console().print(f"[bold red]Error:[/] {exc.strerror or type(exc).__name__}"
+                               f"{': ' + str(exc.filename) if exc.filename else ''}", soft_wrap=True)
+        raise typer.Exit(code=EXIT_RUNTIME) from None
+    except Exception as exc:  # noqa: BLE001 - last line of defence: no private data in tracebacks
+        if os.environ.get("INDKNN_DEBUG") == "1":
+            raise
+        stderr_console().print(f"[bold red]Internal error:[/] {type(exc).__name__} "
+                               "(set INDKNN_DEBUG=1 for a traceback; it may show private values)")
+        raise typer.Exit(code=EXIT_RUNTIME) from None
+
+
+def resolve_store(path: Path | None) -> Path:
+    """--store, else $INDKNN_STORE, else ./indknn-store.zarr."""
+    if path is not None:
+        return Path(path)
+    return Path(os.environ.get("INDKNN_STORE") or DEFAULT_STORE)
+
+
+def resolve_ledger(path: Path | None) -> Path:
+    """--ledger, else $INDKNN_LEDGER, else ./indknn-ledger."""
+    if path is not None:
+        return Path(path)
+    return Path(os.environ.get("INDKNN_LEDGER") or DEFAULT_LEDGER)
+
+
+def read_json_line_from_stdin() -> dict | None:
+    """The JSON line of an upstream `indknn embed` on a pipe (None when stdin is a terminal or empty)."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    text = sys.stdin.read().strip()
+    if not text:
+        return None
+    last = text.splitlines()[-1]
+    try:
+        obj = json.loads(last)
+    except ValueError:
+        from ..errors import BadInputError
+
+        raise BadInputError("stdin: expected the JSON line printed by `indknn embed`") from None
+    return obj if isinstance(obj, dict) else None
+
+
+def parse_size(text: str) -> int:
+    """'2G', '512M', '1048576' → bytes."""
+    from ..errors import BadInputError
+
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if t and t[-1] in mult:
+            return int(float(t[:-1]) * mult[t[-1]])
+        return int(t)
+    except ValueError:
+        raise BadInputError(f"cannot read size {text!r} (use e.g. 512M or 2G)") from None

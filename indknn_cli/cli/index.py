@@ -1,0 +1,44 @@
+"""`indknn index`: create the budget ledger for a store (or bring new records into it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..serving import build_index, make_params
+from .common import emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store, run_library_call
+
+
+def index_command(
+    store: Optional[Path] = typer.Option(None, "--store", help="Feature store (else the JSON line of `indknn embed` on stdin, $INDKNN_STORE, ./indknn-store.zarr)."),
+    ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
+    eps: Optional[float] = typer.Option(None, "--eps", help="Target ε of every record's guarantee."),
+    delta: float = typer.Option(1e-5, "--delta", help="Target δ."),
+    conversion: str = typer.Option("gdp", "--conversion", help="gdp (analytic Gaussian, default) or rdp."),
+    kernel: str = typer.Option("cosine", "--kernel", help="cosine or rbf."),
+    tau: float = typer.Option(0.25, "--tau", help="Kernel threshold τ (tune on public/validation data: `indknn bench tune`)."),
+    sigma2: float = typer.Option(0.6, "--sigma2", help="Vote noise scale σ2."),
+    sigma1: Optional[float] = typer.Option(None, "--sigma1", help="Count noise σ1 (default sqrt(T/(6B)) from --planned-queries)."),
+    planned_queries: int = typer.Option(1000, "--planned-queries", help="T for the paper's σ1 = sqrt(T/(6B))."),
+    nu: Optional[float] = typer.Option(None, "--nu", help="RBF bandwidth ν (default e^1.5)."),
+    k_min: float = typer.Option(30.0, "--k-min", help="Clamp K_min of the released count."),
+    kind: str = typer.Option("flat", "--kind", help="Candidate search: flat (exact)."),
+    lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
+) -> None:
+    """Create the ledger with B calibrated from (ε, δ); re-running adds new records, keeping spent budgets."""
+    def call():
+        store_path = store
+        if store_path is None:
+            upstream = read_json_line_from_stdin()
+            store_path = Path(upstream["store"]) if upstream and "store" in upstream else resolve_store(None)
+        params = None
+        if eps is not None:
+            params = make_params(epsilon=eps, delta=delta, conversion=conversion, kernel=kernel, tau=tau,
+                                 sigma2=sigma2, sigma1=sigma1, planned_queries=planned_queries, nu=nu, k_min=k_min)
+        return build_index(store_path=store_path, ledger_path=resolve_ledger(ledger), params=params, kind=kind,
+                           lock_timeout=lock_timeout)
+
+    result = run_library_call(call)
+    emit_json(result.as_dict())

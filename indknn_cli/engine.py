@@ -1,0 +1,335 @@
+"""The exact, batched Ind-KNN engine (SPEC §2, §4, §5).
+
+Two phases per batch of queries:
+
+1. *Candidates* (independent of budgets, SPEC §5): queries are scored against
+   the private features streamed in row chunks with one fp32 matrix product
+   (torch, CPU or GPU; TF32 off). Pairs within a safety margin of the
+   threshold are kept and their kernel value recomputed exactly in float64 on
+   the CPU from the stored float32 vectors, so the candidate sets and weights
+   do not depend on the device or the batch size.
+2. *Filter* (SPEC §2), query by query in order over the sparse candidates:
+   eligibility, noisy count, clipped kernel votes, Gaussian noise, argmax.
+   Each query's noise comes from its own generator keyed by (run key, query
+   index), so any batch size gives identical answers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+
+from .ledger import PrivacyParams
+
+#: fp32 screening margin on a dot product of unit vectors: |fl(x·q) − x·q| ≤ d·u (u = 2^-24).
+def screening_margin(dim: int) -> float:
+    return max(1e-4, 4.0 * dim * 2.0**-24)
+
+
+def dot_threshold(*, kernel: str, tau: float, nu: float | None) -> float:
+    """The dot-product level s with κ ≥ τ ⟺ x·q ≥ s for unit vectors.
+
+    RBF: ‖x − q‖² = 2 − 2 x·q, so exp(−‖x−q‖²/ν²) ≥ τ ⟺ x·q ≥ 1 + ν² ln(τ) / 2.
+    """
+    if kernel == "cosine":
+        return tau
+    return 1.0 + (nu * nu) * math.log(tau) / 2.0
+
+
+def exact_kernel(x: np.ndarray, q: np.ndarray, *, kernel: str, nu: float | None) -> np.ndarray:
+    """κ of row pairs in float64 (row i of x with row i of q). Deterministic per row."""
+    x64 = x.astype(np.float64)
+    q64 = q.astype(np.float64)
+    if kernel == "cosine":
+        return (x64 * q64).sum(axis=1)
+    diff = x64 - q64
+    return np.exp(-(diff * diff).sum(axis=1) / (nu * nu))
+
+
+def noise_generator(run_key: int, query_index: int) -> np.random.Generator:
+    """The generator of one query's noise, keyed by (run key, query index) (SPEC §5)."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy=run_key, spawn_key=(query_index,))))
+
+
+class ChunkSource(Protocol):
+    def chunks(self) -> Iterator[tuple[int, np.ndarray]]: ...
+
+
+@dataclass
+class ArraySource:
+    """Private features already in memory (tests, small stores, cached stores)."""
+
+    features: np.ndarray
+    rows: int = 8192
+
+    def chunks(self) -> Iterator[tuple[int, np.ndarray]]:
+        for start in range(0, self.features.shape[0], self.rows):
+            yield start, self.features[start:start + self.rows]
+
+
+@dataclass
+class StoreSource:
+    """Private features streamed from the Zarr store; cached when under the memory cap."""
+
+    store: object
+    role: str = "private"
+    cache_bytes: int = 1 << 30
+    _cache: list | None = None
+
+    def chunks(self) -> Iterator[tuple[int, np.ndarray]]:
+        if self._cache is not None:
+            yield from self._cache
+            return
+        n = self.store.n_rows(self.role)
+        fits = n * self.store.dim * 4 <= self.cache_bytes
+        cache = [] if fits else None
+        for start, block in self.store.iter_chunks(self.role):
+            if cache is not None:
+                cache.append((start, block))
+            yield start, block
+        if cache is not None:
+            self._cache = cache
+
+
+def _torch_device(device: str):
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        from .errors import BadInputError
+
+        raise BadInputError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+@dataclass
+class Candidates:
+    """Sparse candidate lists of a batch of queries: rows and exact κ per query."""
+
+    rows: list[np.ndarray]
+    kappa: list[np.ndarray]
+
+
+def find_candidates(
+    queries: np.ndarray,
+    source: ChunkSource,
+    *,
+    kernel: str,
+    tau: float,
+    nu: float | None,
+    device: str = "auto",
+    row_mask: np.ndarray | None = None,
+    max_pairs_block: int = 1 << 15,
+    strictly_before: np.ndarray | None = None,
+) -> Candidates:
+    """Rows with κ(x_row, q) ≥ τ for each query, κ recomputed exactly in float64.
+
+    ``row_mask`` (bool per source row) drops rows that may never be candidates
+    (deleted, not in the ledger); ``strictly_before[t]`` keeps only rows < that
+    value for query t (prediction reuse within a run).
+    """
+    import torch
+
+    dev = _torch_device(device)
+    m, d = queries.shape
+    thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
+    screen = thr - screening_margin(d)
+    q_t = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(dev)
+    per_q_rows: list[list[np.ndarray]] = [[] for _ in range(m)]
+    per_q_kap: list[list[np.ndarray]] = [[] for _ in range(m)]
+    for start, block in source.chunks():
+        if block.shape[0] == 0:
+            continue
+        x_t = torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev)
+        scores = q_t @ x_t.T
+        if screen > -1.0:
+            qi, ri = torch.nonzero(scores >= screen, as_tuple=True)
+            qi = qi.cpu().numpy()
+            ri = ri.cpu().numpy()
+        else:  # threshold below every possible dot product: all rows
+            qi = np.repeat(np.arange(m), block.shape[0])
+            ri = np.tile(np.arange(block.shape[0]), m)
+        del scores
+        if qi.size == 0:
+            continue
+        rows = ri.astype(np.int64) + start
+        keep = np.ones(rows.size, dtype=bool)
+        if row_mask is not None:
+            keep &= row_mask[rows]
+        if strictly_before is not None:
+            keep &= rows < strictly_before[qi]
+        qi, ri, rows = qi[keep], ri[keep], rows[keep]
+        kap = np.empty(rows.size, dtype=np.float64)
+        for lo in range(0, rows.size, max_pairs_block):
+            hi = min(rows.size, lo + max_pairs_block)
+            kap[lo:hi] = exact_kernel(block[ri[lo:hi]], queries[qi[lo:hi]], kernel=kernel, nu=nu)
+        ok = kap >= tau
+        qi, rows, kap = qi[ok], rows[ok], kap[ok]
+        if qi.size == 0:
+            continue
+        order = np.argsort(qi, kind="stable")
+        qi, rows, kap = qi[order], rows[order], kap[order]
+        bounds = np.searchsorted(qi, np.arange(m + 1))
+        for t in range(m):
+            a, b = bounds[t], bounds[t + 1]
+            if b > a:
+                per_q_rows[t].append(rows[a:b])
+                per_q_kap[t].append(kap[a:b])
+    out_rows, out_kap = [], []
+    for t in range(m):
+        if per_q_rows[t]:
+            r = np.concatenate(per_q_rows[t])
+            k = np.concatenate(per_q_kap[t])
+            o = np.argsort(r, kind="stable")
+            out_rows.append(r[o]); out_kap.append(k[o])
+        else:
+            out_rows.append(np.empty(0, np.int64)); out_kap.append(np.empty(0, np.float64))
+    return Candidates(out_rows, out_kap)
+
+
+@dataclass
+class BudgetView:
+    """The mutable budget state the filter reads and charges (arrays by ledger index)."""
+
+    spent: np.ndarray
+    budget: np.ndarray
+    deleted: np.ndarray
+    times_selected: np.ndarray
+    touched: dict = field(default_factory=dict)  # ledger index -> times selected in this part
+
+
+@dataclass
+class QueryAnswer:
+    label: int
+    released_count: float
+
+
+def answer_one(
+    *,
+    cand_ledger_idx: np.ndarray,
+    cand_kappa: np.ndarray,
+    cand_labels: np.ndarray,
+    reuse_votes: np.ndarray,
+    params: PrivacyParams,
+    n_classes: int,
+    budgets: BudgetView,
+    rng: np.random.Generator,
+) -> QueryAnswer:
+    """SPEC §2 for one query over its candidates (rounding against the user, §8)."""
+    c1 = params.c1
+    sp = budgets.spent[cand_ledger_idx]
+    bud = budgets.budget[cand_ledger_idx]
+    eligible = (~budgets.deleted[cand_ledger_idx]) & (np.nextafter(sp + c1, np.inf) <= bud)
+    sel = cand_ledger_idx[eligible]
+    kap = cand_kappa[eligible]
+    lab = cand_labels[eligible]
+    # Step 2: noisy count, clamped; every selected record pays c1 (rounded up).
+    z = rng.standard_normal()
+    k_t = max(sel.size + params.sigma1 * z, float(params.k_min))
+    sp = np.nextafter(sp[eligible] + c1, np.inf)
+    bud = bud[eligible]
+    # Step 3: clip the vote against what is left, charge w²/(2σ2²K) rounded up.
+    remaining = np.maximum(np.nextafter(bud - sp, -np.inf), 0.0)
+    cap = params.sigma2 * np.sqrt(2.0 * k_t * remaining) * (1.0 - 1e-9)
+    w = np.minimum(kap, cap)
+    cost = np.nextafter(w * w / (2.0 * params.sigma2 * params.sigma2 * k_t) * (1.0 + 1e-12), np.inf)
+    new = np.nextafter(sp + cost, np.inf)
+    over = new > bud
+    if over.any():  # rounding edge: vote with weight 0 (cost 0) rather than overspend
+        w = np.where(over, 0.0, w)
+        new = np.where(over, sp, new)
+    budgets.spent[sel] = new
+    budgets.times_selected[sel] += 1
+    for i in sel.tolist():
+        budgets.touched[i] = budgets.touched.get(i, 0) + 1
+    # Step 4-5: kernel-weighted votes + reuse + N(0, σ2² K) per class; argmax.
+    votes = np.bincount(lab, weights=w, minlength=n_classes).astype(np.float64) + reuse_votes
+    votes = votes + params.sigma2 * math.sqrt(k_t) * rng.standard_normal(n_classes)
+    return QueryAnswer(label=int(np.argmax(votes)), released_count=float(k_t))
+
+
+@dataclass
+class ReusePool:
+    """Released (query vector, label) pairs: public data, used for free votes (SPEC §4)."""
+
+    vectors: np.ndarray
+    labels: np.ndarray
+
+    @classmethod
+    def empty(cls, dim: int) -> "ReusePool":
+        return cls(np.empty((0, dim), np.float32), np.empty(0, np.int64))
+
+    def extend(self, vectors: np.ndarray, labels: np.ndarray) -> None:
+        self.vectors = np.concatenate([self.vectors, np.asarray(vectors, np.float32)])
+        self.labels = np.concatenate([self.labels, np.asarray(labels, np.int64)])
+
+
+def answer_batch(
+    queries: np.ndarray,
+    *,
+    source: ChunkSource,
+    row_to_ledger: np.ndarray,
+    row_labels: np.ndarray,
+    params: PrivacyParams,
+    n_classes: int,
+    budgets: BudgetView,
+    run_key: int,
+    first_index: int,
+    reuse: ReusePool | None = None,
+    device: str = "auto",
+    on_query: Callable[[int], None] | None = None,
+    candidate_finder: Callable[..., Candidates] | None = None,
+) -> list[QueryAnswer]:
+    """Answer a batch of queries in order; mutates ``budgets`` (and ``reuse``).
+
+    ``candidate_finder(queries, row_mask=...)`` replaces the exact flat scan
+    (hashing / IVF kinds); it must return exact κ ≥ τ candidates.
+    ``first_index`` is the run-wide index of the batch's first query (noise key).
+    With ``reuse``, each answered query joins the pool before the next one.
+    """
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    m = queries.shape[0]
+    if candidate_finder is not None:  # LSH / IVF (indexes.py): same exact κ ≥ τ test on fewer rows
+        cands = candidate_finder(queries, row_mask=row_to_ledger >= 0)
+    else:
+        cands = find_candidates(queries, source, kernel=params.kernel, tau=params.tau, nu=params.nu,
+                                device=device, row_mask=row_to_ledger >= 0)
+    pool_cands = None
+    n_pool0 = 0
+    if reuse is not None:
+        n_pool0 = reuse.vectors.shape[0]
+        # Pool = released answers before this batch + this batch's earlier queries.
+        pool_vectors = np.concatenate([reuse.vectors, queries])
+        limit = n_pool0 + np.arange(m)
+        pool_cands = find_candidates(queries, ArraySource(pool_vectors), kernel=params.kernel, tau=params.tau,
+                                     nu=params.nu, device=device, strictly_before=limit)
+    answers: list[QueryAnswer] = []
+    batch_labels = np.empty(m, dtype=np.int64)
+    for t in range(m):
+        rows = cands.rows[t]
+        reuse_votes = np.zeros(n_classes)
+        if pool_cands is not None and pool_cands.rows[t].size:
+            prow = pool_cands.rows[t]
+            old = prow < n_pool0
+            plab = np.empty(prow.size, np.int64)
+            plab[old] = reuse.labels[prow[old]]
+            plab[~old] = batch_labels[prow[~old] - n_pool0]
+            reuse_votes = np.bincount(plab, weights=pool_cands.kappa[t], minlength=n_classes).astype(np.float64)
+        ans = answer_one(
+            cand_ledger_idx=row_to_ledger[rows], cand_kappa=cands.kappa[t],
+            cand_labels=row_labels[rows].astype(np.int64), reuse_votes=reuse_votes, params=params,
+            n_classes=n_classes, budgets=budgets, rng=noise_generator(run_key, first_index + t),
+        )
+        batch_labels[t] = ans.label
+        answers.append(ans)
+        if on_query is not None:
+            on_query(t)
+    if reuse is not None:
+        reuse.extend(queries, batch_labels)
+    return answers

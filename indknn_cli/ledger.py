@@ -1,0 +1,517 @@
+"""The Parquet budget ledger: per-record spent budgets, append-only events (see docs/FORMAT.md).
+
+Layout of a ledger directory::
+
+    CURRENT                      {"generation": g}  (atomic rename)
+    snapshot-<g>.parquet         one row per record ever indexed (tombstones included)
+    answers-<g>.parquet          every answer released up to the snapshot
+    events/<seq>-<kind>-....parquet   one file per committed event after the snapshot
+    LOCK                         fcntl lock: one writer at a time
+
+State = snapshot + events with seq > the snapshot's ``last_event_seq``, replayed
+in order. Every file is written to a temporary name, fsync'd, renamed, and the
+directory fsync'd: an event exists completely or not at all (SPEC §8 "charge
+before release": callers release answers only after :meth:`commit_serve` returns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import FORMAT_VERSION
+from .errors import BadInputError, LedgerError, LockTimeoutError
+
+#: Test hook: called with a fault-point name at each step of a commit.
+FAULT_HOOK: Callable[[str], None] | None = None
+
+
+def _fault(point: str) -> None:
+    if FAULT_HOOK is not None:
+        FAULT_HOOK(point)
+
+
+KERNELS = ("cosine", "rbf")
+
+
+@dataclass(frozen=True)
+class PrivacyParams:
+    """Everything that fixes the mechanism; stored in the ledger metadata."""
+
+    epsilon: float
+    delta: float
+    conversion: str
+    budget: float
+    kernel: str
+    tau: float
+    sigma1: float
+    sigma2: float
+    nu: float | None
+    k_min: float
+    planned_queries: int | None
+
+    @property
+    def c1(self) -> float:
+        """Charge of the noisy count, 1/(2σ1²), rounded up (SPEC §2)."""
+        return math.nextafter(1.0 / (2.0 * self.sigma1 * self.sigma1), math.inf)
+
+    def validate(self) -> "PrivacyParams":
+        if self.kernel not in KERNELS:
+            raise BadInputError(f"kernel must be cosine or rbf, got {self.kernel!r}")
+        if not (0.0 < self.tau < 1.0):
+            raise BadInputError(f"tau must lie in (0, 1) for the {self.kernel} kernel, got {self.tau!r}")
+        for name in ("sigma1", "sigma2", "budget"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise BadInputError(f"{name} must be a positive finite number, got {v!r}")
+        if self.kernel == "rbf" and not (self.nu and math.isfinite(self.nu) and self.nu > 0):
+            raise BadInputError(f"nu must be positive for the rbf kernel, got {self.nu!r}")
+        if not (self.k_min >= 1):
+            raise BadInputError(f"k_min must be ≥ 1, got {self.k_min!r}")
+        if self.c1 > self.budget:
+            raise BadInputError(
+                f"sigma1={self.sigma1} makes one count charge 1/(2σ1²)={self.c1:.4g} exceed the budget B={self.budget:.4g}"
+            )
+        return self
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+RECORD_SCHEMA = pa.schema([
+    ("record_id", pa.string()), ("user_id", pa.string()), ("row", pa.int64()),
+    ("budget", pa.float64()), ("spent", pa.float64()), ("times_selected", pa.int64()),
+    ("status", pa.string()), ("deleted", pa.bool_()), ("deleted_at", pa.float64()),
+    ("last_change", pa.float64()),
+])
+ANSWER_SCHEMA = pa.schema([
+    ("batch_id", pa.string()), ("part", pa.int64()), ("query_index", pa.int64()),
+    ("query_id", pa.string()), ("query_row", pa.int64()), ("label", pa.int32()),
+    ("label_name", pa.string()), ("released_count", pa.float64()), ("seed", pa.string()),
+])
+EVENT_SCHEMA = pa.schema([
+    ("kind", pa.string()),            # add | charge | delete | answer
+    ("ledger_index", pa.int64()),     # position of the record in the ledger (stable forever)
+    ("record_id", pa.string()), ("user_id", pa.string()), ("row", pa.int64()),
+    ("budget", pa.float64()), ("spent_after", pa.float64()), ("selected", pa.int64()),
+    ("batch_id", pa.string()), ("part", pa.int64()), ("query_index", pa.int64()),
+    ("query_id", pa.string()), ("query_row", pa.int64()), ("label", pa.int32()),
+    ("label_name", pa.string()), ("released_count", pa.float64()), ("seed", pa.string()),
+])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_parquet(table: pa.Table, path: Path) -> None:
+    """temp name → fsync → rename → fsync directory."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        pq.write_table(table, tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        _fault("event-written-tmp")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(text: str, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+@dataclass
+class LedgerState:
+    """In-memory state: arrays indexed by ledger index."""
+
+    record_id: np.ndarray
+    user_id: np.ndarray
+    row: np.ndarray
+    budget: np.ndarray
+    spent: np.ndarray
+    times_selected: np.ndarray
+    deleted: np.ndarray
+    deleted_at: np.ndarray
+    last_change: np.ndarray
+    answers: dict[str, list] = field(default_factory=lambda: {n: [] for n in ANSWER_SCHEMA.names})
+    batches: list[str] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.record_id)
+
+    @classmethod
+    def empty(cls) -> "LedgerState":
+        return cls(np.empty(0, object), np.empty(0, object), np.empty(0, np.int64), np.empty(0),
+                   np.empty(0), np.empty(0, np.int64), np.empty(0, bool), np.empty(0), np.empty(0))
+
+    def active_mask(self, c1: float) -> np.ndarray:
+        """Not deleted and able to pay the next count charge: up(spent + c1) ≤ B."""
+        nxt = np.nextafter(self.spent + c1, np.inf)
+        return (~self.deleted) & (nxt <= self.budget) & (self.row >= 0)
+
+    def status(self, c1: float) -> np.ndarray:
+        out = np.where(self.deleted, "deleted", "retired").astype(object)
+        out[self.active_mask(c1)] = "active"
+        return out
+
+    def answers_table(self) -> pa.Table:
+        return pa.table({n: pa.array(self.answers[n], type=ANSWER_SCHEMA.field(n).type) for n in ANSWER_SCHEMA.names})
+
+
+class BudgetLedger:
+    """A ledger directory bound to one feature store."""
+
+    def __init__(self, path: Path, meta: dict, state: LedgerState, generation: int, last_event_seq: int):
+        self.path = path
+        self.meta = meta
+        self.params = PrivacyParams(**meta["params"])
+        self.state = state
+        self.generation = generation
+        self.last_event_seq = last_event_seq
+        self.snapshot_event_seq = int(meta.get("last_event_seq", 0))
+
+    # -- opening -----------------------------------------------------------
+    @staticmethod
+    def exists(path: str | os.PathLike) -> bool:
+        return (Path(path) / "CURRENT").is_file()
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, *, params: PrivacyParams, store_uuid: str, store_path: str) -> "BudgetLedger":
+        path = Path(path)
+        params.validate()
+        if cls.exists(path):
+            raise LedgerError(f"{path}: a ledger already exists here")
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "events").mkdir(exist_ok=True)
+        meta = {
+            "format_version": FORMAT_VERSION, "ledger_uuid": uuid.uuid4().hex, "store_uuid": store_uuid,
+            "store_path": str(store_path), "params": params.as_dict(),
+            "created": time.time(), "last_event_seq": 0,
+        }
+        state = LedgerState.empty()
+        ledger = cls(path, meta, state, generation=-1, last_event_seq=0)
+        ledger._write_snapshot(generation=0)
+        return cls.open(path)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, store_uuid: str | None = None, retries: int = 5) -> "BudgetLedger":
+        path = Path(path)
+        if not cls.exists(path):
+            raise LedgerError(f"{path}: no budget ledger here (create one with `indknn index`)")
+        for attempt in range(retries):
+            try:
+                ledger = cls._load(path)
+                break
+            except FileNotFoundError:  # a concurrent compaction removed files between reads
+                if attempt == retries - 1:
+                    raise LedgerError(f"{path}: ledger files changed while reading; try again") from None
+                time.sleep(0.05)
+        if store_uuid is not None and ledger.meta["store_uuid"] != store_uuid:
+            raise LedgerError(
+                f"{path}: this ledger belongs to another feature store ({ledger.meta['store_path']}); "
+                "use the ledger created for this store"
+            )
+        return ledger
+
+    @classmethod
+    def _load(cls, path: Path) -> "BudgetLedger":
+        try:
+            current = json.loads((path / "CURRENT").read_text())
+            generation = int(current["generation"])
+        except (ValueError, KeyError, TypeError):
+            raise LedgerError(f"{path}/CURRENT: corrupt (not the JSON pointer indknn writes)") from None
+        snap_path = path / f"snapshot-{generation:06d}.parquet"
+        try:
+            snap = pq.read_table(snap_path)
+            answers = pq.read_table(path / f"answers-{generation:06d}.parquet")
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise LedgerError(f"{snap_path}: corrupt or truncated Parquet ({type(exc).__name__})") from None
+        raw_meta = (snap.schema.metadata or {}).get(b"indknn")
+        if raw_meta is None:
+            raise LedgerError(f"{snap_path}: not an indknn ledger snapshot (no metadata)")
+        meta = json.loads(raw_meta)
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise LedgerError(
+                f"{path}: ledger format_version {meta.get('format_version')!r}, this indknn reads {FORMAT_VERSION}"
+            )
+        if snap.schema.remove_metadata() != RECORD_SCHEMA:
+            raise LedgerError(f"{snap_path}: unexpected columns (foreign or corrupt ledger)")
+        state = LedgerState(
+            record_id=np.asarray(snap.column("record_id").to_numpy(zero_copy_only=False), dtype=object),
+            user_id=np.asarray(snap.column("user_id").to_numpy(zero_copy_only=False), dtype=object),
+            row=snap.column("row").to_numpy().astype(np.int64),
+            budget=snap.column("budget").to_numpy().astype(np.float64),
+            spent=snap.column("spent").to_numpy().astype(np.float64),
+            times_selected=snap.column("times_selected").to_numpy().astype(np.int64),
+            deleted=snap.column("deleted").to_numpy(zero_copy_only=False).astype(bool),
+            deleted_at=snap.column("deleted_at").to_numpy(zero_copy_only=False).astype(np.float64),
+            last_change=snap.column("last_change").to_numpy().astype(np.float64),
+        )
+        state.answers = {n: answers.column(n).to_pylist() for n in ANSWER_SCHEMA.names}
+        state.batches = list(meta.get("batches", []))
+        state.history = list(meta.get("history", []))
+        ledger = cls(path, meta, state, generation, int(meta.get("last_event_seq", 0)))
+        for seq, event_path in ledger._event_files():
+            if seq <= ledger.snapshot_event_seq:
+                continue
+            ledger._apply_event(event_path, seq)
+        return ledger
+
+    # -- events ------------------------------------------------------------
+    def _event_files(self) -> list[tuple[int, Path]]:
+        out = []
+        for p in (self.path / "events").glob("*.parquet"):
+            if p.name.startswith("."):
+                continue
+            try:
+                out.append((int(p.name.split("-", 1)[0]), p))
+            except ValueError:
+                raise LedgerError(f"{p}: unexpected file in the ledger's events folder") from None
+        return sorted(out)
+
+    def _apply_event(self, event_path: Path, seq: int) -> None:
+        try:
+            table = pq.read_table(event_path)
+            info = json.loads((table.schema.metadata or {})[b"indknn_event"])
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise LedgerError(f"{event_path}: corrupt or truncated event ({type(exc).__name__})") from None
+        if info.get("format_version") != FORMAT_VERSION:
+            raise LedgerError(f"{event_path}: event format_version {info.get('format_version')!r}")
+        if info.get("ledger_uuid") != self.meta["ledger_uuid"]:
+            raise LedgerError(f"{event_path}: event belongs to another ledger")
+        self._apply_table(table, info)
+        self.last_event_seq = max(self.last_event_seq, seq)
+
+    def _apply_table(self, table: pa.Table, info: dict) -> None:
+        s = self.state
+        t = info.get("time", time.time())
+        kind = np.asarray(table.column("kind").to_numpy(zero_copy_only=False), dtype=object)
+        idx = table.column("ledger_index").to_numpy(zero_copy_only=False)
+        add = kind == "add"
+        if add.any():
+            sub = table.filter(pa.array(add))
+            li = sub.column("ledger_index").to_numpy()
+            n_new = int(li.max()) + 1 - len(s) if len(li) else 0
+            if n_new > 0:
+                s.record_id = np.concatenate([s.record_id, np.empty(n_new, object)])
+                s.user_id = np.concatenate([s.user_id, np.empty(n_new, object)])
+                s.row = np.concatenate([s.row, np.full(n_new, -1, np.int64)])
+                s.budget = np.concatenate([s.budget, np.zeros(n_new)])
+                s.spent = np.concatenate([s.spent, np.zeros(n_new)])
+                s.times_selected = np.concatenate([s.times_selected, np.zeros(n_new, np.int64)])
+                s.deleted = np.concatenate([s.deleted, np.zeros(n_new, bool)])
+                s.deleted_at = np.concatenate([s.deleted_at, np.full(n_new, np.nan)])
+                s.last_change = np.concatenate([s.last_change, np.zeros(n_new)])
+            s.record_id[li] = sub.column("record_id").to_pylist()
+            s.user_id[li] = sub.column("user_id").to_pylist()
+            s.row[li] = sub.column("row").to_numpy()
+            s.budget[li] = sub.column("budget").to_numpy()
+            s.spent[li] = np.maximum(s.spent[li], sub.column("spent_after").to_numpy())
+            s.deleted[li] = False
+            s.last_change[li] = t
+        charge = kind == "charge"
+        if charge.any():
+            li = idx[charge].astype(np.int64)
+            after = table.column("spent_after").to_numpy(zero_copy_only=False)[charge]
+            sel = table.column("selected").to_numpy(zero_copy_only=False)[charge].astype(np.int64)
+            s.spent[li] = np.maximum(s.spent[li], after)  # spent only grows
+            np.add.at(s.times_selected, li, sel)
+            s.last_change[li] = t
+        dele = kind == "delete"
+        if dele.any():
+            li = idx[dele].astype(np.int64)
+            after = table.column("spent_after").to_numpy(zero_copy_only=False)[dele]
+            s.spent[li] = np.maximum(s.spent[li], after)
+            s.deleted[li] = True
+            s.row[li] = -1
+            s.deleted_at[li] = t
+            s.last_change[li] = t
+        ans = kind == "answer"
+        n_answers = int(ans.sum())
+        if n_answers:
+            sub = table.filter(pa.array(ans))
+            for n in ANSWER_SCHEMA.names:
+                s.answers[n].extend(sub.column(n).to_pylist())
+        if info.get("type") == "serve":
+            if info.get("batch_id") not in s.batches:
+                s.batches.append(info.get("batch_id"))
+            active = int(s.active_mask(self.params.c1).sum())
+            s.history.append({
+                "seq": info.get("seq"), "time": t, "batch_id": info.get("batch_id"), "part": info.get("part"),
+                "answers": n_answers, "records_active": active,
+                "records_deleted": int(s.deleted.sum()), "records": len(s),
+                "spent_median": float(np.median(s.spent)) if len(s) else 0.0,
+            })
+
+    def _next_seq(self) -> int:
+        files = self._event_files()
+        return max([self.last_event_seq, self.snapshot_event_seq] + [seq for seq, _ in files]) + 1
+
+    def commit_event(self, *, event_type: str, columns: dict, info: dict) -> Path:
+        """Write one event atomically (tmp → fsync → rename → fsync dir), then apply it in memory."""
+        n = max((len(v) for v in columns.values()), default=0)
+        data = {}
+        for f in EVENT_SCHEMA:
+            vals = columns.get(f.name)
+            data[f.name] = pa.array(vals if vals is not None else [None] * n, type=f.type)
+        seq = self._next_seq()
+        info = dict(info, type=event_type, seq=seq, format_version=FORMAT_VERSION,
+                    ledger_uuid=self.meta["ledger_uuid"], time=info.get("time", time.time()))
+        schema = EVENT_SCHEMA.with_metadata({b"indknn_event": json.dumps(info).encode()})
+        table = pa.Table.from_arrays([data[f.name] for f in EVENT_SCHEMA], schema=schema)
+        tag = "".join(ch if ch.isalnum() or ch in "._" else "_" for ch in str(info.get("batch_id") or ""))[:60]
+        path = self.path / "events" / f"{seq:08d}-{event_type}{'-' + tag if tag else ''}.parquet"
+        _fault("before-event-write")
+        atomic_write_parquet(table, path)
+        _fault("event-committed")
+        self._apply_table(table, info)
+        self.last_event_seq = seq
+        return path
+
+    # -- records -------------------------------------------------------------
+    def add_records(self, *, record_ids, user_ids, rows, inherit_user_spent: bool = True) -> int:
+        """Bring store rows into the ledger with budget B (an `add` event).
+
+        A record id already in the ledger (deleted or retired) keeps the spent
+        budget it had; a new record of a user with tombstoned records starts at
+        that user's largest spent (SPEC §8: no fresh budget for a returning id).
+        """
+        s = self.state
+        index_of = {rid: i for i, rid in enumerate(s.record_id)}
+        user_spent: dict[str, float] = {}
+        if inherit_user_spent and s.deleted.any():
+            for i in np.flatnonzero(s.deleted):
+                u = s.user_id[i]
+                if u:
+                    user_spent[u] = max(user_spent.get(u, 0.0), float(s.spent[i]))
+        li, rid_out, uid_out, row_out, spent_out = [], [], [], [], []
+        nxt = len(s)
+        for rid, uid, row in zip(record_ids, user_ids, rows):
+            uid = uid or ""
+            if rid in index_of:
+                i = index_of[rid]
+                if not s.deleted[i] and s.row[i] >= 0 and s.row[i] != row:
+                    raise LedgerError(f"record id {rid!r} is already active in the ledger at another row")
+                if not s.deleted[i] and s.row[i] == row:
+                    continue
+                spent0 = float(s.spent[i])
+            else:
+                i = nxt
+                nxt += 1
+                index_of[rid] = i
+                spent0 = 0.0
+            spent0 = max(spent0, user_spent.get(uid, 0.0))
+            li.append(i); rid_out.append(rid); uid_out.append(uid); row_out.append(int(row)); spent_out.append(spent0)
+        if not li:
+            return 0
+        self.commit_event(event_type="add", info={"records": len(li)}, columns={
+            "kind": ["add"] * len(li), "ledger_index": li, "record_id": rid_out, "user_id": uid_out,
+            "row": row_out, "budget": [self.params.budget] * len(li), "spent_after": spent_out,
+        })
+        return len(li)
+
+    def store_row_map(self, n_store_rows: int) -> np.ndarray:
+        """ledger index of each store row (−1 where the row is not in the ledger)."""
+        out = np.full(n_store_rows, -1, dtype=np.int64)
+        s = self.state
+        ok = (s.row >= 0) & (s.row < n_store_rows) & ~s.deleted
+        out[s.row[ok]] = np.flatnonzero(ok)
+        return out
+
+    def answers_for(self, batch_id: str) -> dict[str, list]:
+        a = self.state.answers
+        keep = [i for i, b in enumerate(a["batch_id"]) if b == batch_id]
+        return {n: [a[n][i] for i in keep] for n in ANSWER_SCHEMA.names}
+
+    # -- compaction ------------------------------------------------------------
+    def _write_snapshot(self, generation: int) -> None:
+        s = self.state
+        c1 = self.params.c1 if "params" in self.meta else 0.0
+        meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
+                    batches=s.batches, history=s.history[-100000:])
+        table = pa.table({
+            "record_id": pa.array(list(s.record_id), pa.string()),
+            "user_id": pa.array(list(s.user_id), pa.string()),
+            "row": pa.array(s.row, pa.int64()), "budget": pa.array(s.budget, pa.float64()),
+            "spent": pa.array(s.spent, pa.float64()),
+            "times_selected": pa.array(s.times_selected, pa.int64()),
+            "status": pa.array(list(s.status(c1)) if len(s) else [], pa.string()),
+            "deleted": pa.array(s.deleted, pa.bool_()), "deleted_at": pa.array(s.deleted_at, pa.float64()),
+            "last_change": pa.array(s.last_change, pa.float64()),
+        }, schema=RECORD_SCHEMA).replace_schema_metadata({b"indknn": json.dumps(meta).encode()})
+        atomic_write_parquet(s.answers_table(), self.path / f"answers-{generation:06d}.parquet")
+        atomic_write_parquet(table, self.path / f"snapshot-{generation:06d}.parquet")
+        atomic_write_text(json.dumps({"generation": generation}), self.path / "CURRENT")
+
+    def compact(self) -> int:
+        """Fold all events into a new snapshot (atomic via CURRENT); returns events folded."""
+        files = self._event_files()
+        gen = self.generation + 1
+        self._write_snapshot(generation=gen)
+        for seq, p in files:
+            if seq <= self.last_event_seq:
+                p.unlink(missing_ok=True)
+        for old in list(self.path.glob("snapshot-*.parquet")) + list(self.path.glob("answers-*.parquet")):
+            if not old.name.endswith(f"{gen:06d}.parquet"):
+                old.unlink(missing_ok=True)
+        self.generation = gen
+        self.snapshot_event_seq = self.last_event_seq
+        return len(files)
+
+    # -- locking ---------------------------------------------------------------
+    @staticmethod
+    @contextlib.contextmanager
+    def write_lock(path: str | os.PathLike, *, timeout: float = 60.0) -> Iterator[None]:
+        """One writer at a time: an fcntl lock on ``LOCK``; waits up to ``timeout`` seconds."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise LedgerError(f"{path}: cannot open the ledger lock ({exc.strerror})") from None
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise LockTimeoutError(
+                            f"{path}: another indknn process holds the ledger lock (waited {timeout:g} s); "
+                            "retry later or raise --lock-timeout"
+                        ) from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)

@@ -1,0 +1,705 @@
+"""Streamed readers for `indknn embed` inputs, in batches with bounded memory.
+
+Formats (``open_source``):
+
+* tables: CSV (``.csv``, header row), Parquet (``.parquet``/``.pq``), JSON lines
+  (``.jsonl``/``.ndjson``), and ``-`` for stdin (spooled to a temporary file,
+  then sniffed: Parquet by its magic bytes, JSON lines if the first non-space
+  character is ``{``, else CSV);
+* an image folder with one sub-folder per class (class names sorted, numerically
+  when all are integers; files sorted), or a flat folder of images (no labels);
+* a table of image paths (``--image-column``, default ``path``; relative paths
+  are taken relative to the table's folder);
+* precomputed vectors: ``.npy`` (no labels), ``.npz`` with arrays ``x`` and
+  optional ``y`` (labels), ``ids``, ``users``, or Parquet / JSON lines with a
+  list column (``--vector-column``, default ``vector``).
+
+Every source can be read twice (a label scan, then the batches), so stdin is
+spooled first. Labels are returned as strings.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator, Sequence
+
+import numpy as np
+
+from .errors import BadInputError
+from .extractors import IMAGE_EXTENSIONS
+
+DEFAULT_TEXT_COLUMN = "text"
+DEFAULT_LABEL_COLUMN = "label"
+DEFAULT_IMAGE_COLUMN = "path"
+DEFAULT_VECTOR_COLUMN = "vector"
+NPZ_DEFAULTS = {"x": "x", "label": "y", "id": "ids", "user": "users"}
+TEXT_JOINER = ". "
+
+TABLE_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".pq": "parquet",
+                  ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
+
+csv.field_size_limit(2**31 - 1)
+
+
+@dataclass
+class RecordBatch:
+    """One batch of input rows. ``start`` is the 0-based index of the first row in the input."""
+
+    items: Any  # list[str] texts | list[Path] images | np.ndarray [n, d] vectors
+    labels: list[str] | None
+    ids: list[str] | None
+    users: list[str] | None
+    start: int = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _label_str(v: Any) -> str:
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v))
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)) and float(v).is_integer():
+        return str(int(v))
+    if isinstance(v, bytes):
+        return v.decode("utf-8")
+    return str(v).strip()
+
+
+def _has_surrogates(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+class Source:
+    """Base class of the readers (see :func:`open_source`)."""
+
+    kind = ""
+    name = ""
+    columns: list[str] | None = None
+
+    def __init__(self, *, extractor_kind: str, batch_rows: int):
+        if extractor_kind not in ("text", "image", "vector"):
+            raise BadInputError(f"extractor kind must be text, image or vector, got {extractor_kind!r}")
+        if batch_rows <= 0:
+            raise BadInputError(f"batch rows must be positive, got {batch_rows}")
+        self.extractor_kind = extractor_kind
+        self.batch_rows = int(batch_rows)
+        self._labels: list[str] | None = None
+        self._count: int | None = None
+        self._cleanup: list[Path] = []
+        self.bytes_path: Path | None = None  # the file whose bytes identify the input (sha256)
+
+    # -- interface ---------------------------------------------------------
+    @property
+    def has_labels(self) -> bool:
+        raise NotImplementedError
+
+    def label_values(self) -> list[str] | None:
+        """Distinct labels present (first-seen order); ``None`` when the input has no labels."""
+        raise NotImplementedError
+
+    def batches(self) -> Iterator[RecordBatch]:
+        raise NotImplementedError
+
+    def count(self) -> int | None:
+        """Number of rows (may scan the input once; ``None`` if unknown)."""
+        return self._count
+
+    def missing_labels_message(self) -> str:
+        return f"{self.name}: no labels in this input"
+
+    def sha256(self) -> str:
+        """Hash of the input's bytes (stdin: of the spooled bytes)."""
+        h = hashlib.sha256()
+        assert self.bytes_path is not None
+        with open(self.bytes_path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    def close(self) -> None:
+        for p in self._cleanup:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+        self._cleanup.clear()
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------
+# tables: CSV, Parquet, JSON lines
+# ---------------------------------------------------------------------------
+class _TableReader:
+    """Row-wise column access to one table file, in blocks; strings checked for UTF-8."""
+
+    def __init__(self, path: Path, fmt: str, display: str):
+        self.path, self.fmt, self.display = path, fmt, display
+        self.columns = self._read_columns()
+
+    def _read_columns(self) -> list[str]:
+        if self.fmt == "csv":
+            with open(self.path, "r", encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+                try:
+                    header = next(csv.reader(f, dialect=self._dialect()))
+                except StopIteration:
+                    raise BadInputError(f"{self.display}: empty input (no header row)") from None
+            if any(_has_surrogates(h) for h in header):
+                raise BadInputError(f"{self.display}: header row is not valid UTF-8")
+            return [h.strip() for h in header]
+        if self.fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                return list(pq.ParquetFile(self.path).schema_arrow.names)
+            except Exception as exc:
+                raise BadInputError(f"{self.display}: cannot read as Parquet ({exc})") from None
+        # jsonl: keys of the first record
+        for rowno, rec in self._jsonl_records():
+            return list(rec.keys())
+        raise BadInputError(f"{self.display}: empty input (no JSON records)")
+
+    def _dialect(self):
+        return csv.excel_tab if self.path.suffix.lower() == ".tsv" else csv.excel
+
+    def require(self, col: str, what: str) -> None:
+        if col not in self.columns:
+            raise BadInputError(
+                f"{self.display}: {what} column {col!r} not found; columns present: {', '.join(self.columns) or '(none)'}"
+            )
+
+    def _jsonl_records(self) -> Iterator[tuple[int, dict]]:
+        rowno = 0
+        with open(self.path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                rowno += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise BadInputError(f"{self.display}: row {rowno} (line {lineno}) is not valid UTF-8") from None
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise BadInputError(f"{self.display}: row {rowno} (line {lineno}) is not valid JSON: {exc.msg}") from None
+                if not isinstance(rec, dict):
+                    raise BadInputError(f"{self.display}: row {rowno} (line {lineno}) is not a JSON object")
+                yield rowno, rec
+
+    def blocks(self, cols: Sequence[str], block_rows: int, *, check_utf8: Sequence[str] = ()) -> Iterator[tuple[int, dict[str, list]]]:
+        """Yield (start_row, {col: values}) blocks of at most ``block_rows`` rows."""
+        cols = list(dict.fromkeys(cols))
+        if self.fmt == "csv":
+            yield from self._csv_blocks(cols, block_rows, set(check_utf8))
+        elif self.fmt == "parquet":
+            yield from self._parquet_blocks(cols, block_rows)
+        else:
+            yield from self._jsonl_blocks(cols, block_rows)
+
+    def _csv_blocks(self, cols, block_rows, check):
+        idx = [self.columns.index(c) for c in cols]
+        ncols = len(self.columns)
+        with open(self.path, "r", encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+            reader = csv.reader(f, dialect=self._dialect())
+            next(reader, None)
+            block: dict[str, list] = {c: [] for c in cols}
+            start = n = 0
+            for row in reader:
+                if not row or (len(row) == 1 and not row[0].strip() and ncols > 1):
+                    continue  # blank line
+                n += 1
+                if len(row) != ncols:
+                    raise BadInputError(f"{self.display}: row {n} (line {reader.line_num}) has {len(row)} fields, "
+                                        f"the header has {ncols}")
+                for c, i in zip(cols, idx):
+                    v = row[i]
+                    if _has_surrogates(v):
+                        raise BadInputError(f"{self.display}: row {n} (line {reader.line_num}), column {c!r}: "
+                                            f"not valid UTF-8 text")
+                    block[c].append(v)
+                if n - start == block_rows:
+                    yield start, block
+                    block, start = {c: [] for c in cols}, n
+            if n > start:
+                yield start, block
+
+    def _parquet_blocks(self, cols, block_rows):
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(self.path)
+        start = 0
+        for rb in pf.iter_batches(batch_size=block_rows, columns=cols):
+            yield start, {c: rb.column(c) for c in cols}  # arrow arrays: converted by the caller
+            start += rb.num_rows
+
+    def _jsonl_blocks(self, cols, block_rows):
+        block: dict[str, list] = {c: [] for c in cols}
+        start = n = 0
+        for rowno, rec in self._jsonl_records():
+            n = rowno
+            for c in cols:
+                if c not in rec:
+                    raise BadInputError(f"{self.display}: row {rowno} has no key {c!r}")
+                block[c].append(rec[c])
+            if n - start == block_rows:
+                yield start, block
+                block, start = {c: [] for c in cols}, n
+        if n > start:
+            yield start, block
+
+
+def _to_pylist(values: Any) -> list:
+    if hasattr(values, "to_pylist"):
+        return values.to_pylist()
+    return list(values)
+
+
+def _strings(values: Any, *, col: str, start: int, display: str, allow_empty: bool = True) -> list[str]:
+    out = []
+    for j, v in enumerate(_to_pylist(values)):
+        if v is None:
+            raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: missing value")
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: not valid UTF-8 text") from None
+        elif not isinstance(v, str):
+            v = _label_str(v) if isinstance(v, (int, float, np.integer, np.floating, bool)) else str(v)
+        if not allow_empty and not v.strip():
+            raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: empty value")
+        out.append(v)
+    return out
+
+
+def _vectors(values: Any, *, col: str, start: int, display: str) -> np.ndarray:
+    """A list column (arrow or python lists) → float64 [n, d]; ragged rows are an error naming the row."""
+    if hasattr(values, "type"):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        t = values.type
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+            raise BadInputError(f"{display}: vector column {col!r} has type {t}, not a list of numbers")
+        if values.null_count:
+            bad = int(np.flatnonzero(np.asarray(values.is_null()))[0])
+            raise BadInputError(f"{display}: row {start + bad + 1}, column {col!r}: missing vector")
+        lengths = np.asarray(pc.list_value_length(values), dtype=np.int64)
+        if len(lengths) and (lengths != lengths[0]).any():
+            bad = int(np.flatnonzero(lengths != lengths[0])[0])
+            raise BadInputError(f"{display}: row {start + bad + 1}: vector has d={lengths[bad]}, "
+                                f"row {start + 1} has d={lengths[0]}")
+        flat = values.flatten()
+        if flat.null_count:
+            raise BadInputError(f"{display}: vector column {col!r} contains null numbers")
+        try:
+            arr = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.float64)
+        except (TypeError, ValueError, pa.ArrowException) as exc:
+            raise BadInputError(f"{display}: vector column {col!r} is not numeric ({exc})") from None
+        d = int(lengths[0]) if len(lengths) else 0
+        return arr.reshape(len(lengths), d)
+    rows = _to_pylist(values)
+    d = None
+    for j, v in enumerate(rows):
+        if not isinstance(v, (list, tuple)):
+            raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: not a list of numbers")
+        if d is None:
+            d = len(v)
+        elif len(v) != d:
+            raise BadInputError(f"{display}: row {start + j + 1}: vector has d={len(v)}, row {start + 1} has d={d}")
+    try:
+        return np.asarray(rows, dtype=np.float64).reshape(len(rows), d or 0)
+    except (TypeError, ValueError) as exc:
+        raise BadInputError(f"{display}: vector column {col!r} is not numeric ({exc})") from None
+
+
+class TableSource(Source):
+    """CSV / Parquet / JSON lines with a text, image-path or vector column."""
+
+    def __init__(self, path: Path, fmt: str, *, display: str, extractor_kind: str, batch_rows: int,
+                 text_column: str | None, label_column: str | None, id_column: str | None,
+                 user_column: str | None, image_column: str | None, vector_column: str | None,
+                 base_dir: Path):
+        super().__init__(extractor_kind=extractor_kind, batch_rows=batch_rows)
+        self.kind, self.name = fmt, display
+        self.bytes_path = path
+        self.base_dir = base_dir
+        self.table = _TableReader(path, fmt, display)
+        self.columns = self.table.columns
+        t = self.table
+        if extractor_kind == "text":
+            self.item_cols = [c.strip() for c in (text_column or DEFAULT_TEXT_COLUMN).split(",") if c.strip()]
+            if not self.item_cols:
+                raise BadInputError("--text-column is empty")
+            for c in self.item_cols:
+                t.require(c, "text")
+        elif extractor_kind == "image":
+            self.item_cols = [image_column or DEFAULT_IMAGE_COLUMN]
+            t.require(self.item_cols[0], "image path")
+        else:
+            if fmt == "csv":
+                raise BadInputError(f"{display}: precomputed vectors must come as .npy, .npz, Parquet or JSON lines "
+                                    f"with a list column, not CSV")
+            self.item_cols = [vector_column or DEFAULT_VECTOR_COLUMN]
+            t.require(self.item_cols[0], "vector")
+        if label_column:
+            t.require(label_column, "label")
+            self.label_column: str | None = label_column
+        else:
+            self.label_column = DEFAULT_LABEL_COLUMN if DEFAULT_LABEL_COLUMN in self.columns else None
+        self.requested_label_column = label_column or DEFAULT_LABEL_COLUMN
+        self.id_column = id_column
+        self.user_column = user_column
+        if id_column:
+            t.require(id_column, "id")
+        if user_column:
+            t.require(user_column, "user")
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            self._count = pq.ParquetFile(path).metadata.num_rows
+
+    @property
+    def has_labels(self) -> bool:
+        return self.label_column is not None
+
+    def missing_labels_message(self) -> str:
+        return (f"{self.name}: label column {self.requested_label_column!r} not found (labels are required for "
+                f"this role); columns present: {', '.join(self.columns)}")
+
+    def label_values(self) -> list[str] | None:
+        if self.label_column is None:
+            return None
+        if self._labels is None:
+            seen: dict[str, None] = {}
+            n = 0
+            for start, block in self.table.blocks([self.label_column], 65536, check_utf8=[self.label_column]):
+                vals = _strings(block[self.label_column], col=self.label_column, start=start,
+                                display=self.name, allow_empty=False)
+                for v in vals:
+                    seen.setdefault(v.strip(), None)
+                n = start + len(vals)
+            self._labels = list(seen)
+            self._count = n
+        return list(self._labels)
+
+    def count(self) -> int | None:
+        if self._count is None:
+            n = 0
+            col = self.item_cols[0]
+            for start, block in self.table.blocks([col], 65536):
+                n = start + len(block[col])
+            self._count = n
+        return self._count
+
+    def batches(self, *, labels: bool = True) -> Iterator[RecordBatch]:
+        cols = list(self.item_cols)
+        extra = [c for c in (self.label_column if labels else None, self.id_column, self.user_column) if c]
+        for start, block in self.table.blocks(cols + extra, self.batch_rows, check_utf8=cols + extra):
+            items = self._items(block, start)
+            labs = (None if not labels or self.label_column is None else
+                    [v.strip() for v in _strings(block[self.label_column], col=self.label_column, start=start,
+                                                 display=self.name, allow_empty=False)])
+            ids = (None if self.id_column is None else
+                   [v.strip() for v in _strings(block[self.id_column], col=self.id_column, start=start,
+                                                display=self.name, allow_empty=False)])
+            users = (None if self.user_column is None else
+                     [v.strip() for v in _strings(block[self.user_column], col=self.user_column, start=start,
+                                                  display=self.name)])
+            yield RecordBatch(items=items, labels=labs, ids=ids, users=users, start=start)
+
+    def _items(self, block: dict, start: int):
+        if self.extractor_kind == "text":
+            parts = [_strings(block[c], col=c, start=start, display=self.name) for c in self.item_cols]
+            if len(parts) == 1:
+                return parts[0]
+            return [TEXT_JOINER.join(p.strip() for p in row) for row in zip(*parts)]
+        if self.extractor_kind == "image":
+            c = self.item_cols[0]
+            out = []
+            for v in _strings(block[c], col=c, start=start, display=self.name, allow_empty=False):
+                p = Path(v.strip()).expanduser()
+                out.append(p if p.is_absolute() else self.base_dir / p)
+            return out
+        c = self.item_cols[0]
+        return _vectors(block[c], col=c, start=start, display=self.name)
+
+
+# ---------------------------------------------------------------------------
+# image folders
+# ---------------------------------------------------------------------------
+def _numeric_sorted(names: Sequence[str]) -> list[str]:
+    try:
+        return sorted(names, key=lambda s: (int(s), s))
+    except ValueError:
+        return sorted(names)
+
+
+def _image_files(folder: Path) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for fn in sorted(filenames):
+            if not fn.startswith(".") and Path(fn).suffix.lower() in IMAGE_EXTENSIONS:
+                out.append(Path(dirpath) / fn)
+    return out
+
+
+class ImageFolderSource(Source):
+    """One sub-folder per class (labels = folder names), or a flat folder of images (no labels).
+
+    Record ids are the files' paths relative to the folder (``class/file.png``).
+    """
+
+    kind = "image-folder"
+
+    def __init__(self, folder: Path, *, extractor_kind: str, batch_rows: int):
+        super().__init__(extractor_kind=extractor_kind, batch_rows=batch_rows)
+        if extractor_kind != "image":
+            raise BadInputError(f"{folder}: a folder of images needs an image extractor "
+                                f"(--extractor pixels, hog or image)")
+        self.folder = folder
+        self.name = str(folder)
+        subdirs = [d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")]
+        top = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
+               and p.suffix.lower() in IMAGE_EXTENSIONS]
+        class_dirs = [d for d in subdirs if _image_files(d)]
+        if class_dirs and top:
+            raise BadInputError(f"{folder}: has both image files and class sub-folders; use one layout "
+                                f"(one sub-folder per class, or a flat folder for unlabelled images)")
+        if class_dirs:
+            self.classes: list[str] | None = _numeric_sorted([d.name for d in class_dirs])
+            self.files = [(p, c) for c in self.classes for p in _image_files(folder / c)]
+        else:
+            self.classes = None
+            self.files = [(p, None) for p in sorted(top)]
+        self._count = len(self.files)
+
+    @property
+    def has_labels(self) -> bool:
+        return self.classes is not None
+
+    def missing_labels_message(self) -> str:
+        return (f"{self.name}: a flat folder of images has no labels; put the images of each class in a "
+                f"sub-folder named after the class")
+
+    def label_values(self) -> list[str] | None:
+        return None if self.classes is None else list(self.classes)
+
+    def batches(self, *, labels: bool = True) -> Iterator[RecordBatch]:
+        for lo in range(0, len(self.files), self.batch_rows):
+            chunk = self.files[lo:lo + self.batch_rows]
+            yield RecordBatch(
+                items=[p for p, _ in chunk],
+                labels=[c for _, c in chunk] if (labels and self.classes is not None) else None,
+                ids=[p.relative_to(self.folder).as_posix() for p, _ in chunk],
+                users=None,
+                start=lo,
+            )
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for p, _ in self.files:
+            h.update(p.relative_to(self.folder).as_posix().encode() + b"\0")
+            with open(p, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# .npy / .npz vectors
+# ---------------------------------------------------------------------------
+class NumpySource(Source):
+    """``.npy`` (vectors only) or ``.npz`` (``x``, optional ``y``, ``ids``, ``users``)."""
+
+    def __init__(self, path: Path, fmt: str, *, display: str, extractor_kind: str, batch_rows: int,
+                 label_column: str | None, id_column: str | None, user_column: str | None,
+                 vector_column: str | None):
+        super().__init__(extractor_kind=extractor_kind, batch_rows=batch_rows)
+        if extractor_kind != "vector":
+            raise BadInputError(f"{display}: a {fmt} file holds precomputed vectors; use --extractor vectors")
+        self.kind, self.name, self.bytes_path = fmt, display, path
+        self.labels_arr = self.ids_arr = self.users_arr = None
+        self.requested_label_column = label_column or NPZ_DEFAULTS["label"]
+        try:
+            if fmt == "npy":
+                if label_column or id_column or user_column:
+                    raise BadInputError(f"{display}: a .npy file holds vectors only (no labels, ids or users); "
+                                        f"use .npz with arrays x, y, ids, users")
+                self.x = np.load(path, mmap_mode="r", allow_pickle=False)
+                self.columns = ["x"]
+            else:
+                z = np.load(path, allow_pickle=False)
+                self.columns = list(z.files)
+                xname = vector_column or NPZ_DEFAULTS["x"]
+                self._require(xname, "vector")
+                self.x = z[xname]
+                lab = label_column or NPZ_DEFAULTS["label"]
+                if label_column:
+                    self._require(lab, "label")
+                if lab in z.files:
+                    self.labels_arr = z[lab]
+                for attr, opt, key in (("ids_arr", id_column, "id"), ("users_arr", user_column, "user")):
+                    nm = opt or NPZ_DEFAULTS[key]
+                    if opt:
+                        self._require(nm, key)
+                    if nm in z.files:
+                        setattr(self, attr, z[nm])
+        except BadInputError:
+            raise
+        except Exception as exc:
+            raise BadInputError(f"{display}: cannot read as .{fmt} ({type(exc).__name__}: {exc})") from None
+        if self.x.ndim != 2:
+            raise BadInputError(f"{display}: vectors must be a 2-d array [n, d], got shape {self.x.shape}")
+        if not (np.issubdtype(self.x.dtype, np.floating) or np.issubdtype(self.x.dtype, np.integer)):
+            raise BadInputError(f"{display}: vectors have dtype {self.x.dtype}, not numbers")
+        n = self.x.shape[0]
+        for nm, arr in (("labels", self.labels_arr), ("ids", self.ids_arr), ("users", self.users_arr)):
+            if arr is not None and (arr.ndim != 1 or arr.shape[0] != n):
+                raise BadInputError(f"{display}: array {nm} has shape {arr.shape}, expected ({n},)")
+        self._count = n
+
+    def _require(self, name: str, what: str) -> None:
+        if name not in self.columns:
+            raise BadInputError(f"{self.name}: {what} array {name!r} not found; arrays present: "
+                                f"{', '.join(self.columns) or '(none)'}")
+
+    @property
+    def has_labels(self) -> bool:
+        return self.labels_arr is not None
+
+    def missing_labels_message(self) -> str:
+        if self.kind == "npy":
+            return f"{self.name}: a .npy file has no labels (required for this role); use .npz with arrays x and y"
+        return (f"{self.name}: label array {self.requested_label_column!r} not found (labels are required for "
+                f"this role); arrays present: {', '.join(self.columns)}")
+
+    def label_values(self) -> list[str] | None:
+        if self.labels_arr is None:
+            return None
+        seen: dict[str, None] = {}
+        for v in self.labels_arr.tolist():
+            s = _label_str(v)
+            if not s:
+                raise BadInputError(f"{self.name}: empty label")
+            seen.setdefault(s, None)
+        return list(seen)
+
+    def batches(self, *, labels: bool = True) -> Iterator[RecordBatch]:
+        n = self.x.shape[0]
+        for lo in range(0, n, self.batch_rows):
+            hi = min(n, lo + self.batch_rows)
+            yield RecordBatch(
+                items=np.asarray(self.x[lo:hi], dtype=np.float64),
+                labels=(None if not labels or self.labels_arr is None
+                        else [_label_str(v) for v in self.labels_arr[lo:hi].tolist()]),
+                ids=None if self.ids_arr is None else [_label_str(v) for v in self.ids_arr[lo:hi].tolist()],
+                users=None if self.users_arr is None else [_label_str(v) for v in self.users_arr[lo:hi].tolist()],
+                start=lo,
+            )
+
+
+# ---------------------------------------------------------------------------
+# opening
+# ---------------------------------------------------------------------------
+def _spool_stdin(stream: BinaryIO | None = None) -> Path:
+    stream = stream if stream is not None else sys.stdin.buffer
+    fd, name = tempfile.mkstemp(prefix="indknn-stdin-")
+    with os.fdopen(fd, "wb") as out:
+        shutil.copyfileobj(stream, out, 1 << 20)
+    return Path(name)
+
+
+def sniff_format(path: Path) -> str:
+    """Format of a spooled stream: parquet / npy / npz by magic bytes, jsonl if it starts with '{', else csv."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if head.startswith(b"PK\x03\x04"):
+        return "npz"
+    stripped = head.lstrip(b"\xef\xbb\xbf").lstrip()
+    if stripped.startswith(b"{"):
+        return "jsonl"
+    return "csv"
+
+
+def open_source(
+    path_or_dash: str | os.PathLike,
+    *,
+    extractor_kind: str,
+    text_column: str | None = None,
+    label_column: str | None = None,
+    id_column: str | None = None,
+    user_column: str | None = None,
+    image_column: str | None = None,
+    vector_column: str | None = None,
+    batch_rows: int = 256,
+    stdin: BinaryIO | None = None,
+) -> Source:
+    """Open an input for streaming (see the module doc for the formats). Close it when done."""
+    spooled = None
+    if str(path_or_dash) == "-":
+        spooled = _spool_stdin(stdin)
+        path, display, fmt, base = spooled, "<stdin>", sniff_format(spooled), Path.cwd()
+        if spooled.stat().st_size == 0:
+            spooled.unlink()
+            raise BadInputError("<stdin>: empty input")
+    else:
+        path = Path(path_or_dash).expanduser()
+        display, base = str(path_or_dash), path.parent
+        if not path.exists():
+            raise BadInputError(f"{path}: no such file or folder")
+        if path.is_dir():
+            return ImageFolderSource(path, extractor_kind=extractor_kind, batch_rows=batch_rows)
+        suffix = path.suffix.lower()
+        if suffix == ".npy":
+            fmt = "npy"
+        elif suffix == ".npz":
+            fmt = "npz"
+        elif suffix in TABLE_SUFFIXES:
+            fmt = TABLE_SUFFIXES[suffix]
+        else:
+            raise BadInputError(f"{path}: unknown input format {suffix or '(no extension)'}; expected .csv, .parquet, "
+                                f".jsonl, .npy, .npz, a folder of images, or - for stdin")
+        if path.stat().st_size == 0:
+            raise BadInputError(f"{path}: empty input")
+    try:
+        if fmt in ("npy", "npz"):
+            src: Source = NumpySource(path, fmt, display=display, extractor_kind=extractor_kind,
+                                      batch_rows=batch_rows, label_column=label_column, id_column=id_column,
+                                      user_column=user_column, vector_column=vector_column)
+        else:
+            src = TableSource(path, fmt, display=display, extractor_kind=extractor_kind, batch_rows=batch_rows,
+                              text_column=text_column, label_column=label_column, id_column=id_column,
+                              user_column=user_column, image_column=image_column, vector_column=vector_column,
+                              base_dir=base)
+    except BaseException:
+        if spooled is not None:
+            spooled.unlink(missing_ok=True)
+        raise
+    if spooled is not None:
+        src._cleanup.append(spooled)
+    return src

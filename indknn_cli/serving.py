@@ -1,0 +1,326 @@
+"""`index` and `serve-queries` as library calls: ledger set-up and the charged answer loop."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import secrets
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import accounting
+from .engine import BudgetView, ReusePool, StoreSource, answer_batch
+from .errors import BadInputError, BudgetExhaustedError, LedgerError
+from .ledger import BudgetLedger, PrivacyParams
+from .store import FeatureStore
+
+DEFAULT_MAX_MEMORY = 2 << 30
+AUTO_COMPACT_EVENTS = 512
+
+
+# -- index -------------------------------------------------------------------
+@dataclass
+class IndexResult:
+    store: str
+    ledger: str
+    records: int
+    records_added: int
+    created: bool
+    params: PrivacyParams
+    kind: str = "flat"
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        p = self.params
+        return {
+            "store": self.store, "ledger": self.ledger, "kind": self.kind, "created": self.created,
+            "records": self.records, "records_added": self.records_added,
+            "budget": p.budget, "epsilon": accounting.epsilon_for_budget(budget=p.budget, delta=p.delta,
+                                                                         conversion=p.conversion),
+            "delta": p.delta, "conversion": p.conversion, "kernel": p.kernel, "tau": p.tau,
+            "sigma1": p.sigma1, "sigma2": p.sigma2, "k_min": p.k_min, **self.extra,
+        }
+
+
+def make_params(
+    *, epsilon: float, delta: float, conversion: str = "gdp", kernel: str = "cosine", tau: float,
+    sigma2: float, sigma1: float | None = None, planned_queries: int | None = None,
+    nu: float | None = None, k_min: float = 30.0,
+) -> PrivacyParams:
+    """Calibrate B from (ε, δ) and fill in σ1 = sqrt(T/(6B)) when only T is given."""
+    budget = accounting.calibrate_budget(epsilon=epsilon, delta=delta, conversion=conversion)
+    if sigma1 is None:
+        sigma1 = accounting.default_sigma1(planned_queries=planned_queries or 1000, budget=budget)
+    if kernel == "rbf" and nu is None:
+        nu = math.exp(1.5)  # paper default ν = e^1.5
+    return PrivacyParams(epsilon=float(epsilon), delta=float(delta), conversion=conversion, budget=budget,
+                         kernel=kernel, tau=float(tau), sigma1=float(sigma1), sigma2=float(sigma2),
+                         nu=None if nu is None else float(nu), k_min=float(k_min),
+                         planned_queries=planned_queries).validate()
+
+
+def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
+    """Bring private store rows that the ledger does not know into it (budget B, no refunds)."""
+    n = store.n_rows("private")
+    known = ledger.store_row_map(n) >= 0
+    deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
+    new_rows = np.flatnonzero(~known & ~deleted_rows)
+    if new_rows.size == 0:
+        return 0
+    ids = store.read("private", "record_id")
+    users = store.read("private", "user_id")
+    return ledger.add_records(record_ids=[str(ids[r]) for r in new_rows],
+                              user_ids=[str(users[r]) for r in new_rows], rows=new_rows.tolist())
+
+
+def build_index(
+    *, store_path: str | os.PathLike, ledger_path: str | os.PathLike, params: PrivacyParams | None,
+    kind: str = "flat", lock_timeout: float = 60.0,
+) -> IndexResult:
+    """Create the ledger (or add the store's new records to it, keeping every spent budget)."""
+    if kind != "flat":
+        raise BadInputError(f"index kind {kind!r} is not available; use flat")
+    store = FeatureStore.open(store_path, mode="r")
+    if store.n_rows("private") == 0:
+        raise BadInputError(f"{store_path}: the store has no private records to index")
+    created = False
+    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+        if BudgetLedger.exists(ledger_path):
+            ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+            if params is not None and _differs(params, ledger.params):
+                raise LedgerError(
+                    f"{ledger_path}: the ledger already exists with fixed parameters "
+                    f"(ε={ledger.params.epsilon}, δ={ledger.params.delta}, B={ledger.params.budget:.6g}, "
+                    f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation"
+                )
+        else:
+            if params is None:
+                raise BadInputError("creating a ledger needs --eps and --delta (and --tau, --sigma2)")
+            ledger = BudgetLedger.create(ledger_path, params=params, store_uuid=store.uuid,
+                                         store_path=str(Path(store_path).resolve()))
+            created = True
+        added = sync_ledger(ledger, store)
+        if created:
+            ledger.compact()
+    return IndexResult(store=str(store_path), ledger=str(ledger_path), records=len(ledger.state),
+                       records_added=added, created=created, params=ledger.params, kind=kind)
+
+
+def _differs(a: PrivacyParams, b: PrivacyParams) -> bool:
+    keys = ("epsilon", "delta", "conversion", "kernel", "tau", "sigma2", "k_min")
+    return any(getattr(a, k) != getattr(b, k) for k in keys) or not math.isclose(a.sigma1, b.sigma1)
+
+
+# -- serve-queries --------------------------------------------------------------
+@dataclass
+class ServeResult:
+    batch_id: str
+    answers: list[dict]
+    newly_answered: int
+    already_answered: int
+    seed: int | None
+    records_active: int
+
+
+def run_key_for(seed: int | None, batch_id: str) -> int:
+    """OS entropy for real answers; a seed (experiments only) is mixed with the batch id."""
+    if seed is None:
+        return secrets.randbits(128)
+    digest = hashlib.sha256(f"indknn-seed:{seed}:{batch_id}".encode()).digest()
+    return int.from_bytes(digest[:16], "big")
+
+
+def _answer_rows(ledger_answers: dict) -> list[dict]:
+    rows = []
+    for i in range(len(ledger_answers["query_index"])):
+        row = {
+            "batch_id": ledger_answers["batch_id"][i], "query_index": ledger_answers["query_index"][i],
+            "query_id": ledger_answers["query_id"][i], "label": ledger_answers["label"][i],
+            "label_name": ledger_answers["label_name"][i],
+            "released_count": ledger_answers["released_count"][i],
+        }
+        if ledger_answers["seed"][i] is not None:
+            row["seed"] = int(ledger_answers["seed"][i])
+        rows.append(row)
+    return sorted(rows, key=lambda r: r["query_index"])
+
+
+def serve_queries(
+    *,
+    store_path: str | os.PathLike,
+    ledger_path: str | os.PathLike,
+    query_batch: str,
+    batch_id: str | None = None,
+    seed: int | None = None,
+    batch_size: int = 1024,
+    device: str = "auto",
+    reuse: bool = True,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    lock_timeout: float = 60.0,
+    on_committed: Callable[[list[dict]], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    candidate_finder_factory: Callable | None = None,
+) -> ServeResult:
+    """Answer the stored query batch ``query_batch``; each part is charged and committed before release.
+
+    ``on_committed(rows)`` is called with each part's answers only after the
+    part's ledger event is durable (SPEC §8 "charge before release").
+    """
+    if batch_size < 1:
+        raise BadInputError(f"--batch-size must be ≥ 1, got {batch_size}")
+    if max_memory < (16 << 20):
+        raise BadInputError(f"--max-memory must be at least 16 MiB, got {max_memory} bytes")
+    batch_id = batch_id or query_batch
+    store = FeatureStore.open(store_path, mode="r")
+    q_start, q_stop, q_sha = store.query_batch(query_batch)
+    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+        ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+        params = ledger.params
+        done = ledger.answers_for(batch_id)
+        done_rows = set(done["query_row"])
+        if done["query_row"] and not done_rows <= set(range(q_start, q_stop)):
+            raise BadInputError(
+                f"batch id {batch_id!r} was already used for other queries; pick a new --batch-id"
+            )
+        n_queries = q_stop - q_start
+        already = len(done_rows)
+        todo_start = q_start + already
+        if todo_start >= q_stop:
+            rows = _answer_rows(done)
+            return ServeResult(batch_id, rows, 0, already, seed, int(ledger.state.active_mask(params.c1).sum()))
+        sync_ledger(ledger, store)
+        state = ledger.state
+        if not state.active_mask(params.c1).any():
+            raise BudgetExhaustedError(
+                f"{ledger_path}: no active record is left (every record is retired or deleted); "
+                "no query was answered"
+            )
+        n_store = store.n_rows("private")
+        row_to_ledger = ledger.store_row_map(n_store)
+        row_labels = store.read("private", "labels").astype(np.int64)
+        n_classes = len(store.label_names)
+        budgets = BudgetView(spent=state.spent.copy(), budget=state.budget.copy(), deleted=state.deleted.copy(),
+                             times_selected=np.zeros(len(state), np.int64))
+        pool = None
+        if reuse:
+            pool = _reuse_pool(store, ledger)
+        source = StoreSource(store, cache_bytes=max_memory // 2)
+        finder = candidate_finder_factory(store, ledger) if candidate_finder_factory else None
+        run_key = run_key_for(seed, batch_id)
+        seed_str = None if seed is None else str(seed)
+        query_ids = store.read("query", "record_id", q_start, q_stop)
+        part = len({p for p in done["part"]})
+        released = _answer_rows(done)
+        if released and on_committed is not None:
+            on_committed(released)
+        for lo in range(todo_start, q_stop, batch_size):
+            hi = min(q_stop, lo + batch_size)
+            queries = store.read("query", "features", lo, hi)
+            budgets.touched = {}
+            answers = answer_batch(
+                queries, source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
+                n_classes=n_classes, budgets=budgets, run_key=run_key, first_index=lo - q_start, reuse=pool,
+                device=device, candidate_finder=finder,
+            )
+            touched = np.array(sorted(budgets.touched), dtype=np.int64)
+            n_ans = len(answers)
+            n_ch = touched.size
+            labels = [a.label for a in answers]
+            cols = {
+                "kind": ["charge"] * n_ch + ["answer"] * n_ans,
+                "ledger_index": touched.tolist() + [None] * n_ans,
+                "spent_after": budgets.spent[touched].tolist() + [None] * n_ans,
+                "selected": [budgets.touched[i] for i in touched.tolist()] + [None] * n_ans,
+                "batch_id": [None] * n_ch + [batch_id] * n_ans,
+                "part": [None] * n_ch + [part] * n_ans,
+                "query_index": [None] * n_ch + list(range(lo - q_start, hi - q_start)),
+                "query_id": [None] * n_ch + [str(x) for x in query_ids[lo - q_start:hi - q_start]],
+                "query_row": [None] * n_ch + list(range(lo, hi)),
+                "label": [None] * n_ch + labels,
+                "label_name": [None] * n_ch + [store.label_names[x] for x in labels],
+                "released_count": [None] * n_ch + [a.released_count for a in answers],
+                "seed": [None] * n_ch + [seed_str] * n_ans,
+            }
+            ledger.commit_event(event_type="serve", columns=cols, info={
+                "batch_id": batch_id, "part": part, "seed": seed_str, "query_batch": query_batch,
+                "query_sha256": q_sha, "answers": n_ans, "charged_records": n_ch,
+            })
+            part += 1
+            new_rows = [{
+                "batch_id": batch_id, "query_index": lo - q_start + j, "query_id": cols["query_id"][n_ch + j],
+                "label": labels[j], "label_name": store.label_names[labels[j]],
+                "released_count": answers[j].released_count, **({"seed": seed} if seed is not None else {}),
+            } for j in range(n_ans)]
+            released.extend(new_rows)
+            if on_committed is not None:
+                on_committed(new_rows)
+            if on_progress is not None:
+                on_progress(hi - q_start, n_queries)
+        if len(ledger._event_files()) > AUTO_COMPACT_EVENTS:
+            ledger.compact()
+        active = int(ledger.state.active_mask(params.c1).sum())
+    return ServeResult(batch_id, released, n_queries - already, already, seed, active)
+
+
+def _reuse_pool(store: FeatureStore, ledger: BudgetLedger) -> ReusePool:
+    """Released answers so far (in ledger order) with their query vectors from the store."""
+    rows = np.asarray(ledger.state.answers["query_row"], dtype=np.int64)
+    labels = np.asarray(ledger.state.answers["label"], dtype=np.int64)
+    if rows.size == 0:
+        return ReusePool.empty(store.dim)
+    feats = store.group("query")["features"]
+    lo, hi = int(rows.min()), int(rows.max()) + 1
+    block = np.asarray(feats[lo:hi])
+    return ReusePool(block[rows - lo].astype(np.float32), labels)
+
+
+def write_answers_parquet(rows: list[dict], path: str | os.PathLike) -> None:
+    """Write released answers atomically (tmp → fsync → rename)."""
+    from .ledger import atomic_write_parquet
+
+    table = pa.table({
+        "batch_id": pa.array([r["batch_id"] for r in rows], pa.string()),
+        "query_index": pa.array([r["query_index"] for r in rows], pa.int64()),
+        "query_id": pa.array([r["query_id"] for r in rows], pa.string()),
+        "label": pa.array([r["label"] for r in rows], pa.int32()),
+        "label_name": pa.array([r["label_name"] for r in rows], pa.string()),
+        "released_count": pa.array([r["released_count"] for r in rows], pa.float64()),
+        "seed": pa.array([None if r.get("seed") is None else str(r["seed"]) for r in rows], pa.string()),
+    })
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        raise BadInputError(f"--out: folder {path.parent} does not exist")
+    atomic_write_parquet(table, path)
+
+
+def resolve_query_batch(
+    *, store_path: str | os.PathLike, queries: str, batch_id: str | None = None,
+    upstream: dict | None = None, reader_options: dict | None = None, device: str = "auto",
+) -> str:
+    """Name of the stored query batch to answer.
+
+    ``queries`` is ``-`` (the JSON line of an upstream ``indknn embed --role query``
+    in ``upstream``), a file or folder (embedded now with the store's own
+    extractor into the store's query group), or the name of a stored batch.
+    """
+    if queries == "-":
+        if not upstream or upstream.get("role") != "query" or "batch" not in upstream:
+            raise BadInputError("stdin: expected the JSON line of `indknn embed --role query`")
+        return str(upstream["batch"])
+    path = Path(queries)
+    if path.exists():
+        from .embedding import embed_query_file
+
+        return embed_query_file(path, store_path=store_path, batch=batch_id, device=device,
+                                **(reader_options or {}))
+    store = FeatureStore.open(store_path, mode="r")
+    if queries in store.batches():
+        return queries
+    raise BadInputError(f"{queries}: no such file, folder or stored query batch in {store_path}")
