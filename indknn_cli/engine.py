@@ -108,6 +108,10 @@ def _torch_device(device: str):
     return torch.device(device)
 
 
+class TooManyPairs(Exception):
+    """Internal: a batch's candidate pairs would exceed the memory bound; split the batch."""
+
+
 @dataclass
 class Candidates:
     """Sparse candidate lists of a batch of queries: rows and exact κ per query."""
@@ -127,12 +131,14 @@ def find_candidates(
     row_mask: np.ndarray | None = None,
     max_pairs_block: int = 1 << 15,
     strictly_before: np.ndarray | None = None,
+    max_pairs: int | None = None,
 ) -> Candidates:
     """Rows with κ(x_row, q) ≥ τ for each query, κ recomputed exactly in float64.
 
     ``row_mask`` (bool per source row) drops rows that may never be candidates
     (deleted, not in the ledger); ``strictly_before[t]`` keeps only rows < that
-    value for query t (prediction reuse within a run).
+    value for query t (prediction reuse within a run). With ``max_pairs``, a
+    batch of several queries whose candidates exceed it raises TooManyPairs.
     """
     import torch
 
@@ -143,6 +149,7 @@ def find_candidates(
     q_t = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(dev)
     per_q_rows: list[list[np.ndarray]] = [[] for _ in range(m)]
     per_q_kap: list[list[np.ndarray]] = [[] for _ in range(m)]
+    total_pairs = 0
     for start, block in source.chunks():
         if block.shape[0] == 0:
             continue
@@ -173,6 +180,9 @@ def find_candidates(
         qi, rows, kap = qi[ok], rows[ok], kap[ok]
         if qi.size == 0:
             continue
+        total_pairs += qi.size
+        if max_pairs is not None and m > 1 and total_pairs > max_pairs:
+            raise TooManyPairs()
         order = np.argsort(qi, kind="stable")
         qi, rows, kap = qi[order], rows[order], kap[order]
         bounds = np.searchsorted(qi, np.arange(m + 1))
@@ -285,6 +295,7 @@ def answer_batch(
     device: str = "auto",
     on_query: Callable[[int], None] | None = None,
     candidate_finder: Callable[..., Candidates] | None = None,
+    max_pairs: int | None = None,
 ) -> list[QueryAnswer]:
     """Answer a batch of queries in order; mutates ``budgets`` (and ``reuse``).
 
@@ -295,11 +306,33 @@ def answer_batch(
     """
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     m = queries.shape[0]
-    if candidate_finder is not None:  # LSH / IVF (indexes.py): same exact κ ≥ τ test on fewer rows
-        cands = candidate_finder(queries, row_mask=row_to_ledger >= 0)
+    if max_pairs is not None and m > 1:
+        try:
+            cands = _candidates(queries, source, params, device, row_to_ledger, candidate_finder, max_pairs)
+        except TooManyPairs:  # memory bound: answer the halves in order (same answers, SPEC §5)
+            half = m // 2
+            kw = dict(source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
+                      n_classes=n_classes, budgets=budgets, run_key=run_key, reuse=reuse, device=device,
+                      on_query=on_query, candidate_finder=candidate_finder, max_pairs=max_pairs)
+            return (answer_batch(queries[:half], first_index=first_index, **kw)
+                    + answer_batch(queries[half:], first_index=first_index + half, **kw))
     else:
-        cands = find_candidates(queries, source, kernel=params.kernel, tau=params.tau, nu=params.nu,
-                                device=device, row_mask=row_to_ledger >= 0)
+        cands = _candidates(queries, source, params, device, row_to_ledger, candidate_finder, None)
+    return _answer_with_candidates(queries, cands, row_to_ledger=row_to_ledger, row_labels=row_labels,
+                                   params=params, n_classes=n_classes, budgets=budgets, run_key=run_key,
+                                   first_index=first_index, reuse=reuse, device=device, on_query=on_query)
+
+
+def _candidates(queries, source, params, device, row_to_ledger, candidate_finder, max_pairs) -> Candidates:
+    if candidate_finder is not None:
+        return candidate_finder(queries, row_mask=row_to_ledger >= 0)
+    return find_candidates(queries, source, kernel=params.kernel, tau=params.tau, nu=params.nu, device=device,
+                           row_mask=row_to_ledger >= 0, max_pairs=max_pairs)
+
+
+def _answer_with_candidates(queries, cands, *, row_to_ledger, row_labels, params, n_classes, budgets, run_key,
+                            first_index, reuse, device, on_query) -> list[QueryAnswer]:
+    m = queries.shape[0]
     pool_cands = None
     n_pool0 = 0
     if reuse is not None:

@@ -227,7 +227,7 @@ def serve_queries(
             answers = answer_batch(
                 queries, source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
                 n_classes=n_classes, budgets=budgets, run_key=run_key, first_index=lo - q_start, reuse=pool,
-                device=device, candidate_finder=finder,
+                device=device, candidate_finder=finder, max_pairs=max(1 << 16, max_memory // 4 // 24),
             )
             touched = np.array(sorted(budgets.touched), dtype=np.int64)
             n_ans = len(answers)

@@ -82,3 +82,23 @@ def test_rbf_dot_threshold_matches_kernel():
     s = (x.astype(float) @ q[0].astype(float))
     thr = dot_threshold(kernel="rbf", tau=tau, nu=nu)
     assert ((k >= tau) == (s >= thr))[np.abs(s - thr) > 1e-9].all()
+
+
+def test_memory_bound_splits_batches_without_changing_answers():
+    X, y, _ = clustered(200, 8, 3, seed=21)
+    Q, _, _ = clustered(64, 8, 3, seed=22)
+    p = params(tau=0.1)
+    n = len(X)
+
+    def go(max_pairs):
+        b = BudgetView(spent=np.zeros(n), budget=np.full(n, p.budget), deleted=np.zeros(n, bool),
+                       times_selected=np.zeros(n, np.int64))
+        ans = answer_batch(Q, source=ArraySource(X, rows=50), row_to_ledger=np.arange(n), row_labels=y, params=p,
+                           n_classes=3, budgets=b, run_key=5, first_index=0, reuse=ReusePool.empty(8),
+                           device="cpu", max_pairs=max_pairs)
+        return [a.label for a in ans], [a.released_count for a in ans], b.spent
+
+    unbounded = go(None)
+    bounded = go(300)  # far fewer than the ~64×100 pairs: forces repeated halving
+    assert unbounded[0] == bounded[0] and unbounded[1] == bounded[1]
+    assert (unbounded[2] == bounded[2]).all()
