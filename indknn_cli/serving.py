@@ -194,6 +194,8 @@ def serve_queries(
         todo_start = q_start + already
         if todo_start >= q_stop:
             rows = _answer_rows(done)
+            if on_committed is not None:
+                on_committed(rows)
             return ServeResult(batch_id, rows, 0, already, seed, int(ledger.state.active_mask(params.c1).sum()))
         sync_ledger(ledger, store)
         state = ledger.state
