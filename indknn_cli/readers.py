@@ -467,7 +467,9 @@ def _image_files(folder: Path) -> list[Path]:
 class ImageFolderSource(Source):
     """One sub-folder per class (labels = folder names), or a flat folder of images (no labels).
 
-    Record ids are the files' paths relative to the folder (``class/file.png``).
+    Record ids are the folder's name and the file's path below it
+    (``mnist/3/test-00012.png``), so that re-embedding a grown folder with
+    ``--if-exists skip`` adds only the new files.
     """
 
     kind = "image-folder"
@@ -511,10 +513,13 @@ class ImageFolderSource(Source):
             yield RecordBatch(
                 items=[p for p, _ in chunk],
                 labels=[c for _, c in chunk] if (labels and self.classes is not None) else None,
-                ids=[p.relative_to(self.folder).as_posix() for p, _ in chunk],
+                ids=[self._id(p) for p, _ in chunk],
                 users=None,
                 start=lo,
             )
+
+    def _id(self, p: Path) -> str:
+        return f"{self.folder.resolve().name}/{p.relative_to(self.folder).as_posix()}"
 
     def sha256(self) -> str:
         h = hashlib.sha256()

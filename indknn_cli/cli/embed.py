@@ -1,0 +1,57 @@
+"""`indknn embed`: stream an input through a public extractor into the feature store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..embedding import embed_into_store
+from .common import emit_json, resolve_store, run_library_call, stderr_console
+
+
+def embed_command(
+    input: str = typer.Argument(..., metavar="INPUT", help="CSV, Parquet or JSON lines file; a folder of images (one sub-folder per class); .npy/.npz vectors; or - for stdin."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Feature store (else $INDKNN_STORE, else ./indknn-store.zarr). Created if missing (private/public)."),
+    role: str = typer.Option("private", "--role", help="private | query | public. Labels are required for private and public, ignored for queries."),
+    extractor: Optional[str] = typer.Option(None, "--extractor", help="text | image | pixels | hog | vectors. Default: the store's own extractor, else text."),
+    model: Optional[str] = typer.Option(None, "--model", help="text: all-MiniLM-L6-v2 (default, bundled) or a local model folder; image: ARCH:/path/ckpt.pt; pixels-28; hog-28; vectors: a tag naming the vector source."),
+    text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column (default: text); a comma list such as title,description is joined with '. '."),
+    label_column: Optional[str] = typer.Option(None, "--label-column", help="Label column (default: label; .npz: y; image folders: the class folder names)."),
+    id_column: Optional[str] = typer.Option(None, "--id-column", help="Record id column (default: generated ids ROLE-00000000; image folders: FOLDERNAME/CLASS/FILE; .npz: ids)."),
+    user_column: Optional[str] = typer.Option(None, "--user-column", help="User id column (optional; .npz: users)."),
+    image_column: Optional[str] = typer.Option(None, "--image-column", help="Image path column of a table of images (default: path; relative to the table's folder)."),
+    vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed vectors in Parquet / JSON lines (default: vector; .npz: x)."),
+    label_names: Optional[str] = typer.Option(None, "--label-names", help="Comma-separated label names fixed at store creation (default: the sorted distinct labels of the input)."),
+    if_exists: str = typer.Option("error", "--if-exists", help="error | skip: what to do with a record id that is already in the store."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="Query batch name (--role query; default q-<sha256 of the input>). Re-running the same input is a no-op."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    batch_size: int = typer.Option(256, "--batch-size", help="Rows read and embedded per batch (bounds memory)."),
+) -> None:
+    """Embed INPUT into the feature store. stdout: one JSON line (store, role, rows_added, rows_skipped, d, extractor)."""
+    err = stderr_console()
+    store_path = resolve_store(store)
+    names = [n.strip() for n in label_names.split(",")] if label_names is not None else None
+
+    def call():
+        with Progress(TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=False) as bar:
+            task = bar.add_task("embed", total=None)
+
+            def progress(done: int, total: int | None) -> None:
+                bar.update(task, completed=done, total=total)
+
+            return embed_into_store(
+                input, store_path=store_path, role=role, extractor=extractor, model=model,
+                text_column=text_column, label_column=label_column, id_column=id_column,
+                user_column=user_column, image_column=image_column, vector_column=vector_column,
+                if_exists=if_exists, batch=batch, label_names=names, device=device, batch_rows=batch_size,
+                progress=progress,
+            )
+
+    result = run_library_call(call)
+    for w in result.warnings:
+        err.print(f"[yellow]Warning:[/] {w}", soft_wrap=True)
+    emit_json(result.as_dict())

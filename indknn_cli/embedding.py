@@ -1,0 +1,384 @@
+"""`indknn embed` as a library call: stream an input through a public extractor into the store.
+
+Atomicity: everything is validated while the rows are written past the store's
+committed ``n_rows`` (invisible to readers); the commit (one attribute update)
+happens only after the last batch. Any error before it leaves the store as it
+was; a store created by the failing call is removed again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import BadInputError, StoreError
+from .extractors import Extractor, extractor_from_info, get_extractor
+from .readers import Source, open_source
+from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows
+
+IF_EXISTS = ("error", "skip")
+BATCH_INPUTS_ATTR = "batch_inputs"  # queries group attr: {batch name: sha256 of the input bytes}
+
+ProgressFn = Callable[[int, "int | None"], None]
+
+
+@dataclass
+class EmbedResult:
+    store: str
+    role: str
+    rows_added: int
+    rows_skipped: int
+    dim: int
+    extractor: ExtractorInfo
+    batch: str | None = None
+    start: int = 0
+    stop: int = 0
+    created: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """The JSON line `indknn embed` prints."""
+        out = {
+            "store": self.store,
+            "role": self.role,
+            "rows_added": self.rows_added,
+            "rows_skipped": self.rows_skipped,
+            "d": self.dim,
+            "extractor": self.extractor.as_dict(),
+        }
+        if self.role == "query":
+            out["batch"] = self.batch
+        return out
+
+
+def sort_label_names(values: Sequence[str]) -> list[str]:
+    """Distinct labels, sorted numerically when all are numbers, else as strings."""
+    values = list(dict.fromkeys(str(v) for v in values))
+    for conv in (int, float):
+        try:
+            return sorted(values, key=lambda s: (conv(s), s))
+        except ValueError:
+            continue
+    return sorted(values)
+
+
+def _check_finite_nonzero(x: np.ndarray, rows: Sequence[int], ids: Sequence[str | None], display: str) -> None:
+    """NaN/inf/zero vectors are errors naming the input row (1-based) and id."""
+    finite = np.isfinite(x).all(axis=1)
+    if not finite.all():
+        j = int(np.flatnonzero(~finite)[0])
+        raise BadInputError(f"{display}: row {rows[j] + 1}{_id_note(ids[j])}: vector contains NaN or infinite values")
+    zero = ~np.any(x != 0, axis=1)
+    if zero.any():
+        j = int(np.flatnonzero(zero)[0])
+        raise BadInputError(f"{display}: row {rows[j] + 1}{_id_note(ids[j])}: zero vector (cannot be L2-normalised)")
+
+
+def _id_note(rid: str | None) -> str:
+    return "" if rid is None else f" (id {rid!r})"
+
+
+def _store_exists(path: Path) -> bool:
+    return (path / "zarr.json").is_file()
+
+
+def embed_into_store(
+    source: str | os.PathLike | Source,
+    *,
+    store_path: str | os.PathLike,
+    role: str = "private",
+    extractor: str | Extractor | None = None,
+    model: str | None = None,
+    text_column: str | None = None,
+    label_column: str | None = None,
+    id_column: str | None = None,
+    user_column: str | None = None,
+    image_column: str | None = None,
+    vector_column: str | None = None,
+    if_exists: str = "error",
+    batch: str | None = None,
+    label_names: Sequence[str] | None = None,
+    device: str = "auto",
+    batch_rows: int = 256,
+    progress: ProgressFn | None = None,
+    lock: bool = True,
+    stdin=None,
+) -> EmbedResult:
+    """Embed ``source`` (a path, ``-`` for stdin, or an open :class:`Source`) into the store.
+
+    ``extractor=None`` means the store's own extractor when the store exists,
+    else ``text``; ``model=None`` with the store's extractor name means the
+    store's model. ``lock=False`` only when the caller already holds
+    ``store.write_lock()``.
+    """
+    if role not in ROLES:
+        raise BadInputError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+    if if_exists not in IF_EXISTS:
+        raise BadInputError(f"--if-exists must be error or skip, got {if_exists!r}")
+    if batch is not None and role != "query":
+        raise BadInputError("--batch applies to --role query only")
+    store_path = Path(store_path)
+    store = None
+    if _store_exists(store_path) or (store_path.exists() and (store_path.is_file() or any(store_path.iterdir()))):
+        store = FeatureStore.open(store_path, mode="a")  # refuses other format versions and foreign folders
+    elif role == "query":
+        raise StoreError(f"{store_path}: no feature store here; queries go into an existing store "
+                         f"(embed the private set first: indknn embed DATA --role private --store {store_path})")
+    ex = _resolve_extractor(extractor, model, device, store)
+    if store is not None:  # other extractor or other d: a clear StoreError
+        store = FeatureStore.open(store_path, mode="a", expect_extractor=ex.info, expect_dim=ex.dim)
+    return _embed(source, store=store, store_path=store_path, role=role, ex=ex, if_exists=if_exists,
+                  batch=batch, label_names=label_names, progress=progress, lock=lock,
+                  reader_opts=dict(text_column=text_column, label_column=label_column, id_column=id_column,
+                                   user_column=user_column, image_column=image_column,
+                                   vector_column=vector_column, batch_rows=batch_rows, stdin=stdin))
+
+
+class QueryBatchName(str):
+    """The name of a stored query batch, with its rows in the queries group as ``.start`` / ``.stop``."""
+
+    start: int
+    stop: int
+
+    def __new__(cls, name: str, start: int, stop: int) -> "QueryBatchName":
+        obj = super().__new__(cls, name)
+        obj.start, obj.stop = int(start), int(stop)
+        return obj
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return self.start, self.stop
+
+
+def embed_query_file(
+    source: str | os.PathLike | Source,
+    *,
+    store: FeatureStore | str | os.PathLike | None = None,
+    store_path: str | os.PathLike | None = None,
+    batch: str | None = None,
+    device: str = "auto",
+    lock: bool = True,
+    progress: ProgressFn | None = None,
+    **reader_opts,
+) -> QueryBatchName:
+    """Embed a raw query file with the store's own extractor into query batch ``batch``.
+
+    ``store`` is an open :class:`FeatureStore` or a path (``store_path`` is an
+    alias). ``batch=None`` names the batch ``q-`` + the first 16 hex digits of
+    the input's sha256. Idempotent: the same input under the same batch name
+    adds nothing and returns the stored batch; other content under an existing
+    name is a BadInputError. Returns the batch name (a ``str``) carrying the
+    batch's rows in the queries group as ``.start`` / ``.stop``. ``lock=False``
+    only when the caller already holds ``store.write_lock()``.
+    """
+    target = store if store is not None else store_path
+    if target is None:
+        raise BadInputError("embed_query_file: give the store")
+    st = target if isinstance(target, FeatureStore) else FeatureStore.open(target, mode="a")
+    ex = extractor_from_info(st.extractor, device=device, dim=st.dim)
+    reader_opts.setdefault("batch_rows", 256)
+    res = _embed(source, store=st, store_path=st.path, role="query", ex=ex, if_exists="error",
+                 batch=batch, label_names=None, progress=progress, lock=lock, reader_opts=reader_opts)
+    start, stop, _ = st.query_batch(res.batch)
+    return QueryBatchName(res.batch, start, stop)
+
+
+def _resolve_extractor(extractor, model, device, store: FeatureStore | None) -> Extractor:
+    if isinstance(extractor, Extractor):
+        return extractor
+    if extractor is None:
+        if store is not None and model is None:
+            return extractor_from_info(store.extractor, device=device)
+        extractor = store.extractor.name if store is not None else "text"
+    if model is None and store is not None and store.extractor.name == extractor:
+        model = store.extractor.model
+    return get_extractor(extractor, model=model, device=device)
+
+
+def _embed(source, *, store: FeatureStore | None, store_path: Path, role: str, ex: Extractor, if_exists: str,
+           batch: str | None, label_names: Sequence[str] | None, progress: ProgressFn | None, lock: bool,
+           reader_opts: dict) -> EmbedResult:
+    own_source = not isinstance(source, Source)
+    src = open_source(source, extractor_kind=ex.input_kind, **reader_opts) if own_source else source
+    try:
+        return _embed_source(src, store=store, store_path=store_path, role=role, ex=ex, if_exists=if_exists,
+                             batch=batch, label_names=label_names, progress=progress, lock=lock)
+    finally:
+        if own_source:
+            src.close()
+
+
+def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, role: str, ex: Extractor,
+                  if_exists: str, batch: str | None, label_names: Sequence[str] | None,
+                  progress: ProgressFn | None, lock: bool) -> EmbedResult:
+    warnings: list[str] = []
+
+    # -- labels: known up front (a scan of the label column / the class folders)
+    use_labels = role != "query"
+    name_index: dict[str, int] = {}
+    if label_names is not None:
+        label_names = [str(n).strip() for n in label_names]
+        if not label_names or any(not n for n in label_names) or len(set(label_names)) != len(label_names):
+            raise BadInputError(f"--label-names must be distinct non-empty names, got {label_names}")
+    if role == "query":
+        if src.has_labels:
+            warnings.append(f"{src.name}: labels are ignored for queries (not stored)")
+        names = store.label_names if store is not None else []
+    else:
+        if not src.has_labels:
+            raise BadInputError(src.missing_labels_message())
+        present = src.label_values() or []
+        if store is not None:
+            names = list(store.label_names)
+            if label_names is not None and list(label_names) != names:
+                raise BadInputError(f"--label-names {label_names} differ from the store's label names {names} "
+                                    f"(label names are fixed when the store is created)")
+        else:
+            names = list(label_names) if label_names is not None else sort_label_names(present)
+        name_index = {n: i for i, n in enumerate(names)}
+        unknown = [v for v in present if v not in name_index]
+        if unknown:
+            raise BadInputError(f"{src.name}: unknown label {unknown[0]!r}"
+                                f"{' (and %d more)' % (len(unknown) - 1) if len(unknown) > 1 else ''}; "
+                                f"the store's labels are {names}")
+
+    # -- query batches: a name, and idempotent re-runs
+    input_sha = None
+
+    def existing_batch(st: FeatureStore | None) -> EmbedResult | None:
+        """Same batch name already stored: same input → idempotent result; other input → error."""
+        if role != "query" or st is None or batch not in st.batches():
+            return None
+        start, stop, _ = st.query_batch(batch)
+        recorded = dict(st.group("query").attrs.get(BATCH_INPUTS_ATTR, {})).get(batch)
+        if recorded == input_sha:
+            return EmbedResult(store=str(store_path), role=role, rows_added=0, rows_skipped=stop - start,
+                               dim=st.dim, extractor=st.extractor, batch=batch, start=start, stop=stop,
+                               warnings=warnings + [f"query batch {batch!r} is already in the store "
+                                                    f"(same input); nothing added"])
+        raise BadInputError(f"query batch {batch!r} is already in store {store_path} with other content; "
+                            f"choose another --batch name")
+
+    if role == "query":
+        input_sha = src.sha256()
+        batch = batch or "q-" + input_sha[:16]
+        done = existing_batch(store)
+        if done is not None:
+            return done
+
+    total = src.count() if progress is not None else None
+    created = False
+    pre_existing_dir = store_path.is_dir() and store is None
+    try:
+        with contextlib.ExitStack() as stack:
+            existing: set[str] = set()
+            app = None
+
+            def start_writing(st: FeatureStore):
+                nonlocal app, existing
+                if lock:
+                    stack.enter_context(st.write_lock())
+                if role != "query":  # query ids are unique within their batch
+                    existing = set(st.record_ids(role).tolist())
+                return st.appender(role, batch=batch)
+
+            if store is not None:
+                app = start_writing(store)
+                done = existing_batch(store)  # again under the lock: a concurrent run may have added it
+                if done is not None:
+                    return done
+            dim = store.dim if store is not None else None
+            seen: set[str] = set()
+            rows_in = rows_skipped = rows_added = 0
+            for rb in src.batches(labels=use_labels):
+                n = len(rb)
+                rows = list(range(rb.start, rb.start + n))
+                ids = list(rb.ids) if rb.ids is not None else [None] * n
+                keep = []
+                for j, rid in enumerate(ids):
+                    if rid is not None:
+                        if rid in seen:
+                            raise BadInputError(f"{src.name}: row {rows[j] + 1}: duplicate id {rid!r} in the input")
+                        seen.add(rid)
+                        if rid in existing:
+                            if if_exists == "error":
+                                raise BadInputError(
+                                    f"{src.name}: row {rows[j] + 1}: id {rid!r} is already in the {role} set of "
+                                    f"{store_path}; pass --if-exists skip to skip such rows")
+                            rows_skipped += 1
+                            continue
+                    keep.append(j)
+                rows_in += n
+                if keep:
+                    sel = keep if len(keep) < n else None
+                    pick = (lambda seq: seq if sel is None or seq is None else
+                            (seq[sel] if isinstance(seq, np.ndarray) else [seq[k] for k in sel]))
+                    items, labels, users = pick(rb.items), pick(rb.labels), pick(rb.users)
+                    rows_k, ids_k = pick(rows), pick(ids)
+                    x = ex.embed(items)
+                    x = np.asarray(x)
+                    if x.ndim != 2 or x.shape[0] != len(keep):
+                        raise BadInputError(f"{src.name}: extractor returned shape {x.shape} for {len(keep)} rows")
+                    if dim is None:
+                        dim = int(x.shape[1])
+                    elif x.shape[1] != dim:
+                        if store is not None:
+                            raise StoreError(f"{store_path}: store has d={dim}, input has d={x.shape[1]} "
+                                             f"(row {rows_k[0] + 1})")
+                        raise BadInputError(f"{src.name}: row {rows_k[0] + 1}: d={x.shape[1]}, earlier rows "
+                                            f"have d={dim}")
+                    _check_finite_nonzero(x, rows_k, ids_k, src.name)
+                    xn = normalize_rows(x, what=src.name)
+                    lab_idx = None
+                    if use_labels:
+                        lab_idx = np.empty(len(keep), dtype=np.int32)
+                        for k, lab in enumerate(labels):
+                            if lab not in name_index:
+                                raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: unknown label {lab!r}; "
+                                                    f"the store's labels are {names}")
+                            lab_idx[k] = name_index[lab]
+                    if store is None:
+                        try:
+                            store = FeatureStore.create(store_path, extractor=ex.info, dim=dim, label_names=names)
+                        except OSError as exc:
+                            raise StoreError(f"{store_path}: cannot create the store ({exc})") from None
+                        created = True
+                        app = start_writing(store)
+                    final_ids = []
+                    for k, rid in enumerate(ids_k):
+                        if rid is None:
+                            rid = f"{role}-{app.stop + k:08d}"
+                            if rid in existing or rid in seen:
+                                raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: generated id {rid!r} "
+                                                    f"collides with an existing id; give an --id-column")
+                        final_ids.append(rid)
+                    app.write(xn, labels=lab_idx, record_ids=final_ids, user_ids=users)
+                    rows_added += len(keep)
+                if progress is not None:
+                    progress(rows_in, total)
+            if rows_in == 0:
+                raise BadInputError(f"{src.name}: empty input (0 rows)")
+            start = stop = store.n_rows(role) if store is not None else 0
+            if rows_added:
+                extra = None
+                if role == "query":
+                    inputs = dict(store.group("query").attrs.get(BATCH_INPUTS_ATTR, {}))
+                    inputs[batch] = input_sha
+                    extra = {BATCH_INPUTS_ATTR: inputs}
+                start, stop = app.commit(extra)
+    except BaseException:
+        if created:
+            shutil.rmtree(store_path, ignore_errors=True)
+            if pre_existing_dir:
+                store_path.mkdir(exist_ok=True)
+        raise
+    return EmbedResult(store=str(store_path), role=role, rows_added=rows_added, rows_skipped=rows_skipped,
+                       dim=int(store.dim), extractor=store.extractor, batch=batch, start=start, stop=stop,
+                       created=created, warnings=warnings)
+
