@@ -20,6 +20,7 @@ rounded up, so converting a calibrated B back never exceeds the target ε.
 from __future__ import annotations
 
 import math
+import struct
 from functools import lru_cache
 
 import numpy as np
@@ -63,11 +64,24 @@ def gdp_delta(*, epsilon: float, mu: float) -> float:
     return max(0.0, first - second)
 
 
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(i: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", i))[0]
+
+
+def _check_budget(budget: float) -> float:
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0):
+        raise BadInputError(f"budget must be a finite number ≥ 0, got {budget!r}")
+    return float(budget)
+
+
 def gdp_epsilon(*, budget: float, delta: float) -> float:
-    """Smallest ε (rounded up) with δ(ε) ≤ delta for μ = sqrt(2·budget)."""
+    """Smallest ε with δ(ε) ≤ delta for μ = sqrt(2·budget): the smallest float that passes (rounded up)."""
     delta = _check_delta(delta)
-    if budget < 0:
-        raise BadInputError(f"budget must be ≥ 0, got {budget!r}")
+    budget = _check_budget(budget)
     if budget == 0:
         return 0.0
     mu = math.sqrt(2.0 * budget)
@@ -78,23 +92,27 @@ def gdp_epsilon(*, budget: float, delta: float) -> float:
         lo, hi = hi, hi * 2.0
         if hi > 1e6:
             return math.inf
-    for _ in range(200):  # δ(ε) decreases in ε: keep hi feasible
-        mid = 0.5 * (lo + hi)
-        if gdp_delta(epsilon=mid, mu=mu) > delta:
-            lo = mid
+    # δ(ε) decreases in ε: bisect over the float64 bit patterns (ordered like the positive
+    # floats) down to adjacent floats, so hi is exactly the smallest float with δ(hi) ≤ delta.
+    # That makes the result a deterministic, monotone function of (B, δ); a tolerance-based
+    # stop made ε(B) wobble by ~1e-12 (not monotone in B, and calibrate_budget then failed).
+    lo_i, hi_i = _float_bits(lo), _float_bits(hi)
+    while hi_i - lo_i > 1:
+        mid_i = (lo_i + hi_i) // 2
+        if gdp_delta(epsilon=_bits_float(mid_i), mu=mu) > delta:
+            lo_i = mid_i
         else:
-            hi = mid
-        if hi - lo <= 1e-12 * max(1.0, hi):
-            break
-    return math.nextafter(hi, math.inf)
+            hi_i = mid_i
+    # hi itself is checked feasible; one float more is not necessarily (δ(ε) is monotone only up
+    # to rounding noise), so hi is the rounded-up answer.
+    return _bits_float(hi_i)
 
 
 @lru_cache(maxsize=4096)
 def rdp_epsilon(*, budget: float, delta: float) -> float:
     """ε at δ of the RDP curve α ↦ α·budget, via dp-accounting (rounded up)."""
     delta = _check_delta(delta)
-    if budget < 0:
-        raise BadInputError(f"budget must be ≥ 0, got {budget!r}")
+    budget = _check_budget(budget)
     if budget == 0:
         return 0.0
     import dp_accounting
@@ -103,8 +121,10 @@ def rdp_epsilon(*, budget: float, delta: float) -> float:
     orders = np.concatenate([np.linspace(1.01, 8, 700), np.linspace(8.05, 64, 560),
                              np.geomspace(64.5, 1e5, 300)])
     accountant = RdpAccountant(orders=list(orders))
-    # A Gaussian mechanism of noise multiplier σ has RDP α/(2σ²) = α·B.
-    accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier=1.0 / math.sqrt(2.0 * budget)))
+    # The curve α ↦ α·B is that of a Gaussian mechanism of noise multiplier σ = 1/sqrt(2B)
+    # (RDP α/(2σ²)); composing it as ρ-zCDP with ρ = B gives the same RDP values without
+    # forming σ² (which overflows for a tiny B: 1/(2·1e-311) is not a float).
+    accountant.compose(dp_accounting.ZCDpEvent(rho=float(budget)))
     return math.nextafter(float(accountant.get_epsilon(delta)), math.inf)
 
 
@@ -143,7 +163,10 @@ def calibrate_budget(*, epsilon: float, delta: float, conversion: str = "gdp") -
             hi = mid
         if hi - lo <= 1e-13 * max(hi, 1e-300):
             break
-    budget = math.nextafter(lo, 0.0)
+    # lo is a budget that was checked: ok(lo) holds. (Stepping below it is not safe: the computed
+    # ε(B) is monotone in B only up to floating-point noise, ~1e-13 relative, so a smaller B can
+    # convert to a hair more ε and fail the check.)
+    budget = lo
     if budget <= 0 or not ok(budget):
         raise BadInputError(f"no positive budget certifies epsilon={epsilon} at delta={delta}")
     return budget

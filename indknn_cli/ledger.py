@@ -145,6 +145,21 @@ def atomic_write_text(text: str, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+def unpublished_store_uuids(path: Path, generation: int) -> dict[str, int]:
+    """store_uuid → generation of snapshots written past CURRENT's (an interrupted store compaction)."""
+    out: dict[str, int] = {}
+    for p in Path(path).glob("snapshot-*.parquet"):
+        stem = p.name[len("snapshot-"):-len(".parquet")]
+        if not stem.isdigit() or int(stem) <= generation:
+            continue
+        try:
+            meta = json.loads((pq.read_schema(p).metadata or {})[b"indknn"])
+            out[str(meta["store_uuid"])] = int(stem)
+        except Exception:  # noqa: BLE001 - a torn leftover is no candidate
+            continue
+    return out
+
+
 @dataclass
 class LedgerState:
     """In-memory state: arrays indexed by ledger index."""
@@ -233,6 +248,12 @@ class BudgetLedger:
                     raise LedgerError(f"{path}: ledger files changed while reading; try again") from None
                 time.sleep(0.05)
         if store_uuid is not None and ledger.meta["store_uuid"] != store_uuid:
+            if (ledger.meta.get("store_compaction") or {}).get("from_store_uuid") == store_uuid:
+                raise LedgerError(f"{path}: the feature store was compacted (rows renumbered) while this command "
+                                  "ran; run the command again")
+            if store_uuid in unpublished_store_uuids(path, ledger.generation):
+                raise LedgerError(f"{path}: the ledger does not match the feature store: an `indknn delete "
+                                  "--compact` was interrupted; run `indknn delete --compact` to finish it")
             raise LedgerError(
                 f"{path}: this ledger belongs to another feature store ({ledger.meta['store_path']}); "
                 "use the ledger created for this store"
@@ -440,6 +461,28 @@ class BudgetLedger:
         })
         return len(li)
 
+    def delete_records(self, ledger_indices) -> int:
+        """Tombstone records (one `delete` event): never selectable again, spent kept, never refunded.
+
+        The event keeps each record's id, user, former store row and spent; replay
+        sets ``deleted``, ``deleted_at`` and ``row = -1``. Already deleted records
+        are skipped. Returns the number of records tombstoned.
+        """
+        s = self.state
+        li = np.unique(np.asarray(ledger_indices, dtype=np.int64))
+        if li.size and (li[0] < 0 or li[-1] >= len(s)):
+            raise LedgerError(f"{self.path}: ledger index {int(li[0] if li[0] < 0 else li[-1])} is outside "
+                              f"the {len(s)} records")
+        li = li[~s.deleted[li]]
+        if li.size == 0:
+            return 0
+        self.commit_event(event_type="delete", info={"records": int(li.size)}, columns={
+            "kind": ["delete"] * li.size, "ledger_index": li.tolist(),
+            "record_id": [str(x) for x in s.record_id[li]], "user_id": [str(x or "") for x in s.user_id[li]],
+            "row": s.row[li].tolist(), "spent_after": s.spent[li].tolist(),
+        })
+        return int(li.size)
+
     def store_row_map(self, n_store_rows: int) -> np.ndarray:
         """ledger index of each store row (−1 where the row is not in the ledger)."""
         out = np.full(n_store_rows, -1, dtype=np.int64)
@@ -454,7 +497,7 @@ class BudgetLedger:
         return {n: [a[n][i] for i in keep] for n in ANSWER_SCHEMA.names}
 
     # -- compaction ------------------------------------------------------------
-    def _write_snapshot(self, generation: int) -> None:
+    def _write_snapshot(self, generation: int, *, publish: bool = True) -> None:
         s = self.state
         c1 = self.params.c1 if "params" in self.meta else 0.0
         meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
@@ -471,22 +514,55 @@ class BudgetLedger:
         }, schema=RECORD_SCHEMA).replace_schema_metadata({b"indknn": json.dumps(meta).encode()})
         atomic_write_parquet(s.answers_table(), self.path / f"answers-{generation:06d}.parquet")
         atomic_write_parquet(table, self.path / f"snapshot-{generation:06d}.parquet")
-        atomic_write_text(json.dumps({"generation": generation}), self.path / "CURRENT")
+        if publish:
+            atomic_write_text(json.dumps({"generation": generation}), self.path / "CURRENT")
 
     def compact(self) -> int:
         """Fold all events into a new snapshot (atomic via CURRENT); returns events folded."""
-        files = self._event_files()
         gen = self.generation + 1
-        self._write_snapshot(generation=gen)
-        for seq, p in files:
+        self._write_snapshot(generation=gen, publish=False)
+        return self.publish_generation(gen)
+
+    def publish_generation(self, generation: int) -> int:
+        """Switch CURRENT to a written snapshot (the commit point), then drop folded events and old generations.
+
+        Returns the number of event files removed.
+        """
+        atomic_write_text(json.dumps({"generation": generation}), self.path / "CURRENT")
+        folded = 0
+        for seq, p in self._event_files():
             if seq <= self.last_event_seq:
                 p.unlink(missing_ok=True)
+                folded += 1
         for old in list(self.path.glob("snapshot-*.parquet")) + list(self.path.glob("answers-*.parquet")):
-            if not old.name.endswith(f"{gen:06d}.parquet"):
+            if not old.name.endswith(f"{generation:06d}.parquet"):
                 old.unlink(missing_ok=True)
-        self.generation = gen
+        self.generation = generation
         self.snapshot_event_seq = self.last_event_seq
-        return len(files)
+        return folded
+
+    def prepare_renumbered_snapshot(self, *, new_row_of: np.ndarray, store_uuid: str, info: dict) -> int:
+        """Write, without publishing, snapshot g+1 with store rows renumbered and bound to ``store_uuid``.
+
+        For store compaction (deletion.compact): ``new_row_of[old_row]`` is the
+        row in the compacted store (−1: removed). Spent budgets, tombstones and
+        answers are carried unchanged. This object then describes generation
+        g+1: call :meth:`publish_generation` or discard it.
+        """
+        s = self.state
+        live = (~s.deleted) & (s.row >= 0)
+        rows = s.row.copy()
+        if live.any():
+            old = s.row[live]
+            if old.max() >= len(new_row_of) or (new_row_of[old] < 0).any():
+                raise LedgerError(f"{self.path}: a live record's store row would be removed by the compaction")
+            rows[live] = new_row_of[old]
+        s.row = rows
+        self.meta = dict(self.meta, store_uuid=store_uuid,
+                         store_compaction=dict(info, from_store_uuid=self.meta["store_uuid"]))
+        gen = self.generation + 1
+        self._write_snapshot(generation=gen, publish=False)
+        return gen
 
     # -- locking ---------------------------------------------------------------
     @staticmethod

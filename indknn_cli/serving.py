@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import accounting
+from . import accounting, indexes
 from .engine import BudgetView, ReusePool, StoreSource, answer_batch
 from .errors import BadInputError, BudgetExhaustedError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
@@ -72,6 +72,7 @@ def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
     known = ledger.store_row_map(n) >= 0
     deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
     new_rows = np.flatnonzero(~known & ~deleted_rows)
+    indexes.add_rows(store, new_rows)  # candidate index (lsh/ivf): encode new rows incrementally
     if new_rows.size == 0:
         return 0
     ids = store.read("private", "record_id")
@@ -82,14 +83,24 @@ def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
 
 def build_index(
     *, store_path: str | os.PathLike, ledger_path: str | os.PathLike, params: PrivacyParams | None,
-    kind: str = "flat", lock_timeout: float = 60.0,
+    kind: str | None = None, lock_timeout: float = 60.0, tables: int | None = None, bits: int | None = None,
+    index_seed: int | None = None, nlist: int | None = None, nprobe: int | None = None,
+    train_on: str | os.PathLike | None = None,
 ) -> IndexResult:
-    """Create the ledger (or add the store's new records to it, keeping every spent budget)."""
-    if kind != "flat":
-        raise BadInputError(f"index kind {kind!r} is not available; use flat")
+    """Create the ledger (or add the store's new records to it, keeping every spent budget).
+
+    ``kind``: flat (exact), lsh or ivf (see :mod:`indknn_cli.indexes`); None keeps the
+    store's current candidate index. hnsw, and IVF centroids trained on private
+    vectors, are refused (PrivacyRefusedError): a record's candidate membership
+    would depend on other private records, breaking the filter's guarantee (SPEC §4).
+    """
+    indexes.check_kind(kind)
     store = FeatureStore.open(store_path, mode="r")
     if store.n_rows("private") == 0:
         raise BadInputError(f"{store_path}: the store has no private records to index")
+    # Refusals and IVF training (public data only) happen before anything is written.
+    plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
+                              nprobe=nprobe, train_on=train_on)
     created = False
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
         if BudgetLedger.exists(ledger_path):
@@ -109,8 +120,10 @@ def build_index(
         added = sync_ledger(ledger, store)
         if created:
             ledger.compact()
+    index_info = indexes.apply_plan(store, plan, lock_timeout=max(lock_timeout, 300.0))
     return IndexResult(store=str(store_path), ledger=str(ledger_path), records=len(ledger.state),
-                       records_added=added, created=created, params=ledger.params, kind=kind)
+                       records_added=added, created=created, params=ledger.params, kind=plan.kind,
+                       extra={"index": index_info})
 
 
 def _differs(a: PrivacyParams, b: PrivacyParams) -> bool:
@@ -214,7 +227,8 @@ def serve_queries(
         if reuse:
             pool = _reuse_pool(store, ledger)
         source = StoreSource(store, cache_bytes=max_memory // 2)
-        finder = candidate_finder_factory(store, ledger) if candidate_finder_factory else None
+        finder = (candidate_finder_factory(store, ledger) if candidate_finder_factory
+                  else indexes.load_candidate_finder(store, ledger))
         run_key = run_key_for(seed, batch_id)
         seed_str = None if seed is None else str(seed)
         query_ids = store.read("query", "record_id", q_start, q_stop)

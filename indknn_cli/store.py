@@ -180,9 +180,25 @@ class FeatureStore:
                     if time.monotonic() >= deadline:
                         raise LockTimeoutError(f"{self.path}: another indknn process is writing this store")
                     time.sleep(0.05)
+            self._refresh_after_lock()
             yield
         finally:
             os.close(fd)
+
+    def _refresh_after_lock(self) -> None:
+        """Re-read the metadata now that no other writer can change it.
+
+        zarr caches group attributes (``n_rows``, ...) when a group is opened, so a
+        store opened before waiting for the lock may be stale. A compaction
+        (``indknn delete --compact``) replaces the store folder with a renumbered
+        copy under a new ``store_uuid``: a writer that waited through one is refused
+        rather than writing with the old row numbers.
+        """
+        root = zarr.open_group(str(self.path), mode="r" if self.read_only else "r+")
+        if dict(root.attrs).get("store_uuid") != self.uuid:
+            raise StoreError(f"{self.path}: the store was compacted (rows renumbered) while this command waited "
+                             "for its lock; run the command again")
+        self.root = root
 
     # -- reading ---------------------------------------------------------
     def group(self, role: str) -> zarr.Group:
@@ -244,28 +260,51 @@ class FeatureStore:
         app.write(features, labels=labels, record_ids=record_ids, user_ids=user_ids)
         return app.commit()
 
+    #: What erasure writes over a row (SPEC §8 / issue 6: physical erasure, the row keeps its place).
+    ERASED = {"features": 0.0, "labels": -1, "record_id": "", "user_id": "", "deleted": True}
+
     def erase_rows(self, role: str, rows: np.ndarray) -> int:
-        """Physically overwrite features and labels of rows (deleted := True). Returns bytes rewritten."""
-        g = self.group(role)
+        """Physically overwrite rows: features := 0, label := −1, record_id/user_id := "", deleted := True.
+
+        Every touched chunk is rewritten whole (zarr's LocalStore replaces a chunk
+        file atomically: temp file, rename) and fsync'd with its folder, so the old
+        bytes are in no file of the store afterwards. Returns the bytes of the
+        chunks rewritten (uncompressed). The caller holds :meth:`write_lock`.
+        """
+        rows = self._check_rows(role, rows)
+        return sum(self._overwrite_rows(role, name, rows, value) for name, value in self.ERASED.items())
+
+    def mark_deleted(self, role: str, rows: np.ndarray) -> int:
+        """Set ``deleted`` only (no data touched), fsync'd: the first step of a deletion."""
+        return self._overwrite_rows(role, "deleted", self._check_rows(role, rows), True)
+
+    def _check_rows(self, role: str, rows) -> np.ndarray:
         rows = np.unique(np.asarray(rows, dtype=np.int64))
+        n = self.n_rows(role)
+        if rows.size and (rows[0] < 0 or rows[-1] >= n):
+            raise StoreError(f"{self.path}: row {int(rows[0] if rows[0] < 0 else rows[-1])} is outside the "
+                             f"{n} committed {role} rows")
+        return rows
+
+    def _overwrite_rows(self, role: str, name: str, rows: np.ndarray, value) -> int:
+        """Rewrite each chunk of ``name`` holding one of ``rows`` with ``value`` at those rows; fsync."""
         if rows.size == 0:
             return 0
-        feats = g["features"]
-        rewritten = 0
-        for chunk in np.unique(rows // self.chunk_rows):
-            lo = int(chunk) * self.chunk_rows
-            hi = min(lo + self.chunk_rows, feats.shape[0])
-            block = np.asarray(feats[lo:hi])
-            sel = rows[(rows >= lo) & (rows < hi)] - lo
-            block[sel] = 0.0
-            feats[lo:hi] = block  # zarr replaces the chunk file atomically
-            rewritten += block.nbytes
-        labels = g["labels"]
-        deleted = g["deleted"]
-        for r in rows:
-            labels[int(r)] = -1
-            deleted[int(r)] = True
-        return rewritten
+        arr = self.group(role)[name]
+        step = int(arr.chunks[0])
+        folder = self.path / GROUP_OF_ROLE[role] / name / "c"
+        written = 0
+        for chunk in np.unique(rows // step):
+            lo = int(chunk) * step
+            hi = min(lo + step, int(arr.shape[0]))
+            block = np.asarray(arr[lo:hi])
+            block[rows[(rows >= lo) & (rows < hi)] - lo] = value
+            arr[lo:hi] = block  # the whole chunk: written without a read, file replaced atomically
+            written += sum(4 + len(str(v).encode()) for v in block) if block.dtype.kind in "OUT" else block.nbytes
+            chunk_file = folder / str(int(chunk)) / "0" if arr.ndim == 2 else folder / str(int(chunk))
+            _fsync_path(chunk_file)  # absent when zarr dropped an all-fill chunk
+            _fsync_path(chunk_file.parent)
+        return written
 
 
 class Appender:
@@ -327,6 +366,18 @@ class Appender:
             attrs.update(extra_attrs)
         self.group.attrs.update(attrs)  # the commit point: one atomic zarr.json replace
         return self.start, self.stop
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or folder (durability of a rewrite); a missing path is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def vectors_sha256(x: np.ndarray) -> str:

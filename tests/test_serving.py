@@ -229,7 +229,7 @@ def test_no_record_ever_exceeds_its_budget(tmp_path_factory, kind, n, seed, kern
     store.append("query", q.astype(np.float32), record_ids=[f"q{i}" for i in range(len(q))], batch="b")
     tau = 0.999 if kind == "boundary" else 0.3
     p = make_params(epsilon=float(rng.uniform(0.2, 3)), delta=1e-5, kernel=kernel, tau=tau,
-                    sigma2=float(rng.uniform(0.05, 2)), planned_queries=int(rng.integers(3, 100)),
+                    sigma2=float(rng.uniform(0.05, 2)), planned_queries=int(rng.integers(4, 100)),
                     nu=float(rng.uniform(0.3, 5)) if kernel == "rbf" else None, k_min=float(rng.integers(1, 40)))
     build_index(store_path=store.path, ledger_path=tmp / "L", params=p)
     try:

@@ -24,7 +24,13 @@ def index_command(
     planned_queries: int = typer.Option(1000, "--planned-queries", help="T for the paper's σ1 = sqrt(T/(6B))."),
     nu: Optional[float] = typer.Option(None, "--nu", help="RBF bandwidth ν (default e^1.5)."),
     k_min: float = typer.Option(30.0, "--k-min", help="Clamp K_min of the released count."),
-    kind: str = typer.Option("flat", "--kind", help="Candidate search: flat (exact)."),
+    kind: Optional[str] = typer.Option(None, "--kind", help="Candidate search: flat (exact scan), lsh (random-hyperplane hash tables, the paper's Ind-KNN-Hash), ivf (inverted lists, centroids trained on public vectors only); hnsw is refused. Default: keep the store's current index (flat when none)."),
+    tables: Optional[int] = typer.Option(None, "--tables", help="lsh: number of hash tables L (default 30)."),
+    bits: Optional[int] = typer.Option(None, "--bits", help="lsh: hyperplanes per table b (default 9; paper: 8 CIFAR-10, 9 AG News)."),
+    index_seed: Optional[int] = typer.Option(None, "--index-seed", help="lsh/ivf: seed of the hyperplanes / k-means (default: fresh entropy, recorded with the index)."),
+    nlist: Optional[int] = typer.Option(None, "--nlist", help="ivf: number of lists (default: a power of two with ≥ 39 public training vectors per list)."),
+    nprobe: Optional[int] = typer.Option(None, "--nprobe", help="ivf: lists probed per query (default nlist/8; nprobe = nlist is exact search). Can be changed later without retraining."),
+    train_on: Optional[str] = typer.Option(None, "--train-on", help="ivf: public vectors for the centroids: public, query, or a .npy/.npz file of [n, d] vectors (default: the store's public rows, else its query rows). Private vectors are refused."),
     lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
 ) -> None:
     """Create the ledger with B calibrated from (ε, δ); re-running adds new records, keeping spent budgets."""
@@ -38,7 +44,8 @@ def index_command(
             params = make_params(epsilon=eps, delta=delta, conversion=conversion, kernel=kernel, tau=tau,
                                  sigma2=sigma2, sigma1=sigma1, planned_queries=planned_queries, nu=nu, k_min=k_min)
         return build_index(store_path=store_path, ledger_path=resolve_ledger(ledger), params=params, kind=kind,
-                           lock_timeout=lock_timeout)
+                           lock_timeout=lock_timeout, tables=tables, bits=bits, index_seed=index_seed, nlist=nlist,
+                           nprobe=nprobe, train_on=train_on)
 
     result = run_library_call(call)
     emit_json(result.as_dict())

@@ -1,0 +1,1 @@
+"""Benchmarks of `indknn bench` (see experiments.py)."""

@@ -1,0 +1,79 @@
+"""PNG figures of each experiment (the paper's Figures 1–4 / Table 1 counterparts)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .report import plot_grid, plot_lines
+
+PRIVATE_METHODS = ("ind-knn", "ind-knn+reuse", "private-knn", "linear-noisysgd")
+
+
+def _ds(result: dict) -> str:
+    d = result.get("dataset", {})
+    return f"{d.get('name', '?')} ({d.get('extractor', '?')}, {d.get('split', {}).get('private', '?')} private)"
+
+
+def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
+    out_dir = Path(out_dir)
+    kind = result["experiment"]
+    paths: list[Path] = []
+    if kind == "accuracy-vs-eps":
+        rows = result["results"]
+        series = {}
+        for m in PRIVATE_METHODS:
+            pts = sorted((r["epsilon"], r["accuracy_median"]) for r in rows if r["method"] == m)
+            if pts:
+                series[m] = ([p[0] for p in pts], [p[1] for p in pts])
+        hl = {r["method"]: r["accuracy_median"] for r in rows if r["epsilon"] == math.inf}
+        T = result["dataset"].get("queries_per_draw")
+        paths.append(plot_lines(out_dir / f"{stem}.png", series=series, hlines=hl, xlabel="ε (δ = %g)"
+                                % result["config"]["delta"], ylabel=f"median accuracy of {T} queries",
+                                title=f"Accuracy vs ε — {_ds(result)}"))
+    elif kind == "accuracy-vs-queries":
+        rows = result["results"]
+        series = {}
+        for m in PRIVATE_METHODS:
+            pts = sorted((r["queries"], r["accuracy_median"]) for r in rows if r["method"] == m)
+            if pts:
+                series[m] = ([p[0] for p in pts], [p[1] for p in pts])
+        paths.append(plot_lines(out_dir / f"{stem}.png", series=series, xlabel="number of queries T",
+                                ylabel="median accuracy", logx=True,
+                                title=f"Accuracy vs T at ε={result['epsilon']:g} — {_ds(result)}"))
+    elif kind == "retraining":
+        rows = result["results"]
+        qs = [r["retrain_every"] for r in rows]
+        paths.append(plot_lines(out_dir / f"{stem}_time.png", series={
+            "ind-knn (deletions)": (qs, [r["indknn_seconds_per_query"] for r in rows]),
+            "linear-noisysgd (retrained)": (qs, [r["noisysgd_seconds_per_query"] for r in rows])},
+            xlabel="retrain every Q queries", ylabel="amortised seconds per query", logx=True, logy=True,
+            title=f"Amortised cost vs retraining frequency — {_ds(result)}"))
+        series = {}
+        for q, c in result["privacy_curves"].items():
+            series[f"linear-noisysgd Q={q}"] = (c["queries"], c["noisysgd_epsilon"])
+        if result["privacy_curves"]:
+            c = result["privacy_curves"][min(result["privacy_curves"], key=lambda k: int(k))]
+            series["ind-knn median realised ε (selected records)"] = (
+                c["queries"], c["indknn_median_realised_epsilon_selected"])
+        paths.append(plot_lines(out_dir / f"{stem}_privacy.png", series=series,
+                                hlines={"ind-knn guarantee": result["epsilon"]}, xlabel="queries answered",
+                                ylabel="ε", title=f"Privacy cost vs queries — {_ds(result)}"))
+    elif kind == "speed":
+        series = {}
+        for r in result["results"]:
+            s = series.setdefault(f"{r['kind']} d={r['d']}", ([], []))
+            s[0].append(r["n"])
+            s[1].append(r["queries_per_second"])
+        paths.append(plot_lines(out_dir / f"{stem}.png", series=series, xlabel="private records N",
+                                ylabel="queries / s", logx=True, logy=True, title="Engine throughput (synthetic)"))
+    elif kind == "tune":
+        res = result["result"]
+        s1 = res["stage1"]["sweep"]
+        paths.append(plot_lines(out_dir / f"{stem}_stage1.png", series={
+            "non-private Ind-KNN accuracy": ([r["tau"] for r in s1], [r["accuracy"] for r in s1])},
+            xlabel="τ", ylabel="validation accuracy", title=f"Tuner stage 1 (τ* = {res['stage1']['tau_star']})"))
+        for eps, grid in res["grids"].items():
+            paths.append(plot_grid(out_dir / f"{stem}_eps{eps}.png", grid=grid,
+                                   title=f"Tuner stage 2 at ε={eps} — {_ds(result)}"))
+    return paths

@@ -1,0 +1,136 @@
+"""Output of `indknn bench`: environment record, JSON files and PNG plots (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PACKAGES = ("indknn", "numpy", "scipy", "torch", "opacus", "dp-accounting", "sentence-transformers",
+            "scikit-image", "zarr", "pyarrow", "matplotlib")
+
+
+def environment() -> dict:
+    """Package versions, Python, platform, CPU count and the git commit (when in a checkout)."""
+    from importlib import metadata
+
+    versions = {}
+    for p in PACKAGES:
+        try:
+            versions[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            versions[p] = None
+    repo = Path(__file__).resolve().parents[2]
+    commit, dirty = None, None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        if commit:
+            status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
+                                    timeout=10).stdout
+            dirty = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    import torch
+
+    return {"versions": versions, "python": sys.version.split()[0], "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "git_commit": commit,
+            "git_dirty": dirty, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _clean(obj):
+    """JSON-safe: float keys to strings, inf/nan to strings, numpy scalars to Python."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
+        try:
+            obj = obj.item()
+        except (ValueError, AttributeError):
+            obj = obj.tolist()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
+    return obj
+
+
+def write_json(path: Path, obj: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(_clean(obj), f, indent=1, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+STYLE = {"ind-knn": ("tab:red", "o"), "ind-knn+reuse": ("tab:orange", "s"), "private-knn": ("tab:blue", "^"),
+         "linear-noisysgd": ("tab:green", "D")}
+
+
+def plot_lines(path: Path, *, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str,
+               hlines: dict[str, float] | None = None, logx: bool = False, logy: bool = False) -> Path:
+    """One line per series {name: (x, y)}; ``hlines`` as dashed references (non-private accuracies)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.0, 4.2), dpi=120)
+    for name, (xs, ys) in series.items():
+        color, marker = STYLE.get(name.split(" ")[0], (None, "o"))
+        ax.plot(xs, ys, marker=marker, color=color, label=name)
+    for i, (name, y) in enumerate((hlines or {}).items()):
+        ax.axhline(y, linestyle="--", linewidth=1, color=f"C{(i + 5) % 10}", label=name)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_grid(path: Path, *, grid: list[dict], title: str) -> Path:
+    """Heat map of validation accuracy over the (σ2, τ) grid of the tuner."""
+    import numpy as np
+
+    plt = _plt()
+    taus = sorted({g["tau"] for g in grid})
+    s2s = sorted({g["sigma2"] for g in grid})
+    z = np.full((len(taus), len(s2s)), np.nan)
+    for g in grid:
+        z[taus.index(g["tau"]), s2s.index(g["sigma2"])] = g["val_accuracy"]
+    fig, ax = plt.subplots(figsize=(6.0, 4.2), dpi=120)
+    im = ax.imshow(z, aspect="auto", origin="lower", cmap="viridis")
+    ax.set_xticks(range(len(s2s)), [f"{s:g}" for s in s2s])
+    ax.set_yticks(range(len(taus)), [f"{t:g}" for t in taus])
+    ax.set_xlabel("σ2")
+    ax.set_ylabel("τ")
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=ax, label="validation accuracy")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)

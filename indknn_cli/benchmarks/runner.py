@@ -1,0 +1,100 @@
+"""One call per `indknn bench` sub-command: data → experiment → JSON + PNG files → summary."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..errors import BadInputError
+from . import experiments
+from .config import BenchConfig
+from .data import load_dataset, make_split
+from .figures import make_plots
+from .report import environment, write_json
+
+SEEDING = {
+    "note": "seeded noise: experiments only (SPEC §8); real answers draw noise from OS entropy",
+    "split": "numpy SeedSequence(seed, spawn_key=(0x5B117,))",
+    "query_draws": "numpy SeedSequence(seed, spawn_key=(crc32('<tag>:<T>:<draw>'),))",
+    "ind_knn": "serving.run_key_for(seed, '<tag>:<ε>:<T>:<draw>') → engine.noise_generator(run key, query index), "
+               "as serve-queries --seed; a fresh budget state per draw",
+    "private_knn": "numpy SeedSequence(seed, spawn_key=(crc32('pknn:<ε>:<T>:<draw>'),)) for subsamples and noise",
+    "linear_noisysgd": "torch.Generator(seed·1000 + draw) for Poisson batches, (… + 1) for Opacus noise",
+}
+EXPERIMENTS = ("accuracy-vs-eps", "accuracy-vs-queries", "retraining", "speed", "tune")
+
+
+def _stem(experiment: str, dataset: str | None) -> str:
+    name = "synthetic" if dataset is None else re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(dataset).name or dataset)
+    return f"{experiment.replace('-', '_')}_{name}"
+
+
+def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Path | None = None,
+              cache_dir: Path | None = None, out_dir: Path = Path("bench_out"), quick: bool = False, seed: int = 0,
+              features: str = "hog", n_queries: int | None = None, epsilon: float = 1.0,
+              progress: Callable[[str], None] = lambda s: None, **overrides) -> dict:
+    """Run one experiment and write ``<out>/<experiment>_<dataset>.json`` and its PNG plots.
+
+    ``overrides`` replace fields of :class:`BenchConfig` (``epsilons``, ``draws``, ``queries``, …).
+    Returns the summary printed on stdout (paths, table, seconds).
+    """
+    if experiment not in EXPERIMENTS:
+        raise BadInputError(f"experiment must be one of {', '.join(EXPERIMENTS)}, got {experiment!r}")
+    t0 = time.perf_counter()
+    cfg = BenchConfig.make(quick=quick, seed=seed, **overrides)
+    _validate(cfg, epsilon)
+    env = environment()
+    out_dir = Path(out_dir)
+    if experiment == "speed":
+        result = experiments.speed(cfg, progress=progress)
+        stem = _stem(experiment, None)
+    else:
+        progress(f"loading {dataset} (features are computed once and cached)")
+        ds = load_dataset(dataset, data_dir=data_dir, cache_dir=cache_dir, features=features, device=cfg.device)
+        split = make_split(ds, seed=seed, n_queries=n_queries)
+        stem = _stem(experiment, dataset)
+        try:
+            if experiment == "accuracy-vs-eps":
+                result = experiments.accuracy_vs_eps(ds, split, cfg, progress=progress)
+            elif experiment == "accuracy-vs-queries":
+                result = experiments.accuracy_vs_queries(ds, split, cfg, epsilon=epsilon, progress=progress)
+            elif experiment == "retraining":
+                result = experiments.retraining(ds, split, cfg, epsilon=epsilon, progress=progress)
+            else:
+                result = experiments.tune(ds, split, cfg, progress=progress)
+        except ValueError as exc:  # sizes that do not fit the data
+            if isinstance(exc, BadInputError):
+                raise
+            raise BadInputError(str(exc)) from None
+    result["environment"] = env
+    result["quick"] = quick
+    result["seeding"] = SEEDING
+    plots = make_plots(result, out_dir, stem)
+    result["plots"] = [str(p) for p in plots]
+    seconds = time.perf_counter() - t0
+    result["wall_seconds"] = seconds
+    path = write_json(out_dir / f"{stem}.json", result)
+    summary = {"experiment": experiment, "dataset": dataset if experiment != "speed" else "synthetic",
+               "quick": quick, "seed": seed, "json": str(path), "plots": [str(p) for p in plots],
+               "table": result["table"], "seconds": round(seconds, 1)}
+    if experiment == "tune":
+        summary["warning"] = result["warning"]
+    return summary
+
+
+def _validate(cfg: BenchConfig, epsilon: float) -> None:
+    for e in tuple(cfg.epsilons) + (epsilon,):
+        if not (isinstance(e, (int, float)) and 0 < e < 100):
+            raise BadInputError(f"ε values must lie in (0, 100), got {e!r}")
+    if not (0 < cfg.delta < 1):
+        raise BadInputError(f"--delta must lie in (0, 1), got {cfg.delta}")
+    if cfg.draws < 1:
+        raise BadInputError(f"--draws must be ≥ 1, got {cfg.draws}")
+    if cfg.queries is not None and cfg.queries < 1:
+        raise BadInputError(f"--queries must be ≥ 1, got {cfg.queries}")
+    if cfg.conversion not in ("gdp", "rdp"):
+        raise BadInputError(f"--conversion must be gdp or rdp, got {cfg.conversion!r}")
+    if cfg.pknn_accountant not in ("rdp", "pld"):
+        raise BadInputError(f"--pknn-accountant must be rdp or pld, got {cfg.pknn_accountant!r}")

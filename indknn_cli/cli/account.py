@@ -1,0 +1,161 @@
+"""`indknn account`: budgets, the (ε, δ) guarantee, retired records, history; `--eps E` checks for cron.
+
+Read-only: takes no lock and writes nothing to the ledger.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..accounting import CONVERSION_LABEL
+from ..report import QUANTILES, REALISED_LABEL, AccountReport, build_account_report, enforce_checks
+from .common import emit_json, resolve_ledger, run_library_call, stderr_console, stdout_console
+
+HISTORY_ROWS = 20
+
+
+def _f(x, fmt: str = ".6g") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _print_subject(console, title: str, rec: dict) -> None:
+    console.print(f"[bold]{title}[/]")
+    t = Table(show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    rows = [("record id", rec["record_id"]), ("user id", rec["user_id"] or "—"), ("status", rec["status"]),
+            ("spent", _f(rec["spent"])), ("remaining", _f(rec["remaining"])), ("budget B", _f(rec["budget"])),
+            ("next count charge", _f(rec["next_charge_at_least"])),
+            ("times selected", str(rec["times_selected"]))]
+    for c, v in rec["realised_epsilon_by_conversion"].items():
+        rows.append((f"realised ε ({c})", f"{_f(v, '.4g')}  [{REALISED_LABEL}]"))
+    rows.append(("deleted", f"yes, at {rec['deleted_at']}" if rec["deleted"] else "no"))
+    rows.append(("last change", rec["last_change"] or "—"))
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+
+
+def _print_tables(report: AccountReport, *, full: bool) -> None:
+    d = report.data
+    out = stdout_console()
+    out.print(f"[bold]Guarantee[/] (the filter's): every record's total charge ≤ B = {d['budget']:.6g}")
+    out.print(f"ledger: {d['ledger']}")
+    g = Table()
+    g.add_column("δ")
+    for c in ("gdp", "rdp"):
+        g.add_column(f"ε ({c})", justify="right")
+    for row in d["guarantees"]:
+        g.add_row(f"{row['delta']:g}", *[_f(row["epsilon_by_conversion"][c], ".4g") for c in ("gdp", "rdp")])
+    out.print(g)
+    out.print(f"headline: ε({d['conversion']}) = {_f(d['epsilon'], '.6g')} at δ = {d['delta']:g}")
+    for c in ("gdp", "rdp"):
+        out.print(f"  {c}: {CONVERSION_LABEL[c]}")
+    out.print(f"the ledger was calibrated for ε({d['target_conversion']}) = {d['target_epsilon']:g} "
+              f"at δ = {d['ledger_delta']:g}")
+    if "record" in d:
+        _print_subject(out, f"Record {d['record']['record_id']}", d["record"])
+    if "user" in d:
+        u = d["user"]
+        out.print(f"[bold]User {u['user_id']}[/]: {u['records']} records (active {u['records_active']}, retired "
+                  f"{u['records_retired']}, deleted {u['records_deleted']})")
+        t = Table()
+        for col in ("record id", "status", "spent", "remaining", "times selected",
+                    f"realised ε ({d['conversion']})", "deleted at"):
+            t.add_column(col, justify="right" if col not in ("record id", "status") else "left")
+        for r in u["record_list"]:
+            t.add_row(r["record_id"], r["status"], _f(r["spent"]), _f(r["remaining"]), str(r["times_selected"]),
+                      _f(r["realised_epsilon_by_conversion"][d["conversion"]], ".4g"), r["deleted_at"] or "—")
+        eu = ", ".join(f"ε({c}) = {_f(v, '.4g')}" for c, v in u["realised_user_epsilon_by_conversion"].items())
+        out.print(t)
+        out.print(f"user total spent {u['spent_total']:.6g}")
+        out.print(f"realised user-level loss (the user's records composed): {eu}")
+        out.print(f"  [{REALISED_LABEL}]")
+    if not full:
+        return
+    out.print("[bold]Records[/]")
+    r = Table()
+    for col in ("records", "active", "retired", "deleted", "queries answered", "batches"):
+        r.add_column(col, justify="right")
+    r.add_row(str(d["records"]), str(d["records_active"]), str(d["records_retired"]), str(d["records_deleted"]),
+              str(d["queries_answered"]), str(d["batches"]))
+    out.print(r)
+    out.print("retired: budget left below the next count charge; deleted: tombstones (never refunded)")
+    out.print("[bold]Distribution over all records[/]")
+    q = Table()
+    q.add_column("")
+    for name, _ in QUANTILES:
+        q.add_column(name, justify="right")
+    q.add_row("spent", *[_f(d["spent_quantiles"][k], ".4g") for k, _ in QUANTILES])
+    q.add_row("spent / B", *[_f(d["spent_fraction_quantiles"][k], ".3f") for k, _ in QUANTILES])
+    re = d["realised_epsilon"]
+    q.add_row(f"realised ε ({re['conversion']})", *[_f(re[k], ".4g") for k, _ in QUANTILES])
+    out.print(q)
+    out.print(f"realised ε({re['conversion']}) at δ = {re['delta']:g}: {REALISED_LABEL}")
+    hist = d["history"]
+    if hist:
+        out.print("[bold]History by batch[/]")
+        h = Table()
+        for col in ("batch", "answers", "queries answered", "active", "retired", "retired %", "deleted",
+                    f"median realised ε ({d['conversion']})"):
+            h.add_column(col, justify="left" if col == "batch" else "right")
+        for row in hist[-HISTORY_ROWS:]:
+            h.add_row(str(row["batch_id"]), str(row["answers"]), str(row["queries_answered"]),
+                      str(row["records_active"]), str(row["records_retired"]), f"{100 * row['retired_fraction']:.1f}",
+                      str(row["records_deleted"]), _f(row["realised_epsilon_median"], ".4g"))
+        out.print(h)
+        if len(hist) > HISTORY_ROWS:
+            out.print(f"last {HISTORY_ROWS} of {len(hist)} batches (all of them in --json)")
+
+
+def account_command(
+    ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
+    store: Optional[Path] = typer.Option(None, "--store", envvar="INDKNN_STORE", show_envvar=False,
+                                         help="Feature store (else $INDKNN_STORE; optional): checks that the ledger belongs to it and reports its label names and rows not yet indexed."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of tables."),
+    eps: Optional[float] = typer.Option(None, "--eps", help="Check: exit 4 when the ledger's guarantee ε (headline conversion, see --conversion) at δ is above E (cron)."),
+    delta: Optional[float] = typer.Option(None, "--delta", help="δ for the guarantee and the --eps check (default: the ledger's δ)."),
+    conversion: Optional[str] = typer.Option(None, "--conversion", help="Headline conversion: gdp or rdp (default: the ledger's). Both are always reported."),
+    min_active: Optional[str] = typer.Option(None, "--min-active", help="Check: exit 3 when fewer records are active than N (a count, e.g. 500) or a fraction of the records not deleted (e.g. 0.1 or 10%)."),
+    record: Optional[str] = typer.Option(None, "--record", help="One record's status, spent, remaining, realised ε, times selected, deletion (data-subject access request)."),
+    user: Optional[str] = typer.Option(None, "--user", help="The same for every record of one user."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a picture (PNG/PDF/SVG): retired fraction and median realised loss against queries answered, histogram of spent/B."),
+) -> None:
+    """Where privacy budgets stand: the (ε, δ) guarantee (gdp and rdp), active/retired/deleted records, history.
+
+    Read-only: takes no lock and writes nothing, so it is safe while serve-queries holds the ledger lock.
+
+    Exit codes: 0 ok (all checks passed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
+    """
+    err = stderr_console()
+    ledger_path = resolve_ledger(ledger)
+    report = run_library_call(lambda: build_account_report(
+        ledger_path=ledger_path, store_path=store, delta=delta, conversion=conversion, eps=eps,
+        min_active=min_active, record_id=record, user_id=user, plot_path=plot))
+    d = report.data
+    if json_out:
+        emit_json(d)
+    else:
+        _print_tables(report, full=record is None and user is None)
+    if plot is not None:
+        err.print(f"wrote {plot}")
+    if d["conversion"] != d["ledger_conversion"]:
+        err.print(f"note: headline conversion {d['conversion']}, the ledger was calibrated with "
+                  f"{d['ledger_conversion']}")
+    chk = d.get("check_eps")
+    if chk is not None:
+        over = chk["records_realised_above_eps"]
+        verdict = "passed" if chk["passed"] else "FAILED"
+        err.print(f"--eps {chk['eps']:g} check {verdict}: guarantee ε({chk['conversion']}) = "
+                  f"{_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}")
+        err.print(f"{over} records' realised loss ε({chk['conversion']}) is above {chk['eps']:g} "
+                  f"(informational: {REALISED_LABEL})")
+    chk = d.get("check_min_active")
+    if chk is not None and chk["passed"]:
+        err.print(f"--min-active {chk['min_active']} check passed: {chk['records_active']} active "
+                  f"(need {chk['required']})")
+    run_library_call(lambda: enforce_checks(report))

@@ -1,0 +1,64 @@
+"""`indknn delete`: erase records physically, keep a tombstone in the ledger; `--compact` rewrites the store."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..deletion import delete_records, read_ids
+from ..errors import BadInputError
+from .common import emit_json, resolve_ledger, resolve_store, run_library_call, stderr_console
+
+
+def _read_file(name: str, what: str) -> list[str]:
+    if name == "-":
+        return read_ids(sys.stdin)
+    try:
+        with open(name, encoding="utf-8") as fh:
+            return read_ids(fh)
+    except FileNotFoundError:
+        raise BadInputError(f"{what} {name}: no such file") from None
+    except UnicodeDecodeError:
+        raise BadInputError(f"{what} {name}: not UTF-8 text (one id per line)") from None
+
+
+def delete_command(
+    record: Optional[List[str]] = typer.Option(None, "--record", help="Record id to erase (repeat for several)."),
+    user: Optional[List[str]] = typer.Option(None, "--user", help="User id: erase every record of this user (repeat for several)."),
+    ids_file: Optional[str] = typer.Option(None, "--ids-file", help="File of record ids, one per line; - reads stdin (pipe a batch of erasure requests)."),
+    users_file: Optional[str] = typer.Option(None, "--users-file", help="File of user ids, one per line; - reads stdin."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Feature store (else $INDKNN_STORE, ./indknn-store.zarr)."),
+    ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be erased; take no lock, write nothing."),
+    strict: bool = typer.Option(False, "--strict", help="Unknown ids are an error (exit 2, nothing written); by default they are reported."),
+    compact: bool = typer.Option(False, "--compact", help="Afterwards rewrite the store without deleted rows and fold the ledger into a snapshot (spent budgets and tombstones kept); alone it also finishes an interrupted compaction."),
+    lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger and store locks (serve-queries holds the ledger lock while it runs)."),
+) -> None:
+    """Erase records: features, label and ids overwritten in the store; the ledger keeps a tombstone
+    (id, user, spent, deleted at), so a returning id never gets a fresh budget. Prints one JSON line."""
+    def call():
+        if ids_file == "-" and users_file == "-":
+            raise BadInputError("--ids-file and --users-file cannot both read stdin")
+        rids = list(record or [])
+        uids = list(user or [])
+        if ids_file is not None:
+            rids += _read_file(ids_file, "--ids-file")
+        if users_file is not None:
+            uids += _read_file(users_file, "--users-file")
+        return delete_records(store_path=resolve_store(store), ledger_path=resolve_ledger(ledger), record_ids=rids,
+                              user_ids=uids, dry_run=dry_run, strict=strict, compact=compact,
+                              lock_timeout=lock_timeout)
+
+    result = run_library_call(call)
+    err = stderr_console()
+    if result.ids_not_found or result.users_not_found:
+        err.print(f"{len(result.ids_not_found)} record id(s) and {len(result.users_not_found)} user id(s) not found "
+                  "(listed under ids_not_found / users_not_found)", soft_wrap=True)
+    if result.pending_completed and not dry_run:
+        err.print(f"finished an interrupted deletion of {result.pending_completed} row(s) first", soft_wrap=True)
+    if dry_run:
+        err.print("dry run: nothing was written", soft_wrap=True)
+    emit_json(result.as_dict())

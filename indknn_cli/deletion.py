@@ -1,0 +1,559 @@
+"""`indknn delete`: physical erasure behind ledger tombstones, and compaction (issue 6, SPEC §8).
+
+Erasure
+-------
+A deleted record's feature vector, label, record id and user id are
+overwritten in the store (:meth:`FeatureStore.erase_rows`: every touched chunk
+is rewritten whole, zarr's LocalStore replaces the chunk file atomically, then
+fsync). The ledger keeps a tombstone (id, user, spent, deleted at): enough to
+refuse a fresh budget, nothing of the data. Released answers never named any
+record, so nothing else has to change.
+
+Order of operations (the ledger lock, then the store lock, held throughout;
+``serve-queries`` holds the ledger lock for its whole run, so a deletion lands
+between two runs — a running batch finishes with the old state, the next sees
+the deletion, no query ever sees half of it):
+
+1. store: the private group's attribute ``erase_pending`` := the rows, then
+   ``deleted[rows] := True`` (both fsync'd). An intent mark only: nothing is
+   erased yet and the ledger still decides selection. Flagging first matters:
+   ``serving.sync_ledger`` never (re)adds a store row flagged deleted, so a crash
+   in steps 2–4 cannot bring a tombstoned record back as a fresh row.
+2. ledger: one ``delete`` event (fsync, rename, fsync dir) — *the commit
+   point*. From here on the record is never a candidate
+   (``BudgetLedger.store_row_map`` skips tombstones).
+3. store: ``erase_rows`` (features := 0, label := −1, ids := "").
+4. candidate indexes: ``indexes.remove_rows(store, rows)`` when the module
+   ``indknn_cli.indexes`` exists and has it (hook for LSH buckets / IVF lists).
+5. store: ``erase_pending`` := [].
+
+A crash anywhere leaves ``erase_pending`` set; the next ``indknn delete`` (any
+ids, or ``--compact`` alone) rolls it forward first (:func:`complete_pending`):
+an accepted erasure request is finished, never undone.
+
+Compaction (``--compact``)
+--------------------------
+Rewrites the store without its deleted rows and folds the ledger's events into a
+snapshot whose ``row`` column is renumbered, preserving every spent budget and
+every tombstone. Two folders cannot be replaced in one atomic step, so the
+renumbered store gets a *new* ``store_uuid`` and the ledger is bound to store
+uuids: at every instant either both sides agree or the ledger refuses to open
+with the store (``LedgerError``) — never the wrong rows for a record.
+
+1. copy: the new store is written to ``.<store>.compacting-<token>`` beside the
+   store (private rows kept in order, public and query groups copied
+   byte for byte, new ``store_uuid``), every file fsync'd.
+2. ledger: snapshot g+1 written (renumbered rows, new store uuid) but not
+   published: CURRENT still names g.
+3. swap: ``renameat2(RENAME_EXCHANGE)`` of the two folders (atomic; two
+   renames via ``.<store>.old-<token>`` where the file system lacks it).
+4. publish: CURRENT := g+1 — the commit point; folded events and generation g
+   removed.
+5. the old folder is removed. (Between 1 and 2 the copy's candidate index is
+   renumbered by ``indexes.renumber_rows`` when that hook exists.)
+
+Recovery (:func:`_recover`, run by every non-dry-run delete before anything
+else): before 3 the store and CURRENT agree — leftovers are removed (roll
+back); after 3 the store carries the new uuid and snapshot g+1 names it — g+1
+is published (roll forward); in the middle of the two-rename fallback the
+store folder is missing — the old one is renamed back. Until then
+``serve-queries`` refuses with a message naming ``indknn delete --compact``.
+
+Additions and returning ids
+---------------------------
+``embed`` appends rows; ``index`` or the next ``serve-queries`` brings them into
+the ledger (``sync_ledger`` → ``BudgetLedger.add_records``). A record id whose
+ledger record is tombstoned (or retired) keeps its spent budget; a new record of
+a user with tombstones starts at that user's largest tombstoned spent. Because
+erasure blanks the record id in the store, the id is free for ``embed`` again
+(``--if-exists`` only concerns ids of *live* store rows: ``error`` refuses,
+``skip`` keeps the existing row with its spent budget — neither gives a fresh
+budget). Relabelling = delete, then embed the same id with the new label: the
+new row inherits the old spent budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from .errors import BadInputError, LedgerError, StoreError
+from .ledger import BudgetLedger, atomic_write_text, unpublished_store_uuids
+from .store import GROUP_OF_ROLE, FeatureStore, _fsync_path
+
+#: Test hook: called with a step name at each step of a deletion / compaction.
+FAULT_HOOK: Callable[[str], None] | None = None
+#: Tests set this to False to exercise the two-rename fallback of the folder swap.
+USE_RENAME_EXCHANGE = True
+PENDING_ATTR = "erase_pending"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _fault(point: str) -> None:
+    if FAULT_HOOK is not None:
+        FAULT_HOOK(point)
+
+
+def _index_hook(name: str) -> Callable | None:
+    """``indknn_cli.indexes.<name>`` when the candidate-index module provides it, else None.
+
+    Contract: ``remove_rows(store, rows)`` drops the store rows ``rows`` (already
+    erased) from every persisted candidate index of ``store``;
+    ``renumber_rows(store, new_row_of)`` is called on the compacted *copy*
+    (``store`` = the new folder, new ``store_uuid``, before it replaces the
+    store) with ``new_row_of[old] = new`` (−1 for removed rows); other entries of
+    the store folder (e.g. ``<store>/index``) were copied there as they were.
+    Without that hook the copied index keeps the old rows and uuid, and
+    ``indexes.open_finder`` refuses it until ``indknn index`` re-encodes it. Both
+    run under the ledger and store locks; a ``remove_rows`` exception leaves
+    ``erase_pending`` set, so the next delete retries.
+    """
+    try:
+        from . import indexes  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    fn = getattr(indexes, name, None)
+    return fn if callable(fn) else None
+
+
+# -- results ---------------------------------------------------------------------
+@dataclass
+class DeleteResult:
+    records_erased: int
+    users: list[str]
+    ids_not_found: list[str]
+    users_not_found: list[str]
+    already_deleted: list[str]
+    record_ids: list[str]
+    bytes_rewritten: int
+    dry_run: bool
+    pending_completed: int = 0
+    compaction: dict | None = None
+
+    def as_dict(self) -> dict:
+        out = {
+            "records_erased": self.records_erased, "users": self.users, "ids_not_found": self.ids_not_found,
+            "users_not_found": self.users_not_found, "already_deleted": self.already_deleted,
+            "record_ids": self.record_ids, "bytes_rewritten": self.bytes_rewritten, "dry_run": self.dry_run,
+            "pending_completed": self.pending_completed,
+        }
+        if self.compaction is not None:
+            out["compaction"] = self.compaction
+        return out
+
+
+@dataclass
+class _Plan:
+    ledger_idx: np.ndarray                   # live ledger records to tombstone
+    rows: np.ndarray                         # store rows to erase
+    record_ids: list[str]
+    users: list[str]
+    not_found: list[str] = field(default_factory=list)
+    users_not_found: list[str] = field(default_factory=list)
+    already_deleted: list[str] = field(default_factory=list)
+
+
+def read_ids(lines: Iterable[str]) -> list[str]:
+    """One id per line; surrounding white space stripped, blank lines skipped."""
+    return [s for s in (line.strip() for line in lines) if s]
+
+
+# -- the library call ------------------------------------------------------------
+def delete_records(
+    *,
+    store_path: str | os.PathLike,
+    ledger_path: str | os.PathLike,
+    record_ids: Iterable[str] = (),
+    user_ids: Iterable[str] = (),
+    dry_run: bool = False,
+    strict: bool = False,
+    compact: bool = False,
+    lock_timeout: float = 60.0,
+) -> DeleteResult:
+    """Erase records (by record id and/or user id); optionally compact store and ledger.
+
+    Unknown ids are reported in the result; with ``strict`` they raise
+    ``BadInputError`` before anything is written. ``dry_run`` takes no lock and
+    writes nothing.
+    """
+    record_ids = list(dict.fromkeys(str(r) for r in record_ids))
+    user_ids = list(dict.fromkeys(str(u) for u in user_ids))
+    if any(not r.strip() for r in record_ids + user_ids):
+        raise BadInputError("an empty record or user id was given")
+    if not record_ids and not user_ids and not compact:
+        raise BadInputError("nothing to delete: give --record, --user, --ids-file or --users-file (or --compact)")
+    store_path, ledger_path = Path(store_path), Path(ledger_path)
+
+    if dry_run or strict:  # a lock-free look first: --dry-run and --strict refusals write nothing at all
+        store = FeatureStore.open(store_path, mode="r")
+        ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid) if BudgetLedger.exists(ledger_path) else None
+        plan = _plan(store, ledger, record_ids, user_ids)
+        _enforce_strict(plan, strict)
+        if dry_run:
+            compaction = None
+            if compact:
+                flagged = int(store.read("private", "deleted").astype(bool).sum())
+                compaction = {"store_rows_removed": flagged + int(plan.rows.size),
+                              "store_rows": store.n_rows("private") - flagged - int(plan.rows.size)}
+            return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
+                                users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
+                                record_ids=plan.record_ids, bytes_rewritten=0, dry_run=True,
+                                pending_completed=len(store.group("private").attrs.get(PENDING_ATTR, [])),
+                                compaction=compaction)
+
+    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+        _recover_store_folder(store_path)
+        store = FeatureStore.open(store_path, mode="a")
+        with store.write_lock(timeout=lock_timeout):
+            ledger = _recover(store, ledger_path)
+            pending = complete_pending(store, ledger)
+            plan = _plan(store, ledger, record_ids, user_ids)
+            _enforce_strict(plan, strict)
+            written = _execute(store, ledger, plan)
+            compaction = _compact(store, ledger) if compact else None
+    return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
+                        users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
+                        record_ids=plan.record_ids, bytes_rewritten=written, dry_run=False,
+                        pending_completed=pending, compaction=compaction)
+
+
+def _enforce_strict(plan: _Plan, strict: bool) -> None:
+    if not strict or not (plan.not_found or plan.users_not_found):
+        return
+    missing = [f"record {r!r}" for r in plan.not_found] + [f"user {u!r}" for u in plan.users_not_found]
+    more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+    raise BadInputError(f"--strict: {len(missing)} unknown id(s): {', '.join(missing[:5])}{more}; nothing was deleted")
+
+
+# -- planning (read only) ---------------------------------------------------------
+def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str], user_ids: list[str]) -> _Plan:
+    """Which ledger records and store rows the ids name. Reads only."""
+    n = store.n_rows("private")
+    flagged = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
+    row_map = ledger.store_row_map(n) if ledger is not None else np.full(n, -1, np.int64)
+    # rows that are in the store but not (yet) in the ledger: erased in the store only
+    unindexed = np.flatnonzero((row_map < 0) & ~flagged)
+    un_ids: dict[str, list[int]] = {}
+    un_users: dict[str, list[int]] = {}
+    un_user_of: dict[int, str] = {}
+    if unindexed.size:
+        lo, hi = int(unindexed[0]), int(unindexed[-1]) + 1
+        ids = store.read("private", "record_id", lo, hi)[unindexed - lo]
+        users = store.read("private", "user_id", lo, hi)[unindexed - lo]
+        for r, rid, uid in zip(unindexed.tolist(), ids, users):
+            un_ids.setdefault(str(rid), []).append(r)
+            un_user_of[r] = str(uid)
+            if str(uid):
+                un_users.setdefault(str(uid), []).append(r)
+
+    s = ledger.state if ledger is not None else None
+    li: set[int] = set()
+    rows: set[int] = set()
+    plan = _Plan(np.empty(0, np.int64), np.empty(0, np.int64), [], [])
+    if record_ids:
+        index_of = {rid: i for i, rid in enumerate(s.record_id)} if s is not None else {}
+        for rid in record_ids:
+            i = index_of.get(rid)
+            extra = un_ids.get(rid, [])
+            rows.update(extra)
+            if i is not None and not s.deleted[i]:
+                li.add(i)
+            elif i is not None and not extra:
+                plan.already_deleted.append(rid)
+            elif i is None and not extra:
+                plan.not_found.append(rid)
+    if user_ids:
+        by_user: dict[str, list[int]] = {}
+        if s is not None:
+            wanted = set(user_ids)
+            for i, u in enumerate(s.user_id):
+                if u in wanted:
+                    by_user.setdefault(u, []).append(i)
+        for uid in user_ids:
+            mine = by_user.get(uid, [])
+            extra = un_users.get(uid, [])
+            if not mine and not extra:
+                plan.users_not_found.append(uid)
+            li.update(i for i in mine if not s.deleted[i])
+            rows.update(extra)
+
+    plan.ledger_idx = np.array(sorted(li), dtype=np.int64)
+    led_rows = s.row[plan.ledger_idx] if plan.ledger_idx.size else np.empty(0, np.int64)
+    rows.update(int(r) for r in led_rows if r >= 0)
+    plan.rows = np.array(sorted(rows), dtype=np.int64)
+    # the ledger and the store must agree on which record a row holds before anything is erased
+    check = led_rows >= 0
+    if check.any():
+        got = np.asarray(store.group("private")["record_id"].oindex[led_rows[check]]).astype(object)
+        want = s.record_id[plan.ledger_idx[check]]
+        bad = np.flatnonzero(got != want)
+        if bad.size:
+            raise StoreError(f"{store.path}: store row {int(led_rows[check][bad[0]])} holds record "
+                             f"{got[bad[0]]!r}, the ledger expects {want[bad[0]]!r}; nothing was deleted")
+    names = [str(x) for x in s.record_id[plan.ledger_idx]] if plan.ledger_idx.size else []
+    led_row_set = {int(r) for r in led_rows}
+    un_rows = [r for r in plan.rows.tolist() if r not in led_row_set]
+    if un_rows:
+        rid_of = {r: rid for rid, rs in un_ids.items() for r in rs}
+        names += [rid_of[r] for r in un_rows]
+    plan.record_ids = names
+    users = {str(u) for u in (s.user_id[plan.ledger_idx] if plan.ledger_idx.size else []) if u}
+    users.update(un_user_of[r] for r in un_rows if un_user_of.get(r))
+    plan.users = sorted(users)
+    return plan
+
+
+# -- executing (under both locks) ---------------------------------------------------
+def _set_pending(store: FeatureStore, rows: np.ndarray) -> None:
+    g = store.group("private")
+    g.attrs.update({PENDING_ATTR: [int(r) for r in rows]})
+    _fsync_path(store.path / GROUP_OF_ROLE["private"] / "zarr.json")
+    _fsync_path(store.path / GROUP_OF_ROLE["private"])
+
+
+def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan) -> int:
+    rows = plan.rows
+    if rows.size:
+        _set_pending(store, rows)
+        store.mark_deleted("private", rows)  # 1. intent (sync_ledger never re-adds a flagged row)
+    _fault("flagged")
+    if ledger is not None and plan.ledger_idx.size:
+        ledger.delete_records(plan.ledger_idx)  # 2. the commit point: never a candidate again
+    _fault("ledger-committed")
+    written = store.erase_rows("private", rows) if rows.size else 0  # 3. physical erasure
+    _fault("erased")
+    hook = _index_hook("remove_rows")
+    if hook is not None and rows.size:
+        hook(store, rows)  # 4. candidate indexes
+    if rows.size:
+        _set_pending(store, np.empty(0, np.int64))  # 5. done
+    return written
+
+
+def complete_pending(store: FeatureStore, ledger: BudgetLedger | None) -> int:
+    """Roll forward a deletion that was interrupted (rows in ``erase_pending``). Caller holds both locks."""
+    pending = np.asarray(store.group("private").attrs.get(PENDING_ATTR, []), dtype=np.int64)
+    if pending.size == 0:
+        return 0
+    n = store.n_rows("private")
+    pending = np.unique(pending[(pending >= 0) & (pending < n)])
+    if pending.size:
+        store.mark_deleted("private", pending)
+        if ledger is not None:
+            li = ledger.store_row_map(n)[pending]
+            ledger.delete_records(li[li >= 0])
+        store.erase_rows("private", pending)
+        hook = _index_hook("remove_rows")
+        if hook is not None:
+            hook(store, pending)
+    _set_pending(store, np.empty(0, np.int64))
+    return int(pending.size)
+
+
+# -- recovery of an interrupted compaction ------------------------------------------
+def _leftovers(store_path: Path) -> list[Path]:
+    parent, name = store_path.parent, store_path.name
+    return sorted(list(parent.glob(f".{name}.compacting-*")) + list(parent.glob(f"..{name}.compacting-*"))
+                  + list(parent.glob(f".{name}.old-*")))
+
+
+def _recover_store_folder(store_path: Path) -> None:
+    """The two-rename swap stopped between its renames: put the old store back (the ledger still binds it)."""
+    if store_path.exists():
+        return
+    olds = sorted(store_path.parent.glob(f".{store_path.name}.old-*"))
+    if olds:
+        os.replace(olds[-1], store_path)
+        _fsync_path(store_path.parent)
+
+
+def _recover(store: FeatureStore, ledger_path: Path) -> BudgetLedger | None:
+    """Bring store and ledger into agreement after an interrupted compaction; remove its leftovers."""
+    ledger = None
+    if BudgetLedger.exists(ledger_path):
+        ledger = BudgetLedger.open(ledger_path)
+        if ledger.meta["store_uuid"] != store.uuid:
+            gen = unpublished_store_uuids(ledger_path, ledger.generation).get(store.uuid)
+            meta = _snapshot_meta(ledger_path, gen) if gen is not None else {}
+            if (meta.get("store_compaction") or {}).get("from_store_uuid") != ledger.meta["store_uuid"]:
+                return BudgetLedger.open(ledger_path, store_uuid=store.uuid)  # raises: another store's ledger
+            atomic_write_text(json.dumps({"generation": gen}), ledger_path / "CURRENT")  # roll forward
+            ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+            ledger.compact()  # drops the folded events and the old generation
+        for p in ledger_path.glob("*-*.parquet"):  # snapshots/answers written past CURRENT: never published
+            stem = p.name.split("-", 1)[1][:-len(".parquet")]
+            if p.name.split("-", 1)[0] in ("snapshot", "answers") and stem.isdigit() and int(stem) > ledger.generation:
+                p.unlink(missing_ok=True)
+    for p in _leftovers(store.path):
+        shutil.rmtree(p, ignore_errors=True)
+    return ledger
+
+
+def _snapshot_meta(ledger_path: Path, generation: int) -> dict:
+    import pyarrow.parquet as pq
+
+    try:
+        return json.loads((pq.read_schema(ledger_path / f"snapshot-{generation:06d}.parquet").metadata or {})[b"indknn"])
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+# -- compaction ----------------------------------------------------------------------
+def _compact(store: FeatureStore, ledger: BudgetLedger | None) -> dict:
+    """Rewrite the store without deleted rows and fold the ledger into a renumbered snapshot (see module doc)."""
+    n = store.n_rows("private")
+    flagged = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
+    removed = int(flagged.sum())
+    out = {"store_rows_removed": removed, "store_rows": n - removed, "store_bytes_written": 0,
+           "ledger_events_folded": 0, "store_uuid": store.uuid}
+    if removed == 0:
+        if ledger is not None:
+            out["ledger_events_folded"] = ledger.compact()
+        return out
+    keep = np.flatnonzero(~flagged)
+    new_row_of = np.full(n, -1, dtype=np.int64)
+    new_row_of[keep] = np.arange(keep.size)
+    token = uuid.uuid4().hex[:12]
+    new_uuid = uuid.uuid4().hex
+    tmp = store.path.with_name(f".{store.path.name}.compacting-{token}")
+    with _new_store_lock(tmp) as lock_new:
+        _write_compacted_copy(store, tmp, keep, new_uuid)
+        hook = _index_hook("renumber_rows")
+        if hook is not None:  # the copy's candidate index, renumbered before the copy becomes the store
+            hook(FeatureStore.open(tmp, mode="a"), new_row_of)
+        out["store_bytes_written"] = _fsync_tree(tmp)
+        lock_new()  # hold the new folder's lock too: after the swap it is the store's lock
+        _fault("compact-copied")
+        gen = None
+        if ledger is not None:
+            gen = ledger.prepare_renumbered_snapshot(new_row_of=new_row_of, store_uuid=new_uuid, info={
+                "time": time.time(), "rows_removed": removed, "token": token})
+        _fault("compact-ledger-prepared")
+        garbage = _swap(tmp, store.path, token)
+        _fault("compact-swapped")
+        if ledger is not None:
+            out["ledger_events_folded"] = ledger.publish_generation(gen)
+        _fault("compact-published")
+        shutil.rmtree(garbage, ignore_errors=True)
+    out["store_uuid"] = new_uuid
+    return out
+
+
+@contextlib.contextmanager
+def _new_store_lock(folder: Path) -> Iterator[Callable[[], None]]:
+    fds: list[int] = []
+
+    def take() -> None:
+        fd = os.open(folder / FeatureStore.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fds.append(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh folder: nobody else can hold it
+
+    try:
+        yield take
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new_uuid: str) -> None:
+    """The store without its deleted private rows, under ``new_uuid`` (the caller fsyncs it)."""
+    new = FeatureStore.create(dest, extractor=store.extractor, dim=store.dim, label_names=store.label_names,
+                              chunk_rows=store.chunk_rows)
+    attrs = dict(store.root.attrs)
+    history = list(attrs.get("compactions", []))
+    history.append({"from_store_uuid": store.uuid, "rows_removed": int(store.n_rows("private") - keep.size),
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    attrs.update(store_uuid=new_uuid, compactions=history)
+    new.root.attrs.update(attrs)
+
+    src, dst = store.group("private"), new.group("private")
+    names = ("features", "labels", "record_id", "user_id", "deleted")
+    m = int(keep.size)
+    for name in names:
+        dst[name].resize((m,) + tuple(dst[name].shape[1:]))
+    step = 4 * store.chunk_rows  # a multiple of every array's chunk length: each chunk written once
+    n = store.n_rows("private")
+    buf: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    buffered = written = 0
+
+    def flush(final: bool) -> None:
+        nonlocal buffered, written
+        while buffered >= step or (final and buffered):
+            take = min(step, buffered)
+            for name in names:
+                block = np.concatenate(buf[name]) if len(buf[name]) > 1 else buf[name][0]
+                dst[name][written:written + take] = block[:take]
+                buf[name] = [block[take:]] if take < len(block) else []
+            written += take
+            buffered -= take
+
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        sel = keep[(keep >= lo) & (keep < hi)] - lo
+        if sel.size == 0:
+            continue
+        for name in names:
+            buf[name].append(np.asarray(src[name][lo:hi])[sel])
+        buffered += sel.size
+        flush(False)
+    flush(True)
+    group_attrs = {k: v for k, v in dict(src.attrs).items() if k != PENDING_ATTR}
+    group_attrs["n_rows"] = m
+    dst.attrs.update(group_attrs)
+    for role in ("public", "query"):  # untouched: copied byte for byte (query rows keep their numbers)
+        g = GROUP_OF_ROLE[role]
+        shutil.rmtree(dest / g)
+        shutil.copytree(store.path / g, dest / g)
+    known = {"zarr.json", FeatureStore.LOCK_NAME, *GROUP_OF_ROLE.values()}
+    for entry in store.path.iterdir():  # other tools' files (e.g. candidate indexes): carried as they are
+        if entry.name in known or entry.name.startswith("."):
+            continue
+        (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, dest / entry.name)
+
+
+def _fsync_tree(root: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(root):
+        for f in files:
+            p = Path(folder) / f
+            total += p.stat().st_size
+            _fsync_path(p)
+        _fsync_path(Path(folder))
+    return total
+
+
+def _swap(new: Path, store_path: Path, token: str) -> Path:
+    """Put ``new`` at ``store_path``; returns where the old store now is (to be removed)."""
+    if USE_RENAME_EXCHANGE and _rename_exchange(new, store_path):
+        _fsync_path(store_path.parent)
+        return new
+    old = store_path.with_name(f".{store_path.name}.old-{token}")
+    os.rename(store_path, old)
+    _fault("compact-half-swapped")
+    os.rename(new, store_path)
+    _fsync_path(store_path.parent)
+    return old
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0

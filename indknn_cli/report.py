@@ -1,0 +1,493 @@
+"""The account report: what a ledger guarantees and what each record has spent (read-only).
+
+Everything here only *reads* the ledger: no lock is taken and no file is
+written, so `indknn account` is safe to run while `serve-queries` or
+`delete` hold the ledger's write lock. A read sees the committed snapshot plus
+the events committed before it listed the events folder (SPEC §8 "charge
+before release" means every released answer is in some committed event).
+
+Definitions (SPEC §2, §3, §8):
+
+* The **guarantee** is the filter's: every record's total charge stays ≤ B, so
+  the ledger certifies (ε, δ) with ε = conversion(B, δ), for the Gaussian-DP
+  curve (μ = sqrt(2B)) and for the RDP curve α ↦ α·B. Every ε carries the name
+  of the conversion that made it.
+* **Realised individual loss** ε_i = conversion(spent_i, δ): descriptive
+  (the paper's Figure 3b plots its median), *not* a second guarantee.
+* Status: ``deleted`` = tombstone; ``retired`` = not deleted and
+  up(spent + c1) > B (it cannot pay the next count charge); ``active``
+  otherwise (:meth:`LedgerState.status`).
+
+Rounding is against the user: remaining budget rounded down, every ε rounded
+up, quantiles of spent taken as the higher order statistic.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import FORMAT_VERSION
+from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _check_delta, _check_epsilon,
+                         calibrate_budget, epsilon_for_budget, realised_epsilons)
+from .errors import BadInputError, BudgetExhaustedError, CheckFailedError, LedgerError
+
+REALISED_LABEL = "realised individual loss (descriptive, not a guarantee)"
+QUANTILES = (("min", 0.0), ("median", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
+#: Above this many distinct spent values the realised loss is looked up on
+#: accounting.realised_epsilons' grid (rounded up) instead of converted exactly.
+EXACT_CONVERSION_LIMIT = 256
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+# -- opening without writing ---------------------------------------------------
+def _read_generation(path: Path) -> int | None:
+    try:
+        return int(json.loads((path / "CURRENT").read_text())["generation"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def open_ledger_readonly(path: str | os.PathLike, *, store_uuid: str | None = None, retries: int = 40):
+    """Open a ledger for reading only: no lock, no writes, a consistent state.
+
+    ``BudgetLedger.open`` reads CURRENT → snapshot → events. A compaction that
+    runs in between (new snapshot, CURRENT switched, folded events deleted)
+    could leave a reader with the old snapshot and only the *later* events: a
+    state that never existed. Compaction deletes events only after switching
+    CURRENT, so if CURRENT names the same generation after the read as the one
+    that was read, no event was deleted during the read; otherwise read again.
+    """
+    from .ledger import BudgetLedger
+
+    path = Path(path)
+    if not BudgetLedger.exists(path):
+        raise LedgerError(f"{path}: no budget ledger here (create one with `indknn index`)")
+    for _ in range(retries):
+        try:
+            ledger = BudgetLedger.open(path, store_uuid=store_uuid, retries=1)
+        except LedgerError as exc:
+            if "changed while reading" not in str(exc):
+                raise
+            gen = _read_generation(path)
+            if gen is not None and not (path / f"snapshot-{gen:06d}.parquet").is_file():
+                time.sleep(0.05)
+                if _read_generation(path) == gen:
+                    raise LedgerError(
+                        f"{path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing (corrupt ledger)"
+                    ) from None
+            time.sleep(0.05)
+            continue
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            # e.g. unreadable JSON metadata or parameters: ledger.py only maps Parquet errors
+            raise LedgerError(f"{path}: corrupt ledger metadata ({type(exc).__name__})") from None
+        if _read_generation(path) == ledger.generation:
+            return ledger
+        time.sleep(0.01)  # compacted while we read: read again
+    raise LedgerError(f"{path}: the ledger kept changing while reading; try again")
+
+
+# -- conversions -----------------------------------------------------------------
+def realised_loss(spent, *, budget: float, delta: float, conversion: str) -> np.ndarray:
+    """ε_i = conversion(min(spent_i, B), δ), rounded up (SPEC §3 "individual loss").
+
+    Up to EXACT_CONVERSION_LIMIT distinct values are converted exactly;
+    more are looked up on the grid of :func:`accounting.realised_epsilons`
+    (the next grid point above: never understated, never above ε(B)).
+    """
+    s = np.clip(np.asarray(spent, dtype=np.float64), 0.0, budget)
+    if s.size == 0:
+        return s.copy()
+    uniq, inv = np.unique(s, return_inverse=True)
+    if uniq.size > EXACT_CONVERSION_LIMIT:
+        return realised_epsilons(s, budget=budget, delta=delta, conversion=conversion)
+    vals = np.array([epsilon_for_budget(budget=float(u), delta=delta, conversion=conversion) for u in uniq])
+    # The true ε(s) is non-decreasing in s and ε(B) is the guarantee; the computed one is monotone only
+    # up to ~1e-13 rounding noise. Enforce both, so no realised figure ever shows above the guarantee.
+    cap = epsilon_for_budget(budget=float(budget), delta=delta, conversion=conversion)
+    vals = np.minimum(np.maximum.accumulate(vals), cap)
+    return vals[inv.reshape(s.shape)]
+
+
+def _quantiles(values: np.ndarray) -> dict[str, float | None]:
+    if values.size == 0:
+        return {name: None for name, _ in QUANTILES}
+    qs = np.quantile(values, [q for _, q in QUANTILES], method="higher")  # order statistics, rounded up
+    return {name: float(v) for (name, _), v in zip(QUANTILES, qs)}
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def _iso(t: float | None) -> str | None:
+    if t is None or not math.isfinite(t):
+        return None
+    return _dt.datetime.fromtimestamp(t, tz=_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# -- options -----------------------------------------------------------------------
+def parse_min_active(value) -> tuple[str, float] | None:
+    """'50' → ('count', 50); '0.1' or '10%' → ('fraction', 0.1) of the records not deleted."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        if text.endswith("%"):
+            frac = float(text[:-1]) / 100.0
+            kind = "fraction"
+        elif text.lstrip("+").isdigit():
+            return ("count", float(int(text)))
+        else:
+            frac = float(text)
+            kind = "fraction"
+    except ValueError:
+        raise BadInputError(f"--min-active must be a count (e.g. 500) or a fraction (e.g. 0.1 or 10%), "
+                            f"got {value!r}") from None
+    if not (math.isfinite(frac) and 0.0 <= frac <= 1.0):
+        raise BadInputError(f"--min-active fraction must lie in [0, 1], got {value!r}")
+    return (kind, frac)
+
+
+def check_plot_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if p.suffix.lower() not in PLOT_SUFFIXES:
+        raise BadInputError(f"--plot {path}: use a file name ending in {', '.join(PLOT_SUFFIXES)}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise BadInputError(f"--plot {path}: folder {parent} does not exist")
+    return p
+
+
+# -- the report ----------------------------------------------------------------------
+@dataclass
+class AccountReport:
+    """``data`` is the JSON object of ``account --json``; the rest feeds tables and plots."""
+
+    data: dict
+    history_points: list[dict] = field(default_factory=list)   # one per committed serve event
+    spent_fraction: np.ndarray | None = None                   # spent_i / B, for the histogram
+    failures: list[tuple[type, str]] = field(default_factory=list)
+
+
+def _guarantee(budget: float, delta: float) -> dict:
+    return {"delta": delta, "epsilon_by_conversion": {c: _finite(epsilon_for_budget(budget=budget, delta=delta,
+                                                                                     conversion=c))
+                                                      for c in CONVERSIONS}}
+
+
+class _Status:
+    """``LedgerState.status(c1)[i]`` for single records: deleted, else active, else retired."""
+
+    def __init__(self, active: np.ndarray, deleted: np.ndarray):
+        self.active, self.deleted = active, deleted
+
+    def __getitem__(self, i: int) -> str:
+        return "deleted" if self.deleted[i] else ("active" if self.active[i] else "retired")
+
+
+def _subject_record(ledger, i: int, *, status: _Status, budget: float, delta: float, c1: float) -> dict:
+    s = ledger.state
+    spent = float(s.spent[i])
+    remaining = max(0.0, math.nextafter(budget - spent, -math.inf)) if budget > spent else 0.0
+    realised = {c: _finite(float(realised_loss([spent], budget=budget, delta=delta, conversion=c)[0]))
+                for c in CONVERSIONS}
+    deleted = bool(s.deleted[i])
+    return {
+        "record_id": str(s.record_id[i]), "user_id": str(s.user_id[i] or ""), "status": str(status[i]),
+        "spent": spent, "budget": float(s.budget[i]), "remaining": remaining,
+        "next_charge_at_least": c1, "times_selected": int(s.times_selected[i]),
+        "realised_epsilon_by_conversion": realised, "realised_label": REALISED_LABEL,
+        "deleted": deleted, "deleted_at": _iso(float(s.deleted_at[i])) if deleted else None,
+        "last_change": _iso(float(s.last_change[i])),
+    }
+
+
+def _history(ledger, *, budget: float, delta: float, conversion: str, total_answers: int) -> list[dict]:
+    """One point per committed serve event (LedgerState.history), oldest first.
+
+    Cumulative answers are counted back from the current total, so a history
+    that compaction truncated still ends at the right figure.
+    """
+    hist = list(ledger.state.history)
+    if not hist:
+        return []
+    medians = realised_loss([float(h.get("spent_median", 0.0)) for h in hist], budget=budget, delta=delta,
+                            conversion=conversion)
+    after = total_answers
+    points: list[dict] = []
+    for h, med in zip(reversed(hist), reversed(medians)):
+        records = int(h.get("records", 0))
+        active = int(h.get("records_active", 0))
+        deleted = int(h.get("records_deleted", 0))
+        retired = max(0, records - active - deleted)
+        points.append({
+            "seq": h.get("seq"), "time": _iso(h.get("time")), "batch_id": h.get("batch_id"), "part": h.get("part"),
+            "answers": int(h.get("answers", 0)), "queries_answered": max(0, after), "records": records,
+            "records_active": active, "records_retired": retired, "records_deleted": deleted,
+            "retired_fraction": retired / records if records else 0.0,
+            "spent_median": float(h.get("spent_median", 0.0)), "realised_epsilon_median": _finite(float(med)),
+            "conversion": conversion,
+        })
+        after -= int(h.get("answers", 0))
+    points.reverse()
+    return points
+
+
+def _by_batch(points: list[dict]) -> list[dict]:
+    """The state after each batch: the last event of each run of one batch id, answers summed."""
+    out: list[dict] = []
+    for p in points:
+        if out and out[-1]["batch_id"] == p["batch_id"]:
+            answers = out[-1]["answers"] + p["answers"]
+            parts = out[-1]["parts"] + 1
+            out[-1] = dict(p, answers=answers, parts=parts)
+        else:
+            out.append(dict(p, parts=1))
+    for row in out:
+        row.pop("part", None)
+        row.pop("seq", None)
+    return out
+
+
+def build_account_report(
+    *, ledger_path: str | os.PathLike, store_path: str | os.PathLike | None = None, delta: float | None = None,
+    conversion: str | None = None, eps: float | None = None, min_active=None, record_id: str | None = None,
+    user_id: str | None = None, plot_path: str | os.PathLike | None = None,
+) -> AccountReport:
+    """Read the ledger (never writing to it) and build the account report.
+
+    Checks (``eps``, ``min_active``) are evaluated and recorded in
+    ``report.failures``; :func:`enforce_checks` raises them, so the caller can
+    print the report first.
+    """
+    # validate every option before reading anything
+    if delta is not None:
+        delta = _check_delta(delta)
+    if conversion is not None:
+        conversion = _check_conversion(conversion)
+    if eps is not None:
+        eps = _check_epsilon(eps)
+    min_spec = parse_min_active(min_active)
+    plot = check_plot_path(plot_path) if plot_path is not None else None
+
+    store_uuid = None
+    store = None
+    if store_path is not None:
+        from .store import FeatureStore
+
+        store = FeatureStore.open(store_path, mode="r")
+        store_uuid = store.uuid
+    ledger = open_ledger_readonly(ledger_path, store_uuid=store_uuid)
+    params = ledger.params
+    s = ledger.state
+    n = len(s)
+    c1 = params.c1
+    # The guarantee is every record's budget; they all equal params.budget, take the max to be safe.
+    budget = float(max([params.budget] + ([float(np.max(s.budget))] if n else [])))
+    ledger_delta = float(params.delta)
+    use_delta = ledger_delta if delta is None else delta
+    use_conv = conversion or params.conversion
+    # LedgerState.status, without materialising a million status strings
+    active = s.active_mask(c1) if n else np.zeros(0, bool)
+    status = _Status(active, np.asarray(s.deleted, dtype=bool))
+    n_deleted = int(np.count_nonzero(s.deleted))
+    n_active = int(np.count_nonzero(active))
+    n_retired = n - n_active - n_deleted
+
+    guarantees = [_guarantee(budget, ledger_delta)]
+    if use_delta != ledger_delta:
+        guarantees.append(_guarantee(budget, use_delta))
+    headline = guarantees[-1]["epsilon_by_conversion"]
+    epsilon = headline[use_conv]
+
+    spent = np.asarray(s.spent, dtype=np.float64)
+    spent_q = _quantiles(spent)
+    q_names = [k for k, _ in QUANTILES]
+    if n:
+        real_vals = realised_loss([spent_q[k] for k in q_names], budget=budget, delta=use_delta,
+                                  conversion=use_conv)
+        realised_q = {k: _finite(float(v)) for k, v in zip(q_names, real_vals)}
+    else:
+        realised_q = {k: None for k in q_names}
+    total_answers = len(s.answers.get("query_index", []))
+    label_names = [x for x in s.answers.get("label_name", []) if x is not None]
+    by_label: dict[str, int] = {}
+    for name in label_names:
+        by_label[name] = by_label.get(name, 0) + 1
+
+    points = _history(ledger, budget=budget, delta=use_delta, conversion=use_conv, total_answers=total_answers)
+    data: dict = {
+        "ledger": str(ledger_path),
+        "format_version": FORMAT_VERSION,
+        "budget": budget,
+        "delta": use_delta,
+        "epsilon": _finite(epsilon),
+        "conversion": use_conv,
+        "conversion_label": CONVERSION_LABEL[use_conv],
+        "epsilon_by_conversion": headline,
+        "ledger_delta": ledger_delta,
+        "ledger_conversion": params.conversion,
+        "target_epsilon": params.epsilon,
+        "target_conversion": params.conversion,
+        "guarantees": guarantees,
+        "next_charge_at_least": c1,
+        "records": n,
+        "records_active": n_active,
+        "records_retired": n_retired,
+        "records_deleted": n_deleted,
+        "queries_answered": total_answers,
+        "batches": len(s.batches),
+        "answers_by_label": by_label,
+        "spent_min": spent_q["min"], "spent_median": spent_q["median"], "spent_p90": spent_q["p90"],
+        "spent_p99": spent_q["p99"], "spent_max": spent_q["max"],
+        "spent_quantiles": spent_q,
+        "spent_fraction_quantiles": {k: (None if v is None else v / budget) for k, v in spent_q.items()},
+        "realised_epsilon": {"label": REALISED_LABEL, "conversion": use_conv, "delta": use_delta, **realised_q},
+        "history": _by_batch(points),
+    }
+    failures: list[tuple[type, str]] = []
+    if store is not None:
+        n_rows = store.n_rows("private")
+        row_map = ledger.store_row_map(n_rows)
+        store_deleted = store.read("private", "deleted").astype(bool) if n_rows else np.zeros(0, bool)
+        data["store"] = {
+            "path": str(store_path), "store_uuid": store.uuid, "label_names": list(store.label_names),
+            "private_rows": n_rows,
+            "rows_not_in_ledger": int(np.count_nonzero((row_map < 0) & ~store_deleted)),
+        }
+
+    if eps is not None:
+        over = 0
+        if n:
+            top = realised_q["max"]
+            if top is not None and top > eps:
+                try:
+                    # ε(s) is non-decreasing in s: ε_i > E ⟺ spent_i > the largest s with ε(s) ≤ E
+                    threshold = calibrate_budget(epsilon=eps, delta=use_delta, conversion=use_conv)
+                except BadInputError:
+                    threshold = 0.0
+                over = int(np.count_nonzero(np.minimum(spent, budget) > threshold))
+        passed = epsilon is not None and math.isfinite(epsilon) and epsilon <= eps
+        data["check_eps"] = {
+            "eps": eps, "delta": use_delta, "conversion": use_conv, "epsilon": _finite(epsilon), "passed": passed,
+            "excess": None if passed or epsilon is None else (epsilon - eps if math.isfinite(epsilon) else None),
+            "records_realised_above_eps": over, "realised_label": REALISED_LABEL,
+        }
+        if not passed:
+            shown = "inf" if epsilon is None else f"{epsilon:.6g}"
+            by = "an unbounded amount" if epsilon is None else f"{epsilon - eps:.6g}"
+            failures.append((CheckFailedError,
+                             f"the ledger's guarantee ε({use_conv}) = {shown} at δ = {use_delta:g} is above "
+                             f"--eps {eps:g} by {by} (B = {budget:.6g})"))
+    if min_spec is not None:
+        kind, value = min_spec
+        alive = n - n_deleted
+        # a positive fraction always needs at least one active record (a ledger of tombstones fails)
+        required = int(value) if kind == "count" else (max(1, int(math.ceil(value * alive))) if value > 0 else 0)
+        passed = n_active >= required
+        data["check_min_active"] = {"min_active": str(min_active), "kind": kind, "required": required,
+                                    "records_active": n_active, "passed": passed}
+        if not passed:
+            what = (f"{value:g} of the {alive} records not deleted" if kind == "fraction" else "the minimum")
+            failures.append((BudgetExhaustedError,
+                             f"only {n_active} records are active, fewer than --min-active {min_active} "
+                             f"({required}, {what})"))
+
+    if record_id is not None:
+        hits = np.flatnonzero(s.record_id == record_id) if n else np.empty(0, np.int64)
+        if hits.size == 0:
+            raise BadInputError(f"record id {record_id!r} is not in the ledger {ledger_path}")
+        data["record"] = _subject_record(ledger, int(hits[-1]), status=status, budget=budget, delta=use_delta, c1=c1)
+    if user_id is not None:
+        hits = np.flatnonzero(s.user_id == user_id) if n else np.empty(0, np.int64)
+        if hits.size == 0 or not user_id:
+            raise BadInputError(f"user id {user_id!r} has no records in the ledger {ledger_path}")
+        recs = [_subject_record(ledger, int(i), status=status, budget=budget, delta=use_delta, c1=c1) for i in hits]
+        total = float(np.sum(spent[hits]))
+        counts = {k: sum(r["status"] == k for r in recs) for k in ("active", "retired", "deleted")}
+        data["user"] = {
+            "user_id": user_id, "records": len(recs), **{f"records_{k}": v for k, v in counts.items()},
+            "spent_max": float(np.max(spent[hits])), "spent_total": total,
+            "times_selected": int(np.sum(s.times_selected[hits])),
+            # record-level privacy: a user's records compose (RDP and GDP μ² add), so the
+            # user-level loss is the conversion applied to the sum of their spent budgets.
+            "realised_user_epsilon_by_conversion": {
+                c: _finite(epsilon_for_budget(budget=total, delta=use_delta, conversion=c)) for c in CONVERSIONS},
+            "realised_label": REALISED_LABEL + "; user level: the user's records composed",
+            "deleted": all(r["deleted"] for r in recs),
+            "record_list": recs,
+        }
+
+    report = AccountReport(data=data, history_points=points,
+                           spent_fraction=(np.minimum(spent, budget) / budget) if budget > 0 else spent,
+                           failures=failures)
+    if plot is not None:
+        plot_account_report(report, plot)
+        data["plot"] = str(plot)
+    return report
+
+
+def enforce_checks(report: AccountReport) -> None:
+    """Raise the first failed check (--eps → CheckFailedError, --min-active → BudgetExhaustedError).
+
+    When both fail the --eps failure wins (exit 4) and its message names both.
+    """
+    if not report.failures:
+        return
+    cls, msg = report.failures[0]
+    if len(report.failures) > 1:
+        msg = msg + "; also: " + "; ".join(m for _, m in report.failures[1:])
+    raise cls(msg)
+
+
+# -- plot --------------------------------------------------------------------------
+def plot_account_report(report: AccountReport, path: str | os.PathLike) -> Path:
+    """Retired fraction and median realised loss against queries answered, and a histogram of spent/B."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = check_plot_path(path)
+    d = report.data
+    pts = report.history_points
+    x = [0] + [p["queries_answered"] for p in pts]
+    retired = [0.0] + [p["retired_fraction"] for p in pts]
+    med = [0.0] + [p["realised_epsilon_median"] or 0.0 for p in pts]
+    conv = d["conversion"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    axes[0].plot(x, retired, marker="." if len(x) < 60 else None)
+    axes[0].set_xlabel("queries answered")
+    axes[0].set_ylabel("retired fraction of records")
+    axes[0].set_ylim(0, 1)
+    axes[0].set_title("retired records")
+    axes[1].plot(x, med, marker="." if len(x) < 60 else None, color="tab:orange")
+    axes[1].axhline(d["epsilon"] or 0.0, ls="--", color="grey", label=f"guarantee ε = {d['epsilon']:.3g} ({conv})")
+    axes[1].set_xlabel("queries answered")
+    axes[1].set_ylabel(f"median realised ε ({conv}, δ = {d['delta']:g})")
+    axes[1].set_title("realised individual loss\n(descriptive, not a guarantee)")
+    axes[1].set_ylim(0, 1.1 * max([d["epsilon"] or 0.0] + med + [1e-12]))
+    axes[1].legend(loc="center right", fontsize=8)
+    frac = report.spent_fraction if report.spent_fraction is not None else np.zeros(0)
+    axes[2].hist(frac, bins=50, range=(0.0, 1.0), color="tab:green")
+    axes[2].set_xlabel("spent / B")
+    axes[2].set_ylabel("records")
+    axes[2].set_title(f"spent budget (B = {d['budget']:.4g}, {d['records']} records)")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()
+    return path

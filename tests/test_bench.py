@@ -1,0 +1,185 @@
+"""`indknn bench`: splits, the engine it runs, tuning, and every experiment end to end on tiny data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from indknn_cli.benchmarks import runner as bench_runner
+from indknn_cli.benchmarks.config import BenchConfig
+from indknn_cli.benchmarks.data import load_dataset, make_split, synthetic_dataset
+from indknn_cli.benchmarks.experiments import query_draws
+from indknn_cli.benchmarks.methods import (PrecomputedFinder, ValData, kernel_matrix, run_indknn, tune_indknn,
+                                           tune_tau_stage1)
+from indknn_cli.cli.app import app
+from indknn_cli.ledger import BudgetLedger
+from indknn_cli.serving import build_index, make_params, serve_queries
+from indknn_cli.store import ExtractorInfo, FeatureStore
+
+from .conftest import clustered
+
+cli = CliRunner()
+
+#: Grids small enough for a few seconds per experiment on 2 cores.
+TINY = dict(epsilons=(1.0,), draws=1, sigma2_grid=(0.5, 1.0), tau_offsets=(-0.1, 0.0), tune_draws=1,
+            pknn_rates=(0.5,), pknn_ks=(10,), sgd_lrs=(1.0,), sgd_epochs=1, sgd_accountant="rdp",
+            query_grid=(20, 45), retrain_every=(15, 45), timing_repeats=1, speed_n=(300,), speed_d=(16,),
+            speed_queries=16)
+
+
+@pytest.fixture
+def labelled_store(tmp_path):
+    """400 labelled private vectors (d=16, 3 classes) and 60 labelled public ones."""
+    x, y, _ = clustered(460, 16, 3, seed=8)
+    store = FeatureStore.create(tmp_path / "bench.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=16,
+                                label_names=["a", "b", "c"], chunk_rows=64)
+    store.append("private", x[:400], labels=y[:400], record_ids=[f"r{i}" for i in range(400)])
+    store.append("public", x[400:], labels=y[400:], record_ids=[f"p{i}" for i in range(60)])
+    return store
+
+
+# -- data and splits ---------------------------------------------------------------
+def test_split_is_seeded_disjoint_and_validation_comes_from_the_private_side():
+    ds = synthetic_dataset(n=500, d=8, classes=3, seed=1)
+    a, b = make_split(ds, seed=3), make_split(ds, seed=3)
+    assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("private", "query_pool", "val_queries"))
+    assert not np.array_equal(a.query_pool, make_split(ds, seed=4).query_pool)
+    assert np.intersect1d(a.private, a.query_pool).size == 0
+    assert a.private.size + a.query_pool.size == 500
+    assert set(a.val_queries) | set(a.val_reference) == set(a.private)  # carved from the private side
+    assert np.intersect1d(a.val_queries, a.val_reference).size == 0
+    assert np.intersect1d(a.val_queries, a.query_pool).size == 0  # never tuned on reported queries
+
+
+def test_store_public_rows_are_the_validation_data(labelled_store):
+    ds = load_dataset(str(labelled_store.path))
+    sp = make_split(ds, seed=0)
+    public = set(ds.public_rows.tolist())
+    assert set(sp.val_queries) | set(sp.val_reference) == public
+    assert not public & (set(sp.private) | set(sp.query_pool))
+
+
+def test_query_draws_are_seeded_samples_without_replacement():
+    d1 = query_draws(100, 100, 3, seed=0)
+    assert all(sorted(d.tolist()) == list(range(100)) for d in d1)  # T = pool: permutations
+    assert not np.array_equal(d1[0], d1[1])
+    d2 = query_draws(100, 30, 2, seed=0)
+    assert all(np.unique(d).size == 30 for d in d2)
+    assert np.array_equal(query_draws(100, 30, 2, seed=0)[1], d2[1])
+
+
+# -- the engine bench runs is the one serve-queries runs ------------------------------
+@pytest.mark.parametrize("reuse", [False, True])
+def test_bench_indknn_equals_serve_queries(vector_store, tmp_path, reuse):
+    params = make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.5, planned_queries=100)
+    build_index(store_path=vector_store.path, ledger_path=tmp_path / "L", params=params)
+    served = serve_queries(store_path=vector_store.path, ledger_path=tmp_path / "L", query_batch="q1", seed=3,
+                           batch_size=16, reuse=reuse)
+    ledger = BudgetLedger.open(tmp_path / "L")
+    x = vector_store.read("private", "features")
+    y = vector_store.read("private", "labels")
+    q = vector_store.read("query", "features", 0, 40)
+    run = run_indknn(x, y, q, params=ledger.params, n_classes=3, seed=3, tag="q1", reuse=reuse, batch_size=7)
+    assert run.labels.tolist() == [a["label"] for a in served.answers]
+    assert run.released_counts.tolist() == [a["released_count"] for a in served.answers]
+    np.testing.assert_array_equal(run.spent, ledger.state.spent)
+
+
+def test_each_draw_starts_from_a_fresh_budget_and_never_overspends():
+    x, y, _ = clustered(200, 8, 3, seed=2)
+    q, _, _ = clustered(300, 8, 3, seed=3)
+    params = make_params(epsilon=0.5, delta=1e-5, tau=0.3, sigma2=0.2, planned_queries=50)
+    a = run_indknn(x, y, q, params=params, n_classes=3, seed=0, tag="d0")
+    b = run_indknn(x, y, q, params=params, n_classes=3, seed=0, tag="d0")
+    c = run_indknn(x, y, q, params=params, n_classes=3, seed=0, tag="d1")
+    assert np.array_equal(a.labels, b.labels) and np.array_equal(a.spent, b.spent)  # fresh state, same noise
+    assert not np.array_equal(a.released_counts, c.released_counts)  # another draw, other noise
+    assert (a.spent <= params.budget).all() and a.active_after < 200  # the filter retired records
+
+
+def test_precomputed_tuning_finder_matches_the_flat_scan():
+    x, y, _ = clustered(300, 16, 3, seed=4)
+    q, _, _ = clustered(60, 16, 3, seed=5)
+    params = make_params(epsilon=1.0, delta=1e-5, tau=0.4, sigma2=0.5, planned_queries=60)
+    flat = run_indknn(x, y, q, params=params, n_classes=3, seed=1, tag="t", batch_size=60)
+    pre = run_indknn(x, y, q, params=params, n_classes=3, seed=1, tag="t", batch_size=60,
+                     candidate_finder=PrecomputedFinder(kernel_matrix(q, x), 0.4))
+    assert flat.labels.tolist() == pre.labels.tolist()
+    np.testing.assert_allclose(flat.spent, pre.spent, rtol=1e-12, atol=1e-15)
+
+
+def test_two_stage_tuner_searches_around_tau_star():
+    x, y, _ = clustered(400, 16, 3, seed=6)
+    val = ValData(x[:300], y[:300].astype(np.int64), x[300:], y[300:].astype(np.int64), 3)
+    s1 = tune_tau_stage1(val)
+    assert s1["tau_star"] in [r["tau"] for r in s1["sweep"]]
+    best = max(r["accuracy"] for r in s1["sweep"])
+    assert next(r for r in s1["sweep"] if r["tau"] == s1["tau_star"])["accuracy"] >= best - 0.005
+    res = tune_indknn(val, epsilons=(1.0, 2.0), delta=1e-5, conversion="gdp", queries=100, seed=0,
+                      sigma2_grid=(0.3, 0.8), tau_offsets=(-0.05, 0.0, 0.05), stage1=s1)
+    assert set(res["chosen"]) == {1.0, 2.0}
+    for ch in res["chosen"].values():
+        assert ch["sigma2"] in (0.3, 0.8) and abs(ch["tau"] - s1["tau_star"]) <= 0.05 + 1e-9
+
+
+# -- experiments end to end (tiny synthetic store, quick mode) -------------------------
+def _png(path: str) -> bool:
+    return Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("experiment", ["accuracy-vs-eps", "accuracy-vs-queries", "retraining", "tune", "speed"])
+def test_experiment_end_to_end_writes_json_and_png(labelled_store, tmp_path, experiment):
+    out = tmp_path / "out"
+    summary = bench_runner.run_bench(experiment, dataset=str(labelled_store.path), out_dir=out, quick=True, seed=5,
+                                     **TINY)
+    data = json.loads(Path(summary["json"]).read_text())
+    assert data["experiment"] == experiment and data["quick"] is True
+    assert data["config"]["seed"] == 5 and data["environment"]["versions"]["opacus"]
+    assert "git_commit" in data["environment"]
+    assert summary["plots"] and all(_png(p) for p in summary["plots"])
+    assert summary["table"]["rows"]
+    if experiment == "accuracy-vs-eps":
+        methods = {r["method"] for r in data["results"]}
+        assert {"ind-knn", "ind-knn+reuse", "private-knn", "linear-noisysgd", "knn (non-private)"} <= methods
+        for r in data["results"]:
+            assert 0.0 <= r["accuracy_median"] <= 1.0
+            if r["method"] in ("private-knn", "linear-noisysgd"):
+                assert r["accounted_epsilon"] <= r["epsilon"]
+            if r["method"].startswith("ind-knn") and r["epsilon"] != "inf":
+                assert r["conversion"] == "gdp" and "Gaussian-DP" in r["privacy"]
+    if experiment == "retraining":
+        rows = data["results"]
+        assert [r["retrain_every"] for r in rows] == [15, 45]
+        assert rows[0]["noisysgd_epsilon_total"] > rows[1]["noisysgd_epsilon_total"]  # more retrainings
+        assert all(r["indknn_epsilon_guarantee"] == 1.0 for r in rows)
+    if experiment == "tune":
+        assert "public or validation" in data["warning"] and "public rows" in data["data_used"]
+
+
+def test_cli_bench_prints_table_on_stderr_and_one_json_line(labelled_store, tmp_path, monkeypatch):
+    make = BenchConfig.make.__func__
+    monkeypatch.setattr(BenchConfig, "make", classmethod(
+        lambda cls, *, quick, seed=0, **kw: make(cls, quick=quick, seed=seed, **{**kw, **{
+            k: v for k, v in TINY.items() if k != "epsilons"}})))
+    res = cli.invoke(app, ["bench", "accuracy-vs-eps", "--dataset", str(labelled_store.path), "--quick",
+                           "--out", str(tmp_path / "o"), "--eps", "1,2", "--seed", "2"])
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1
+    summary = json.loads(lines[0])
+    assert summary["table"]["columns"] == ["method", "ε=1", "ε=2", "ε=∞"] and summary["seed"] == 2
+    assert "median accuracy" in res.stderr and "ind-knn" in res.stderr
+    assert Path(summary["json"]).is_file()
+
+
+@pytest.mark.parametrize("args", [["--eps", "one"], ["--dataset", "/nonexistent/store"], ["--eps", "-1"],
+                                  ["--conversion", "moments"]])
+def test_cli_bench_bad_input_exits_2_with_nothing_on_stdout(tmp_path, args):
+    res = cli.invoke(app, ["bench", "accuracy-vs-eps", "--out", str(tmp_path / "o"), *args])
+    assert res.exit_code == 2, (res.stdout, res.stderr)
+    assert res.stdout == ""
+    assert not (tmp_path / "o").exists()
