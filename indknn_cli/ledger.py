@@ -242,7 +242,11 @@ class BudgetLedger:
         for attempt in range(retries):
             try:
                 ledger = cls._load(path)
-                break
+                if cls._current_generation(path) == ledger.generation:
+                    break  # no compaction landed while we read: snapshot + events are consistent
+                if attempt == retries - 1:
+                    raise LedgerError(f"{path}: ledger files changed while reading (a compaction ran); try again")
+                continue
             except FileNotFoundError:  # a concurrent compaction removed files between reads
                 if attempt == retries - 1:
                     raise LedgerError(f"{path}: ledger files changed while reading; try again") from None
@@ -259,6 +263,13 @@ class BudgetLedger:
                 "use the ledger created for this store"
             )
         return ledger
+
+    @staticmethod
+    def _current_generation(path: Path) -> int | None:
+        try:
+            return int(json.loads((path / "CURRENT").read_text())["generation"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     @classmethod
     def _load(cls, path: Path) -> "BudgetLedger":
@@ -278,7 +289,11 @@ class BudgetLedger:
         raw_meta = (snap.schema.metadata or {}).get(b"indknn")
         if raw_meta is None:
             raise LedgerError(f"{snap_path}: not an indknn ledger snapshot (no metadata)")
-        meta = json.loads(raw_meta)
+        try:
+            meta = json.loads(raw_meta)
+            PrivacyParams(**meta["params"])
+        except (ValueError, KeyError, TypeError):
+            raise LedgerError(f"{snap_path}: ledger metadata is corrupt (not what indknn writes)") from None
         if meta.get("format_version") != FORMAT_VERSION:
             raise LedgerError(
                 f"{path}: ledger format_version {meta.get('format_version')!r}, this indknn reads {FORMAT_VERSION}"
