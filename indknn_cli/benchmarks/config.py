@@ -13,6 +13,7 @@ class BenchConfig:
     epsilons: tuple = (0.5, 1.0, 1.5, 2.0)
     draws: int = 5                       # query draws; the median accuracy is reported (paper §4)
     queries: int | None = None           # T per draw (default: min(1000, query pool))
+    max_private: int | None = None       # cap on the private side (--quick: 20,000; AG News has 6,600)
     conversion: str = "gdp"              # Ind-KNN's (ε, δ) → B conversion (SPEC §3)
     pknn_accountant: str = "pld"         # Private-kNN: dp-accounting PLD (tight) or RDP
     sgd_accountant: str = "prv"          # Opacus's default accountant
@@ -28,7 +29,7 @@ class BenchConfig:
     pknn_rates: tuple = (0.02, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
     pknn_ks: tuple = (10, 25, 50, 100, 200, 400, 800, 1600)
     # Linear NoisySGD (Tramèr & Boneh 2021)
-    sgd_lrs: tuple = (0.5, 1.0, 2.0, 4.0, 8.0)
+    sgd_lrs: tuple = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
     sgd_epochs: int = 10
     # accuracy-vs-queries
     query_grid: tuple = (100, 250, 500, 1000, 2000, 5000)
@@ -48,6 +49,7 @@ class BenchConfig:
         if quick:  # a few minutes on 2 cores: fewer draws, fewer ε, smaller grids
             cfg.epsilons = (0.5, 1.0, 2.0)
             cfg.draws = 3
+            cfg.max_private = 20_000
             cfg.sigma2_grid = (0.3, 0.5, 0.8, 1.2)
             cfg.tau_offsets = (-0.15, -0.1, -0.05, 0.0)
             cfg.tune_draws = 1

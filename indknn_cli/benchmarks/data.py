@@ -213,14 +213,15 @@ def load_dataset(name: str, *, data_dir: Path | None = None, cache_dir: Path | N
 
 
 def make_split(ds: Dataset, *, seed: int, n_queries: int | None = None, n_private: int | None = None,
-               n_val_queries: int | None = None) -> Split:
+               n_val_queries: int | None = None, max_private: int | None = None) -> Split:
     """Seeded split: query pool, private side, and a validation split (from public rows when the
     dataset has them, else carved from the private side).
 
     Defaults: AG News 6,600 private / 1,000 queries; MNIST 60,000 / 10,000
     (its own test rows); a store: its labelled query rows, else 15% (≤ 1,000)
     of its records. Validation: min(1,000, 15% of private) queries asked of
-    the rest of the private side.
+    the rest of the private side. ``n_private`` / ``max_private`` keep a
+    seeded random subset of the private side.
     """
     rng = np.random.default_rng(np.random.SeedSequence(entropy=seed, spawn_key=(0x5B117,)))
     public = ds.public_rows if ds.public_rows is not None else np.empty(0, np.int64)
@@ -241,6 +242,8 @@ def make_split(ds: Dataset, *, seed: int, n_queries: int | None = None, n_privat
         if not (0 < n_private <= rest.size):
             raise BadInputError(f"--n-private must lie in (0, {rest.size}], got {n_private}")
         rest = rest[:n_private]
+    elif max_private is not None and rest.size > max_private:
+        rest = rest[:max_private]  # a seeded random subset (rest is shuffled)
     val_side = public if public.size else rest   # public data when the store has it, else the private side
     nv = n_val_queries if n_val_queries is not None else min(1000, max(1, int(0.15 * val_side.size)))
     if not (0 < nv < val_side.size):

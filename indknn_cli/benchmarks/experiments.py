@@ -336,8 +336,10 @@ def speed(cfg: BenchConfig, progress: Progress = lambda s: None, classes: int = 
                          "median_released_count": float(np.median(run.released_counts))})
             progress(f"flat N={n} d={d}: {rows[-1]['queries_per_second']:.1f} queries/s")
     table = {"title": "engine throughput (flat, exact)", "columns": ["kind", "N", "d", "queries/s", "median K"],
-             "rows": [[r["kind"], r["n"], r["d"], round(r["queries_per_second"], 1), round(r["median_released_count"], 1)]
-                      for r in rows]}
+             "rows": [[r["kind"], r["n"], r["d"], f"{r['queries_per_second']:.1f}", f"{r['median_released_count']:.0f}"]
+                      for r in rows],
+             "note": f"{cfg.speed_queries} queries per configuration, {classes} clusters, τ={tau}; "
+                     "median K = released noisy neighbour count (≈ selected records per query)"}
     return {"experiment": "speed", "config": cfg.as_dict(), "synthetic": {"classes": classes, "tau": tau,
             "spread": 0.35}, "results": rows, "table": table}
 

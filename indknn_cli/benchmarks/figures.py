@@ -28,9 +28,12 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
                 series[m] = ([p[0] for p in pts], [p[1] for p in pts])
         hl = {r["method"]: r["accuracy_median"] for r in rows if r["epsilon"] == math.inf}
         T = result["dataset"].get("queries_per_draw")
-        paths.append(plot_lines(out_dir / f"{stem}.png", series=series, hlines=hl, xlabel="ε (δ = %g)"
-                                % result["config"]["delta"], ylabel=f"median accuracy of {T} queries",
-                                title=f"Accuracy vs ε — {_ds(result)}"))
+        c = result["config"]
+        paths.append(plot_lines(out_dir / f"{stem}.png", series=series, hlines=hl,
+                                xlabel=f"ε (δ = {c['delta']:g}; Ind-KNN {c['conversion'].upper()}, Private-kNN "
+                                f"{c['pknn_accountant'].upper()}, NoisySGD {c['sgd_accountant'].upper()})",
+                                ylabel=f"median accuracy of {T} queries",
+                                title=f"Accuracy vs ε\n{_ds(result)}"))
     elif kind == "accuracy-vs-queries":
         rows = result["results"]
         series = {}
@@ -40,7 +43,7 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
                 series[m] = ([p[0] for p in pts], [p[1] for p in pts])
         paths.append(plot_lines(out_dir / f"{stem}.png", series=series, xlabel="number of queries T",
                                 ylabel="median accuracy", logx=True,
-                                title=f"Accuracy vs T at ε={result['epsilon']:g} — {_ds(result)}"))
+                                title=f"Accuracy vs T at ε={result['epsilon']:g}\n{_ds(result)}"))
     elif kind == "retraining":
         rows = result["results"]
         qs = [r["retrain_every"] for r in rows]
@@ -48,7 +51,7 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
             "ind-knn (deletions)": (qs, [r["indknn_seconds_per_query"] for r in rows]),
             "linear-noisysgd (retrained)": (qs, [r["noisysgd_seconds_per_query"] for r in rows])},
             xlabel="retrain every Q queries", ylabel="amortised seconds per query", logx=True, logy=True,
-            title=f"Amortised cost vs retraining frequency — {_ds(result)}"))
+            title=f"Amortised cost vs retraining frequency\n{_ds(result)}"))
         series = {}
         for q, c in result["privacy_curves"].items():
             series[f"linear-noisysgd Q={q}"] = (c["queries"], c["noisysgd_epsilon"])
@@ -58,7 +61,7 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
                 c["queries"], c["indknn_median_realised_epsilon_selected"])
         paths.append(plot_lines(out_dir / f"{stem}_privacy.png", series=series,
                                 hlines={"ind-knn guarantee": result["epsilon"]}, xlabel="queries answered",
-                                ylabel="ε", title=f"Privacy cost vs queries — {_ds(result)}"))
+                                ylabel="ε", title=f"Privacy cost vs queries\n{_ds(result)}"))
     elif kind == "speed":
         series = {}
         for r in result["results"]:
@@ -75,5 +78,5 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
             xlabel="τ", ylabel="validation accuracy", title=f"Tuner stage 1 (τ* = {res['stage1']['tau_star']})"))
         for eps, grid in res["grids"].items():
             paths.append(plot_grid(out_dir / f"{stem}_eps{eps}.png", grid=grid,
-                                   title=f"Tuner stage 2 at ε={eps} — {_ds(result)}"))
+                                   title=f"Tuner stage 2 at ε={eps}\n{_ds(result)}"))
     return paths

@@ -33,7 +33,8 @@ def _stem(experiment: str, dataset: str | None) -> str:
 
 def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Path | None = None,
               cache_dir: Path | None = None, out_dir: Path = Path("bench_out"), quick: bool = False, seed: int = 0,
-              features: str = "hog", n_queries: int | None = None, epsilon: float = 1.0,
+              features: str = "hog", n_queries: int | None = None, n_private: int | None = None,
+              epsilon: float = 1.0,
               progress: Callable[[str], None] = lambda s: None, **overrides) -> dict:
     """Run one experiment and write ``<out>/<experiment>_<dataset>.json`` and its PNG plots.
 
@@ -53,7 +54,8 @@ def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Pat
     else:
         progress(f"loading {dataset} (features are computed once and cached)")
         ds = load_dataset(dataset, data_dir=data_dir, cache_dir=cache_dir, features=features, device=cfg.device)
-        split = make_split(ds, seed=seed, n_queries=n_queries)
+        split = make_split(ds, seed=seed, n_queries=n_queries, n_private=n_private,
+                           max_private=cfg.max_private)
         stem = _stem(experiment, dataset)
         try:
             if experiment == "accuracy-vs-eps":

@@ -33,6 +33,8 @@ DELTA = typer.Option(1e-5, "--delta", help="δ of every method.")
 DRAWS = typer.Option(None, "--draws", help="Query draws (median reported; default 5, --quick 3).")
 QUERIES = typer.Option(None, "--queries", help="Queries per draw T (default min(1000, query pool)).")
 N_QUERIES = typer.Option(None, "--n-queries", help="Size of the query pool split off the data.")
+N_PRIVATE = typer.Option(None, "--n-private", help="Keep a seeded random subset of this many private records "
+                         "(default: all; --quick caps at 20,000).")
 PKNN_ACC = typer.Option("pld", "--pknn-accountant", help="Private-kNN accountant: pld or rdp (dp-accounting).")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda for the engine and the feature extractor.")
 
@@ -84,10 +86,10 @@ def _run(experiment: str, parsed=lambda: {}, **kw) -> None:
 
 
 def _common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, draws, queries, n_queries,
-            pknn_accountant, device) -> dict:
+            pknn_accountant, device, n_private=None) -> dict:
     return dict(quick=quick, out_dir=out, dataset=dataset, data_dir=data_dir, cache_dir=cache, seed=seed,
                 features=features, conversion=conversion, delta=delta, draws=draws, queries=queries,
-                n_queries=n_queries, pknn_accountant=pknn_accountant, device=device)
+                n_queries=n_queries, n_private=n_private, pknn_accountant=pknn_accountant, device=device)
 
 
 @bench_app.command("accuracy-vs-eps")
@@ -97,12 +99,13 @@ def accuracy_vs_eps(
     quick: bool = QUICK, out: Path = OUT, dataset: str = DATASET, data_dir: Optional[Path] = DATA_DIR,
     cache: Optional[Path] = CACHE, seed: int = SEED, features: str = FEATURES, conversion: str = CONVERSION,
     delta: float = DELTA, draws: Optional[int] = DRAWS, queries: Optional[int] = QUERIES,
-    n_queries: Optional[int] = N_QUERIES, pknn_accountant: str = PKNN_ACC, device: str = DEVICE,
+    n_queries: Optional[int] = N_QUERIES, n_private: Optional[int] = N_PRIVATE, pknn_accountant: str = PKNN_ACC,
+    device: str = DEVICE,
 ) -> None:
     """Median accuracy over query draws per ε for every method, each tuned on a validation split (paper Fig. 1a, 2)."""
     _run("accuracy-vs-eps", lambda: dict(epsilons=_floats(eps, "--eps")),
          **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, draws, queries,
-                   n_queries, pknn_accountant, device))
+                   n_queries, pknn_accountant, device, n_private))
 
 
 @bench_app.command("accuracy-vs-queries")
@@ -113,12 +116,12 @@ def accuracy_vs_queries(
     quick: bool = QUICK, out: Path = OUT, dataset: str = DATASET, data_dir: Optional[Path] = DATA_DIR,
     cache: Optional[Path] = CACHE, seed: int = SEED, features: str = FEATURES, conversion: str = CONVERSION,
     delta: float = DELTA, draws: Optional[int] = DRAWS, n_queries: Optional[int] = N_QUERIES,
-    pknn_accountant: str = PKNN_ACC, device: str = DEVICE,
+    n_private: Optional[int] = N_PRIVATE, pknn_accountant: str = PKNN_ACC, device: str = DEVICE,
 ) -> None:
     """Accuracy as the number of queries T grows at fixed ε, with and without prediction reuse (paper Fig. 1b)."""
     _run("accuracy-vs-queries", lambda: dict(query_grid=_ints(query_grid, "--query-grid")), epsilon=eps,
          **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, draws, None,
-                   n_queries, pknn_accountant, device))
+                   n_queries, pknn_accountant, device, n_private))
 
 
 @bench_app.command("retraining")
@@ -130,13 +133,13 @@ def retraining(
     quick: bool = QUICK, out: Path = OUT, dataset: str = DATASET, data_dir: Optional[Path] = DATA_DIR,
     cache: Optional[Path] = CACHE, seed: int = SEED, features: str = FEATURES, conversion: str = CONVERSION,
     delta: float = DELTA, queries: Optional[int] = QUERIES, n_queries: Optional[int] = N_QUERIES,
-    device: str = DEVICE,
+    n_private: Optional[int] = N_PRIVATE, device: str = DEVICE,
 ) -> None:
     """Amortised seconds per query and privacy cost when the data changes every Q queries (paper Table 1, Fig. 3)."""
     _run("retraining", lambda: dict(retrain_every=_ints(retrain_every, "--retrain-every")), epsilon=eps,
          deletions_per_change=deletions,
          **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, None, queries,
-                   n_queries, "pld", device))
+                   n_queries, "pld", device, n_private))
 
 
 @bench_app.command("speed")
@@ -158,7 +161,7 @@ def tune(
     cache: Optional[Path] = CACHE, seed: int = SEED, features: str = FEATURES, conversion: str = CONVERSION,
     delta: float = DELTA, queries: Optional[int] = typer.Option(None, "--queries", help="Planned queries T "
                                                                 "(sets σ1 = sqrt(T/6B))."),
-    n_queries: Optional[int] = N_QUERIES, device: str = DEVICE,
+    n_queries: Optional[int] = N_QUERIES, n_private: Optional[int] = N_PRIVATE, device: str = DEVICE,
 ) -> None:
     """Choose Ind-KNN's (σ2, τ) by the supplementary's two-stage search.
 
@@ -168,5 +171,5 @@ def tune(
     """
     _run("tune", lambda: dict(epsilons=_floats(eps, "--eps")),
          **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, None, queries,
-                   n_queries, "pld", device))
+                   n_queries, "pld", device, n_private))
 
