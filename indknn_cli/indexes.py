@@ -12,15 +12,21 @@ the record itself, the query and public data; §4 allows exactly two shortcuts:
   file. Each record is assigned to its nearest centroid (a function of the
   record and the public centroids); a query probes its ``nprobe`` nearest
   lists; the threshold τ is applied to the exact kernel (a range search).
+  Unless given, ``nprobe`` is the smallest reaching candidate recall 0.95 on
+  held-out public vectors (:func:`calibrate_nprobe`), and ``nlist`` a
+  power of two with ≥ 39 public vectors per list — never a statistic of the
+  private set (not even its size).
 
 Anything fitted to the private vectors (IVF/PQ/PCA trained on them, an HNSW
 graph) is refused: one record's membership would then depend on the others.
 
 Exactness. Codes, list assignments and probed lists are *pure functions* of a
-vector: scores are computed in float64 (float32 inputs, so every product is
-exact) and any entry within the float64 rounding bound of a decision boundary
-(a sign, an argmax, the k-th largest) is recomputed exactly with ``math.fsum``
-(a correctly rounded sum of exact products), ties going to the lowest index.
+vector: scores come from fp32 BLAS, and only what that product's rounding-error
+bound makes certain is decided from it; rows with an entry within the bound of a
+decision boundary (a sign, an argmax, the k-th largest) are recomputed in
+float64, and entries still too close are decided exactly with ``math.fsum`` (a
+correctly rounded sum of products that are exact in float64), ties going to the
+lowest index.
 So an incremental update equals a rebuild bit for bit, and a query's candidate
 set does not depend on the batch it is in (SPEC §5). The kernel test itself
 is the engine's: an fp32 BLAS screen with a safety margin, then κ recomputed in
@@ -69,8 +75,9 @@ MAX_NLIST_DEFAULT = 4096
 MIN_POINTS_PER_LIST = 39  # faiss's own warning level for k-means training
 ENCODE_ROWS = 32768
 PAIR_BLOCK = 1 << 15
-#: Refuse a --train-on set when at least this share of its rows is identical to a private record.
-PRIVATE_OVERLAP_LIMIT = 0.01
+#: Refuse training vectors when at least this share is bit-identical to private records (a copy of the
+#: private set, or most of one); a few duplicates (a query equal to a record) are expected in public data.
+PRIVATE_OVERLAP_LIMIT = 0.10
 
 _WHY = ("a record's candidate membership would then depend on the other private records, which breaks "
         "the individual filter's guarantee (SPEC §2 step 1 and §4: membership may depend only on the "
@@ -571,6 +578,56 @@ def default_nprobe(nlist: int) -> int:
     return max(1, nlist // 8)
 
 
+TARGET_RECALL = 0.95
+
+
+def calibrate_nprobe(public: np.ndarray, *, nlist: int, seed: int, kernel: str, tau: float, nu: float | None,
+                     target: float = TARGET_RECALL, holdout: float = 0.2, max_holdout: int = 20000,
+                     max_queries: int = 2000) -> dict:
+    """The smallest nprobe reaching candidate recall ``target``, measured on *public* vectors only.
+
+    Vectors the centroids were trained on sit closer to them than new records
+    do, so recall measured on them is optimistic: a held-out share of the public
+    vectors is kept out of a k-means run of the same ``nlist`` and ``seed``, and
+    recall is measured among the held-out vectors (a sample as queries against all
+    of them, pairs with κ ≥ τ, self-pairs excluded). The final centroids are then
+    trained on every public vector, as without calibration.
+    """
+    public = np.ascontiguousarray(public, dtype=np.float32)
+    n = public.shape[0]
+    rng = np.random.Generator(np.random.PCG64(seed))
+    n_hold = min(int(n * holdout), max_holdout)
+    if n - n_hold < nlist or n_hold < 2:
+        return {"nprobe": default_nprobe(nlist), "method": "nlist/8 (too few public vectors to hold some out)"}
+    perm = rng.permutation(n)
+    hold = public[np.sort(perm[:n_hold])]
+    ivf = IvfIndex.train(public[np.sort(perm[n_hold:])], nlist=nlist, seed=seed)
+    qidx = np.sort(rng.choice(n_hold, size=min(n_hold, max_queries), replace=False))
+    q = hold[qidx]
+    lists = ivf.assign(hold)
+    rank = np.empty((q.shape[0], ivf.nlist), np.int32)  # rank of each list for each query (0 = nearest)
+    np.put_along_axis(rank, np.argsort(-(q @ ivf.centroids.T), axis=1, kind="stable"),
+                      np.arange(ivf.nlist, dtype=np.int32)[None, :].repeat(q.shape[0], 0), axis=1)
+    thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
+    hist = np.zeros(ivf.nlist, np.int64)
+    for lo in range(0, n_hold, 16384):
+        sc = q @ hold[lo:lo + 16384].T
+        qi, rj = np.nonzero(sc >= thr)
+        rj = rj + lo
+        keep = qidx[qi] != rj
+        hist += np.bincount(rank[qi[keep], lists[rj[keep]]], minlength=ivf.nlist)
+    pairs = int(hist.sum())
+    if pairs == 0:
+        return {"nprobe": default_nprobe(nlist), "method": f"nlist/8 (no held-out public pairs with κ ≥ τ={tau})"}
+    cum = np.cumsum(hist) / pairs
+    lower = cum - 2.0 * np.sqrt(cum * (1.0 - cum) / pairs)  # ~97.5% lower bound: erring toward more lists
+    nprobe = int(np.flatnonzero(lower >= target - 1e-12)[0] + 1) if (lower >= target - 1e-12).any() else ivf.nlist
+    return {"nprobe": nprobe, "method": f"smallest nprobe whose candidate recall on held-out public vectors "
+                                        f"(centroids trained without them) is ≥ {target} at 2 standard errors",
+            "heldout_vectors": int(n_hold), "heldout_queries": int(q.shape[0]), "heldout_pairs": pairs,
+            "heldout_recall": round(float(cum[nprobe - 1]), 4), "tau": float(tau), "kernel": kernel}
+
+
 # -- planning and building --------------------------------------------------------------
 @dataclass
 class IndexPlan:
@@ -595,9 +652,12 @@ def check_kind(kind: str | None) -> None:
 def plan_index(
     store: FeatureStore, *, kind: str | None, tables: int | None = None, bits: int | None = None,
     seed: int | None = None, nlist: int | None = None, nprobe: int | None = None,
-    train_on: str | os.PathLike | None = None,
+    train_on: str | os.PathLike | None = None, params=None,
 ) -> IndexPlan:
     """Validate the request, train IVF centroids on public data; raises before anything is written.
+
+    ``params`` (PrivacyParams, or a callable returning them, called only when an
+    IVF is trained) gives the kernel and τ for calibrating ``nprobe``.
 
     ``kind=None`` keeps the store's current kind (flat when it has no index),
     so re-running `index` to add records never drops or rebuilds an index.
@@ -644,16 +704,25 @@ def plan_index(
             and seed in (None, existing["seed"]):
         if nprobe is None or nprobe == existing["nprobe"]:
             return IndexPlan("ivf", "keep", meta=existing)
-        return IndexPlan("ivf", "update", meta=dict(existing, nprobe=min(int(nprobe), int(existing["nlist"]))))
+        return IndexPlan("ivf", "update", meta=dict(existing, nprobe=min(int(nprobe), int(existing["nlist"])),
+                                                    nprobe_calibration={"method": "set with --nprobe"}))
     public, source = load_training_vectors(store, train_on)
     nlist = default_nlist(public.shape[0]) if nlist is None else int(nlist)
     seed = secrets.randbits(31) if seed is None else int(seed)
     source.update(rows=int(public.shape[0]), sha256=vectors_sha256(public))
     t0 = time.perf_counter()
     ivf = IvfIndex.train(public, nlist=nlist, seed=seed)
+    calibration = None
+    if callable(params):
+        params = params()
+    if nprobe is None and params is not None:
+        calibration = calibrate_nprobe(public, nlist=nlist, seed=seed, kernel=params.kernel, tau=params.tau,
+                                       nu=params.nu)
+        nprobe = calibration["nprobe"]
     nprobe = default_nprobe(nlist) if nprobe is None else min(int(nprobe), nlist)
     return IndexPlan("ivf", "build", ivf, train_seconds=time.perf_counter() - t0, meta={
-        "kind": "ivf", "seed": seed, "nlist": nlist, "nprobe": int(nprobe), "centroid_source": source,
+        "kind": "ivf", "seed": seed, "nlist": nlist, "nprobe": int(nprobe), "nprobe_calibration": calibration,
+        "centroid_source": source,
         "kmeans": {"library": "faiss-cpu", "spherical": True, "niter": KMEANS_NITER, "seed": kmeans_seed(seed)},
         "centroids_sha256": vectors_sha256(ivf.centroids)})
 
@@ -671,7 +740,8 @@ def apply_plan(store: FeatureStore, plan: IndexPlan, *, lock_timeout: float = 30
             _swap_out(path)
             return {"kind": "flat", "removed_index": True}
         if plan.action == "update":
-            zarr.open_group(str(path), mode="r+").attrs.update({"nprobe": plan.meta["nprobe"]})
+            zarr.open_group(str(path), mode="r+").attrs.update(
+                {k: plan.meta[k] for k in ("nprobe", "nprobe_calibration")})
             return _public_meta(read_meta(store.path), rows_added=0, seconds=time.perf_counter() - t0)
         n = store.n_rows("private")
         tmp = store.path / f".index-build-{uuid.uuid4().hex[:8]}"

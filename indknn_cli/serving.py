@@ -98,9 +98,15 @@ def build_index(
     store = FeatureStore.open(store_path, mode="r")
     if store.n_rows("private") == 0:
         raise BadInputError(f"{store_path}: the store has no private records to index")
+
+    def known_params():  # τ and kernel for IVF's nprobe calibration; read only when an IVF is trained
+        if params is not None or not BudgetLedger.exists(ledger_path):
+            return params
+        return BudgetLedger.open(ledger_path, store_uuid=store.uuid).params
+
     # Refusals and IVF training (public data only) happen before anything is written.
     plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
-                              nprobe=nprobe, train_on=train_on)
+                              nprobe=nprobe, train_on=train_on, params=known_params)
     created = False
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
         if BudgetLedger.exists(ledger_path):

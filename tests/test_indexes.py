@@ -248,7 +248,36 @@ def test_ivf_refuses_private_training_data(tmp_path, data):
     out = build_index(store_path=store.path, ledger_path=tmp_path / "L", params=p, kind="ivf", nlist=4,
                       train_on=tmp_path / "pub.npz").as_dict()["index"]
     assert out["centroid_source"]["from"] == "file" and out["centroid_source"]["sha256"] == indexes.vectors_sha256(normalize_rows(pub))
-    assert out["nlist"] == 4 and out["nprobe"] == 1
+    cal = out["nprobe_calibration"]  # nprobe chosen on public vectors only, for the ledger's τ
+    assert out["nlist"] == 4 and out["nprobe"] == cal["nprobe"] and cal["heldout_recall"] >= 0.95
+
+
+def test_nprobe_calibration_uses_held_out_public_vectors(data):
+    x, y, q, pub = data
+    cal = indexes.calibrate_nprobe(pub, nlist=8, seed=1, kernel="cosine", tau=0.3, nu=None, target=0.9,
+                                   holdout=0.3)
+    # recompute: centroids from the public vectors not held out, recall among the held-out ones
+    rng = np.random.Generator(np.random.PCG64(1))
+    n_hold = int(len(pub) * 0.3)
+    perm = rng.permutation(len(pub))
+    hold = pub[np.sort(perm[:n_hold])]
+    ivf = indexes.IvfIndex.train(pub[np.sort(perm[n_hold:])], nlist=8, seed=1)
+    lists = ivf.assign(hold)
+    s = hold.astype(np.float64) @ hold.T.astype(np.float64)
+    np.fill_diagonal(s, -np.inf)
+    qi, rj = np.nonzero(s >= 0.3)
+
+    def recall(nprobe):
+        probe = ivf.probe(hold, nprobe)
+        return np.mean([lists[j] in probe[i] for i, j in zip(qi, rj)])
+
+    def lower(nprobe):
+        r = recall(nprobe)
+        return r - 2 * np.sqrt(r * (1 - r) / qi.size)
+
+    assert cal["heldout_pairs"] == qi.size
+    assert lower(cal["nprobe"]) >= 0.9 - 1e-9 and recall(cal["nprobe"]) == pytest.approx(cal["heldout_recall"], abs=1e-4)
+    assert cal["nprobe"] == 1 or lower(cal["nprobe"] - 1) < 0.9
 
 
 def test_options_of_another_kind_are_bad_input(tmp_path, data):
@@ -378,3 +407,27 @@ def test_cli_kinds_and_refusals(tmp_path, data):
     res = runner.invoke(app, ["serve-queries", "q1", "--store", str(store.path), "--ledger", str(tmp_path / "L"),
                               "--seed", "1"])
     assert res.exit_code == 0, res.stderr and len(res.stdout.splitlines()) == len(q)
+
+
+@pytest.mark.parametrize("kind", ["lsh", "ivf"])
+def test_delete_and_compact_keep_the_index_equal_to_a_rebuild(tmp_path, data, kind):
+    deletion = pytest.importorskip("indknn_cli.deletion")
+    x, y, q, pub = data
+    store = make_store(tmp_path / "s.zarr", x, y, queries=q, public=pub)
+    p = make_params(epsilon=1.0, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=50)
+    opts = dict(tables=5, bits=6, index_seed=8) if kind == "lsh" else dict(nlist=8, nprobe=3, index_seed=8)
+    build_index(store_path=store.path, ledger_path=tmp_path / "L", params=p, kind=kind, **opts)
+    deletion.delete_records(store_path=store.path, ledger_path=tmp_path / "L", record_ids=["r00003", "r00100"])
+    inc, _ = _arrays(FeatureStore.open(store.path))
+    assert inc["erased"][[3, 100]].all() and inc["erased"].sum() == 2  # the delete hook overwrote them
+    deletion.delete_records(store_path=store.path, ledger_path=tmp_path / "L", compact=True)
+    compacted = FeatureStore.open(store.path)
+    keep = np.setdiff1d(np.arange(len(x)), [3, 100])
+    fresh = make_store(tmp_path / "fresh.zarr", x[keep], y[keep], queries=q, public=pub)
+    build_index(store_path=fresh.path, ledger_path=tmp_path / "L2", params=p, kind=kind, **opts)
+    a, b = _arrays(compacted), _arrays(fresh)
+    assert a[1]["n_rows"] == b[1]["n_rows"] == keep.size and a[1]["store_uuid"] == compacted.uuid
+    for k in b[0]:
+        assert np.array_equal(a[0][k], b[0][k]), k
+    res = serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch="q1", seed=2)
+    assert res.newly_answered == len(q)
