@@ -211,7 +211,17 @@ class BudgetView:
     budget: np.ndarray
     deleted: np.ndarray
     times_selected: np.ndarray
-    touched: dict = field(default_factory=dict)  # ledger index -> times selected in this part
+    selected_in_part: np.ndarray | None = None  # times selected since reset_part(), by ledger index
+
+    def reset_part(self) -> None:
+        self.selected_in_part = np.zeros(self.spent.shape[0], dtype=np.int64)
+
+    def part_charges(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ledger indices charged since reset_part(), times selected each)."""
+        if self.selected_in_part is None:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        idx = np.flatnonzero(self.selected_in_part)
+        return idx, self.selected_in_part[idx]
 
 
 @dataclass
@@ -256,8 +266,8 @@ def answer_one(
         new = np.where(over, sp, new)
     budgets.spent[sel] = new
     budgets.times_selected[sel] += 1
-    for i in sel.tolist():
-        budgets.touched[i] = budgets.touched.get(i, 0) + 1
+    if budgets.selected_in_part is not None:
+        budgets.selected_in_part[sel] += 1  # sel holds distinct indices
     # Step 4-5: kernel-weighted votes + reuse + N(0, σ2² K) per class; argmax.
     votes = np.bincount(lab, weights=w, minlength=n_classes).astype(np.float64) + reuse_votes
     votes = votes + params.sigma2 * math.sqrt(k_t) * rng.standard_normal(n_classes)

@@ -200,6 +200,9 @@ def serve_queries(
     store = FeatureStore.open(store_path, mode="r")
     q_start, q_stop, q_sha = store.query_batch(query_batch)
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+        # Re-open under the lock: a delete/compaction may have finished while we waited.
+        store = FeatureStore.open(store_path, mode="r")
+        q_start, q_stop, q_sha = store.query_batch(query_batch)
         ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
         params = ledger.params
         done = ledger.answers_for(batch_id)
@@ -225,6 +228,8 @@ def serve_queries(
             )
         n_store = store.n_rows("private")
         row_to_ledger = ledger.store_row_map(n_store)
+        # Rows flagged deleted in the store (including an interrupted deletion's) are never candidates.
+        row_to_ledger[store.read("private", "deleted").astype(bool)] = -1
         row_labels = store.read("private", "labels").astype(np.int64)
         n_classes = len(store.label_names)
         budgets = BudgetView(spent=state.spent.copy(), budget=state.budget.copy(), deleted=state.deleted.copy(),
@@ -245,13 +250,13 @@ def serve_queries(
         for lo in range(todo_start, q_stop, batch_size):
             hi = min(q_stop, lo + batch_size)
             queries = store.read("query", "features", lo, hi)
-            budgets.touched = {}
+            budgets.reset_part()
             answers = answer_batch(
                 queries, source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
                 n_classes=n_classes, budgets=budgets, run_key=run_key, first_index=lo - q_start, reuse=pool,
                 device=device, candidate_finder=finder, max_pairs=max(1 << 16, max_memory // 4 // 24),
             )
-            touched = np.array(sorted(budgets.touched), dtype=np.int64)
+            touched, touched_counts = budgets.part_charges()
             n_ans = len(answers)
             n_ch = touched.size
             labels = [a.label for a in answers]
@@ -259,7 +264,7 @@ def serve_queries(
                 "kind": ["charge"] * n_ch + ["answer"] * n_ans,
                 "ledger_index": touched.tolist() + [None] * n_ans,
                 "spent_after": budgets.spent[touched].tolist() + [None] * n_ans,
-                "selected": [budgets.touched[i] for i in touched.tolist()] + [None] * n_ans,
+                "selected": touched_counts.tolist() + [None] * n_ans,
                 "batch_id": [None] * n_ch + [batch_id] * n_ans,
                 "part": [None] * n_ch + [part] * n_ans,
                 "query_index": [None] * n_ch + list(range(lo - q_start, hi - q_start)),

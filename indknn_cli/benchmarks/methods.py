@@ -61,7 +61,6 @@ def run_indknn(private_x: np.ndarray, private_y: np.ndarray, queries: np.ndarray
         s_hi = min(m, s_lo + seg)
         for lo in range(s_lo, s_hi, batch_size):
             hi = min(s_hi, lo + batch_size)
-            budgets.touched = {}
             ans = answer_batch(queries[lo:hi], source=source, row_to_ledger=row_to_ledger, row_labels=labels,
                                params=params, n_classes=n_classes, budgets=budgets, run_key=key, first_index=lo,
                                reuse=pool, device=device, candidate_finder=candidate_finder)
