@@ -173,3 +173,22 @@ def tune(
          **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, None, queries,
                    n_queries, "pld", device, n_private))
 
+
+
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@bench_app.command("serve-speed", context_settings=_PASSTHROUGH)
+def serve_speed_command(ctx: typer.Context) -> None:
+    """Queries/s of serve-queries end to end (flat, cosine, reuse off) at several N and d. `--help` for options."""
+    from ..benchmarks.serve_speed import main
+
+    main(list(ctx.args))
+
+
+@bench_app.command("index-speed", context_settings=_PASSTHROUGH)
+def index_speed_command(ctx: typer.Context) -> None:
+    """Queries/s, candidate recall and accuracy per index kind (flat, lsh, ivf). `--help` for options."""
+    from ..benchmarks.index_speed import main
+
+    main(list(ctx.args))
