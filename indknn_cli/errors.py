@@ -3,8 +3,9 @@
 Exit codes (documented in README and `indknn --help`):
 
     0  success
-    1  runtime error (I/O failure, lock timeout, corrupt file, ...)
-    2  usage error / bad input (nothing was written)
+    1  runtime error (I/O failure such as a full disk or a read-only file system, lock timeout, ...)
+    2  usage error / bad input, including a missing, corrupt, foreign or newer-format store or
+       ledger (nothing was written)
     3  budget exhausted (no active record left, or fewer than --min-active)
     4  budget check failed (`indknn account --eps E`: the guarantee is above E)
 """
@@ -40,6 +41,12 @@ class LedgerError(IndknnError):
     """The budget ledger is missing, corrupt, foreign or of another format."""
 
     exit_code = EXIT_USAGE
+
+
+class StorageError(IndknnError):
+    """The file system refused a write (read-only, full, permission denied): nothing was committed."""
+
+    exit_code = EXIT_RUNTIME
 
 
 class LockTimeoutError(IndknnError):

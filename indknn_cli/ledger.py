@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import FORMAT_VERSION
-from .errors import BadInputError, LedgerError, LockTimeoutError
+from .errors import BadInputError, LedgerError, LockTimeoutError, StorageError
 
 #: Test hook: called with a fault-point name at each step of a commit.
 FAULT_HOOK: Callable[[str], None] | None = None
@@ -120,6 +120,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _storage_error(path: Path, exc: OSError) -> StorageError:
+    """A refused write (disk full, read-only file system, ...) as a runtime error naming the file."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return StorageError(f"{path}: cannot write ({reason}); the file was not replaced, the previous state is kept")
+
+
 def atomic_write_parquet(table: pa.Table, path: Path) -> None:
     """temp name → fsync → rename → fsync directory."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -129,6 +135,8 @@ def atomic_write_parquet(table: pa.Table, path: Path) -> None:
             os.fsync(fh.fileno())
         _fault("event-written-tmp")
         os.replace(tmp, path)
+    except OSError as exc:  # ENOSPC, EROFS, EACCES, EDQUOT, ...: nothing was renamed into place
+        raise _storage_error(path, exc) from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -137,11 +145,17 @@ def atomic_write_parquet(table: pa.Table, path: Path) -> None:
 
 def atomic_write_text(text: str, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise _storage_error(path, exc) from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     _fsync_dir(path.parent)
 
 
@@ -291,13 +305,15 @@ class BudgetLedger:
             raise LedgerError(f"{snap_path}: not an indknn ledger snapshot (no metadata)")
         try:
             meta = json.loads(raw_meta)
+            version = meta.get("format_version")
+        except (ValueError, AttributeError):
+            raise LedgerError(f"{snap_path}: ledger metadata is corrupt (not what indknn writes)") from None
+        if version != FORMAT_VERSION:  # before the fields: a newer format may have other ones
+            raise LedgerError(f"{path}: ledger format_version {version!r}, this indknn reads {FORMAT_VERSION}")
+        try:
             PrivacyParams(**meta["params"])
         except (ValueError, KeyError, TypeError):
             raise LedgerError(f"{snap_path}: ledger metadata is corrupt (not what indknn writes)") from None
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise LedgerError(
-                f"{path}: ledger format_version {meta.get('format_version')!r}, this indknn reads {FORMAT_VERSION}"
-            )
         if snap.schema.remove_metadata() != RECORD_SCHEMA:
             raise LedgerError(f"{snap_path}: unexpected columns (foreign or corrupt ledger)")
         state = LedgerState(
@@ -581,6 +597,19 @@ class BudgetLedger:
 
     # -- locking ---------------------------------------------------------------
     @staticmethod
+    def check_writable(path: str | os.PathLike) -> None:
+        """Refuse early (StorageError) when the ledger's lock cannot be opened for writing; writes nothing."""
+        path = Path(path)
+        try:
+            fd = os.open(path / "LOCK", os.O_RDWR)
+        except FileNotFoundError:
+            return  # created by the first writer; the folder itself is checked there
+        except OSError as exc:
+            raise StorageError(f"{path}: cannot open the ledger lock for writing ({exc.strerror}); "
+                               "is the ledger on a read-only file system?") from None
+        os.close(fd)
+
+    @staticmethod
     @contextlib.contextmanager
     def write_lock(path: str | os.PathLike, *, timeout: float = 60.0) -> Iterator[None]:
         """One writer at a time: an fcntl lock on ``LOCK``; waits up to ``timeout`` seconds."""
@@ -588,8 +617,9 @@ class BudgetLedger:
         path.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise LedgerError(f"{path}: cannot open the ledger lock ({exc.strerror})") from None
+        except OSError as exc:  # a read-only file system or no permission: an I/O failure, not bad input
+            raise StorageError(f"{path}: cannot open the ledger lock for writing ({exc.strerror}); "
+                               "is the ledger on a read-only file system?") from None
         try:
             deadline = time.monotonic() + timeout
             while True:

@@ -153,6 +153,7 @@ class FeatureStore:
         for key in ("dim", "extractor", "label_names", "store_uuid", "chunk_rows"):
             if key not in attrs:
                 raise StoreError(f"{path}: store attribute {key!r} is missing (corrupt or foreign store)")
+        _check_arrays(path, root)
         store = cls(path, root, read_only=(mode == "r"))
         if expect_extractor is not None and (
             (store.extractor.name, store.extractor.model) != (expect_extractor.name, expect_extractor.model)
@@ -215,7 +216,7 @@ class FeatureStore:
         if stop <= start:
             arr = self.group(role)[name]
             return np.empty((0,) + tuple(arr.shape[1:]), dtype=arr.dtype if name != "record_id" else object)
-        return np.asarray(self.group(role)[name][start:stop])
+        return _read_chunks(self.path, role, name, lambda: np.asarray(self.group(role)[name][start:stop]))
 
     def iter_chunks(self, role: str = "private", rows: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """Stream (start_row, float32 features) in row chunks; never loads the whole array."""
@@ -223,7 +224,8 @@ class FeatureStore:
         step = rows or self.chunk_rows
         arr = self.group(role)["features"]
         for start in range(0, n, step):
-            yield start, np.asarray(arr[start:min(n, start + step)])
+            yield start, _read_chunks(self.path, role, "features",
+                                      lambda: np.asarray(arr[start:min(n, start + step)]))
 
     def record_ids(self, role: str = "private") -> np.ndarray:
         return self.read(role, "record_id").astype(object)
@@ -297,7 +299,7 @@ class FeatureStore:
         for chunk in np.unique(rows // step):
             lo = int(chunk) * step
             hi = min(lo + step, int(arr.shape[0]))
-            block = np.asarray(arr[lo:hi])
+            block = _read_chunks(self.path, role, name, lambda: np.asarray(arr[lo:hi]))
             block[rows[(rows >= lo) & (rows < hi)] - lo] = value
             arr[lo:hi] = block  # the whole chunk: written without a read, file replaced atomically
             written += sum(4 + len(str(v).encode()) for v in block) if block.dtype.kind in "OUT" else block.nbytes
@@ -366,6 +368,33 @@ class Appender:
             attrs.update(extra_attrs)
         self.group.attrs.update(attrs)  # the commit point: one atomic zarr.json replace
         return self.start, self.stop
+
+
+ARRAYS = ("features", "labels", "record_id", "user_id", "deleted")
+
+
+def _check_arrays(path: Path, root: zarr.Group) -> None:
+    """Every array's metadata (zarr.json) must be readable: a truncated one is a clear StoreError at open."""
+    for role, group in GROUP_OF_ROLE.items():
+        for name in ARRAYS + (("batch",) if role == "query" else ()):
+            try:
+                root[group][name]
+            except KeyError:
+                raise StoreError(f"{path}: array {group}/{name} is missing (corrupt or foreign store)") from None
+            except Exception as exc:  # noqa: BLE001 - truncated/garbled JSON, foreign metadata
+                raise StoreError(f"{path}: {group}/{name}/zarr.json is corrupt or truncated "
+                                 f"({type(exc).__name__}); restore the store from a backup") from None
+
+
+def _read_chunks(path: Path, role: str, name: str, read):
+    """Run ``read()``; a chunk that cannot be decoded (truncated, garbled) becomes a clear StoreError."""
+    try:
+        return read()
+    except (OSError, MemoryError, StoreError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise ValueError, RuntimeError, ... on bad bytes
+        raise StoreError(f"{path}: a chunk of {GROUP_OF_ROLE[role]}/{name} is corrupt or truncated "
+                         f"({type(exc).__name__}); restore the store from a backup") from None
 
 
 def _fsync_path(path: Path) -> None:

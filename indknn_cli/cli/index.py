@@ -40,6 +40,10 @@ def index_command(
             upstream = read_json_line_from_stdin()
             store_path = Path(upstream["store"]) if upstream and "store" in upstream else resolve_store(None)
         params = None
+        if planned_queries < 1:  # make_params would take 0 for "not given" and use 1000
+            from ..errors import BadInputError
+
+            raise BadInputError(f"--planned-queries must be ≥ 1, got {planned_queries}")
         if eps is not None:
             params = make_params(epsilon=eps, delta=delta, conversion=conversion, kernel=kernel, tau=tau,
                                  sigma2=sigma2, sigma1=sigma1, planned_queries=planned_queries, nu=nu, k_min=k_min)

@@ -8,9 +8,30 @@ from typing import Optional
 
 import typer
 
+from ..errors import BadInputError, LedgerError
+from ..ledger import BudgetLedger
 from ..serving import resolve_query_batch, serve_queries, write_answers_parquet
+from ..store import FeatureStore
 from .common import (emit_json, parse_size, read_json_line_from_stdin, resolve_ledger, resolve_store,
                      run_library_call, stderr_console)
+
+
+def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Optional[Path], batch_size: int,
+               max_memory: int) -> None:
+    """Refusals that need no answer, before anything is written: a query FILE is embedded into the store
+    before the library call, and the library's ledger lock would create a missing ledger folder."""
+    if batch_size < 1:
+        raise BadInputError(f"--batch-size must be ≥ 1, got {batch_size}")
+    if max_memory < (16 << 20):
+        raise BadInputError(f"--max-memory must be at least 16 MiB, got {max_memory} bytes")
+    if out is not None and not out.parent.is_dir():  # else the answers would be charged, then not written
+        raise BadInputError(f"--out: folder {out.parent} does not exist")
+    if not BudgetLedger.exists(ledger_path):
+        raise LedgerError(f"{ledger_path}: no budget ledger here (create one with `indknn index`)")
+    BudgetLedger.check_writable(ledger_path)
+    if queries != "-" and Path(queries).exists():  # a file to embed: the ledger must fit the store first
+        store = FeatureStore.open(store_path, mode="r")
+        BudgetLedger.open(ledger_path, store_uuid=store.uuid)
 
 
 def serve_command(
@@ -43,6 +64,8 @@ def serve_command(
     def call():
         upstream = read_json_line_from_stdin() if queries == "-" else None
         sp = Path(upstream["store"]) if upstream and store is None and "store" in upstream else store_path
+        _preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
+                   max_memory=parse_size(max_memory))
         opts = {k: v for k, v in dict(text_column=text_column, id_column=id_column, image_column=image_column,
                                        vector_column=vector_column).items() if v is not None}
         name = resolve_query_batch(store_path=sp, queries=queries, batch_id=batch_id, upstream=upstream,
