@@ -192,3 +192,13 @@ def index_speed_command(ctx: typer.Context) -> None:
     from ..benchmarks.index_speed import main
 
     main(list(ctx.args))
+
+
+@bench_app.command("audit", context_settings=_PASSTHROUGH)
+def audit_command(ctx: typer.Context) -> None:
+    """Empirical privacy audit: a canary membership-inference ε lower bound vs the certified ε (exit 4 if above)."""
+    from ..benchmarks.audit import main
+
+    code = main(list(ctx.args))
+    if code:
+        raise typer.Exit(code)
