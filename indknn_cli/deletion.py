@@ -88,7 +88,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .errors import BadInputError, LedgerError, StoreError
+from .errors import BadInputError, LedgerError, StorageError, StoreError
 from .ledger import BudgetLedger, atomic_write_text, unpublished_store_uuids
 from .store import GROUP_OF_ROLE, FeatureStore, _fsync_path
 
@@ -326,7 +326,26 @@ def _set_pending(store: FeatureStore, rows: np.ndarray) -> None:
 def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan) -> int:
     rows = plan.rows
     if rows.size:
-        _set_pending(store, rows)
+        _set_pending(store, rows)  # a failure here changed nothing: StorageError says so
+    try:
+        return _execute_recorded(store, ledger, plan)
+    except (StorageError, OSError) as exc:
+        if not rows.size:
+            raise
+        # The request is recorded (erase_pending): serving never selects these rows again,
+        # and the next `indknn delete` rolls the erasure forward. Say so, not "nothing changed".
+        where = getattr(exc, "path", None) or getattr(exc, "filename", None) or store.path
+        reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or type(exc).__name__
+        raise StorageError(
+            f"{where}: cannot write ({reason}). The erasure was recorded but not finished: the "
+            "records are never selected again; run `indknn delete` again (any ids, or --compact) "
+            "to finish it"
+        ) from None
+
+
+def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan) -> int:
+    rows = plan.rows
+    if rows.size:
         store.mark_deleted("private", rows)  # 1. intent (sync_ledger never re-adds a flagged row)
     _fault("flagged")
     if ledger is not None and plan.ledger_idx.size:

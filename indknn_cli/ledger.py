@@ -123,7 +123,9 @@ def _fsync_dir(path: Path) -> None:
 def _storage_error(path: Path, exc: OSError) -> StorageError:
     """A refused write (disk full, read-only file system, ...) as a runtime error naming the file."""
     reason = exc.strerror or str(exc) or type(exc).__name__
-    return StorageError(f"{path}: cannot write ({reason}); the file was not replaced, the previous state is kept")
+    err = StorageError(f"{path}: cannot write ({reason}); the file was not replaced, the previous state is kept")
+    err.path, err.reason = path, reason
+    return err
 
 
 def atomic_write_parquet(table: pa.Table, path: Path) -> None:

@@ -466,6 +466,35 @@ def test_crash_during_delete_is_finished_by_the_next_delete(vector_store, tmp_pa
     assert not FeatureStore.open(vector_store.path).group("private").attrs.get("erase_pending")
 
 
+@pytest.mark.parametrize("failing", ["mark_deleted", "erase_rows"])
+def test_storage_failure_after_the_request_is_recorded_says_so(vector_store, tmp_path, monkeypatch, failing):
+    """Disk full after erase_pending was written: the error says the erasure is recorded, not undone."""
+    import errno
+
+    from indknn_cli.errors import StorageError
+    lp = _index(vector_store, tmp_path, planned_queries=1000, sigma2=5.0)
+    vec = _vector(vector_store.path, 42)
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+    monkeypatch.setattr(FeatureStore, failing, full)
+    with pytest.raises(StorageError) as info:
+        delete_records(store_path=vector_store.path, ledger_path=lp, record_ids=["r0042"])
+    monkeypatch.undo()
+    msg = str(info.value)
+    assert "No space left on device" in msg and "recorded but not finished" in msg
+    assert "previous state is kept" not in msg
+    t = int(np.flatnonzero(_ledger(lp).state.record_id == "r0042")[0])
+    # even when the store row is not flagged yet, the recorded request keeps it out of every answer
+    _queries_at(vector_store, vec, "after")
+    serve_queries(store_path=vector_store.path, ledger_path=lp, query_batch="after", seed=2)
+    assert _ledger(lp).state.times_selected[t] == 0
+    res = delete_records(store_path=vector_store.path, ledger_path=lp, compact=False, record_ids=["r0001"])
+    assert res.pending_completed == 1
+    assert _ledger(lp).state.deleted[t]
+    assert not any(vec.tobytes() in b for _, b in _all_bytes(vector_store.path / "private"))
+
+
 # -- compaction -------------------------------------------------------------------------
 def _twin(tmp_path, name):
     x, y, _ = clustered(200, 16, 3, seed=11)
