@@ -90,13 +90,13 @@ import numpy as np
 
 from .errors import BadInputError, LedgerError, StorageError, StoreError
 from .ledger import BudgetLedger, atomic_write_text, unpublished_store_uuids
-from .store import GROUP_OF_ROLE, FeatureStore, _fsync_path
+from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path
 
 #: Test hook: called with a step name at each step of a deletion / compaction.
 FAULT_HOOK: Callable[[str], None] | None = None
 #: Tests set this to False to exercise the two-rename fallback of the folder swap.
 USE_RENAME_EXCHANGE = True
-PENDING_ATTR = "erase_pending"
+PENDING_ATTR = ERASE_PENDING_ATTR
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -363,11 +363,10 @@ def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _P
 
 def complete_pending(store: FeatureStore, ledger: BudgetLedger | None) -> int:
     """Roll forward a deletion that was interrupted (rows in ``erase_pending``). Caller holds both locks."""
-    pending = np.asarray(store.group("private").attrs.get(PENDING_ATTR, []), dtype=np.int64)
-    if pending.size == 0:
+    if not store.group("private").attrs.get(PENDING_ATTR):
         return 0
     n = store.n_rows("private")
-    pending = np.unique(pending[(pending >= 0) & (pending < n)])
+    pending = store.erase_pending_rows("private")
     if pending.size:
         store.mark_deleted("private", pending)
         if ledger is not None:

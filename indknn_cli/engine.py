@@ -128,6 +128,7 @@ def _resident_blocks(source, dev) -> list | None:
         if need <= free // 2:
             blocks = [(start, torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev))
                       for start, block in source.chunks() if block.shape[0]]
+            source._cache = None  # the host copy is never read again this run
         source._on_device[key] = blocks
     return source._on_device[key]
 

@@ -231,8 +231,7 @@ def serve_queries(
         # Rows flagged deleted in the store (including an interrupted deletion's) are never candidates.
         row_to_ledger[store.read("private", "deleted").astype(bool)] = -1
         # Rows of an accepted but unfinished erasure request (a delete that failed part-way) neither.
-        pending = np.asarray(store.group("private").attrs.get("erase_pending", []), dtype=np.int64)
-        row_to_ledger[pending[(pending >= 0) & (pending < n_store)]] = -1
+        row_to_ledger[store.erase_pending_rows("private")] = -1
         row_labels = store.read("private", "labels").astype(np.int64)
         n_classes = len(store.label_names)
         budgets = BudgetView(spent=state.spent.copy(), budget=state.budget.copy(), deleted=state.deleted.copy(),

@@ -29,6 +29,7 @@ from .errors import BadInputError, LockTimeoutError, StoreError
 ROLES = ("private", "public", "query")
 GROUP_OF_ROLE = {"private": "private", "public": "public", "query": "queries"}
 NORM_TOLERANCE = 1e-3  # |‖x‖ − 1| accepted on input before re-normalising
+ERASE_PENDING_ATTR = "erase_pending"  # group attribute: rows of an accepted, unfinished erasure (deletion.py)
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,11 @@ class FeatureStore:
 
     def n_rows(self, role: str = "private") -> int:
         return int(self.group(role).attrs["n_rows"])
+
+    def erase_pending_rows(self, role: str = "private") -> np.ndarray:
+        """Rows of an accepted but unfinished erasure request: committed rows only, sorted, unique."""
+        rows = np.asarray(self.group(role).attrs.get(ERASE_PENDING_ATTR, []), dtype=np.int64)
+        return np.unique(rows[(rows >= 0) & (rows < self.n_rows(role))])
 
     def read(self, role: str, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         n = self.n_rows(role)
