@@ -255,6 +255,29 @@ class BudgetView:
         return idx, self.selected_in_part[idx]
 
 
+#: Released counts K_t lie on this grid (SPEC §8). The low-order bits of a
+#: floating-point Gaussian sample can reveal the exact value it was added to
+#: (Mironov 2012, "On significance of the least significant bits for
+#: differential privacy"; Jin et al. 2022, "Are we there yet? Timing and
+#: floating-point attacks on differential privacy systems"). Rounding to a
+#: fixed grid makes the release a function of an integer only; the rounded
+#: value is the one used downstream (vote noise scale, charges), so the
+#: accounting is exact for what is released.
+COUNT_GRID_DECIMALS = 2
+
+
+def release_count(noisy: float, *, k_min: float) -> float:
+    """``max(round(|C_t| + σ1·z, 2 decimals), K_min)``: the released K_t (SPEC §2 step 2, §8).
+
+    The rounded value is ``n / 100`` for an integer ``n`` (the float nearest to it),
+    so nothing below the grid carries information. K_min is a public constant.
+    """
+    if not math.isfinite(noisy):
+        raise ValueError(f"noisy count is not finite: {noisy!r}")
+    scale = 10 ** COUNT_GRID_DECIMALS
+    return max(round(noisy * scale) / scale, float(k_min))
+
+
 @dataclass
 class QueryAnswer:
     label: int
@@ -282,7 +305,7 @@ def answer_one(
     lab = cand_labels[eligible]
     # Step 2: noisy count, clamped; every selected record pays c1 (rounded up).
     z = rng.standard_normal()
-    k_t = max(sel.size + params.sigma1 * z, float(params.k_min))
+    k_t = release_count(sel.size + params.sigma1 * z, k_min=params.k_min)
     sp = np.nextafter(sp[eligible] + c1, np.inf)
     bud = bud[eligible]
     # Step 3: clip the vote against what is left, charge w²/(2σ2²K) rounded up.

@@ -6,7 +6,9 @@ Exit codes (documented in README and `indknn --help`):
     1  runtime error (I/O failure such as a full disk or a read-only file system, lock timeout, ...)
     2  usage error / bad input, including a missing, corrupt, foreign or newer-format store or
        ledger (nothing was written)
-    3  budget exhausted (no active record left, or fewer than --min-active)
+    3  stop serving: the public query allowance is used up (`serve-queries --max-queries`,
+       `account --queries-left`), or, for the operator only, fewer active records than
+       `account --min-active`. `serve-queries` never exits 3 because records are retired.
     4  budget check failed (`indknn account --eps E`: the guarantee is above E)
 """
 
@@ -56,7 +58,22 @@ class LockTimeoutError(IndknnError):
 
 
 class BudgetExhaustedError(IndknnError):
-    """No active record is left (or fewer than the operator's minimum)."""
+    """Fewer active records than the operator's `account --min-active` (an operator-only check; serving never
+    raises it: with no active record left, queries are still answered from noise and reuse, SPEC §8)."""
+
+    exit_code = EXIT_BUDGET_EXHAUSTED
+
+
+class ConcurrentChangeError(IndknnError):
+    """Another process changed the store or ledger under us (a compaction renumbered the rows while this
+    command waited for a lock): nothing was written; a transient condition, so a runtime error (exit 1).
+    `serve-queries` re-opens and goes on by itself."""
+
+    exit_code = EXIT_RUNTIME
+
+
+class QueryAllowanceError(IndknnError):
+    """The public query allowance (queries answered against T) is used up: nothing was answered."""
 
     exit_code = EXIT_BUDGET_EXHAUSTED
 

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import FORMAT_VERSION
-from .errors import BadInputError, LedgerError, LockTimeoutError, StorageError
+from .errors import BadInputError, ConcurrentChangeError, LedgerError, LockTimeoutError, StorageError
 
 #: Test hook: called with a fault-point name at each step of a commit.
 FAULT_HOOK: Callable[[str], None] | None = None
@@ -269,8 +269,8 @@ class BudgetLedger:
                 time.sleep(0.05)
         if store_uuid is not None and ledger.meta["store_uuid"] != store_uuid:
             if (ledger.meta.get("store_compaction") or {}).get("from_store_uuid") == store_uuid:
-                raise LedgerError(f"{path}: the feature store was compacted (rows renumbered) while this command "
-                                  "ran; run the command again")
+                raise ConcurrentChangeError(f"{path}: the feature store was compacted (rows renumbered) while "
+                                            "this command ran; nothing was written; run the command again")
             if store_uuid in unpublished_store_uuids(path, ledger.generation):
                 raise LedgerError(f"{path}: the ledger does not match the feature store: an `indknn delete "
                                   "--compact` was interrupted; run `indknn delete --compact` to finish it")

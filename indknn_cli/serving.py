@@ -15,9 +15,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import accounting, indexes
-from .engine import BudgetView, ReusePool, StoreSource, answer_batch
-from .errors import BadInputError, BudgetExhaustedError, LedgerError
+from . import accounting, gate, indexes
+from .engine import COUNT_GRID_DECIMALS, BudgetView, ReusePool, StoreSource, answer_batch
+from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
 from .store import FeatureStore
 
@@ -145,7 +145,10 @@ class ServeResult:
     newly_answered: int
     already_answered: int
     seed: int | None
-    records_active: int
+    #: Public figures only (SPEC §8): queries answered through this ledger, all batches, after this run,
+    #: and the allowance when ``max_queries`` was given. No count of private records is returned here.
+    queries_answered_total: int = 0
+    allowance: "gate.Allowance | None" = None
 
 
 def run_key_for(seed: int | None, batch_id: str) -> int:
@@ -186,12 +189,23 @@ def serve_queries(
     on_committed: Callable[[list[dict]], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     candidate_finder_factory: Callable | None = None,
+    max_queries: int | str | None = None,
 ) -> ServeResult:
     """Answer the stored query batch ``query_batch``; each part is charged and committed before release.
 
     ``on_committed(rows)`` is called with each part's answers only after the
     part's ledger event is durable (SPEC §8 "charge before release").
+
+    Every query is answered whatever the private state: with no eligible record
+    (all retired, deleted or outside τ) a query releases ``argmax(reuse + noise)``
+    with ``K_t = max(σ1·z, K_min)``, as for an empty candidate set (SPEC §8 "no
+    noise-free branch"). The only refusal that depends on the ledger is the
+    public gate ``max_queries`` (see :mod:`indknn_cli.gate`): a positive integer
+    T or ``"planned"`` (the ledger's --planned-queries); it refuses the whole
+    batch (QueryAllowanceError, exit 3) before anything is charged when the
+    queries answered so far plus this batch's new ones would pass T.
     """
+    max_queries = gate.parse_max_queries(max_queries)
     if batch_size < 1:
         raise BadInputError(f"--batch-size must be ≥ 1, got {batch_size}")
     if max_memory < (16 << 20):
@@ -202,30 +216,28 @@ def serve_queries(
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
         # Re-open under the lock: a delete/compaction may have finished while we waited.
         store = FeatureStore.open(store_path, mode="r")
+        store.pin_rows("private")  # one row count for the whole run, whatever a concurrent embed commits
         q_start, q_stop, q_sha = store.query_batch(query_batch)
         ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
         params = ledger.params
         done = ledger.answers_for(batch_id)
         done_rows = set(done["query_row"])
-        if done["query_row"] and not done_rows <= set(range(q_start, q_stop)):
-            raise BadInputError(
-                f"batch id {batch_id!r} was already used for other queries; pick a new --batch-id"
-            )
+        _check_batch_id(batch_id, done_rows, q_start, q_stop)
         n_queries = q_stop - q_start
         already = len(done_rows)
         todo_start = q_start + already
+        allowance = gate.allowance(answered=queries_answered(ledger), planned_queries=params.planned_queries,
+                                   max_queries=max_queries)
         if todo_start >= q_stop:
             rows = _answer_rows(done)
             if on_committed is not None:
                 on_committed(rows)
-            return ServeResult(batch_id, rows, 0, already, seed, int(ledger.state.active_mask(params.c1).sum()))
+            return ServeResult(batch_id, rows, 0, already, seed, queries_answered(ledger), allowance)
+        gate.check(allowance, new_queries=q_stop - todo_start)  # public figures only, before any charge
         sync_ledger(ledger, store)
         state = ledger.state
-        if not state.active_mask(params.c1).any():
-            raise BudgetExhaustedError(
-                f"{ledger_path}: no active record is left (every record is retired or deleted); "
-                "no query was answered"
-            )
+        # No branch on whether any record is active (SPEC §8): retired and deleted records are simply never
+        # eligible, and a query with no eligible record is answered from reuse votes and noise like any other.
         n_store = store.n_rows("private")
         row_to_ledger = ledger.store_row_map(n_store)
         # Rows flagged deleted in the store (including an interrupted deletion's) are never candidates.
@@ -280,6 +292,7 @@ def serve_queries(
             ledger.commit_event(event_type="serve", columns=cols, info={
                 "batch_id": batch_id, "part": part, "seed": seed_str, "query_batch": query_batch,
                 "query_sha256": q_sha, "answers": n_ans, "charged_records": n_ch,
+                "released_count_grid": 10.0 ** -COUNT_GRID_DECIMALS,
             })
             part += 1
             new_rows = [{
@@ -294,8 +307,49 @@ def serve_queries(
                 on_progress(hi - q_start, n_queries)
         if len(ledger._event_files()) > AUTO_COMPACT_EVENTS:
             ledger.compact()
-        active = int(ledger.state.active_mask(params.c1).sum())
-    return ServeResult(batch_id, released, n_queries - already, already, seed, active)
+        total = queries_answered(ledger)
+    if allowance is not None:
+        allowance = gate.Allowance(allowance.max_queries, allowance.source, total)
+    return ServeResult(batch_id, released, n_queries - already, already, seed, total, allowance)
+
+
+def _check_batch_id(batch_id: str, done_rows: set, q_start: int, q_stop: int) -> None:
+    if done_rows and not done_rows <= set(range(q_start, q_stop)):
+        raise BadInputError(f"batch id {batch_id!r} was already used for other queries; pick a new --batch-id")
+
+
+def check_batch_id_before_embedding(*, store: FeatureStore, ledger: BudgetLedger, batch_id: str | None) -> None:
+    """Refuse a reused ``--batch-id`` *before* a query file is embedded under that name (nothing written).
+
+    A query file given with ``--batch-id X`` is stored as query batch ``X``. When the ledger already holds
+    answers under X, they must have come from stored batch X (then the embed is an idempotent no-op, or
+    refuses other content itself); otherwise serving would refuse after the new file was already added.
+    """
+    if not batch_id:
+        return
+    done_rows = set(ledger.answers_for(batch_id)["query_row"])
+    if not done_rows:
+        return
+    if batch_id not in store.batches():
+        raise BadInputError(f"batch id {batch_id!r} was already used for other queries; pick a new --batch-id")
+    q_start, q_stop, _ = store.query_batch(batch_id)
+    _check_batch_id(batch_id, done_rows, q_start, q_stop)
+
+
+def public_allowance(*, ledger_path: str | os.PathLike, max_queries: int | str | None = "planned") -> gate.Allowance:
+    """``account --queries-left``: T, queries answered, queries left — public figures only (SPEC §8).
+
+    Read-only (no lock). ``max_queries`` defaults to the ledger's planned T.
+    """
+    ledger = BudgetLedger.open(ledger_path)
+    mq = gate.parse_max_queries("planned" if max_queries is None else max_queries)
+    return gate.allowance(answered=queries_answered(ledger), planned_queries=ledger.params.planned_queries,
+                          max_queries=mq)
+
+
+def queries_answered(ledger: BudgetLedger) -> int:
+    """Queries answered through this ledger, all batches (public: every answer released is counted)."""
+    return len(ledger.state.answers["query_index"])
 
 
 def _reuse_pool(store: FeatureStore, ledger: BudgetLedger) -> ReusePool:

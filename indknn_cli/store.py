@@ -24,7 +24,7 @@ import numpy as np
 import zarr
 
 from . import FORMAT_VERSION
-from .errors import BadInputError, LockTimeoutError, StoreError
+from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
 
 ROLES = ("private", "public", "query")
 GROUP_OF_ROLE = {"private": "private", "public": "public", "query": "queries"}
@@ -198,8 +198,8 @@ class FeatureStore:
         """
         root = zarr.open_group(str(self.path), mode="r" if self.read_only else "r+")
         if dict(root.attrs).get("store_uuid") != self.uuid:
-            raise StoreError(f"{self.path}: the store was compacted (rows renumbered) while this command waited "
-                             "for its lock; run the command again")
+            raise ConcurrentChangeError(f"{self.path}: the store was compacted (rows renumbered) while this "
+                                        "command waited for its lock; nothing was written; run the command again")
         self.root = root
 
     # -- reading ---------------------------------------------------------
@@ -209,7 +209,22 @@ class FeatureStore:
         return self.root[GROUP_OF_ROLE[role]]
 
     def n_rows(self, role: str = "private") -> int:
+        pinned = getattr(self, "_pinned_rows", {}).get(role)
+        if pinned is not None:
+            return pinned
         return int(self.group(role).attrs["n_rows"])
+
+    def pin_rows(self, role: str = "private") -> int:
+        """Read the committed row count once and use it for every later read through this object.
+
+        A concurrent ``embed`` may commit new rows at any time; a reader that looked at
+        ``n_rows`` twice could size one array by the old count and another by the new one.
+        """
+        n = int(self.group(role).attrs["n_rows"])
+        if not hasattr(self, "_pinned_rows"):
+            self._pinned_rows = {}
+        self._pinned_rows[role] = n
+        return n
 
     def erase_pending_rows(self, role: str = "private") -> np.ndarray:
         """Rows of an accepted but unfinished erasure request: committed rows only, sorted, unique."""

@@ -36,7 +36,7 @@ def reference_answers(X, y, Q, *, params, n_classes, spent, budget, deleted, run
                 continue
             chosen.append((i, k))
         z = rng.standard_normal()
-        K = max(len(chosen) + params.sigma1 * z, float(params.k_min))
+        K = max(round((len(chosen) + params.sigma1 * z) * 100) / 100, float(params.k_min))  # 1e-2 grid (SPEC §8)
         votes = [0.0] * n_classes
         for i, k in chosen:
             sp = math.nextafter(spent[i] + c1, math.inf)

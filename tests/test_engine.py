@@ -102,3 +102,21 @@ def test_memory_bound_splits_batches_without_changing_answers():
     bounded = go(300)  # far fewer than the ~64×100 pairs: forces repeated halving
     assert unbounded[0] == bounded[0] and unbounded[1] == bounded[1]
     assert (unbounded[2] == bounded[2]).all()
+
+
+def test_released_counts_lie_on_the_grid_and_drive_the_charges():
+    """SPEC §8: K_t is released rounded to 1e-2 (no low-order-bit side channel) and the rounded value is
+    the one the charges use. Fails on an engine that releases all 53 bits of |C_t| + σ1·z."""
+    X, y, _ = clustered(120, 8, 3, seed=5)
+    Q, _, _ = clustered(80, 8, 3, seed=6)
+    p = params(budget=0.05, sigma1=7.3, k_min=1.0)
+    labels, counts, spent = run_engine(X, y, Q, p, batch_size=16, reuse=False)
+    assert any(c > p.k_min for c in counts)
+    for c in counts:
+        assert c == round(c * 100) / 100, c  # exactly the float nearest to an integer / 100
+    assert any(c != int(c) for c in counts)  # a grid of 1e-2, not integers only
+    # the charge of a single vote at K_t is w²/(2σ2²K_t) with the *released* K_t: replay one query
+    from indknn_cli.engine import release_count
+    assert release_count(12.344999, k_min=1.0) == 12.34 and release_count(0.3, k_min=5.0) == 5.0
+    with pytest.raises(ValueError):
+        release_count(float("nan"), k_min=1.0)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indknn_cli import ledger as ledger_mod
-from indknn_cli.errors import BudgetExhaustedError, LedgerError, LockTimeoutError, BadInputError
+from indknn_cli.errors import LedgerError, LockTimeoutError, BadInputError
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.serving import build_index, make_params, serve_queries
 from indknn_cli.store import ExtractorInfo, FeatureStore
@@ -158,7 +158,9 @@ def test_second_writer_waits_then_fails_clearly(vector_store, tmp_path):
     serve_queries(store_path=vector_store.path, ledger_path=lp, query_batch="q1")
 
 
-def test_budget_exhausted(tmp_path):
+def test_all_records_retired_still_answers_every_query_from_noise(tmp_path):
+    """SPEC §8: once every record is retired, serving still answers each query (exit 0 on the CLI) with
+    K_t = max(σ1·z, K_min) and argmax(reuse + noise); today's main raised BudgetExhaustedError (exit 3)."""
     x, y, _ = clustered(20, 8, 2, seed=9)
     store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
                                 label_names=["a", "b"])
@@ -166,13 +168,21 @@ def test_budget_exhausted(tmp_path):
     q = np.repeat(x[:1], 1, axis=0)
     p = make_params(epsilon=0.5, delta=1e-5, tau=0.01, sigma2=0.5, sigma1=8.0, k_min=1)
     build_index(store_path=store.path, ledger_path=tmp_path / "L", params=p)
-    with pytest.raises(BudgetExhaustedError):
-        for i in range(200):
-            store.append("query", q, record_ids=[f"q{i}"], batch=f"b{i}")
-            serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch=f"b{i}")
+    for i in range(120):
+        store.append("query", q, record_ids=[f"q{i}"], batch=f"b{i}")
+        res = serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch=f"b{i}", reuse=False)
+        assert res.newly_answered == 1 and len(res.answers) == 1
     led = BudgetLedger.open(tmp_path / "L")
-    assert not led.state.active_mask(led.params.c1).any()
+    assert not led.state.active_mask(led.params.c1).any()  # every record retired ...
     assert (led.state.spent <= led.params.budget).all()
+    spent_before = led.state.spent.copy()
+    store.append("query", np.repeat(q, 40, axis=0), record_ids=[f"z{i}" for i in range(40)], batch="after")
+    res = serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch="after", reuse=False)
+    assert res.newly_answered == 40  # ... and every query is still answered
+    assert all(a["released_count"] >= p.k_min for a in res.answers)
+    assert len({a["label"] for a in res.answers}) == 2  # argmax of noise: both labels occur
+    led = BudgetLedger.open(tmp_path / "L")
+    assert np.array_equal(led.state.spent, spent_before)  # nobody charged
 
 
 def test_ledger_of_another_store_is_refused(vector_store, tmp_path):
@@ -232,11 +242,8 @@ def test_no_record_ever_exceeds_its_budget(tmp_path_factory, kind, n, seed, kern
                     sigma2=float(rng.uniform(0.05, 2)), planned_queries=int(rng.integers(4, 100)),
                     nu=float(rng.uniform(0.3, 5)) if kernel == "rbf" else None, k_min=float(rng.integers(1, 40)))
     build_index(store_path=store.path, ledger_path=tmp / "L", params=p)
-    try:
-        serve_queries(store_path=store.path, ledger_path=tmp / "L", query_batch="b",
-                      batch_size=int(rng.integers(1, 64)), seed=seed)
-    except BudgetExhaustedError:
-        pass
+    serve_queries(store_path=store.path, ledger_path=tmp / "L", query_batch="b",
+                  batch_size=int(rng.integers(1, 64)), seed=seed)
     led = BudgetLedger.open(tmp / "L")
     assert (led.state.spent <= led.params.budget).all()
     assert (led.state.spent >= 0).all()

@@ -12,7 +12,9 @@ import typer
 from rich.table import Table
 
 from ..accounting import CONVERSION_LABEL
+from ..errors import EXIT_BUDGET_EXHAUSTED
 from ..report import QUANTILES, REALISED_LABEL, AccountReport, build_account_report, enforce_checks
+from ..serving import public_allowance
 from .common import emit_json, resolve_ledger, run_library_call, stderr_console, stdout_console
 
 HISTORY_ROWS = 20
@@ -120,7 +122,9 @@ def account_command(
     eps: Optional[float] = typer.Option(None, "--eps", help="Check: exit 4 when the ledger's guarantee ε (headline conversion, see --conversion) at δ is above E (cron)."),
     delta: Optional[float] = typer.Option(None, "--delta", help="δ for the guarantee and the --eps check (default: the ledger's δ)."),
     conversion: Optional[str] = typer.Option(None, "--conversion", help="Headline conversion: gdp or rdp (default: the ledger's). Both are always reported."),
-    min_active: Optional[str] = typer.Option(None, "--min-active", help="Check: exit 3 when fewer records are active than N (a count, e.g. 500) or a fraction of the records not deleted (e.g. 0.1 or 10%)."),
+    min_active: Optional[str] = typer.Option(None, "--min-active", help="Operator check (exact, private figure: never gate serving on it): exit 3 when fewer records are active than N (a count, e.g. 500) or a fraction of the records not deleted (e.g. 0.1 or 10%)."),
+    queries_left: bool = typer.Option(False, "--queries-left", help="Public gate for cron: print one JSON line (T, queries answered, queries left) and exit 3 when none is left. Reads public figures only; safe to drive serving."),
+    max_queries: Optional[str] = typer.Option(None, "--max-queries", envvar="INDKNN_MAX_QUERIES", help="T for --queries-left (default: the ledger's --planned-queries; else $INDKNN_MAX_QUERIES)."),
     record: Optional[str] = typer.Option(None, "--record", help="One record's status, spent, remaining, realised ε, times selected, deletion (data-subject access request)."),
     user: Optional[str] = typer.Option(None, "--user", help="The same for every record of one user."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a picture (PNG/PDF/SVG): retired fraction and median realised loss against queries answered, histogram of spent/B."),
@@ -129,10 +133,21 @@ def account_command(
 
     Read-only: takes no lock and writes nothing, so it is safe while serve-queries holds the ledger lock.
 
-    Exit codes: 0 ok (all checks passed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
+    For the data holder only: the counts, spent budgets and realised losses shown here are exact statistics of
+    the private data. They must never drive what query-senders see (whether to serve, what to release): gate
+    serving on public figures with --queries-left or serve-queries --max-queries.
+
+    Exit codes: 0 ok (all checks passed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 no query left (--queries-left) or fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
     """
     err = stderr_console()
     ledger_path = resolve_ledger(ledger)
+    if queries_left:
+        allowance = run_library_call(lambda: public_allowance(ledger_path=ledger_path, max_queries=max_queries))
+        emit_json(allowance.as_dict())
+        if allowance.left == 0:
+            err.print(f"query allowance reached: {allowance.answered} of T = {allowance.max_queries} answered")
+            raise typer.Exit(code=EXIT_BUDGET_EXHAUSTED)
+        return
     report = run_library_call(lambda: build_account_report(
         ledger_path=ledger_path, store_path=store, delta=delta, conversion=conversion, eps=eps,
         min_active=min_active, record_id=record, user_id=user, plot_path=plot))

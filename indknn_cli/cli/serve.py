@@ -7,17 +7,20 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
-from ..errors import BadInputError, LedgerError
+from ..errors import BadInputError, ConcurrentChangeError, LedgerError
 from ..ledger import BudgetLedger
-from ..serving import resolve_query_batch, serve_queries, write_answers_parquet
+from .. import gate
+from ..serving import (check_batch_id_before_embedding, queries_answered, resolve_query_batch, serve_queries,
+                       write_answers_parquet)
 from ..store import FeatureStore
 from .common import (emit_json, parse_size, read_json_line_from_stdin, resolve_ledger, resolve_store,
                      run_library_call, stderr_console)
 
 
 def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Optional[Path], batch_size: int,
-               max_memory: int) -> None:
+               max_memory: int, batch_id: Optional[str], max_queries) -> None:
     """Refusals that need no answer, before anything is written: a query FILE is embedded into the store
     before the library call, and the library's ledger lock would create a missing ledger folder."""
     if batch_size < 1:
@@ -29,9 +32,17 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
     if not BudgetLedger.exists(ledger_path):
         raise LedgerError(f"{ledger_path}: no budget ledger here (create one with `indknn index`)")
     BudgetLedger.check_writable(ledger_path)
+    max_queries = gate.parse_max_queries(max_queries)
     if queries != "-" and Path(queries).exists():  # a file to embed: the ledger must fit the store first
         store = FeatureStore.open(store_path, mode="r")
-        BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+        led = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+        # Refusals that would come after the embed, checked before it (nothing written): a reused
+        # --batch-id, and a public allowance that is already used up.
+        check_batch_id_before_embedding(store=store, ledger=led, batch_id=batch_id)
+        allowance = gate.allowance(answered=queries_answered(led), planned_queries=led.params.planned_queries,
+                                   max_queries=max_queries)
+        if allowance is not None and allowance.left == 0 and not (batch_id and led.answers_for(batch_id)["query_row"]):
+            gate.check(allowance, new_queries=1)
 
 
 def serve_command(
@@ -46,12 +57,19 @@ def serve_command(
     no_reuse: bool = typer.Option(False, "--no-reuse", help="Switch off prediction reuse (SPEC §4)."),
     max_memory: str = typer.Option("2G", "--max-memory", help="Memory bound for cached features and scores."),
     lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
+    max_queries: Optional[str] = typer.Option(None, "--max-queries", envvar="INDKNN_MAX_QUERIES", help="Public gate for cron: refuse the batch (exit 3, nothing answered or charged) when the queries answered through this ledger plus this batch's would pass N; 'planned' = the ledger's --planned-queries. Reads public figures only. Else $INDKNN_MAX_QUERIES; default: no gate."),
     text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column of a raw query file."),
     id_column: Optional[str] = typer.Option(None, "--id-column", help="Query id column of a raw query file."),
     image_column: Optional[str] = typer.Option(None, "--image-column"),
     vector_column: Optional[str] = typer.Option(None, "--vector-column"),
 ) -> None:
-    """Answer queries with Ind-KNN. stdout: one JSON line per answer (query id, label, released count K)."""
+    """Answer queries with Ind-KNN. stdout: one JSON line per answer (query id, label, released count K).
+
+    Every query is answered, whatever the state of the private records: when none is eligible (all retired or
+    deleted) a query is answered from reuse votes and noise, exactly like a query with no neighbour. The only
+    ledger-dependent refusal is the public gate --max-queries. Exit codes: 0 answered; 1 runtime error;
+    2 bad input (nothing written); 3 --max-queries allowance reached (nothing answered or charged).
+    """
     err = stderr_console()
     store_path = resolve_store(store)
     ledger_path = resolve_ledger(ledger)
@@ -61,28 +79,47 @@ def serve_command(
             for r in rows:
                 emit_json(r)
 
+    upstream_line: list = []
+
     def call():
-        upstream = read_json_line_from_stdin() if queries == "-" else None
+        # A `delete --compact` that finished while we waited for a lock renumbered the store: nothing was
+        # written, so re-open and go on (a few times), else exit 1 (a transient condition, not bad input).
+        for attempt in range(3):
+            try:
+                return call_once()
+            except ConcurrentChangeError:
+                if attempt == 2:
+                    raise
+                err.print("the store was compacted while this command waited; re-opening")
+
+    def call_once():
+        if queries == "-" and not upstream_line:
+            upstream_line.append(read_json_line_from_stdin())
+        upstream = upstream_line[0] if queries == "-" else None
         sp = Path(upstream["store"]) if upstream and store is None and "store" in upstream else store_path
         _preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
-                   max_memory=parse_size(max_memory))
+                   max_memory=parse_size(max_memory), batch_id=batch_id, max_queries=max_queries)
         opts = {k: v for k, v in dict(text_column=text_column, id_column=id_column, image_column=image_column,
                                        vector_column=vector_column).items() if v is not None}
         name = resolve_query_batch(store_path=sp, queries=queries, batch_id=batch_id, upstream=upstream,
                                    reader_options=opts, device=device)
         return serve_queries(store_path=sp, ledger_path=ledger_path, query_batch=name, batch_id=batch_id,
                              seed=seed, batch_size=batch_size, device=device, reuse=not no_reuse,
-                             max_memory=parse_size(max_memory), lock_timeout=lock_timeout, on_committed=emit)
+                             max_memory=parse_size(max_memory), lock_timeout=lock_timeout, on_committed=emit,
+                             max_queries=max_queries)
 
     result = run_library_call(call)
     if out is not None:
         run_library_call(lambda: write_answers_parquet(result.answers, out))
     if result.already_answered and not result.newly_answered:
-        err.print(f"batch {result.batch_id!r} was already answered: returned its {result.already_answered} "
-                  "released answers; nothing charged, no new noise")
+        err.print(escape(f"batch {result.batch_id!r} was already answered: returned its {result.already_answered} "
+                         "released answers; nothing charged, no new noise"))
     else:
-        err.print(f"batch {result.batch_id!r}: answered {result.newly_answered} queries"
-                  f"{f' (resumed after {result.already_answered})' if result.already_answered else ''}; "
-                  f"{result.records_active} records remain active")
+        # Public figures only (SPEC §8): this message may reach whoever reads the job's output.
+        left = (f"; {result.allowance.left} of T = {result.allowance.max_queries} left"
+                if result.allowance is not None else "")
+        err.print(escape(f"batch {result.batch_id!r}: answered {result.newly_answered} queries"
+                         f"{f' (resumed after {result.already_answered})' if result.already_answered else ''}; "
+                         f"{result.queries_answered_total} answered through this ledger{left}"))
     if seed is not None:
         err.print(f"[yellow]seeded run (--seed {seed}): for experiments only, not for real answers[/]")
