@@ -254,6 +254,12 @@ class BudgetView:
         idx = np.flatnonzero(self.selected_in_part)
         return idx, self.selected_in_part[idx]
 
+    def record_spent(self, ledger_idx: np.ndarray) -> np.ndarray:
+        return self.spent[ledger_idx]
+
+    def answer_one(self, **kw) -> "QueryAnswer":
+        return answer_one(budgets=self, **kw)
+
 
 #: Released counts K_t lie on this grid (SPEC §8). The low-order bits of a
 #: floating-point Gaussian sample can reveal the exact value it was added to
@@ -418,10 +424,10 @@ def _answer_with_candidates(queries, cands, *, row_to_ledger, row_labels, params
             plab[old] = reuse.labels[prow[old]]
             plab[~old] = batch_labels[prow[~old] - n_pool0]
             reuse_votes = np.bincount(plab, weights=pool_cands.kappa[t], minlength=n_classes).astype(np.float64)
-        ans = answer_one(
+        ans = budgets.answer_one(  # the record unit (SPEC §2) or, for a UserBudgetView, the user unit (§9)
             cand_ledger_idx=row_to_ledger[rows], cand_kappa=cands.kappa[t],
             cand_labels=row_labels[rows].astype(np.int64), reuse_votes=reuse_votes, params=params,
-            n_classes=n_classes, budgets=budgets, rng=noise_generator(run_key, first_index + t),
+            n_classes=n_classes, rng=noise_generator(run_key, first_index + t),
         )
         batch_labels[t] = ans.label
         answers.append(ans)

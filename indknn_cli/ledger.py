@@ -61,6 +61,12 @@ class PrivacyParams:
     nu: float | None
     k_min: float
     planned_queries: int | None
+    #: The privacy unit (SPEC §9): "record" (default; every ledger before the user unit) or "user".
+    privacy_unit: str = "record"
+    #: user unit: only the k largest κ of a user count per query (None: all of them).
+    max_records_per_user: int | None = None
+    #: user unit: records without a user id are refused ("refuse") or each is its own user ("record").
+    user_for_missing: str = "refuse"
 
     @property
     def c1(self) -> float:
@@ -80,6 +86,10 @@ class PrivacyParams:
             raise BadInputError(f"nu must be positive for the rbf kernel, got {self.nu!r}")
         if not (self.k_min >= 1):
             raise BadInputError(f"k_min must be ≥ 1, got {self.k_min!r}")
+        from .user_unit import check_unit_options
+
+        check_unit_options(privacy_unit=self.privacy_unit, max_records_per_user=self.max_records_per_user,
+                           user_for_missing=self.user_for_missing)
         if self.c1 > self.budget:
             raise BadInputError(
                 f"sigma1={self.sigma1} makes one count charge 1/(2σ1²)={self.c1:.4g} exceed the budget B={self.budget:.4g}"
@@ -463,11 +473,14 @@ class BudgetLedger:
         s = self.state
         index_of = {rid: i for i, rid in enumerate(s.record_id)}
         user_spent: dict[str, float] = {}
-        if inherit_user_spent and s.deleted.any():
-            for i in np.flatnonzero(s.deleted):
-                u = s.user_id[i]
-                if u:
-                    user_spent[u] = max(user_spent.get(u, 0.0), float(s.spent[i]))
+        # Record unit: a new record of a user with tombstones starts at their largest spent. User unit: every
+        # record of a user carries the user's spent, so a new record joins that budget, never a fresh one.
+        inherit_from = (np.arange(len(s)) if self.params.privacy_unit == "user"
+                        else np.flatnonzero(s.deleted)) if inherit_user_spent else np.empty(0, np.int64)
+        for i in inherit_from:
+            u = s.user_id[i]
+            if u:
+                user_spent[u] = max(user_spent.get(u, 0.0), float(s.spent[i]))
         li, rid_out, uid_out, row_out, spent_out = [], [], [], [], []
         nxt = len(s)
         for rid, uid, row in zip(record_ids, user_ids, rows):

@@ -20,6 +20,7 @@ from .engine import COUNT_GRID_DECIMALS, BudgetView, ReusePool, StoreSource, ans
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
 from .store import FeatureStore
+from .user_unit import UserBudgetView, user_keys
 
 DEFAULT_MAX_MEMORY = 2 << 30
 AUTO_COMPACT_EVENTS = 512
@@ -45,14 +46,19 @@ class IndexResult:
             "budget": p.budget, "epsilon": accounting.epsilon_for_budget(budget=p.budget, delta=p.delta,
                                                                          conversion=p.conversion),
             "delta": p.delta, "conversion": p.conversion, "kernel": p.kernel, "tau": p.tau,
-            "sigma1": p.sigma1, "sigma2": p.sigma2, "k_min": p.k_min, **self.extra,
+            "sigma1": p.sigma1, "sigma2": p.sigma2, "k_min": p.k_min, "privacy_unit": p.privacy_unit,
+            "adjacency": f"add/remove one {p.privacy_unit}",
+            **({"max_records_per_user": p.max_records_per_user, "user_for_missing": p.user_for_missing}
+               if p.privacy_unit == "user" else {}),
+            **self.extra,
         }
 
 
 def make_params(
     *, epsilon: float, delta: float, conversion: str = "gdp", kernel: str = "cosine", tau: float,
     sigma2: float, sigma1: float | None = None, planned_queries: int | None = None,
-    nu: float | None = None, k_min: float = 30.0,
+    nu: float | None = None, k_min: float = 30.0, privacy_unit: str = "record",
+    max_records_per_user: int | None = None, user_for_missing: str = "refuse",
 ) -> PrivacyParams:
     """Calibrate B from (ε, δ) and fill in σ1 = sqrt(T/(6B)) when only T is given."""
     budget = accounting.calibrate_budget(epsilon=epsilon, delta=delta, conversion=conversion)
@@ -63,7 +69,8 @@ def make_params(
     return PrivacyParams(epsilon=float(epsilon), delta=float(delta), conversion=conversion, budget=budget,
                          kernel=kernel, tau=float(tau), sigma1=float(sigma1), sigma2=float(sigma2),
                          nu=None if nu is None else float(nu), k_min=float(k_min),
-                         planned_queries=planned_queries).validate()
+                         planned_queries=planned_queries, privacy_unit=privacy_unit,
+                         max_records_per_user=max_records_per_user, user_for_missing=user_for_missing).validate()
 
 
 def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
@@ -72,11 +79,17 @@ def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
     known = ledger.store_row_map(n) >= 0
     deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
     new_rows = np.flatnonzero(~known & ~deleted_rows)
+    ids = store.read("private", "record_id")
+    users = store.read("private", "user_id")
+    p = ledger.params
+    if p.privacy_unit == "user" and new_rows.size:
+        # A record without a user id cannot be charged to anybody: under --user-for-missing refuse it stays
+        # out of the ledger (never a candidate); `index` refuses such rows with their count (operator side).
+        keys = user_keys(users[new_rows], ids[new_rows], user_for_missing=p.user_for_missing)
+        new_rows = new_rows[np.array([k is not None for k in keys], dtype=bool)]
     indexes.add_rows(store, new_rows)  # candidate index (lsh/ivf): encode new rows incrementally
     if new_rows.size == 0:
         return 0
-    ids = store.read("private", "record_id")
-    users = store.read("private", "user_id")
     return ledger.add_records(record_ids=[str(ids[r]) for r in new_rows],
                               user_ids=[str(users[r]) for r in new_rows], rows=new_rows.tolist())
 
@@ -104,6 +117,8 @@ def build_index(
             return params
         return BudgetLedger.open(ledger_path, store_uuid=store.uuid).params
 
+    warnings = _unit_checks(store, params if params is not None else (
+        BudgetLedger.open(ledger_path, store_uuid=store.uuid).params if BudgetLedger.exists(ledger_path) else None))
     # Refusals and IVF training (public data only) happen before anything is written.
     plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
                               nprobe=nprobe, train_on=train_on, params=known_params)
@@ -129,11 +144,32 @@ def build_index(
     index_info = indexes.apply_plan(store, plan, lock_timeout=max(lock_timeout, 300.0))
     return IndexResult(store=str(store_path), ledger=str(ledger_path), records=len(ledger.state),
                        records_added=added, created=created, params=ledger.params, kind=plan.kind,
-                       extra={"index": index_info})
+                       extra={"index": index_info, **({"warnings": warnings} if warnings else {})})
+
+
+def _unit_checks(store: FeatureStore, params: PrivacyParams | None) -> list[str]:
+    """User unit: refuse records without a user id (with their count) unless each may be its own user.
+    Record unit on a store that has user ids: a warning (a person with many records is protected per record)."""
+    if params is None:
+        return []
+    users = store.read("private", "user_id")
+    deleted = store.read("private", "deleted").astype(bool)
+    has_user = np.array([bool(u) for u in users], dtype=bool) & ~deleted
+    if params.privacy_unit == "user":
+        missing = int((~has_user & ~deleted).sum())
+        if missing and params.user_for_missing != "record":
+            raise BadInputError(f"--privacy-unit user: {missing} private rows have no user id; give them one "
+                                "(embed --user-column) or pass --user-for-missing record (each its own user)")
+        return []
+    if has_user.any():
+        return ["the store has user ids but the privacy unit is record: a person with several records is "
+                "protected per record, not as a person; consider --privacy-unit user"]
+    return []
 
 
 def _differs(a: PrivacyParams, b: PrivacyParams) -> bool:
-    keys = ("epsilon", "delta", "conversion", "kernel", "tau", "sigma2", "k_min")
+    keys = ("epsilon", "delta", "conversion", "kernel", "tau", "sigma2", "k_min", "privacy_unit",
+            "max_records_per_user", "user_for_missing")
     return any(getattr(a, k) != getattr(b, k) for k in keys) or not math.isclose(a.sigma1, b.sigma1)
 
 
@@ -246,8 +282,14 @@ def serve_queries(
         row_to_ledger[store.erase_pending_rows("private")] = -1
         row_labels = store.read("private", "labels").astype(np.int64)
         n_classes = len(store.label_names)
-        budgets = BudgetView(spent=state.spent.copy(), budget=state.budget.copy(), deleted=state.deleted.copy(),
-                             times_selected=np.zeros(len(state), np.int64))
+        if params.privacy_unit == "user":  # SPEC §9: the filter runs on users
+            budgets = UserBudgetView.from_ledger_state(state, budget=params.budget,
+                                                       user_for_missing=params.user_for_missing,
+                                                       max_records_per_user=params.max_records_per_user)
+            row_to_ledger[(row_to_ledger >= 0) & (budgets.user_of[np.maximum(row_to_ledger, 0)] < 0)] = -1
+        else:
+            budgets = BudgetView(spent=state.spent.copy(), budget=state.budget.copy(),
+                                 deleted=state.deleted.copy(), times_selected=np.zeros(len(state), np.int64))
         pool = None
         if reuse:
             pool = _reuse_pool(store, ledger)
@@ -277,7 +319,7 @@ def serve_queries(
             cols = {
                 "kind": ["charge"] * n_ch + ["answer"] * n_ans,
                 "ledger_index": touched.tolist() + [None] * n_ans,
-                "spent_after": budgets.spent[touched].tolist() + [None] * n_ans,
+                "spent_after": budgets.record_spent(touched).tolist() + [None] * n_ans,
                 "selected": touched_counts.tolist() + [None] * n_ans,
                 "batch_id": [None] * n_ch + [batch_id] * n_ans,
                 "part": [None] * n_ch + [part] * n_ans,

@@ -6,9 +6,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from ..serving import build_index, make_params
-from .common import emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store, run_library_call
+from .common import (emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store, run_library_call,
+                     stderr_console)
 
 
 def index_command(
@@ -32,6 +34,9 @@ def index_command(
     nprobe: Optional[int] = typer.Option(None, "--nprobe", help="ivf: lists probed per query (default: the smallest giving candidate recall ≥ 0.95 measured on the public training vectors; nprobe = nlist is exact search). Can be changed later without retraining."),
     train_on: Optional[str] = typer.Option(None, "--train-on", help="ivf: public vectors for the centroids: public, query, or a .npy/.npz file of [n, d] vectors (default: the store's public rows, else its query rows). Private vectors are refused."),
     lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
+    privacy_unit: str = typer.Option("record", "--privacy-unit", help="record (default) or user: whose budget the filter keeps. With user, a person's records share one budget B and the guarantee is for adding or removing one user with all their records (SPEC §9)."),
+    max_records_per_user: Optional[int] = typer.Option(None, "--max-records-per-user", help="user unit: only a user's k most similar records (largest κ) count per query (default: all)."),
+    user_for_missing: str = typer.Option("refuse", "--user-for-missing", help="user unit: rows without a user id are refused (refuse, default) or each is its own user (record)."),
 ) -> None:
     """Create the ledger with B calibrated from (ε, δ); re-running adds new records, keeping spent budgets."""
     def call():
@@ -46,10 +51,14 @@ def index_command(
             raise BadInputError(f"--planned-queries must be ≥ 1, got {planned_queries}")
         if eps is not None:
             params = make_params(epsilon=eps, delta=delta, conversion=conversion, kernel=kernel, tau=tau,
-                                 sigma2=sigma2, sigma1=sigma1, planned_queries=planned_queries, nu=nu, k_min=k_min)
+                                 sigma2=sigma2, sigma1=sigma1, planned_queries=planned_queries, nu=nu, k_min=k_min,
+                                 privacy_unit=privacy_unit, max_records_per_user=max_records_per_user,
+                                 user_for_missing=user_for_missing)
         return build_index(store_path=store_path, ledger_path=resolve_ledger(ledger), params=params, kind=kind,
                            lock_timeout=lock_timeout, tables=tables, bits=bits, index_seed=index_seed, nlist=nlist,
                            nprobe=nprobe, train_on=train_on)
 
     result = run_library_call(call)
+    for w in result.extra.get("warnings", []):
+        stderr_console().print(f"[yellow]warning:[/] {escape(w)}")
     emit_json(result.as_dict())
