@@ -90,7 +90,7 @@ import numpy as np
 
 from .errors import BadInputError, LedgerError, StorageError, StoreError
 from .ledger import BudgetLedger, atomic_write_text, unpublished_store_uuids
-from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path
+from .store import CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks
 
 #: Test hook: called with a step name at each step of a deletion / compaction.
 FAULT_HOOK: Callable[[str], None] | None = None
@@ -296,7 +296,8 @@ def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str
     # the ledger and the store must agree on which record a row holds before anything is erased
     check = led_rows >= 0
     if check.any():
-        got = np.asarray(store.group("private")["record_id"].oindex[led_rows[check]]).astype(object)
+        got = _read_chunks(store.path, "private", "record_id", lambda: np.asarray(
+            store.group("private")["record_id"].oindex[led_rows[check]])).astype(object)
         want = s.record_id[plan.ledger_idx[check]]
         bad = np.flatnonzero(got != want)
         if bad.size:
@@ -523,7 +524,7 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
         if sel.size == 0:
             continue
         for name in names:
-            buf[name].append(np.asarray(src[name][lo:hi])[sel])
+            buf[name].append(_read_chunks(store.path, "private", name, lambda: np.asarray(src[name][lo:hi]))[sel])
         buffered += sel.size
         flush(False)
     flush(True)
@@ -539,6 +540,13 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
         if entry.name in known or entry.name.startswith("."):
             continue
         (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, dest / entry.name)
+    # crc32c: the rewritten private arrays have it; public/query groups copied from a store made before
+    # checksums do not, so the root attribute says "crc32c" only when every array really carries it.
+    copy = FeatureStore.open(dest, mode="a")
+    if copy.checksummed:
+        copy.root.attrs.update({"checksums": CHECKSUM})
+    elif "checksums" in copy.root.attrs:
+        del copy.root.attrs["checksums"]
 
 
 def _fsync_tree(root: Path) -> int:

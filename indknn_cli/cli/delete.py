@@ -10,7 +10,7 @@ import typer
 
 from ..deletion import delete_records, read_ids
 from ..errors import BadInputError
-from .common import emit_json, resolve_ledger, resolve_store, run_library_call, stderr_console
+from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store, run_library_call, stderr_console
 
 
 def _read_file(name: str, what: str) -> list[str]:
@@ -40,6 +40,7 @@ def delete_command(
     """Erase records: features, label and ids overwritten in the store; the ledger keeps a tombstone
     (id, user, spent, deleted at), so a returning id never gets a fresh budget. Prints one JSON line."""
     def call():
+        check_lock_timeout(lock_timeout)
         if ids_file == "-" and users_file == "-":
             raise BadInputError("--ids-file and --users-file cannot both read stdin")
         rids = list(record or [])

@@ -12,8 +12,8 @@ from ..errors import BadInputError, LedgerError
 from ..ledger import BudgetLedger
 from ..serving import resolve_query_batch, serve_queries, write_answers_parquet
 from ..store import FeatureStore
-from .common import (emit_json, parse_size, read_json_line_from_stdin, resolve_ledger, resolve_store,
-                     run_library_call, stderr_console)
+from .common import (check_lock_timeout, emit_json, parse_size, read_json_line_from_stdin, resolve_ledger,
+                     resolve_store, run_library_call, stderr_console)
 
 
 def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Optional[Path], batch_size: int,
@@ -62,6 +62,7 @@ def serve_command(
                 emit_json(r)
 
     def call():
+        check_lock_timeout(lock_timeout)
         upstream = read_json_line_from_stdin() if queries == "-" else None
         sp = Path(upstream["store"]) if upstream and store is None and "store" in upstream else store_path
         _preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
