@@ -286,3 +286,65 @@ def test_the_bundled_model_folder_is_not_refused():
     from indknn_cli.extractors import _bundled_minilm_path, refuse_custom_code
 
     refuse_custom_code(_bundled_minilm_path())
+
+
+# -- §3 a damaged ledger does not block erasure ---------------------------------------------------
+def test_delete_erases_even_when_the_ledger_cannot_be_read(world, tmp_path):
+    """A truncated event file used to make `delete` exit 2 with nothing done. Now the request is recorded
+    (erase_pending) and the vectors erased; the ledger is not touched; once the ledger is readable again the
+    next delete writes the tombstone (spent kept, never refunded) and clears erase_pending."""
+    from typer.testing import CliRunner
+
+    from indknn_cli.cli.app import app
+    from indknn_cli.store import FeatureStore
+
+    w = _copy(world, tmp_path)
+    store0 = FeatureStore.open(w / "s.zarr")
+    ids = list(store0.read("private", "record_id"))
+    row = ids.index("r001")
+    led0 = BudgetLedger.open(w / "L")
+    li = int(np.flatnonzero(led0.state.record_id == "r001")[0])
+    spent0 = float(led0.state.spent[li])
+    event = sorted((w / "L" / "events").glob("*.parquet"))[0]
+    good = event.read_bytes()
+    event.write_bytes(good[:100])  # damaged
+    ledger_before = _event_digest(w / "L")
+    runner = CliRunner()
+    args = ["delete", "--store", str(w / "s.zarr"), "--ledger", str(w / "L"), "--record", "r001"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, (res.exit_code, res.stderr)
+    out = json.loads(res.stdout)
+    assert out["record_ids"] == ["r001"] and out["tombstones_pending"] == 1 and "ledger_unreadable" in out
+    assert "cannot be read" in res.stderr
+    s = FeatureStore.open(w / "s.zarr")
+    assert not s.read("private", "features")[row].any() and s.read("private", "record_id")[row] == ""
+    assert bool(s.read("private", "deleted")[row]) and list(s.erase_pending_rows("private")) == [row]
+    assert _event_digest(w / "L") == ledger_before  # the damaged ledger is left for repair
+    # --compact alone still needs the ledger
+    res = runner.invoke(app, ["delete", "--store", str(w / "s.zarr"), "--ledger", str(w / "L"), "--compact"])
+    assert res.exit_code == 2 and "corrupt or truncated event" in res.stderr
+    # the ledger is readable again (here: the event restored; later: `ledger repair`)
+    event.write_bytes(good)
+    res = runner.invoke(app, ["delete", "--store", str(w / "s.zarr"), "--ledger", str(w / "L"), "--record", "r002"])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["pending_completed"] == 1
+    led = BudgetLedger.open(w / "L")
+    assert bool(led.state.deleted[li]) and float(led.state.spent[li]) >= spent0  # tombstone, no refund
+    assert FeatureStore.open(w / "s.zarr").erase_pending_rows("private").size == 0
+
+
+def test_strict_and_dry_run_with_an_unreadable_ledger_use_the_store(world, tmp_path):
+    from typer.testing import CliRunner
+
+    from indknn_cli.cli.app import app
+
+    w = _copy(world, tmp_path)
+    event = sorted((w / "L" / "events").glob("*.parquet"))[0]
+    event.write_bytes(event.read_bytes()[:100])
+    before = _event_digest(w)
+    base = ["delete", "--store", str(w / "s.zarr"), "--ledger", str(w / "L")]
+    res = CliRunner().invoke(app, base + ["--record", "r003", "--dry-run"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["record_ids"] == ["r003"], res.stderr
+    res = CliRunner().invoke(app, base + ["--record", "r003", "--record", "nobody", "--strict"])
+    assert res.exit_code == 2 and "nobody" in res.stderr
+    assert _event_digest(w) == before

@@ -58,6 +58,11 @@ def delete_command(
     if result.ids_not_found or result.users_not_found:
         err.print(f"{len(result.ids_not_found)} record id(s) and {len(result.users_not_found)} user id(s) not found "
                   "(listed under ids_not_found / users_not_found)", soft_wrap=True)
+    if result.ledger_unreadable is not None:
+        err.print(f"[yellow]Warning:[/] the ledger cannot be read ({result.ledger_unreadable}). The erasure was "
+                  f"recorded and the vectors erased from the store; the tombstones of {result.tombstones_pending} "
+                  "row(s) are written by the next `indknn delete` that can read the ledger (any ids, or --compact)"
+                  f"{'; --compact was skipped' if result.compaction else ''}", soft_wrap=True)
     if result.pending_completed and not dry_run:
         err.print(f"finished an interrupted deletion of {result.pending_completed} row(s) first", soft_wrap=True)
     if dry_run:
