@@ -35,6 +35,29 @@ CONVERSION_LABEL = {
 }
 
 
+#: Documented ranges of the mechanism's parameters (README "Parameters", docs/FORMAT.md). Every bound keeps
+#: the charges 1/(2σ1²) and ‖s‖²/(2σ2²K) finite and representable as float64, and the released K finite JSON.
+PARAM_RANGES: dict[str, tuple[float, float]] = {
+    "epsilon": (0.01, 100.0),      # a target ε outside this is a typo or meaningless (ε = 100: e^100)
+    "delta": (1e-30, 0.1),         # δ must be "cryptographically small" but representable in the conversion
+    "sigma1": (1e-4, 1e8),         # count noise; c1 = 1/(2σ1²) ∈ [5e-17, 5e7]
+    "sigma2": (1e-4, 1e8),         # vote noise; σ2² neither underflows to 0 (NaN charges) nor overflows
+    "k_min": (1.0, 1e6),           # clamp of the released count K_t
+    "nu": (1e-6, 1e6),             # RBF bandwidth ν
+    "planned_queries": (1, 1e9),   # T for the default σ1 = sqrt(T/(6B))
+}
+
+
+def check_range(name: str, value, *, flag: str | None = None) -> float:
+    """``value`` as a float inside PARAM_RANGES[name] (bounds included); else BadInputError naming it."""
+    lo, hi = PARAM_RANGES[name]
+    label = flag or name
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and lo <= value <= hi
+    if not ok:
+        raise BadInputError(f"{label} must be a finite number in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
 def _check_delta(delta: float) -> float:
     if not (isinstance(delta, (int, float)) and 0.0 < float(delta) < 1.0):
         raise BadInputError(f"delta must lie in (0, 1), got {delta!r}")

@@ -31,6 +31,11 @@ A crash anywhere leaves ``erase_pending`` set; the next ``indknn delete`` (any
 ids, or ``--compact`` alone) rolls it forward first (:func:`complete_pending`):
 an accepted erasure request is finished, never undone.
 
+A ledger that cannot be read (a truncated event, ...) does not block erasure
+(issue 16 §3, :func:`_erase_without_ledger`): steps 1 and 3–4 run on the rows
+the store names and ``erase_pending`` stays set, so the tombstones (step 2) are
+written by the next delete that can read the ledger.
+
 Compaction (``--compact``)
 --------------------------
 Rewrites the store without its deleted rows and folds the ledger's events into a
@@ -90,7 +95,7 @@ import numpy as np
 
 from .errors import BadInputError, LedgerError, StorageError, StoreError
 from .ledger import BudgetLedger, atomic_write_text, unpublished_store_uuids
-from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path
+from .store import CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks
 
 #: Test hook: called with a step name at each step of a deletion / compaction.
 FAULT_HOOK: Callable[[str], None] | None = None
@@ -141,6 +146,9 @@ class DeleteResult:
     dry_run: bool
     pending_completed: int = 0
     compaction: dict | None = None
+    ledger_unreadable: str | None = None     # the ledger could not be read: vectors erased, tombstones pending
+    tombstones_pending: int = 0
+
 
     def as_dict(self) -> dict:
         out = {
@@ -151,6 +159,9 @@ class DeleteResult:
         }
         if self.compaction is not None:
             out["compaction"] = self.compaction
+        if self.ledger_unreadable is not None:
+            out["ledger_unreadable"] = self.ledger_unreadable
+            out["tombstones_pending"] = self.tombstones_pending
         return out
 
 
@@ -198,7 +209,12 @@ def delete_records(
 
     if dry_run or strict:  # a lock-free look first: --dry-run and --strict refusals write nothing at all
         store = FeatureStore.open(store_path, mode="r")
-        ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid) if BudgetLedger.exists(ledger_path) else None
+        try:
+            ledger = _open_readable(ledger_path, store)
+        except _LedgerUnreadable as exc:
+            if not (record_ids or user_ids):
+                raise exc.error from None
+            ledger = None  # the store alone says which rows the ids name (see _erase_without_ledger)
         plan = _plan(store, ledger, record_ids, user_ids)
         _enforce_strict(plan, strict)
         if dry_run:
@@ -217,7 +233,13 @@ def delete_records(
         _recover_store_folder(store_path)
         store = FeatureStore.open(store_path, mode="a")
         with store.write_lock(timeout=lock_timeout):
-            ledger = _recover(store, ledger_path)
+            try:
+                ledger = _recover(store, ledger_path)
+            except _LedgerUnreadable as exc:
+                if not (record_ids or user_ids):  # --compact alone needs the ledger: refused, nothing written
+                    raise exc.error from None
+                return _erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact,
+                                             reason=str(exc.error))
             pending = complete_pending(store, ledger)
             plan = _plan(store, ledger, record_ids, user_ids)
             _enforce_strict(plan, strict)
@@ -227,6 +249,61 @@ def delete_records(
                         users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
                         record_ids=plan.record_ids, bytes_rewritten=written, dry_run=False,
                         pending_completed=pending, compaction=compaction)
+
+
+class _LedgerUnreadable(Exception):
+    """The ledger exists but cannot be read (truncated or corrupt event, snapshot, CURRENT, ...)."""
+
+    def __init__(self, error: LedgerError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _open_readable(ledger_path: Path, store: FeatureStore) -> BudgetLedger | None:
+    """The store's ledger (None when there is none); _LedgerUnreadable when it exists but cannot be read.
+
+    A readable ledger of *another* store is still refused (LedgerError): that is a wrong pairing, not damage.
+    """
+    if not BudgetLedger.exists(ledger_path):
+        return None
+    try:
+        ledger = BudgetLedger.open(ledger_path)
+    except LedgerError as exc:
+        raise _LedgerUnreadable(exc) from None
+    if ledger.meta["store_uuid"] != store.uuid:
+        return BudgetLedger.open(ledger_path, store_uuid=store.uuid)  # raises with the right message
+    return ledger
+
+
+def _erase_without_ledger(store: FeatureStore, record_ids: list[str], user_ids: list[str], *, strict: bool,
+                          compact: bool, reason: str) -> DeleteResult:
+    """Issue 16 §3: an erasure request is never blocked by a damaged ledger. Caller holds both locks.
+
+    The store alone names the rows (live rows whose record or user id matches; ids already tombstoned
+    cannot be told from unknown ones). The rows join ``erase_pending`` (the request is recorded: serving
+    never selects them again), are flagged deleted and physically erased. ``erase_pending`` is *kept*:
+    the next ``indknn delete`` that can read the ledger writes their tombstones (:func:`complete_pending`
+    maps the rows to ledger records by the ledger's own ``row`` column) and only then clears it.
+    Compaction needs the ledger and is skipped.
+    """
+    plan = _plan(store, None, record_ids, user_ids)
+    _enforce_strict(plan, strict)
+    rows = np.union1d(store.erase_pending_rows("private"), plan.rows).astype(np.int64)
+    written = 0
+    if rows.size:
+        _set_pending(store, rows)  # 1. the request is recorded before anything else changes
+        store.mark_deleted("private", rows)
+        _fault("flagged")
+        written = store.erase_rows("private", rows)
+        _fault("erased")
+        hook = _index_hook("remove_rows")
+        if hook is not None:
+            hook(store, rows)
+    return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
+                        users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
+                        record_ids=plan.record_ids, bytes_rewritten=written, dry_run=False,
+                        compaction={"skipped": "the ledger cannot be read"} if compact else None,
+                        ledger_unreadable=reason, tombstones_pending=int(rows.size))
 
 
 def _enforce_strict(plan: _Plan, strict: bool) -> None:
@@ -296,7 +373,8 @@ def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str
     # the ledger and the store must agree on which record a row holds before anything is erased
     check = led_rows >= 0
     if check.any():
-        got = np.asarray(store.group("private")["record_id"].oindex[led_rows[check]]).astype(object)
+        got = _read_chunks(store.path, "private", "record_id", lambda: np.asarray(
+            store.group("private")["record_id"].oindex[led_rows[check]])).astype(object)
         want = s.record_id[plan.ledger_idx[check]]
         bad = np.flatnonzero(got != want)
         if bad.size:
@@ -401,7 +479,10 @@ def _recover(store: FeatureStore, ledger_path: Path) -> BudgetLedger | None:
     """Bring store and ledger into agreement after an interrupted compaction; remove its leftovers."""
     ledger = None
     if BudgetLedger.exists(ledger_path):
-        ledger = BudgetLedger.open(ledger_path)
+        try:
+            ledger = BudgetLedger.open(ledger_path)
+        except LedgerError as exc:  # damaged: the caller still erases (issue 16 §3); no recovery step runs
+            raise _LedgerUnreadable(exc) from None
         if ledger.meta["store_uuid"] != store.uuid:
             gen = unpublished_store_uuids(ledger_path, ledger.generation).get(store.uuid)
             meta = _snapshot_meta(ledger_path, gen) if gen is not None else {}
@@ -523,7 +604,7 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
         if sel.size == 0:
             continue
         for name in names:
-            buf[name].append(np.asarray(src[name][lo:hi])[sel])
+            buf[name].append(_read_chunks(store.path, "private", name, lambda: np.asarray(src[name][lo:hi]))[sel])
         buffered += sel.size
         flush(False)
     flush(True)
@@ -539,6 +620,13 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
         if entry.name in known or entry.name.startswith("."):
             continue
         (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, dest / entry.name)
+    # crc32c: the rewritten private arrays have it; public/query groups copied from a store made before
+    # checksums do not, so the root attribute says "crc32c" only when every array really carries it.
+    copy = FeatureStore.open(dest, mode="a")
+    if copy.checksummed:
+        copy.root.attrs.update({"checksums": CHECKSUM})
+    elif "checksums" in copy.root.attrs:
+        del copy.root.attrs["checksums"]
 
 
 def _fsync_tree(root: Path) -> int:

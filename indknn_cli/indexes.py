@@ -61,7 +61,7 @@ import zarr
 
 from .engine import Candidates, dot_threshold, exact_kernel, screening_margin
 from .errors import BadInputError, LockTimeoutError, PrivacyRefusedError, StoreError
-from .store import FeatureStore, normalize_rows, vectors_sha256
+from .store import FeatureStore, checksum_compressors, normalize_rows, vectors_sha256
 
 INDEX_GROUP = "index"
 INDEX_FORMAT_VERSION = 1
@@ -418,7 +418,8 @@ def renumber_rows(store: FeatureStore, new_row_of, *, lock_timeout: float = 300.
             for name in group.array_keys():
                 arr = group[name]
                 data = np.asarray(arr[:covered])[keep] if name in ("codes", "lists", "erased") else np.asarray(arr[:])
-                new.create_array(name, data=data, chunks=arr.chunks, fill_value=arr.fill_value)
+                new.create_array(name, data=data, chunks=arr.chunks, fill_value=arr.fill_value,
+                                 compressors=checksum_compressors())
             new.attrs.update(dict(meta, n_rows=int(keep.size), store_uuid=store.uuid))
             _swap_out(path)
             os.replace(tmp, path)
@@ -750,14 +751,18 @@ def apply_plan(store: FeatureStore, plan: IndexPlan, *, lock_timeout: float = 30
             rows_chunk = 65536
             if plan.kind == "lsh":
                 s: LshIndex = plan.structure
-                group.create_array("hyperplanes", data=s.hyperplanes, chunks=s.hyperplanes.shape)
+                group.create_array("hyperplanes", data=s.hyperplanes, chunks=s.hyperplanes.shape,
+                                   compressors=checksum_compressors())
                 group.create_array("codes", shape=(n, s.tables), chunks=(rows_chunk, s.tables),
-                                   dtype=s.code_dtype, fill_value=0)
+                                   dtype=s.code_dtype, fill_value=0, compressors=checksum_compressors())
             else:
                 s: IvfIndex = plan.structure
-                group.create_array("centroids", data=s.centroids, chunks=s.centroids.shape)
-                group.create_array("lists", shape=(n,), chunks=(rows_chunk * 4,), dtype="int32", fill_value=-1)
-            group.create_array("erased", shape=(n,), chunks=(rows_chunk * 4,), dtype="bool", fill_value=False)
+                group.create_array("centroids", data=s.centroids, chunks=s.centroids.shape,
+                                   compressors=checksum_compressors())
+                group.create_array("lists", shape=(n,), chunks=(rows_chunk * 4,), dtype="int32", fill_value=-1,
+                                   compressors=checksum_compressors())
+            group.create_array("erased", shape=(n,), chunks=(rows_chunk * 4,), dtype="bool", fill_value=False,
+                               compressors=checksum_compressors())
             group.attrs.update(dict(plan.meta, format_version=INDEX_FORMAT_VERSION, store_uuid=store.uuid,
                                     dim=store.dim, n_rows=0))
             t_enc = time.perf_counter()

@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import json
 import math
+import numbers
 import os
 import time
 import uuid
@@ -74,18 +75,28 @@ class PrivacyParams:
         return math.nextafter(1.0 / (2.0 * self.sigma1 * self.sigma1), math.inf)
 
     def validate(self) -> "PrivacyParams":
+        """Every parameter finite and inside its documented range (accounting.PARAM_RANGES); else BadInputError."""
+        from .accounting import CONVERSIONS, check_range
+
         if self.kernel not in KERNELS:
             raise BadInputError(f"kernel must be cosine or rbf, got {self.kernel!r}")
-        if not (0.0 < self.tau < 1.0):
+        if self.conversion not in CONVERSIONS:
+            raise BadInputError(f"conversion must be one of {', '.join(CONVERSIONS)}, got {self.conversion!r}")
+        if not (isinstance(self.tau, (int, float)) and 0.0 < self.tau < 1.0):
             raise BadInputError(f"tau must lie in (0, 1) for the {self.kernel} kernel, got {self.tau!r}")
-        for name in ("sigma1", "sigma2", "budget"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise BadInputError(f"{name} must be a positive finite number, got {v!r}")
-        if self.kernel == "rbf" and not (self.nu and math.isfinite(self.nu) and self.nu > 0):
+        for name in ("epsilon", "delta", "sigma1", "sigma2", "k_min"):
+            check_range(name, getattr(self, name))
+        v = self.budget
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise BadInputError(f"budget must be a positive finite number, got {v!r}")
+        if self.kernel == "rbf" and not (isinstance(self.nu, (int, float)) and math.isfinite(self.nu) and self.nu > 0):
             raise BadInputError(f"nu must be positive for the rbf kernel, got {self.nu!r}")
-        if not (self.k_min >= 1):
-            raise BadInputError(f"k_min must be ≥ 1, got {self.k_min!r}")
+        if self.nu is not None:
+            check_range("nu", self.nu)
+        if self.planned_queries is not None:
+            if not isinstance(self.planned_queries, numbers.Integral) or isinstance(self.planned_queries, bool):
+                raise BadInputError(f"planned_queries must be an integer, got {self.planned_queries!r}")
+            check_range("planned_queries", self.planned_queries)
         from .user_unit import check_unit_options
 
         check_unit_options(privacy_unit=self.privacy_unit, max_records_per_user=self.max_records_per_user,
@@ -120,6 +131,26 @@ EVENT_SCHEMA = pa.schema([
     ("query_id", pa.string()), ("query_row", pa.int64()), ("label", pa.int32()),
     ("label_name", pa.string()), ("released_count", pa.float64()), ("seed", pa.string()),
 ])
+
+
+#: Float columns of an event that must be finite (a NaN spent would compare False against B forever).
+FINITE_COLUMNS = ("spent_after", "budget", "released_count")
+
+
+def _check_finite_columns(path: Path, event_type: str, columns: dict) -> None:
+    """Refuse (LedgerError, nothing written) an event whose spent, budget or released count is NaN or ±inf."""
+    for name in FINITE_COLUMNS:
+        vals = columns.get(name)
+        if vals is None:
+            continue
+        vals = list(vals)
+        arr = np.asarray([np.nan if v is None else v for v in vals], dtype=np.float64)
+        present = np.asarray([v is not None for v in vals], dtype=bool)
+        bad = np.flatnonzero(present & ~np.isfinite(arr))
+        if bad.size:
+            raise LedgerError(f"{path}: refusing to commit a {event_type} event with {name} = "
+                              f"{float(arr[bad[0]])!r} (row {int(bad[0])}; {bad.size} non-finite value(s)); "
+                              "nothing was written")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -443,6 +474,7 @@ class BudgetLedger:
 
     def commit_event(self, *, event_type: str, columns: dict, info: dict) -> Path:
         """Write one event atomically (tmp → fsync → rename → fsync dir), then apply it in memory."""
+        _check_finite_columns(self.path, event_type, columns)
         n = max((len(v) for v in columns.values()), default=0)
         data = {}
         for f in EVENT_SCHEMA:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import os
 import secrets
 import uuid
@@ -60,7 +61,21 @@ def make_params(
     nu: float | None = None, k_min: float = 30.0, privacy_unit: str = "record",
     max_records_per_user: int | None = None, user_for_missing: str = "refuse",
 ) -> PrivacyParams:
-    """Calibrate B from (ε, δ) and fill in σ1 = sqrt(T/(6B)) when only T is given."""
+    """Calibrate B from (ε, δ) and fill in σ1 = sqrt(T/(6B)) when only T is given.
+
+    Every parameter must be finite and inside its documented range (``accounting.PARAM_RANGES``):
+    checked before any calibration, so nothing is computed from (or written with) a poisoned value.
+    """
+    accounting.check_range("epsilon", epsilon)
+    accounting.check_range("delta", delta)
+    for name, value in (("sigma2", sigma2), ("k_min", k_min), ("sigma1", sigma1), ("nu", nu)):
+        if value is not None:
+            accounting.check_range(name, value)
+    if planned_queries is not None:
+        if isinstance(planned_queries, bool) or not isinstance(planned_queries, numbers.Integral):
+            raise BadInputError(f"planned_queries must be an integer, got {planned_queries!r}")
+        planned_queries = int(planned_queries)
+        accounting.check_range("planned_queries", planned_queries)
     budget = accounting.calibrate_budget(epsilon=epsilon, delta=delta, conversion=conversion)
     if sigma1 is None:
         sigma1 = accounting.default_sigma1(planned_queries=planned_queries or 1000, budget=budget)
@@ -400,9 +415,8 @@ def _reuse_pool(store: FeatureStore, ledger: BudgetLedger) -> ReusePool:
     labels = np.asarray(ledger.state.answers["label"], dtype=np.int64)
     if rows.size == 0:
         return ReusePool.empty(store.dim)
-    feats = store.group("query")["features"]
     lo, hi = int(rows.min()), int(rows.max()) + 1
-    block = np.asarray(feats[lo:hi])
+    block = store.read("query", "features", lo, hi)
     return ReusePool(block[rows - lo].astype(np.float32), labels)
 
 

@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from . import FORMAT_VERSION
 from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
@@ -30,6 +31,21 @@ ROLES = ("private", "public", "query")
 GROUP_OF_ROLE = {"private": "private", "public": "public", "query": "queries"}
 NORM_TOLERANCE = 1e-3  # |‖x‖ − 1| accepted on input before re-normalising
 ERASE_PENDING_ATTR = "erase_pending"  # group attribute: rows of an accepted, unfinished erasure (deletion.py)
+CHECKSUM = "crc32c"  # root attribute ``checksums`` of stores whose every array ends its codecs with crc32c
+
+
+def checksum_compressors(*, compress: bool = True) -> list:
+    """The byte codecs of every new store array: (zstd, then) a crc32c checksum of the chunk's bytes.
+
+    zarr verifies the checksum on every chunk read; a flipped byte is a StoreError, never a changed value.
+    """
+    return ([ZstdCodec(level=0, checksum=False)] if compress else []) + [Crc32cCodec()]
+
+
+def array_checksummed(arr) -> bool:
+    """True when the array's codec pipeline ends with a crc32c checksum."""
+    codecs = getattr(arr.metadata, "codecs", ()) or ()
+    return bool(codecs) and isinstance(codecs[-1], Crc32cCodec)
 
 
 @dataclass(frozen=True)
@@ -107,14 +123,17 @@ class FeatureStore:
         root = zarr.open_group(str(tmp), mode="w")
         for role, group in GROUP_OF_ROLE.items():
             g = root.create_group(group)
+            crc = checksum_compressors()
             g.create_array("features", shape=(0, dim), chunks=(chunk_rows, dim), dtype="float32",
-                           compressors=None, fill_value=0.0)
-            g.create_array("labels", shape=(0,), chunks=(chunk_rows * 4,), dtype="int32", fill_value=-1)
-            g.create_array("record_id", shape=(0,), chunks=(chunk_rows * 4,), dtype=str)
-            g.create_array("user_id", shape=(0,), chunks=(chunk_rows * 4,), dtype=str)
-            g.create_array("deleted", shape=(0,), chunks=(chunk_rows * 4,), dtype="bool", fill_value=False)
+                           compressors=checksum_compressors(compress=False), fill_value=0.0)
+            g.create_array("labels", shape=(0,), chunks=(chunk_rows * 4,), dtype="int32", fill_value=-1,
+                           compressors=crc)
+            g.create_array("record_id", shape=(0,), chunks=(chunk_rows * 4,), dtype=str, compressors=crc)
+            g.create_array("user_id", shape=(0,), chunks=(chunk_rows * 4,), dtype=str, compressors=crc)
+            g.create_array("deleted", shape=(0,), chunks=(chunk_rows * 4,), dtype="bool", fill_value=False,
+                           compressors=crc)
             if role == "query":
-                g.create_array("batch", shape=(0,), chunks=(chunk_rows * 4,), dtype=str)
+                g.create_array("batch", shape=(0,), chunks=(chunk_rows * 4,), dtype=str, compressors=crc)
             g.attrs.update({"n_rows": 0, "role": role, "batches": {}})
         root.attrs.update({
             "format_version": FORMAT_VERSION,
@@ -124,6 +143,7 @@ class FeatureStore:
             "label_names": [str(n) for n in label_names],
             "normalized": True,
             "chunk_rows": int(chunk_rows),
+            "checksums": CHECKSUM,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
         if path.exists():
@@ -166,6 +186,21 @@ class FeatureStore:
         if expect_dim is not None and store.dim != expect_dim:
             raise StoreError(f"{path}: store has d={store.dim}, input has d={expect_dim}")
         return store
+
+    # -- integrity -------------------------------------------------------
+    def unchecked_arrays(self) -> list[str]:
+        """Arrays (``group/name``) whose chunks carry no crc32c checksum (stores made before checksums)."""
+        out = []
+        for role, group in GROUP_OF_ROLE.items():
+            for name in ARRAYS + (("batch",) if role == "query" else ()):
+                if not array_checksummed(self.root[group][name]):
+                    out.append(f"{group}/{name}")
+        return out
+
+    @property
+    def checksummed(self) -> bool:
+        """True when every array of the store verifies a crc32c checksum on each chunk read."""
+        return not self.unchecked_arrays()
 
     # -- locking ---------------------------------------------------------
     @contextlib.contextmanager
@@ -373,7 +408,8 @@ class Appender:
             arr = self.group[name]
             if arr.shape[0] < stop:
                 arr.resize((stop,) + tuple(arr.shape[1:]))
-            arr[start:stop] = values
+            # a partly filled tail chunk is read back and rewritten whole: a corrupt one is a StoreError
+            _read_chunks(self.store.path, self.role, name, lambda: arr.__setitem__(slice(start, stop), values))
         self._hash.update(feats.tobytes())
         self.stop = stop
 
@@ -414,6 +450,10 @@ def _read_chunks(path: Path, role: str, name: str, read):
     except (OSError, MemoryError, StoreError):
         raise
     except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise ValueError, RuntimeError, ... on bad bytes
+        if "checksum" in str(exc).lower():
+            raise StoreError(f"{path}: a chunk of {GROUP_OF_ROLE[role]}/{name} is corrupt or truncated: it fails "
+                             f"its {CHECKSUM} checksum (the bytes on disk changed); restore the store from a backup"
+                             ) from None
         raise StoreError(f"{path}: a chunk of {GROUP_OF_ROLE[role]}/{name} is corrupt or truncated "
                          f"({type(exc).__name__}); restore the store from a backup") from None
 
@@ -428,6 +468,16 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def store_checksummed(store: "FeatureStore | str | os.PathLike") -> bool:
+    """Whether every array of a store (an open FeatureStore or a path) carries a crc32c checksum per chunk.
+
+    False for stores created before checksums (they keep working, unchecked): ``account --verify`` says so.
+    """
+    if not isinstance(store, FeatureStore):
+        store = FeatureStore.open(store, mode="r")
+    return store.checksummed
 
 
 def vectors_sha256(x: np.ndarray) -> str:

@@ -239,6 +239,30 @@ CASES: list[Case] = [
     Case("index-planned-zero", "index", "--planned-queries 0", lambda w: INDEX(w, "--eps", "1", "--planned-queries",
                                                                              "0"), 2, "planned"),
     Case("index-k-min-zero", "index", "--k-min 0", lambda w: INDEX(w, "--eps", "1", "--k-min", "0"), 2, "k_min"),
+    # issue 16 §4: every privacy parameter finite and inside its documented range (accounting.PARAM_RANGES)
+    Case("index-sigma2-tiny", "index", "--sigma2 1e-300 (σ2² underflows: the first serve would write NaN spent)",
+         lambda w: INDEX(w, "--eps", "1", "--sigma2", "1e-300"), 2, "sigma2"),
+    Case("index-sigma2-inf", "index", "--sigma2 inf", lambda w: INDEX(w, "--eps", "1", "--sigma2", "inf"), 2,
+         "sigma2"),
+    Case("index-sigma1-nan", "index", "--sigma1 nan", lambda w: INDEX(w, "--eps", "1", "--sigma1", "nan"), 2,
+         "sigma1"),
+    Case("index-k-min-inf", "index", "--k-min inf (would release K = Infinity, not JSON)",
+         lambda w: INDEX(w, "--eps", "1", "--k-min", "inf"), 2, "k_min"),
+    Case("index-k-min-huge", "index", "--k-min 1e300", lambda w: INDEX(w, "--eps", "1", "--k-min", "1e300"), 2,
+         "k_min"),
+    Case("index-eps-huge", "index", "--eps 1e308", lambda w: INDEX(w, "--eps", "1e308"), 2, "epsilon"),
+    Case("index-eps-tiny", "index", "--eps 1e-300", lambda w: INDEX(w, "--eps", "1e-300"), 2, "epsilon"),
+    Case("index-eps-inf", "index", "--eps inf", lambda w: INDEX(w, "--eps", "inf"), 2, "epsilon"),
+    Case("index-delta-large", "index", "--delta 0.5 (above the documented 0.1)",
+         lambda w: INDEX(w, "--eps", "1", "--delta", "0.5"), 2, "delta"),
+    Case("index-nu-inf", "index", "--kernel rbf --nu inf",
+         lambda w: INDEX(w, "--eps", "1", "--kernel", "rbf", "--nu", "inf"), 2, "nu"),
+    Case("index-planned-huge", "index", "--planned-queries 10000000000 (above 1e9)",
+         lambda w: INDEX(w, "--eps", "1", "--planned-queries", "10000000000"), 2, "planned"),
+    Case("index-lock-timeout-nan", "index", "--lock-timeout nan (would wait forever when the lock is held)",
+         lambda w: INDEX(w, "--eps", "1", "--lock-timeout", "nan"), 2, "--lock-timeout"),
+    Case("index-lock-timeout-negative", "index", "--lock-timeout -1",
+         lambda w: INDEX(w, "--eps", "1", "--lock-timeout", "-1"), 2, "--lock-timeout"),
     Case("index-other-store-ledger", "index", "the ledger of another store (L2 with s.zarr)",
          lambda w: ["index", *SL(w, "L2")], 2, "another feature store"),
     Case("index-corrupt-current", "index", "a ledger whose CURRENT pointer is not JSON",
@@ -264,6 +288,14 @@ CASES: list[Case] = [
          lambda w: ["serve-queries", "q2", *SL(w), "--max-memory", "lots"], 2, "cannot read size"),
     Case("serve-max-memory-tiny", "serve-queries", "--max-memory 1M (below the 16 MiB floor)",
          lambda w: ["serve-queries", "q2", *SL(w), "--max-memory", "1M"], 2, "16 MiB"),
+    Case("serve-max-memory-inf", "serve-queries", "--max-memory infG",
+         lambda w: ["serve-queries", "q2", *SL(w), "--max-memory", "infG"], 2, "--max-memory"),
+    Case("serve-max-memory-nan", "serve-queries", "--max-memory nanM",
+         lambda w: ["serve-queries", "q2", *SL(w), "--max-memory", "nanM"], 2, "--max-memory"),
+    Case("serve-lock-timeout-nan", "serve-queries", "--lock-timeout nan (would wait forever when the lock is held)",
+         lambda w: ["serve-queries", "q2", *SL(w), "--lock-timeout", "nan"], 2, "--lock-timeout"),
+    Case("serve-lock-timeout-inf", "serve-queries", "--lock-timeout inf",
+         lambda w: ["serve-queries", "q2", *SL(w), "--lock-timeout", "inf"], 2, "--lock-timeout"),
     Case("serve-missing-ledger", "serve-queries", "--ledger pointing at a folder that does not exist",
          lambda w: ["serve-queries", "q2", *SL(w, "no-ledger")], 2, "no budget ledger",
          "refused; the folder is not created"),
@@ -288,6 +320,10 @@ CASES: list[Case] = [
          lambda w: (truncate(w / "s.zarr" / "private" / "features" / "c" / "0" / "0", 100),
                     ["serve-queries", "q2", *SL(w)])[1], 2, "corrupt or truncated",
          "refused when the chunk is read; nothing charged"),
+    Case("serve-flipped-byte-zarr-chunk", "serve-queries", "one flipped byte in a chunk of the store's private "
+         "features (issue 16 §5)", lambda w: (_flip_byte(w / "s.zarr" / "private" / "features" / "c" / "0" / "0", 37),
+                                              ["serve-queries", "q2", *SL(w)])[1], 2, "crc32c checksum",
+         "refused when the chunk is read (crc32c); nothing charged"),
     Case("serve-truncated-array-meta", "serve-queries", "a truncated zarr.json of a store array",
          lambda w: (truncate(w / "s.zarr" / "private" / "labels" / "zarr.json", 30),
                     ["serve-queries", "q2", *SL(w)])[1], 2, "corrupt"),
@@ -314,6 +350,8 @@ CASES: list[Case] = [
          lambda w: ["delete", *SL(w), "--record", ""], 2, "empty record"),
     Case("delete-other-store-ledger", "delete", "the ledger of another store",
          lambda w: ["delete", *SL(w, "L2"), "--record", "r001"], 2, "another feature store"),
+    Case("delete-lock-timeout-nan", "delete", "--lock-timeout nan",
+         lambda w: ["delete", *SL(w), "--record", "r001", "--lock-timeout", "nan"], 2, "--lock-timeout"),
     Case("delete-both-stdin", "delete", "--ids-file - and --users-file - together",
          lambda w: ["delete", *SL(w), "--ids-file", "-", "--users-file", "-"], 2, "both read stdin"),
     # ---------------------------------------------------------------- account
@@ -338,6 +376,12 @@ CASES: list[Case] = [
 def _jsonl(w: Path, rows: list[dict]) -> str:
     (w / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(w / "in.jsonl")
+
+
+def _flip_byte(p: Path, offset: int) -> None:
+    data = bytearray(p.read_bytes())
+    data[offset] ^= 0x01
+    p.write_bytes(bytes(data))
 
 
 def _touch(p: Path) -> str:

@@ -91,15 +91,30 @@ def read_json_line_from_stdin() -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
-def parse_size(text: str) -> int:
-    """'2G', '512M', '1048576' → bytes."""
+def parse_size(text: str, *, flag: str = "--max-memory") -> int:
+    """'2G', '512M', '1048576' → bytes (a finite, non-negative size; else BadInputError naming the value)."""
+    import math
+
     from ..errors import BadInputError
 
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     try:
-        if t and t[-1] in mult:
-            return int(float(t[:-1]) * mult[t[-1]])
-        return int(t)
+        number, unit = (t[:-1], mult[t[-1]]) if t and t[-1] in mult else (t, 1)
+        value = float(number)
     except ValueError:
         raise BadInputError(f"cannot read size {text!r} (use e.g. 512M or 2G)") from None
+    if not math.isfinite(value) or value < 0 or value * unit >= 1 << 62:
+        raise BadInputError(f"{flag} must be a finite size (e.g. 512M or 2G), got {text!r}")
+    return int(value * unit)
+
+
+def check_lock_timeout(seconds: float, *, flag: str = "--lock-timeout") -> float:
+    """A lock wait in seconds: finite and ≥ 0 (NaN would wait forever, inf never gives up)."""
+    import math
+
+    from ..errors import BadInputError
+
+    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
+        raise BadInputError(f"{flag} must be a finite number of seconds ≥ 0, got {seconds!r}")
+    return float(seconds)

@@ -10,7 +10,7 @@ import typer
 
 from ..deletion import delete_records, read_ids
 from ..errors import BadInputError
-from .common import emit_json, resolve_ledger, resolve_store, run_library_call, stderr_console
+from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store, run_library_call, stderr_console
 
 
 def _read_file(name: str, what: str) -> list[str]:
@@ -40,6 +40,7 @@ def delete_command(
     """Erase records: features, label and ids overwritten in the store; the ledger keeps a tombstone
     (id, user, spent, deleted at), so a returning id never gets a fresh budget. Prints one JSON line."""
     def call():
+        check_lock_timeout(lock_timeout)
         if ids_file == "-" and users_file == "-":
             raise BadInputError("--ids-file and --users-file cannot both read stdin")
         rids = list(record or [])
@@ -57,6 +58,11 @@ def delete_command(
     if result.ids_not_found or result.users_not_found:
         err.print(f"{len(result.ids_not_found)} record id(s) and {len(result.users_not_found)} user id(s) not found "
                   "(listed under ids_not_found / users_not_found)", soft_wrap=True)
+    if result.ledger_unreadable is not None:
+        err.print(f"[yellow]Warning:[/] the ledger cannot be read ({result.ledger_unreadable}). The erasure was "
+                  f"recorded and the vectors erased from the store; the tombstones of {result.tombstones_pending} "
+                  "row(s) are written by the next `indknn delete` that can read the ledger (any ids, or --compact)"
+                  f"{'; --compact was skipped' if result.compaction else ''}", soft_wrap=True)
     if result.pending_completed and not dry_run:
         err.print(f"finished an interrupted deletion of {result.pending_completed} row(s) first", soft_wrap=True)
     if dry_run:

@@ -9,8 +9,8 @@ import typer
 from rich.markup import escape
 
 from ..serving import build_index, make_params
-from .common import (emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store, run_library_call,
-                     stderr_console)
+from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store,
+                     run_library_call, stderr_console)
 
 
 def index_command(
@@ -40,6 +40,7 @@ def index_command(
 ) -> None:
     """Create the ledger with B calibrated from (ε, δ); re-running adds new records, keeping spent budgets."""
     def call():
+        check_lock_timeout(lock_timeout)
         store_path = store
         if store_path is None:
             upstream = read_json_line_from_stdin()

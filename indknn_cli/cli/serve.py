@@ -15,8 +15,8 @@ from .. import gate
 from ..serving import (check_batch_id_before_embedding, queries_answered, resolve_query_batch, serve_queries,
                        write_answers_parquet)
 from ..store import FeatureStore
-from .common import (emit_json, parse_size, read_json_line_from_stdin, resolve_ledger, resolve_store,
-                     run_library_call, stderr_console)
+from .common import (check_lock_timeout, emit_json, parse_size, read_json_line_from_stdin, resolve_ledger,
+                     resolve_store, run_library_call, stderr_console)
 
 
 def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Optional[Path], batch_size: int,
@@ -82,6 +82,7 @@ def serve_command(
     upstream_line: list = []
 
     def call():
+        check_lock_timeout(lock_timeout)
         # A `delete --compact` that finished while we waited for a lock renumbered the store: nothing was
         # written, so re-open and go on (a few times), else exit 1 (a transient condition, not bad input).
         for attempt in range(3):
