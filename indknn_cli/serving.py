@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import accounting, indexes
+from .report import ADJACENCY, UNIT
 from .engine import BudgetView, ReusePool, StoreSource, answer_batch
 from .errors import BadInputError, BudgetExhaustedError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
@@ -45,7 +46,8 @@ class IndexResult:
             "budget": p.budget, "epsilon": accounting.epsilon_for_budget(budget=p.budget, delta=p.delta,
                                                                          conversion=p.conversion),
             "delta": p.delta, "conversion": p.conversion, "kernel": p.kernel, "tau": p.tau,
-            "sigma1": p.sigma1, "sigma2": p.sigma2, "k_min": p.k_min, **self.extra,
+            "sigma1": p.sigma1, "sigma2": p.sigma2, "k_min": p.k_min,
+            "unit": UNIT, "adjacency": ADJACENCY, **self.extra,  # what the ε is for (SPEC §8)
         }
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from ..errors import BadInputError, LedgerError
 from ..ledger import BudgetLedger
@@ -78,10 +79,10 @@ def serve_command(
     if out is not None:
         run_library_call(lambda: write_answers_parquet(result.answers, out))
     if result.already_answered and not result.newly_answered:
-        err.print(f"batch {result.batch_id!r} was already answered: returned its {result.already_answered} "
+        err.print(f"batch {escape(repr(result.batch_id))} was already answered: returned its {result.already_answered} "
                   "released answers; nothing charged, no new noise")
     else:
-        err.print(f"batch {result.batch_id!r}: answered {result.newly_answered} queries"
+        err.print(f"batch {escape(repr(result.batch_id))}: answered {result.newly_answered} queries"
                   f"{f' (resumed after {result.already_answered})' if result.already_answered else ''}; "
                   f"{result.records_active} records remain active")
     if seed is not None:

@@ -56,7 +56,7 @@ from .common import (_POOL, _WHY, U32, U64, _allowed, _blas_one_thread, _cat, _c
                      _FinderBase, _guard, _parallel_blocks, _read_private, _signs, _top_k, _top_k_candidates)
 from .ivf import (NO_PUBLIC_MESSAGE, TARGET_RECALL, IvfFinder, IvfIndex, calibrate_nprobe,  # noqa: F401
                   default_nlist, default_nprobe, kmeans_seed, load_training_vectors)
-from .ivf import _private_overlap, _role_of_zarr_dir, _row_hashes, _store_role_vectors, _training_source  # noqa: F401
+from .ivf import _near_private, _role_of_zarr_dir, _store_role_vectors, _training_source  # noqa: F401
 from .lsh import COST_PER_BYTE_GATHER, COST_PER_BYTE_STREAM, COST_PER_CALL, COST_PER_MAC, LshFinder, LshIndex  # noqa: F401
 from .storage import (add_rows, index_lock, index_path, read_meta, reconcile, remove_rows,  # noqa: F401
                       renumber_rows)

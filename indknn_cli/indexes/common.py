@@ -25,8 +25,10 @@ MAX_NLIST_DEFAULT = 4096
 MIN_POINTS_PER_LIST = 39  # faiss's own warning level for k-means training
 ENCODE_ROWS = 32768
 PAIR_BLOCK = 1 << 15
-#: Refuse training vectors when at least this share is bit-identical to private records (a copy of the
-#: private set, or most of one); a few duplicates (a query equal to a record) are expected in public data.
+#: A training vector with cosine ≥ this to a private record is a (near-)copy of it: refused in a --train-on
+#: file; the store's own public/query rows are refused when at least PRIVATE_OVERLAP_LIMIT of them are (a few
+#: duplicates, a query equal to a record, are expected there).
+NEAR_DUPLICATE_COSINE = 1.0 - 1e-6
 PRIVATE_OVERLAP_LIMIT = 0.10
 
 _WHY = ("a record's candidate membership would then depend on the other private records, which breaks "

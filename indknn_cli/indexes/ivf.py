@@ -14,7 +14,7 @@ from ..engine import Candidates, dot_threshold
 from ..errors import BadInputError, PrivacyRefusedError
 from ..store import FeatureStore, normalize_rows
 from .common import (ENCODE_ROWS, KMEANS_NITER, MAX_NLIST_DEFAULT, MIN_POINTS_PER_LIST,
-                     PRIVATE_OVERLAP_LIMIT, _WHY, _allowed, _cat, _FinderBase, _parallel_blocks, _top_k)
+                     NEAR_DUPLICATE_COSINE, PRIVATE_OVERLAP_LIMIT, _WHY, _allowed, _cat, _FinderBase, _parallel_blocks, _top_k)
 
 
 # -- the structure ------------------------------------------------------------------
@@ -78,20 +78,27 @@ def _role_of_zarr_dir(path: Path) -> str | None:
     return None
 
 
-def _row_hashes(x: np.ndarray, mult: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        return (u * mult).sum(axis=1, dtype=np.uint64)
+def _near_private(store: FeatureStore, train: np.ndarray, *, block: int = 4096) -> np.ndarray:
+    """Per training vector: is its cosine to some committed, not-deleted private row ≥ NEAR_DUPLICATE_COSINE?
 
+    Found through the engine's own candidate search (:func:`engine.find_candidates`: fp32 screen with a
+    safety margin, then κ in float64), so the decision is exact for the float32 vectors and catches copies
+    perturbed by rounding or small noise, not only bit-identical ones. The result is for the refusal only:
+    neither which vectors matched nor how many is ever printed (that would be a membership oracle).
+    """
+    from ..engine import StoreSource, find_candidates
 
-def _private_overlap(store: FeatureStore, train: np.ndarray) -> int:
-    """Training rows bit-identical to a committed private row (64-bit row hash; one streamed pass)."""
-    mult = np.random.Generator(np.random.PCG64(12345)).integers(1, 2**63, store.dim, dtype=np.uint64) | np.uint64(1)
-    mine = np.unique(_row_hashes(train, mult))
-    hits = np.zeros(mine.size, bool)
-    for _, block in store.iter_chunks("private"):
-        hits |= np.isin(mine, _row_hashes(block, mult))
-    return int(hits.sum())
+    n = store.n_rows("private")
+    hit = np.zeros(train.shape[0], bool)
+    if n == 0 or train.shape[0] == 0:
+        return hit
+    live = ~store.read("private", "deleted", 0, n).astype(bool)
+    source = StoreSource(store)
+    for lo in range(0, train.shape[0], block):
+        cands = find_candidates(np.ascontiguousarray(train[lo:lo + block], np.float32), source, kernel="cosine",
+                                tau=NEAR_DUPLICATE_COSINE, nu=None, row_mask=live)
+        hit[lo:lo + block] = [r.size > 0 for r in cands.rows]
+    return hit
 
 
 def _store_role_vectors(store: FeatureStore, role: str) -> np.ndarray:
@@ -111,14 +118,23 @@ NO_PUBLIC_MESSAGE = (
 
 
 def load_training_vectors(store: FeatureStore, train_on: str | os.PathLike | None) -> tuple[np.ndarray, dict]:
-    """Public training vectors for IVF centroids and where they came from; refuses private sources."""
+    """Public training vectors for IVF centroids and where they came from; refuses private sources.
+
+    The vectors are trusted to be public data (SPEC §8: a statistic over the private set is computed on
+    public data or paid for). As a guard against mistakes, vectors (near-)identical to a private record
+    (cosine ≥ NEAR_DUPLICATE_COSINE) are refused: any of them in a ``--train-on`` file or folder; in the
+    store's own public/query rows, where a query equal to a record is expected, only when they make up
+    PRIVATE_OVERLAP_LIMIT of the rows (a copy of the private set). The refusal never says how many or which.
+    """
     x, src = _training_source(store, train_on)
-    overlap = _private_overlap(store, x)
-    if overlap and overlap >= PRIVATE_OVERLAP_LIMIT * x.shape[0]:
+    near = _near_private(store, x)
+    external = src["from"] in ("file", "zarr")
+    if near.any() and (external or near.sum() >= PRIVATE_OVERLAP_LIMIT * x.shape[0]):
         raise PrivacyRefusedError(
-            f"--train-on {train_on or src['from']} is refused: {overlap} of its {x.shape[0]} vectors are identical "
-            "to private records, so it looks like a copy of the private set; IVF centroids trained on private "
-            f"vectors — {_WHY}")
+            f"--train-on {train_on or src['from']} is refused: it contains vectors identical or nearly identical "
+            f"(cosine ≥ 1 − {1.0 - NEAR_DUPLICATE_COSINE:.0e}) to private records, so it is not public data; "
+            f"IVF centroids trained on private vectors — {_WHY}. --train-on must be public data only "
+            "(vectors of records that are not in the private set).")
     return x, src
 
 
