@@ -97,8 +97,9 @@ def read(path: Path, what: str) -> None:
 
         n = len(open_ledger_readonly(path).state)  # not timed separately: the report opens it again
         t0 = time.perf_counter()
-        rep = build_account_report(ledger_path=path, record_id=f"rec-{n // 2:08d}", user_id=f"user-{n // 8:07d}")
-        extra = {"record_status": rep.data["record"]["status"], "user_records": rep.data["user"]["records"]}
+        rep = build_account_report(ledger_path=path, record_id=f"rec-{n // 2:08d}")
+        urep = build_account_report(ledger_path=path, user_id=f"user-{n // 8:07d}")  # one subject per view
+        extra = {"record_status": rep.data["status"], "user_records": urep.data["records"]}
     else:
         raise SystemExit(f"unknown --read target {what}")
     wall = time.perf_counter() - t0

@@ -40,6 +40,35 @@ from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _chec
 from .errors import BadInputError, BudgetExhaustedError, CheckFailedError, LedgerError
 
 REALISED_LABEL = "realised individual loss (descriptive, not a guarantee)"
+#: The privacy unit and the adjacency every printed ε is stated for (SPEC §8).
+UNIT = "record"
+ADJACENCY = "add/remove one record"
+SCOPE = ("the guarantee is per record, for neighbouring data sets that differ by adding or removing one record; "
+         "it is not a per-user guarantee (a user with several records is not protected as one unit); under "
+         "replace-one adjacency the Gaussian-DP μ doubles")
+USER_LEVEL_NOTE = (
+    "no user-level figure: records of one user selected by the same query add linearly (the count moves by m, "
+    "a class's vote by the sum of the user's weights), so composing the user's per-record spends would "
+    "understate the user's loss, and the ledger does not keep per-query contributions to compute it exactly; "
+    "the guarantee is per record (add/remove one record)")
+USER_SCOPE = ("the guarantee is per user (the ledger's privacy unit), for neighbouring data sets that differ by "
+              "adding or removing one user with all their records; under replace-one adjacency the Gaussian-DP μ "
+              "doubles")
+USER_UNIT_NOTE = ("per user: the filter charges this user as one unit (SPEC §9); every record of the user carries "
+                  "the user's spent, and the realised ε below is the user's")
+
+
+def unit_figures(privacy_unit: str) -> dict:
+    """unit, adjacency and scope for a ledger's privacy unit (every printed ε names them, SPEC §8)."""
+    if privacy_unit == "user":
+        return {"unit": "user", "adjacency": "add/remove one user", "scope": USER_SCOPE}
+    return {"unit": UNIT, "adjacency": ADJACENCY, "scope": SCOPE}
+
+
+#: The keys of the ledger-wide guarantee, the only ledger-level figures a data-subject view carries.
+_GUARANTEE_KEYS = ("ledger", "format_version", "unit", "adjacency", "scope", "budget", "delta", "epsilon",
+                   "conversion", "conversion_label", "epsilon_by_conversion", "ledger_delta", "ledger_conversion",
+                   "target_epsilon", "target_conversion", "guarantees", "next_charge_at_least")
 QUANTILES = (("min", 0.0), ("median", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
 #: Above this many distinct spent values the realised loss is looked up on
 #: accounting.realised_epsilons' grid (rounded up) instead of converted exactly.
@@ -210,6 +239,16 @@ def _subject_record(ledger, i: int, *, status: _Status, budget: float, delta: fl
     }
 
 
+def _user_unit_figures(spent_records: np.ndarray, *, budget: float, delta: float) -> dict:
+    """User unit: the user's own spent (the largest over their records, tombstones included) and realised ε."""
+    spent = float(np.max(spent_records))
+    remaining = max(0.0, math.nextafter(budget - spent, -math.inf)) if budget > spent else 0.0
+    realised = {c: _finite(float(realised_loss([spent], budget=budget, delta=delta, conversion=c)[0]))
+                for c in CONVERSIONS}
+    return {"user_level": USER_UNIT_NOTE, "spent": spent, "remaining": remaining,
+            "realised_epsilon_by_conversion": realised}
+
+
 def _history(ledger, *, budget: float, delta: float, conversion: str, total_answers: int) -> list[dict]:
     """One point per committed serve event (LedgerState.history), oldest first.
 
@@ -269,6 +308,15 @@ def build_account_report(
     print the report first.
     """
     # validate every option before reading anything
+    if record_id is not None and user_id is not None:
+        raise BadInputError(f"give --record or --user, not both (got --record {record_id!r} --user {user_id!r})")
+    if record_id is not None or user_id is not None:
+        ledger_wide = [name for name, v in (("--eps", eps), ("--min-active", min_active), ("--plot", plot_path))
+                       if v is not None]
+        if ledger_wide:
+            raise BadInputError(f"{'--record' if record_id is not None else '--user'} is one data subject's view "
+                                f"and shows no figures of other records; {', '.join(ledger_wide)} "
+                                "(ledger-wide) cannot be combined with it")
     if delta is not None:
         delta = _check_delta(delta)
     if conversion is not None:
@@ -327,6 +375,7 @@ def build_account_report(
     data: dict = {
         "ledger": str(ledger_path),
         "format_version": FORMAT_VERSION,
+        **unit_figures(getattr(params, "privacy_unit", "record")),
         "budget": budget,
         "delta": use_delta,
         "epsilon": _finite(epsilon),
@@ -401,27 +450,29 @@ def build_account_report(
                              f"only {n_active} records are active, fewer than --min-active {min_active} "
                              f"({required}, {what})"))
 
+    # A data subject's view (--record / --user): their own figures at the top level, the ledger's guarantee,
+    # and nothing computed from other people's records (no counts, quantiles, history or checks).
+    base = {k: data[k] for k in _GUARANTEE_KEYS}
     if record_id is not None:
         hits = np.flatnonzero(s.record_id == record_id) if n else np.empty(0, np.int64)
         if hits.size == 0:
             raise BadInputError(f"record id {record_id!r} is not in the ledger {ledger_path}")
-        data["record"] = _subject_record(ledger, int(hits[-1]), status=status, budget=budget, delta=use_delta, c1=c1)
+        rec = _subject_record(ledger, int(hits[-1]), status=status, budget=budget, delta=use_delta, c1=c1)
+        data = {**base, "subject": "record", **rec}
     if user_id is not None:
         hits = np.flatnonzero(s.user_id == user_id) if n else np.empty(0, np.int64)
         if hits.size == 0 or not user_id:
             raise BadInputError(f"user id {user_id!r} has no records in the ledger {ledger_path}")
         recs = [_subject_record(ledger, int(i), status=status, budget=budget, delta=use_delta, c1=c1) for i in hits]
-        total = float(np.sum(spent[hits]))
         counts = {k: sum(r["status"] == k for r in recs) for k in ("active", "retired", "deleted")}
-        data["user"] = {
-            "user_id": user_id, "records": len(recs), **{f"records_{k}": v for k, v in counts.items()},
-            "spent_max": float(np.max(spent[hits])), "spent_total": total,
+        data = {
+            **base, "subject": "user", "user_id": user_id, "records": len(recs),
+            **{f"records_{k}": v for k, v in counts.items()},
             "times_selected": int(np.sum(s.times_selected[hits])),
-            # record-level privacy: a user's records compose (RDP and GDP μ² add), so the
-            # user-level loss is the conversion applied to the sum of their spent budgets.
-            "realised_user_epsilon_by_conversion": {
-                c: _finite(epsilon_for_budget(budget=total, delta=use_delta, conversion=c)) for c in CONVERSIONS},
-            "realised_label": REALISED_LABEL + "; user level: the user's records composed",
+            "user_level": USER_LEVEL_NOTE,
+            **(_user_unit_figures(s.spent[hits], budget=budget, delta=use_delta)
+               if data["unit"] == "user" else {}),
+            "realised_label": REALISED_LABEL,
             "deleted": all(r["deleted"] for r in recs),
             "record_list": recs,
         }

@@ -47,7 +47,7 @@ class IndexResult:
             "budget": p.budget, "epsilon": accounting.epsilon_for_budget(budget=p.budget, delta=p.delta,
                                                                          conversion=p.conversion),
             "delta": p.delta, "conversion": p.conversion, "kernel": p.kernel, "tau": p.tau,
-            "sigma1": p.sigma1, "sigma2": p.sigma2, "k_min": p.k_min, "privacy_unit": p.privacy_unit,
+            "sigma1": p.sigma1, "sigma2": p.sigma2, "k_min": p.k_min, "unit": p.privacy_unit,  # what the ε is for (SPEC §8)
             "adjacency": f"add/remove one {p.privacy_unit}",
             **({"max_records_per_user": p.max_records_per_user, "user_for_missing": p.user_for_missing}
                if p.privacy_unit == "user" else {}),

@@ -183,3 +183,48 @@ def test_cli_bench_bad_input_exits_2_with_nothing_on_stdout(tmp_path, args):
     assert res.exit_code == 2, (res.stdout, res.stderr)
     assert res.stdout == ""
     assert not (tmp_path / "o").exists()
+
+
+# -- issue 15 §5: no unaccounted private tuning by default; tables say where tuning happened -------------------
+@pytest.fixture
+def private_only_store(tmp_path):
+    """300 labelled private vectors and no public rows."""
+    x, y, _ = clustered(300, 16, 3, seed=9)
+    store = FeatureStore.create(tmp_path / "private_only.zarr", extractor=ExtractorInfo("vectors", "none", "1"),
+                                dim=16, label_names=["a", "b", "c"], chunk_rows=64)
+    store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(300)])
+    return store
+
+
+def _tiny_config(monkeypatch):
+    make = BenchConfig.make.__func__
+    monkeypatch.setattr(BenchConfig, "make", classmethod(
+        lambda cls, *, quick, seed=0, **kw: make(cls, quick=quick, seed=seed, **{**kw, **{
+            k: v for k, v in TINY.items() if k != "epsilons"}})))
+
+
+def test_bench_tune_refuses_a_store_without_public_rows(private_only_store, tmp_path, monkeypatch):
+    _tiny_config(monkeypatch)
+    args = ["bench", "tune", "--dataset", str(private_only_store.path), "--quick", "--out", str(tmp_path / "o"),
+            "--eps", "1"]
+    res = cli.invoke(app, args)
+    assert res.exit_code == 2 and res.stdout == "", (res.stdout, res.stderr)
+    assert "no labelled public rows" in res.stderr and "--unaccounted-private-tuning" in res.stderr
+    assert not (tmp_path / "o").exists()
+    res = cli.invoke(app, args + ["--unaccounted-private-tuning"])
+    assert res.exit_code == 0, res.stderr
+    assert "--unaccounted-private-tuning: this store has no labelled public rows" in " ".join(res.stderr.split())
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "no budget accounts for" in summary["unaccounted_private_tuning"]
+    assert "no budget accounts for" in json.loads(Path(summary["json"]).read_text())["unaccounted_private_tuning"]
+
+
+def test_bench_tables_say_tuning_was_on_the_private_side(private_only_store, tmp_path, monkeypatch):
+    _tiny_config(monkeypatch)
+    res = cli.invoke(app, ["bench", "accuracy-vs-eps", "--dataset", str(private_only_store.path), "--quick",
+                           "--out", str(tmp_path / "o"), "--eps", "1"])
+    assert res.exit_code == 0, res.stderr
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    said = "tuned on a validation split carved from the private side"
+    assert said in summary["tuned_on"] and said in summary["table"]["note"]
+    assert said in " ".join(res.stderr.split())  # the table note printed under the table

@@ -123,7 +123,7 @@ def test_tombstone_keeps_spent_and_nothing_else_changes(vector_store, tmp_path):
         np.testing.assert_array_equal(getattr(after, name)[others], getattr(before, name)[others])
     from indknn_cli.report import build_account_report  # `indknn account --record` shows the tombstone
 
-    rec = build_account_report(ledger_path=lp, record_id=rid).data["record"]
+    rec = build_account_report(ledger_path=lp, record_id=rid).data  # the record at the top level (issue 15 §4)
     assert rec["deleted"] and rec["status"] == "deleted" and rec["spent"] == pytest.approx(before.spent[target])
 
 

@@ -240,7 +240,7 @@ def test_ivf_refuses_private_training_data(tmp_path, data):
         with pytest.raises(PrivacyRefusedError, match="private"):
             build_index(store_path=store.path, ledger_path=tmp_path / "L", params=p, kind="ivf", train_on=bad)
     np.save(tmp_path / "copy.npy", x)  # an export of the private features
-    with pytest.raises(PrivacyRefusedError, match="identical to private"):
+    with pytest.raises(PrivacyRefusedError, match="nearly identical"):
         build_index(store_path=store.path, ledger_path=tmp_path / "L", params=p, kind="ivf",
                     train_on=tmp_path / "copy.npy")
     _nothing_written(store, tmp_path)
@@ -431,3 +431,53 @@ def test_delete_and_compact_keep_the_index_equal_to_a_rebuild(tmp_path, data, ki
         assert np.array_equal(a[0][k], b[0][k]), k
     res = serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch="q1", seed=2)
     assert res.newly_answered == len(q)
+
+
+# -- issue 15 §5: near-copies of private rows in --train-on, and no membership oracle in the refusal ------------
+def test_ivf_train_on_refuses_near_copies_without_saying_how_many(tmp_path, data):
+    x, y, q, pub = data
+    store = make_store(tmp_path / "s.zarr", x, y)
+    p = make_params(epsilon=1.0, delta=1e-5, tau=0.3, sigma2=0.5)
+    rng = np.random.default_rng(0)
+    f = tmp_path / "train.npy"
+    messages = []
+    for n_private in (1, 27, 300):  # one record, 9 % of the file, a whole (perturbed) copy
+        mix = pub.copy()
+        rows = rng.choice(len(x), n_private, replace=False)
+        where = rng.choice(len(pub), n_private, replace=False)
+        mix[where] = x[rows] + 1e-7 * rng.standard_normal((n_private, x.shape[1])).astype(np.float32)
+        assert not np.isin(mix.view(np.uint32), x.view(np.uint32)).all(axis=1).any()  # no bit-identical row
+        np.save(f, mix)
+        with pytest.raises(PrivacyRefusedError, match="nearly identical") as err:
+            build_index(store_path=store.path, ledger_path=tmp_path / "L", params=p, kind="ivf", nlist=4, train_on=f)
+        messages.append(str(err.value))
+        _nothing_written(store, tmp_path)
+    assert len(set(messages)) == 1  # the message is the same whatever the number of private rows
+    assert str(len(pub)) not in messages[0] and "of its" not in messages[0]
+    np.save(f, pub)  # the public vectors alone are fine
+    out = build_index(store_path=store.path, ledger_path=tmp_path / "L", params=p, kind="ivf", nlist=4,
+                      train_on=f).as_dict()["index"]
+    assert out["centroid_source"]["from"] == "file"
+
+
+def test_cli_ivf_train_on_refusal_says_public_only(tmp_path, data):
+    x, y, q, pub = data
+    store = make_store(tmp_path / "s.zarr", x, y)
+    mix = pub.copy()
+    mix[:3] = x[:3] * (1 + 1e-7)
+    np.save(tmp_path / "mix.npy", mix)
+    res = _cli_index(store, tmp_path, "--kind", "ivf", "--train-on", str(tmp_path / "mix.npy"))
+    assert res.exit_code == 2 and res.stdout == "" and not (tmp_path / "L").exists()
+    assert "nearly identical" in res.stderr and "public data" in res.stderr
+    assert " 3 " not in res.stderr and "300" not in res.stderr
+
+
+def test_index_json_states_unit_and_adjacency_and_errors_keep_brackets(tmp_path, data):
+    x, y, q, pub = data
+    store = make_store(tmp_path / "s.zarr", x, y)  # no public rows: the IVF refusal names an "[n, d] array"
+    res = _cli_index(store, tmp_path, "--kind", "ivf")
+    assert res.exit_code == 2 and "[n, d]" in res.stderr, res.stderr  # rich markup must not swallow it
+    res = _cli_index(store, tmp_path)
+    assert res.exit_code == 0, res.stderr
+    info = json.loads(res.stdout)
+    assert info["unit"] == "record" and info["adjacency"] == "add/remove one record"

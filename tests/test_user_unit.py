@@ -139,7 +139,7 @@ def test_end_to_end_user_unit_and_an_auditor_recomputes_every_charge(tmp_path):
     assert res.exit_code == 0, res.stderr
     import json
     info = json.loads(res.stdout)
-    assert info["privacy_unit"] == "user" and info["adjacency"] == "add/remove one user"
+    assert info["unit"] == "user" and info["adjacency"] == "add/remove one user"
     out = serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch="q1", seed=5, reuse=False)
     led = BudgetLedger.open(tmp_path / "L")
     p = led.params
@@ -215,3 +215,23 @@ def test_a_new_record_of_a_known_user_joins_that_users_budget(tmp_path):
     led = BudgetLedger.open(tmp_path / "L")
     assert led.state.deleted[led.state.user_id == "u0"].all()
     assert (led.state.spent[led.state.user_id == "u0"] == spent_u0).all()  # tombstones keep it
+
+
+def test_account_names_the_user_unit_and_shows_the_users_own_figures(tmp_path):
+    import json
+
+    users = [f"u{i % 4}" for i in range(40)]
+    store, *_ = _user_store(tmp_path, users)
+    p = make_params(epsilon=1, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=30, k_min=5, privacy_unit="user")
+    build_index(store_path=store.path, ledger_path=tmp_path / "L", params=p)
+    serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch="q1", seed=3)
+    head = json.loads(runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--json"]).stdout)
+    assert head["unit"] == "user" and head["adjacency"] == "add/remove one user" and "per user" in head["scope"]
+    res = runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--user", "u1", "--json"])
+    d = json.loads(res.stdout)
+    led = BudgetLedger.open(tmp_path / "L")
+    assert d["spent"] == led.state.spent[led.state.user_id == "u1"].max() > 0
+    assert d["realised_epsilon_by_conversion"]["gdp"] <= 1.0 and d["user_level"].startswith("per user")
+    text = runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--user", "u1"]).stdout
+    flat = " ".join(text.split())
+    assert "adjacency: add/remove one user" in flat and "realised individual loss" in flat

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..errors import BadInputError
+from ..errors import BadInputError, PrivacyRefusedError
 from . import experiments
 from .config import BenchConfig
 from .data import load_dataset, make_split
@@ -24,6 +24,19 @@ SEEDING = {
     "linear_noisysgd": "torch.Generator(seed·1000 + draw) for Poisson batches, (… + 1) for Opacus noise",
 }
 EXPERIMENTS = ("accuracy-vs-eps", "accuracy-vs-queries", "retraining", "speed", "tune")
+TUNED_ON_PRIVATE = ("Each method was tuned on a validation split carved from the private side: tuning reads "
+                    "private records without accounting (the papers' protocol); a deployment tunes on public data.")
+TUNED_ON_PUBLIC = "Each method was tuned on a validation split of the store's labelled public rows."
+#: What --unaccounted-private-tuning means (printed on stderr and recorded in the JSON when it is given).
+UNACCOUNTED_PRIVATE_TUNING = (
+    "--unaccounted-private-tuning: this store has no labelled public rows, so τ and σ2 are tuned on a validation "
+    "split carved from its private records. The tuned values are a statistic of private data that no budget "
+    "accounts for: the (ε, δ) guarantee of a ledger indexed with them does not cover what they reveal.")
+NO_PUBLIC_TUNING = (
+    "bench tune is refused on {store}: the store has no labelled public rows (at least 20, `indknn embed FILE "
+    "--role public --label-column ...`), so it would tune τ and σ2 on private records, a statistic no budget "
+    "accounts for (SPEC §8). Add public rows, tune on a public dataset (--dataset ag_news or mnist), or pass "
+    "--unaccounted-private-tuning to accept the unaccounted leak.")
 
 
 def _stem(experiment: str, dataset: str | None) -> str:
@@ -34,7 +47,7 @@ def _stem(experiment: str, dataset: str | None) -> str:
 def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Path | None = None,
               cache_dir: Path | None = None, out_dir: Path = Path("bench_out"), quick: bool = False, seed: int = 0,
               features: str = "hog", n_queries: int | None = None, n_private: int | None = None,
-              epsilon: float = 1.0,
+              epsilon: float = 1.0, unaccounted_private_tuning: bool = False,
               progress: Callable[[str], None] = lambda s: None, **overrides) -> dict:
     """Run one experiment and write ``<out>/<experiment>_<dataset>.json`` and its PNG plots.
 
@@ -57,6 +70,9 @@ def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Pat
         split = make_split(ds, seed=seed, n_queries=n_queries, n_private=n_private,
                            max_private=cfg.max_private)
         stem = _stem(experiment, dataset)
+        is_store = dataset not in ("ag_news", "mnist")
+        if experiment == "tune" and is_store and ds.public_rows is None and not unaccounted_private_tuning:
+            raise PrivacyRefusedError(NO_PUBLIC_TUNING.format(store=dataset))
         try:
             if experiment == "accuracy-vs-eps":
                 result = experiments.accuracy_vs_eps(ds, split, cfg, progress=progress)
@@ -70,6 +86,11 @@ def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Pat
             if isinstance(exc, BadInputError):
                 raise
             raise BadInputError(str(exc)) from None
+    if experiment in ("accuracy-vs-eps", "accuracy-vs-queries", "retraining"):
+        result["tuned_on"] = TUNED_ON_PUBLIC if ds.public_rows is not None else TUNED_ON_PRIVATE
+        result["table"]["note"] = (result["table"].get("note", "") + " " + result["tuned_on"]).strip()
+    if experiment == "tune" and is_store and ds.public_rows is None:
+        result["unaccounted_private_tuning"] = UNACCOUNTED_PRIVATE_TUNING
     result["environment"] = env
     result["quick"] = quick
     result["seeding"] = SEEDING
@@ -81,6 +102,9 @@ def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Pat
     summary = {"experiment": experiment, "dataset": dataset if experiment != "speed" else "synthetic",
                "quick": quick, "seed": seed, "json": str(path), "plots": [str(p) for p in plots],
                "table": result["table"], "seconds": round(seconds, 1)}
+    for key in ("tuned_on", "unaccounted_private_tuning"):
+        if key in result:
+            summary[key] = result[key]
     if experiment == "tune":
         summary["warning"] = result["warning"]
     return summary

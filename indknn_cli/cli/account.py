@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ..accounting import CONVERSION_LABEL
 from ..errors import EXIT_BUDGET_EXHAUSTED
-from ..report import QUANTILES, REALISED_LABEL, AccountReport, build_account_report, enforce_checks
+from ..report import (QUANTILES, REALISED_LABEL, AccountReport,
+                      build_account_report, enforce_checks)
 from ..serving import public_allowance
 from .common import emit_json, resolve_ledger, run_library_call, stderr_console, stdout_console
 
@@ -25,7 +27,7 @@ def _f(x, fmt: str = ".6g") -> str:
 
 
 def _print_subject(console, title: str, rec: dict) -> None:
-    console.print(f"[bold]{title}[/]")
+    console.print(f"[bold]{escape(title)}[/]")
     t = Table(show_header=False)
     t.add_column("field", style="bold")
     t.add_column("value")
@@ -34,19 +36,20 @@ def _print_subject(console, title: str, rec: dict) -> None:
             ("next count charge", _f(rec["next_charge_at_least"])),
             ("times selected", str(rec["times_selected"]))]
     for c, v in rec["realised_epsilon_by_conversion"].items():
-        rows.append((f"realised ε ({c})", f"{_f(v, '.4g')}  [{REALISED_LABEL}]"))
+        rows.append((f"realised ε ({c})", f"{_f(v, '.4g')}  [{REALISED_LABEL}]"))  # escaped below
     rows.append(("deleted", f"yes, at {rec['deleted_at']}" if rec["deleted"] else "no"))
     rows.append(("last change", rec["last_change"] or "—"))
     for k, v in rows:
-        t.add_row(k, v)
+        t.add_row(escape(k), escape(str(v)))  # ids and labels are text, never rich markup
     console.print(t)
 
 
 def _print_tables(report: AccountReport, *, full: bool) -> None:
     d = report.data
     out = stdout_console()
-    out.print(f"[bold]Guarantee[/] (the filter's): every record's total charge ≤ B = {d['budget']:.6g}")
-    out.print(f"ledger: {d['ledger']}")
+    out.print(f"[bold]Guarantee[/] (the filter's): every {d['unit']}'s total charge ≤ B = {d['budget']:.6g}")
+    out.print(escape(f"unit: one {d['unit']}; adjacency: {d['adjacency']} ({d['scope']})"))
+    out.print(f"ledger: {escape(d['ledger'])}")
     g = Table()
     g.add_column("δ")
     for c in ("gdp", "rdp"):
@@ -54,29 +57,34 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     for row in d["guarantees"]:
         g.add_row(f"{row['delta']:g}", *[_f(row["epsilon_by_conversion"][c], ".4g") for c in ("gdp", "rdp")])
     out.print(g)
-    out.print(f"headline: ε({d['conversion']}) = {_f(d['epsilon'], '.6g')} at δ = {d['delta']:g}")
+    out.print(f"headline: ε({d['conversion']}) = {_f(d['epsilon'], '.6g')} at δ = {d['delta']:g}, "
+              f"{escape(d['adjacency'])}")
     for c in ("gdp", "rdp"):
         out.print(f"  {c}: {CONVERSION_LABEL[c]}")
     out.print(f"the ledger was calibrated for ε({d['target_conversion']}) = {d['target_epsilon']:g} "
               f"at δ = {d['ledger_delta']:g}")
-    if "record" in d:
-        _print_subject(out, f"Record {d['record']['record_id']}", d["record"])
-    if "user" in d:
-        u = d["user"]
-        out.print(f"[bold]User {u['user_id']}[/]: {u['records']} records (active {u['records_active']}, retired "
-                  f"{u['records_retired']}, deleted {u['records_deleted']})")
+    if d.get("subject") == "record":
+        _print_subject(out, f"Record {d['record_id']}", d)
+    if d.get("subject") == "user":
+        u = d
+        out.print(f"[bold]User {escape(u['user_id'])}[/]: {u['records']} records (active {u['records_active']}, "
+                  f"retired {u['records_retired']}, deleted {u['records_deleted']})")
         t = Table()
         for col in ("record id", "status", "spent", "remaining", "times selected",
                     f"realised ε ({d['conversion']})", "deleted at"):
             t.add_column(col, justify="right" if col not in ("record id", "status") else "left")
         for r in u["record_list"]:
-            t.add_row(r["record_id"], r["status"], _f(r["spent"]), _f(r["remaining"]), str(r["times_selected"]),
-                      _f(r["realised_epsilon_by_conversion"][d["conversion"]], ".4g"), r["deleted_at"] or "—")
-        eu = ", ".join(f"ε({c}) = {_f(v, '.4g')}" for c, v in u["realised_user_epsilon_by_conversion"].items())
+            t.add_row(escape(r["record_id"]), r["status"], _f(r["spent"]), _f(r["remaining"]),
+                      str(r["times_selected"]), _f(r["realised_epsilon_by_conversion"][d["conversion"]], ".4g"),
+                      r["deleted_at"] or "—")
         out.print(t)
-        out.print(f"user total spent {u['spent_total']:.6g}")
-        out.print(f"realised user-level loss (the user's records composed): {eu}")
-        out.print(f"  [{REALISED_LABEL}]")
+        out.print(escape(f"realised ε ({d['conversion']}) per record: [{REALISED_LABEL}]"))
+        if d["unit"] == "user":
+            out.print(escape(f"user {u['user_id']}: spent {_f(u['spent'])}, remaining {_f(u['remaining'])}, "
+                             f"realised ε ({d['conversion']}) "
+                             f"{_f(u['realised_epsilon_by_conversion'][d['conversion']], '.4g')} "
+                             f"[{REALISED_LABEL}]"))
+        out.print(escape(u["user_level"]))
     if not full:
         return
     out.print("[bold]Records[/]")
@@ -97,7 +105,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     re = d["realised_epsilon"]
     q.add_row(f"realised ε ({re['conversion']})", *[_f(re[k], ".4g") for k, _ in QUANTILES])
     out.print(q)
-    out.print(f"realised ε({re['conversion']}) at δ = {re['delta']:g}: {REALISED_LABEL}")
+    out.print(escape(f"realised ε({re['conversion']}) at δ = {re['delta']:g}: {REALISED_LABEL}"))
     hist = d["history"]
     if hist:
         out.print("[bold]History by batch[/]")
@@ -106,7 +114,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
                     f"median realised ε ({d['conversion']})"):
             h.add_column(col, justify="left" if col == "batch" else "right")
         for row in hist[-HISTORY_ROWS:]:
-            h.add_row(str(row["batch_id"]), str(row["answers"]), str(row["queries_answered"]),
+            h.add_row(escape(str(row["batch_id"])), str(row["answers"]), str(row["queries_answered"]),
                       str(row["records_active"]), str(row["records_retired"]), f"{100 * row['retired_fraction']:.1f}",
                       str(row["records_deleted"]), _f(row["realised_epsilon_median"], ".4g"))
         out.print(h)
@@ -125,11 +133,14 @@ def account_command(
     min_active: Optional[str] = typer.Option(None, "--min-active", help="Operator check (exact, private figure: never gate serving on it): exit 3 when fewer records are active than N (a count, e.g. 500) or a fraction of the records not deleted (e.g. 0.1 or 10%)."),
     queries_left: bool = typer.Option(False, "--queries-left", help="Public gate for cron: print one JSON line (T, queries answered, queries left) and exit 3 when none is left. Reads public figures only; safe to drive serving."),
     max_queries: Optional[str] = typer.Option(None, "--max-queries", envvar="INDKNN_MAX_QUERIES", help="T for --queries-left (default: the ledger's --planned-queries; else $INDKNN_MAX_QUERIES)."),
-    record: Optional[str] = typer.Option(None, "--record", help="One record's status, spent, remaining, realised ε, times selected, deletion (data-subject access request)."),
-    user: Optional[str] = typer.Option(None, "--user", help="The same for every record of one user."),
+    record: Optional[str] = typer.Option(None, "--record", help="One record's status, spent, remaining, realised ε, times selected, deletion (data-subject access request): that record's figures and the ledger's guarantee only, nothing about other records."),
+    user: Optional[str] = typer.Option(None, "--user", help="The same for every record of one user, record by record: there is no user-level ε (the guarantee is per record, add/remove one record)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a picture (PNG/PDF/SVG): retired fraction and median realised loss against queries answered, histogram of spent/B."),
 ) -> None:
     """Where privacy budgets stand: the (ε, δ) guarantee (gdp and rdp), active/retired/deleted records, history.
+
+    Every ε is for one record under add/remove adjacency (a data set with or without that record); it is not a
+    per-user guarantee, and under replace-one adjacency the Gaussian-DP μ doubles.
 
     Read-only: takes no lock and writes nothing, so it is safe while serve-queries holds the ledger lock.
 
@@ -157,7 +168,7 @@ def account_command(
     else:
         _print_tables(report, full=record is None and user is None)
     if plot is not None:
-        err.print(f"wrote {plot}")
+        err.print(escape(f"wrote {plot}"))
     if d["conversion"] != d["ledger_conversion"]:
         err.print(f"note: headline conversion {d['conversion']}, the ledger was calibrated with "
                   f"{d['ledger_conversion']}")
@@ -167,10 +178,10 @@ def account_command(
         verdict = "passed" if chk["passed"] else "FAILED"
         err.print(f"--eps {chk['eps']:g} check {verdict}: guarantee ε({chk['conversion']}) = "
                   f"{_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}")
-        err.print(f"{over} records' realised loss ε({chk['conversion']}) is above {chk['eps']:g} "
-                  f"(informational: {REALISED_LABEL})")
+        err.print(escape(f"{over} records' realised loss ε({chk['conversion']}) is above {chk['eps']:g} "
+                         f"(informational: {REALISED_LABEL})"))
     chk = d.get("check_min_active")
     if chk is not None and chk["passed"]:
-        err.print(f"--min-active {chk['min_active']} check passed: {chk['records_active']} active "
-                  f"(need {chk['required']})")
+        err.print(escape(f"--min-active {chk['min_active']} check passed: {chk['records_active']} active "
+                         f"(need {chk['required']})"))
     run_library_call(lambda: enforce_checks(report))

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from .common import emit_json, run_library_call, stderr_console
@@ -68,20 +69,20 @@ def _run(experiment: str, parsed=lambda: {}, **kw) -> None:
     err = stderr_console()
     from ..benchmarks.runner import run_bench
 
-    summary = run_library_call(lambda: run_bench(experiment, progress=lambda s: err.print(f"[dim]·[/] {s}"),
+    summary = run_library_call(lambda: run_bench(experiment, progress=lambda s: err.print(f"[dim]·[/] {escape(s)}"),
                                                  **kw, **parsed()))
     t = summary["table"]
-    table = Table(title=f"{experiment} — {summary['dataset']} — {t['title']}", title_justify="left")
+    table = Table(title=escape(f"{experiment} — {summary['dataset']} — {t['title']}"), title_justify="left")
     for i, c in enumerate(t["columns"]):
-        table.add_column(str(c), justify="left" if i == 0 else "right")
+        table.add_column(escape(str(c)), justify="left" if i == 0 else "right")
     for row in t["rows"]:
-        table.add_row(*[_cell(v) for v in row])
+        table.add_row(*[escape(_cell(v)) for v in row])
     err.print(table)
     if t.get("note"):
-        err.print(t["note"])
+        err.print(escape(t["note"]))
     if summary.get("warning"):
-        err.print(f"[yellow]{summary['warning']}[/]")
-    err.print(f"wrote {summary['json']} and {len(summary['plots'])} plot(s) in {summary['seconds']:.0f} s")
+        err.print(f"[yellow]{escape(summary['warning'])}[/]")
+    err.print(escape(f"wrote {summary['json']} and {len(summary['plots'])} plot(s) in {summary['seconds']:.0f} s"))
     emit_json(summary)
 
 
@@ -162,14 +163,23 @@ def tune(
     delta: float = DELTA, queries: Optional[int] = typer.Option(None, "--queries", help="Planned queries T "
                                                                 "(sets σ1 = sqrt(T/6B))."),
     n_queries: Optional[int] = N_QUERIES, n_private: Optional[int] = N_PRIVATE, device: str = DEVICE,
+    unaccounted_private_tuning: bool = typer.Option(
+        False, "--unaccounted-private-tuning",
+        help="On a store without labelled public rows, tune on a validation split of its private records anyway: "
+             "the tuned τ and σ2 then leak information about private records that no budget accounts for."),
 ) -> None:
     """Choose Ind-KNN's (σ2, τ) by the supplementary's two-stage search.
 
-    MUST run on public or validation data: a store's labelled public rows when it has them, otherwise a
-    validation split carved from the data given. Values tuned on private records leak information no
-    budget accounts for.
+    MUST run on public or validation data: a store's labelled public rows when it has them, or a public
+    dataset (ag_news, mnist). On a store without public rows it is refused unless
+    --unaccounted-private-tuning is given. Values tuned on private records leak information no budget
+    accounts for.
     """
-    _run("tune", lambda: dict(epsilons=_floats(eps, "--eps")),
+    if unaccounted_private_tuning:
+        from ..benchmarks.runner import UNACCOUNTED_PRIVATE_TUNING
+
+        stderr_console().print(f"[yellow]{escape(UNACCOUNTED_PRIVATE_TUNING)}[/]", soft_wrap=True)
+    _run("tune", lambda: dict(epsilons=_floats(eps, "--eps")), unaccounted_private_tuning=unaccounted_private_tuning,
          **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, None, queries,
                    n_queries, "pld", device, n_private))
 

@@ -10,6 +10,7 @@ from typing import Callable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ..errors import EXIT_RUNTIME, IndknnError
 
@@ -43,14 +44,14 @@ def run_library_call(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except IndknnError as exc:
-        stderr_console().print(f"[bold red]Error:[/] {exc}", markup=True, soft_wrap=True)
+        stderr_console().print(f"[bold red]Error:[/] {escape(str(exc))}", markup=True, soft_wrap=True)
         raise typer.Exit(code=exc.exit_code) from None
     except KeyboardInterrupt:
         stderr_console().print("Interrupted.")
         raise typer.Exit(code=130) from None
     except OSError as exc:
-        stderr_console().print(f"[bold red]Error:[/] {exc.strerror or type(exc).__name__}"
-                               f"{': ' + str(exc.filename) if exc.filename else ''}", soft_wrap=True)
+        stderr_console().print(f"[bold red]Error:[/] {escape(exc.strerror or type(exc).__name__)}"
+                               f"{escape(': ' + str(exc.filename)) if exc.filename else ''}", soft_wrap=True)
         raise typer.Exit(code=EXIT_RUNTIME) from None
     except Exception as exc:  # noqa: BLE001 - last line of defence: no private data in tracebacks
         if os.environ.get("INDKNN_DEBUG") == "1":

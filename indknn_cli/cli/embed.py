@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..embedding import embed_into_store
@@ -53,5 +54,5 @@ def embed_command(
 
     result = run_library_call(call)
     for w in result.warnings:
-        err.print(f"[yellow]Warning:[/] {w}", soft_wrap=True)
+        err.print(f"[yellow]Warning:[/] {escape(str(w))}", soft_wrap=True)
     emit_json(result.as_dict())

@@ -32,7 +32,7 @@ def index_command(
     index_seed: Optional[int] = typer.Option(None, "--index-seed", help="lsh/ivf: seed of the hyperplanes / k-means (default: fresh entropy, recorded with the index)."),
     nlist: Optional[int] = typer.Option(None, "--nlist", help="ivf: number of lists (default: a power of two with ≥ 39 public training vectors per list)."),
     nprobe: Optional[int] = typer.Option(None, "--nprobe", help="ivf: lists probed per query (default: the smallest giving candidate recall ≥ 0.95 measured on the public training vectors; nprobe = nlist is exact search). Can be changed later without retraining."),
-    train_on: Optional[str] = typer.Option(None, "--train-on", help="ivf: public vectors for the centroids: public, query, or a .npy/.npz file of [n, d] vectors (default: the store's public rows, else its query rows). Private vectors are refused."),
+    train_on: Optional[str] = typer.Option(None, "--train-on", help="ivf: public vectors for the centroids: public, query, or a .npy/.npz file of [n, d] vectors (default: the store's public rows, else its query rows). Trusted to be public data; private vectors, and a file with any vector (near-)identical to a private record, are refused."),
     lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
     privacy_unit: str = typer.Option("record", "--privacy-unit", help="record (default) or user: whose budget the filter keeps. With user, a person's records share one budget B and the guarantee is for adding or removing one user with all their records (SPEC §9)."),
     max_records_per_user: Optional[int] = typer.Option(None, "--max-records-per-user", help="user unit: only a user's k most similar records (largest κ) count per query (default: all)."),

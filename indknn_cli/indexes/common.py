@@ -1,0 +1,229 @@
+"""Shared parts of the candidate indexes: constants, exact decisions (signs, top-k), the finder base
+and the thread pool that runs many small products (see :mod:`indknn_cli.indexes`)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Callable
+
+import numpy as np
+
+from ..engine import Candidates, dot_threshold, exact_kernel, screening_margin
+from ..store import FeatureStore
+
+INDEX_GROUP = "index"
+INDEX_FORMAT_VERSION = 1
+LOCK_NAME = ".indknn-index.lock"
+KINDS = ("flat", "lsh", "ivf")
+DEFAULT_TABLES = 30   # paper: L = 10–30
+DEFAULT_BITS = 9      # paper: b = 8 (CIFAR-10), 9 (AG News)
+MAX_BITS = 32
+KMEANS_NITER = 20
+MAX_NLIST_DEFAULT = 4096
+MIN_POINTS_PER_LIST = 39  # faiss's own warning level for k-means training
+ENCODE_ROWS = 32768
+PAIR_BLOCK = 1 << 15
+#: A training vector with cosine ≥ this to a private record is a (near-)copy of it: refused in a --train-on
+#: file; the store's own public/query rows are refused when at least PRIVATE_OVERLAP_LIMIT of them are (a few
+#: duplicates, a query equal to a record, are expected there).
+NEAR_DUPLICATE_COSINE = 1.0 - 1e-6
+PRIVATE_OVERLAP_LIMIT = 0.10
+
+_WHY = ("a record's candidate membership would then depend on the other private records, which breaks "
+        "the individual filter's guarantee (SPEC §2 step 1 and §4: membership may depend only on the "
+        "record, the query and public data)")
+REFUSED_KINDS = {
+    "hnsw": "--kind hnsw is refused: an HNSW graph is built from the private vectors themselves, so whether a "
+            f"record is reached from a query depends on which other records are in the graph; {_WHY}. "
+            "Use --kind lsh (data-independent hash tables), --kind ivf (centroids trained on public vectors) "
+            "or flat.",
+    "pca": "--kind pca is refused: a PCA fitted to the private vectors is a statistic of the private set; "
+           f"{_WHY}. Reduce dimension with a public extractor instead.",
+    "pq": "--kind pq is refused: product-quantisation codebooks trained on the private vectors make every "
+          f"record's code depend on the others; {_WHY}. Use --kind ivf with public centroids or --kind lsh.",
+    "ivfpq": "--kind ivfpq is refused: its PQ codebooks would be trained on the private vectors; "
+             f"{_WHY}. Use --kind ivf (exact vectors in lists, centroids from public data).",
+}
+
+
+# -- exact decisions ---------------------------------------------------------------
+def _exact_dots(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Correctly rounded dot products of one float32 vector with float32 rows ``w``.
+
+    A float32×float32 product is exact in float64 (48 ≤ 53 significand bits)
+    and ``math.fsum`` rounds the exact sum once, so the sign and the order of
+    the results are those of the true dot products.
+    """
+    prods = np.asarray(w, np.float32).astype(np.float64) * np.asarray(x, np.float32).astype(np.float64)
+    return np.array([math.fsum(row) for row in prods], dtype=np.float64)
+
+
+U32, U64 = 2.0**-24, 2.0**-53
+
+
+def _guard(x: np.ndarray, w: np.ndarray, *, u: float) -> np.ndarray:
+    """Per-row bound on |fl(x·w) − x·w| for any summation order and FMA use, with unit roundoff u:
+    γ_d ‖x‖ max‖w‖, γ_d = d·u / (1 − d·u) (Higham, Accuracy and Stability, Thm 3.1 + Cauchy–Schwarz), ×2."""
+    d = x.shape[1]
+    x64 = x.astype(np.float64)
+    wmax = float(np.sqrt((w.astype(np.float64) ** 2).sum(axis=1)).max()) if w.size else 0.0
+    gamma = d * u / (1.0 - d * u)
+    return 2.0 * gamma * np.sqrt((x64 * x64).sum(axis=1)) * wmax + 1e-300
+
+
+def _top_k_candidates(scores: np.ndarray, k: int, guard: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Top k by ``scores`` (unordered) and the rows where the top k is not certain under ``guard``.
+
+    Entries outside U = {j : s_j ≥ s_(k) − 2g} have true value < s_(k) − g ≤ the true
+    value of each of the top k by s, so the true top k lies in U; it is certain when |U| = k.
+    """
+    part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    kth = np.take_along_axis(scores, part, axis=1).min(axis=1).astype(np.float64)
+    crowded = (scores >= (kth - 2.0 * guard)[:, None]).sum(axis=1) > k
+    return part, crowded
+
+
+def _top_k(x: np.ndarray, w: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest x_i·w_j per row, exactly (ties → lowest index), sorted ascending.
+
+    A cascade: fp32 BLAS; rows not certain under its error bound again in float64; entries still
+    too close to call in exact arithmetic (:func:`_exact_dots`). Each stage only decides what its
+    bound makes certain, so the result is a function of the vectors alone.
+    """
+    m, total = x.shape[0], w.shape[0]
+    if k >= total:
+        return np.broadcast_to(np.arange(total), (m, total)).copy()
+    part, crowded = _top_k_candidates(x @ w.T, k, _guard(x, w, u=U32))
+    rows = np.flatnonzero(crowded)
+    if rows.size:
+        x64 = x[rows].astype(np.float64)
+        s64 = x64 @ w.astype(np.float64).T
+        g64 = _guard(x64, w, u=U64)
+        sub, crowded64 = _top_k_candidates(s64, k, g64)
+        for r in np.flatnonzero(crowded64):
+            u_set = np.flatnonzero(s64[r] >= s64[r, sub[r]].min() - 2.0 * g64[r])
+            ex = _exact_dots(x[rows[r]], w[u_set])
+            sub[r] = u_set[np.lexsort((u_set, -ex))[:k]]
+        part[rows] = sub
+    return np.sort(part, axis=1)
+
+
+def _signs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """[x_i·w_j ≥ 0] exactly (the same fp32 → float64 → exact cascade as :func:`_top_k`)."""
+    proj = x @ w.T
+    bits = proj >= 0.0
+    rows = np.flatnonzero((np.abs(proj) <= _guard(x, w, u=U32)[:, None]).any(axis=1))
+    if rows.size:
+        x64 = x[rows].astype(np.float64)
+        p64 = x64 @ w.astype(np.float64).T
+        sub = p64 >= 0.0
+        for i, j in zip(*np.nonzero(np.abs(p64) <= _guard(x64, w, u=U64)[:, None])):
+            sub[i, j] = _exact_dots(x[rows[i]], w[j:j + 1])[0] >= 0.0
+        bits[rows] = sub
+    return bits
+
+
+# -- finder helpers ---------------------------------------------------------------------
+def _read_private(store: FeatureStore, n: int) -> np.ndarray:
+    x = np.empty((n, store.dim), np.float32)
+    for start, block in store.iter_chunks("private"):
+        stop = min(n, start + block.shape[0])
+        if stop > start:
+            x[start:stop] = block[:stop - start]
+    return x
+
+
+def _collect(m: int, qi: np.ndarray, rows: np.ndarray, kap: np.ndarray) -> Candidates:
+    order = np.lexsort((rows, qi))
+    qi, rows, kap = qi[order], rows[order], kap[order]
+    bounds = np.searchsorted(qi, np.arange(m + 1))
+    return Candidates([rows[bounds[t]:bounds[t + 1]].astype(np.int64) for t in range(m)],
+                      [kap[bounds[t]:bounds[t + 1]] for t in range(m)])
+
+
+class _FinderBase:
+    kind = "?"
+
+    def __init__(self, *, kernel: str, tau: float, nu: float | None, dim: int):
+        self.kernel, self.tau, self.nu = kernel, float(tau), nu
+        self.screen = dot_threshold(kernel=kernel, tau=tau, nu=nu) - screening_margin(dim)
+        self.last: dict = {}
+
+    def _exact(self, m, queries, qi, rows, vectors, vec_idx) -> Candidates:
+        """κ in float64 (engine.exact_kernel, as the flat scan) and the exact test κ ≥ τ."""
+        order = np.lexsort((rows, qi))
+        qi, rows, vec_idx = qi[order], rows[order], vec_idx[order]
+        bounds = np.searchsorted(qi, np.arange(m + 1))
+        kap = np.empty(qi.size, np.float64)
+
+        def exact_one(t):
+            # One query against its rows: q broadcasts, so every value is bit-identical to the flat scan's
+            # exact_kernel(x_rows, q_rows) (same elementwise products, same per-row reduction).
+            for lo in range(bounds[t], bounds[t + 1], PAIR_BLOCK):
+                hi = min(bounds[t + 1], lo + PAIR_BLOCK)
+                kap[lo:hi] = exact_kernel(vectors[vec_idx[lo:hi]], queries[t:t + 1], kernel=self.kernel, nu=self.nu)
+
+        _parallel_blocks(np.flatnonzero(bounds[1:] > bounds[:-1]).tolist(), exact_one)
+        ok = kap >= self.tau
+        self.last["candidate_pairs"] = int(ok.sum())
+        qi, rows, kap = qi[ok], rows[ok], kap[ok]
+        bounds = np.searchsorted(qi, np.arange(m + 1))
+        return Candidates([rows[bounds[t]:bounds[t + 1]].astype(np.int64) for t in range(m)],
+                          [kap[bounds[t]:bounds[t + 1]] for t in range(m)])
+
+    def _screen(self, q: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        s = q @ x.T
+        return np.nonzero(s >= self.screen)
+
+
+_POOL: dict = {}
+
+
+def _blas_one_thread():
+    """A context holding BLAS to one thread (threadpoolctl ships with scikit-learn); the controller,
+    which scans the loaded libraries, is built once."""
+    if "controller" not in _POOL:
+        try:
+            from threadpoolctl import ThreadpoolController
+
+            _POOL["controller"] = ThreadpoolController()
+        except ImportError:  # pragma: no cover
+            _POOL["controller"] = None
+    ctl = _POOL["controller"]
+    return ctl.limit(limits=1, user_api="blas") if ctl is not None else contextlib.nullcontext()
+
+
+def _parallel_blocks(tasks: list, work: Callable) -> list:
+    """Run ``work(task)`` over many small matrix products: BLAS held to one thread per product (its own
+    threading costs more than a small product under load) and the tasks spread over the CPU cores.
+    Results come back in task order, so the output never depends on the scheduling."""
+    workers = max(1, min(os.cpu_count() or 1, 8))
+    if len(tasks) < 4 * workers:
+        return [work(t) for t in tasks]
+    if "executor" not in _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL["executor"] = ThreadPoolExecutor(workers, thread_name_prefix="indknn-index")
+    chunks = [tasks[i::workers] for i in range(workers)]
+    with _blas_one_thread():
+        parts = list(_POOL["executor"].map(lambda c: [work(t) for t in c], chunks))
+    out = [None] * len(tasks)
+    for i, part in enumerate(parts):
+        out[i::workers] = part
+    return out
+
+
+def _allowed(row_mask: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
+    """The engine's row mask at ``rows``; rows past it (committed after the caller read the store) are out."""
+    if row_mask is None:
+        return np.ones(rows.size, bool)
+    inside = rows < row_mask.size
+    out = np.zeros(rows.size, bool)
+    out[inside] = row_mask[rows[inside]]
+    return out
+
+
+def _cat(parts: list, dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)

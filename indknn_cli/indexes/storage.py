@@ -1,0 +1,221 @@
+"""The index inside the store (``<store>/index``): metadata, the writer lock, incremental add/remove,
+renumbering after a compaction, reconciling with the store."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import zarr
+
+from ..errors import BadInputError, LockTimeoutError, PrivacyRefusedError, StoreError
+from ..store import FeatureStore, checksum_compressors
+from .common import ENCODE_ROWS, INDEX_FORMAT_VERSION, INDEX_GROUP, LOCK_NAME, _WHY
+from .ivf import IvfIndex
+from .lsh import LshIndex
+
+
+# -- storage -------------------------------------------------------------------------
+def index_path(store_path: str | os.PathLike) -> Path:
+    return Path(store_path) / INDEX_GROUP
+
+
+def read_meta(store_path: str | os.PathLike) -> dict | None:
+    """The index metadata of a store, or None when it has no index (flat search)."""
+    path = index_path(store_path)
+    if not (path / "zarr.json").is_file():
+        return None
+    try:
+        return dict(zarr.open_group(str(path), mode="r").attrs)
+    except Exception as exc:  # noqa: BLE001 - corrupt metadata
+        raise StoreError(f"{path}: the candidate index cannot be read ({type(exc).__name__}); "
+                         "rebuild it with `indknn index --kind ...`") from None
+
+
+@contextlib.contextmanager
+def index_lock(store_path: str | os.PathLike, timeout: float = 300.0) -> Iterator[None]:
+    """One index writer at a time (fcntl lock file in the store folder)."""
+    fd = os.open(Path(store_path) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LockTimeoutError(f"{store_path}: another indknn process is writing the candidate index")
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _structure(group: zarr.Group, meta: dict) -> LshIndex | IvfIndex:
+    kind = meta.get("kind")
+    if meta.get("format_version") != INDEX_FORMAT_VERSION:
+        raise StoreError(f"candidate index format {meta.get('format_version')!r}, this indknn reads "
+                         f"{INDEX_FORMAT_VERSION}; rebuild it with `indknn index --kind {kind}`")
+    if kind == "lsh":
+        return LshIndex(np.asarray(group["hyperplanes"][:]), int(meta["tables"]), int(meta["bits"]),
+                        int(meta["seed"]))
+    if kind == "ivf":
+        src = meta.get("centroid_source", {})
+        if src.get("role") == "private":  # defence in depth: never serve from private-trained centroids
+            raise PrivacyRefusedError(f"the index's centroids were trained on private vectors; {_WHY}")
+        return IvfIndex(np.asarray(group["centroids"][:]))
+    raise StoreError(f"unknown candidate index kind {kind!r}; rebuild it with `indknn index --kind ...`")
+
+
+def _values_array(kind: str) -> str:
+    return "codes" if kind == "lsh" else "lists"
+
+
+def _encode(structure: LshIndex | IvfIndex, block: np.ndarray, deleted: np.ndarray) -> np.ndarray:
+    """Codes / lists of a block of rows; erased rows get the sentinel (codes 0, list −1) without encoding."""
+    if isinstance(structure, LshIndex):
+        out = np.zeros((block.shape[0], structure.tables), structure.code_dtype)
+    else:
+        out = np.full(block.shape[0], -1, np.int32)
+    live = ~deleted
+    if live.any():
+        out[live] = structure.codes(block[live]) if isinstance(structure, LshIndex) else structure.assign(block[live])
+    return out
+
+
+def _fill(group: zarr.Group, structure, store: FeatureStore, start: int, stop: int) -> None:
+    """Write codes/lists and erased flags of store rows [start, stop) (arrays already sized)."""
+    values = group[_values_array(group.attrs["kind"])]
+    erased = group["erased"]
+    step = max(store.chunk_rows, ENCODE_ROWS)
+    for lo in range(start, stop, step):
+        hi = min(stop, lo + step)
+        block = store.read("private", "features", lo, hi)
+        deleted = store.read("private", "deleted", lo, hi).astype(bool)
+        values[lo:hi] = _encode(structure, block, deleted)
+        erased[lo:hi] = deleted
+
+
+def _resize(group: zarr.Group, n: int) -> None:
+    for name in ("codes", "lists", "erased"):
+        if name in group:
+            arr = group[name]
+            if arr.shape[0] < n:
+                arr.resize((n,) + tuple(arr.shape[1:]))
+
+
+def add_rows(store: FeatureStore, rows=None, *, lock_timeout: float = 300.0) -> int:
+    """Incremental add: encode the store's committed private rows the index does not cover yet.
+
+    ``rows`` (the new rows, any order) is informational: the index is always
+    brought up to the store's committed ``n_rows``, which includes them. The
+    group attribute ``n_rows`` is written last (the commit point). Returns the
+    number of rows encoded; 0 when there is no index.
+    """
+    if read_meta(store.path) is None:
+        return 0
+    with index_lock(store.path, lock_timeout):
+        meta = read_meta(store.path)
+        if meta is None or meta.get("kind") == "flat" or meta.get("store_uuid") != store.uuid:
+            return 0  # another store's numbering (an unfinished compaction): `index` rebuilds it
+        group = zarr.open_group(str(index_path(store.path)), mode="r+")
+        covered, n = int(meta["n_rows"]), store.n_rows("private")
+        if rows is not None and len(rows) and int(np.max(rows)) >= n:
+            raise BadInputError(f"row {int(np.max(rows))} is past the store's {n} committed private rows")
+        if n <= covered:
+            return 0
+        structure = _structure(group, meta)
+        _resize(group, n)
+        _fill(group, structure, store, covered, n)
+        group.attrs.update({"n_rows": n})
+        return n - covered
+
+
+def remove_rows(store: FeatureStore, rows, *, lock_timeout: float = 300.0) -> int:
+    """Incremental delete: overwrite the codes/list of deleted rows (they derive from the erased vectors).
+
+    Rows past the index's coverage are left to :func:`add_rows`, which writes
+    the sentinel for rows the store marks deleted. Returns rows overwritten.
+    """
+    rows = np.unique(np.asarray(rows, dtype=np.int64))
+    if rows.size == 0 or read_meta(store.path) is None:
+        return 0
+    with index_lock(store.path, lock_timeout):
+        meta = read_meta(store.path)
+        if meta is None or meta.get("kind") == "flat" or meta.get("store_uuid") != store.uuid:
+            return 0
+        rows = rows[(rows >= 0) & (rows < int(meta["n_rows"]))]
+        if rows.size == 0:
+            return 0
+        group = zarr.open_group(str(index_path(store.path)), mode="r+")
+        values = group[_values_array(meta["kind"])]
+        if meta["kind"] == "lsh":
+            values.set_orthogonal_selection((rows, slice(None)), np.zeros((rows.size, values.shape[1]),
+                                                                          values.dtype))
+        else:
+            values.set_orthogonal_selection((rows,), np.full(rows.size, -1, np.int32))
+        group["erased"].set_orthogonal_selection((rows,), np.ones(rows.size, bool))
+        return int(rows.size)
+
+
+def renumber_rows(store: FeatureStore, new_row_of, *, lock_timeout: float = 300.0) -> int:
+    """After a compaction (``new_row_of[old] = new``, −1 = removed; kept rows stay in order): drop the
+    removed rows' codes/lists and bind the index to the compacted store. Returns rows kept."""
+    if read_meta(store.path) is None:
+        return 0
+    new_row_of = np.asarray(new_row_of, dtype=np.int64)
+    with index_lock(store.path, lock_timeout):
+        meta = read_meta(store.path)
+        if meta is None or meta.get("kind") == "flat":
+            return 0
+        covered = min(int(meta["n_rows"]), new_row_of.size)
+        keep = np.flatnonzero(new_row_of[:covered] >= 0)
+        if keep.size and not (np.diff(new_row_of[keep]) > 0).all():
+            raise StoreError("renumber_rows: kept rows must keep their order")
+        path = index_path(store.path)
+        group = zarr.open_group(str(path), mode="r+")
+        tmp = store.path / f".index-renumber-{uuid.uuid4().hex[:8]}"
+        try:
+            new = zarr.open_group(str(tmp), mode="w")
+            for name in group.array_keys():
+                arr = group[name]
+                data = np.asarray(arr[:covered])[keep] if name in ("codes", "lists", "erased") else np.asarray(arr[:])
+                new.create_array(name, data=data, chunks=arr.chunks, fill_value=arr.fill_value,
+                                 compressors=checksum_compressors())
+            new.attrs.update(dict(meta, n_rows=int(keep.size), store_uuid=store.uuid))
+            _swap_out(path)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    add_rows(store, lock_timeout=lock_timeout)
+    return int(keep.size)
+
+
+def reconcile(store: FeatureStore, *, lock_timeout: float = 300.0) -> dict:
+    """Bring the index up to the store: encode new rows, overwrite rows the store has deleted since."""
+    meta = read_meta(store.path)
+    if meta is None or meta.get("kind") == "flat" or meta.get("store_uuid") != store.uuid:
+        return {"added": 0, "removed": 0}
+    added = add_rows(store, lock_timeout=lock_timeout)
+    meta = read_meta(store.path)
+    n = int(meta["n_rows"])
+    deleted = store.read("private", "deleted", 0, n).astype(bool)
+    erased = np.asarray(zarr.open_group(str(index_path(store.path)), mode="r")["erased"][:n])
+    stale = np.flatnonzero(deleted & ~erased)
+    removed = remove_rows(store, stale, lock_timeout=lock_timeout) if stale.size else 0
+    return {"added": added, "removed": removed}
+
+
+def _swap_out(path: Path) -> None:
+    if path.exists():
+        old = path.with_name(f".index-old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, old)
+        shutil.rmtree(old, ignore_errors=True)
