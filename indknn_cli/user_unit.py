@@ -91,13 +91,16 @@ class UserBudgetView:
         keys = user_keys(state.user_id, state.record_id, user_for_missing=user_for_missing)
         n = len(keys)
         user_of = np.full(n, -1, np.int64)
-        index: dict = {}
-        for i, k in enumerate(keys):
-            if k is not None:
-                user_of[i] = index.setdefault(k, len(index))
-        n_users = len(index)
+        has = np.array([k is not None for k in keys], dtype=bool)
+        n_users = 0
+        if has.any():
+            # users numbered in order of first appearance (a vectorised np.unique, no per-record Python loop)
+            uniq, first, inv = np.unique(keys[has].astype(str), return_index=True, return_inverse=True)
+            rank = np.empty(uniq.size, np.int64)
+            rank[np.argsort(first, kind="stable")] = np.arange(uniq.size)
+            user_of[has] = rank[inv]
+            n_users = int(uniq.size)
         spent = np.zeros(n_users)
-        has = user_of >= 0
         np.maximum.at(spent, user_of[has], state.spent[has])  # tombstones included: never refunded
         live = has & ~state.deleted
         order = np.argsort(user_of[live], kind="stable")

@@ -204,6 +204,16 @@ def index_speed_command(ctx: typer.Context) -> None:
     main(list(ctx.args))
 
 
+@bench_app.command("user-unit", context_settings=_PASSTHROUGH)
+def user_unit_command(ctx: typer.Context) -> None:
+    """Accuracy and queries/s of the record unit vs the user unit on users of 1–20 records. `--help` for options."""
+    from ..benchmarks.user_unit import main
+
+    code = main(list(ctx.args))
+    if code:
+        raise typer.Exit(code)
+
+
 @bench_app.command("audit", context_settings=_PASSTHROUGH)
 def audit_command(ctx: typer.Context) -> None:
     """Empirical privacy audit: a canary membership-inference ε lower bound vs the certified ε (exit 4 if above)."""
