@@ -88,6 +88,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from . import ledger_integrity as integrity
 from .errors import BadInputError, LedgerError, StorageError, StoreError
 from .ledger import BudgetLedger, atomic_write_text, unpublished_store_uuids
 from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path
@@ -218,6 +219,8 @@ def delete_records(
         store = FeatureStore.open(store_path, mode="a")
         with store.write_lock(timeout=lock_timeout):
             ledger = _recover(store, ledger_path)
+            if ledger is not None:  # one store, one ledger; a rolled-back ledger is refused (ledger_integrity)
+                integrity.attach(store, ledger, ledger_path, bind=False)
             pending = complete_pending(store, ledger)
             plan = _plan(store, ledger, record_ids, user_ids)
             _enforce_strict(plan, strict)
@@ -473,10 +476,11 @@ def _compact(store: FeatureStore, ledger: BudgetLedger | None) -> dict:
 def _new_store_lock(folder: Path) -> Iterator[Callable[[], None]]:
     fds: list[int] = []
 
-    def take() -> None:
-        fd = os.open(folder / FeatureStore.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        fds.append(fd)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh folder: nobody else can hold it
+    def take() -> None:  # the folder and its lock file, as FeatureStore.write_lock takes them
+        for path, flags in ((folder, os.O_RDONLY), (folder / FeatureStore.LOCK_NAME, os.O_RDWR | os.O_CREAT)):
+            fd = os.open(path, flags, 0o644)
+            fds.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh folder: nobody else can hold it
 
     try:
         yield take

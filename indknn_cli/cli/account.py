@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from ..accounting import CONVERSION_LABEL
+from ..ledger_integrity import enforce_verified, verification_lines, verify_ledger
 from ..report import QUANTILES, REALISED_LABEL, AccountReport, build_account_report, enforce_checks
 from .common import emit_json, resolve_ledger, run_library_call, stderr_console, stdout_console
 
@@ -124,15 +125,21 @@ def account_command(
     record: Optional[str] = typer.Option(None, "--record", help="One record's status, spent, remaining, realised ε, times selected, deletion (data-subject access request)."),
     user: Optional[str] = typer.Option(None, "--user", help="The same for every record of one user."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a picture (PNG/PDF/SVG): retired fraction and median realised loss against queries answered, histogram of spent/B."),
+    verify: bool = typer.Option(False, "--verify", help="Walk the ledger's hash chain and check its budgets, the store binding and the store's high-water mark (--store, else the store the ledger records); print what was verified. Exit 1 when a check fails."),
 ) -> None:
     """Where privacy budgets stand: the (ε, δ) guarantee (gdp and rdp), active/retired/deleted records, history.
 
     Read-only: takes no lock and writes nothing, so it is safe while serve-queries holds the ledger lock.
 
-    Exit codes: 0 ok (all checks passed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
+    Exit codes: 0 ok (all checks passed); 1 a damaged or rolled-back ledger (or --verify failed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
     """
     err = stderr_console()
     ledger_path = resolve_ledger(ledger)
+    if verify:
+        result = run_library_call(lambda: verify_ledger(ledger_path, store_path=store))
+        emit_json(result) if json_out else typer.echo("\n".join(verification_lines(result)))
+        run_library_call(lambda: enforce_verified(result))
+        return
     report = run_library_call(lambda: build_account_report(
         ledger_path=ledger_path, store_path=store, delta=delta, conversion=conversion, eps=eps,
         min_active=min_active, record_id=record, user_id=user, plot_path=plot))

@@ -10,6 +10,7 @@ import typer
 
 from ..errors import BadInputError, LedgerError
 from ..ledger import BudgetLedger
+from ..ledger_integrity import check_binding, read_mark
 from ..serving import resolve_query_batch, serve_queries, write_answers_parquet
 from ..store import FeatureStore
 from .common import (emit_json, parse_size, read_json_line_from_stdin, resolve_ledger, resolve_store,
@@ -31,7 +32,8 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
     BudgetLedger.check_writable(ledger_path)
     if queries != "-" and Path(queries).exists():  # a file to embed: the ledger must fit the store first
         store = FeatureStore.open(store_path, mode="r")
-        BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+        mark = read_mark(store.path)  # before the ledger: no lock is held here
+        check_binding(store, BudgetLedger.open(ledger_path, store_uuid=store.uuid), ledger_path, mark=mark)
 
 
 def serve_command(
