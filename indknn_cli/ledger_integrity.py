@@ -59,7 +59,7 @@ GENESIS = "0" * 64          # the chain head of a ledger without events
 CHAIN_VERSION = 1           # snapshot metadata "chain": events after it must be chained
 BINDING_ATTR = "ledger_binding"
 MARK_NAME = "ledger-mark.json"
-BUDGET_REL_TOL = 1e-9       # a stored B may differ from the calibration only by rounding, never upwards in ε
+BUDGET_REL_TOL = 1e-9       # B must be the largest budget certifying ε up to this relative step
 
 
 def sha256_bytes(data) -> str:
@@ -92,31 +92,41 @@ def snapshot_chain_fields(ledger, answers_sha256: str) -> dict:
             "answers_sha256": answers_sha256}
 
 
-@functools.lru_cache(maxsize=64)
-def _calibrated(epsilon: float, delta: float, conversion: str) -> float:
-    return calibrate_budget(epsilon=epsilon, delta=delta, conversion=conversion)
-
-
-def budget_matches(budget: float, params) -> tuple[bool, float | None]:
-    """(ok, calibrated B): B equals the calibration of (ε, δ, conversion), up to rounding that cannot raise ε."""
+@functools.lru_cache(maxsize=256)
+def _certifies(budget: float, epsilon: float, delta: float, conversion: str) -> bool:
+    """The calibration's own test: B converts to at most the target ε (accounting.calibrate_budget)."""
     try:
-        cal = _calibrated(float(params.epsilon), float(params.delta), str(params.conversion))
-    except (BadInputError, TypeError, ValueError):
-        return False, None
-    if budget == cal:
-        return True, cal
-    ok = (math.isfinite(budget) and abs(budget - cal) <= BUDGET_REL_TOL * cal
-          and epsilon_for_budget(budget=budget, delta=params.delta, conversion=params.conversion) <= params.epsilon)
-    return ok, cal
+        return epsilon_for_budget(budget=budget, delta=delta, conversion=conversion) <= epsilon
+    except (BadInputError, TypeError, ValueError, OverflowError):
+        return False
+
+
+def budget_matches(budget: float, params) -> bool:
+    """Whether B is the calibration of the ledger's own (ε, δ, conversion).
+
+    ``calibrate_budget`` returns (by bisection to 1e-13) the largest B whose ε(B) ≤ ε. Re-running it
+    costs ~45 conversions (2 s for RDP) on every open, so this checks the same two facts directly: B
+    certifies ε, and B·(1 + 1e-9) does not (B is that largest value up to 1e-9 relative). A raised B
+    fails the first test, a lowered one the second. ``account --verify`` also recomputes the
+    calibration and reports whether it is bit-identical.
+    """
+    try:
+        b, eps, delta, conv = float(budget), float(params.epsilon), float(params.delta), str(params.conversion)
+    except (TypeError, ValueError):
+        return False
+    if not (math.isfinite(b) and b > 0):
+        return False
+    return _certifies(b, eps, delta, conv) and not _certifies(b * (1.0 + BUDGET_REL_TOL), eps, delta, conv)
 
 
 def check_snapshot(snap_path: Path, meta: dict, params, answers_bytes: bytes) -> None:
-    ok, cal = budget_matches(params.budget, params)
-    if not ok:
+    if not budget_matches(params.budget, params):
+        certifies = _certifies(float(params.budget), float(params.epsilon), float(params.delta), str(params.conversion))
         raise LedgerIntegrityError(
             f"{snap_path}: params.budget B={params.budget!r} is not the calibration of the ledger's own "
-            f"ε={params.epsilon!r}, δ={params.delta!r} ({params.conversion}), which gives B={cal!r}: the "
-            "ledger's parameters were edited; refusing it"
+            f"ε={params.epsilon!r}, δ={params.delta!r} ({params.conversion}): B "
+            f"{'is below the largest budget that certifies' if certifies else 'does not certify'} that ε; "
+            "the ledger's parameters were edited; refusing it"
         )
     want = meta.get("answers_sha256")
     if snapshot_is_chained(meta) and want != sha256_bytes(answers_bytes):
@@ -359,7 +369,10 @@ def _describe(ledger) -> dict:
     snap_seq = ledger.snapshot_event_seq
     head = head_seq(ledger)
     p = ledger.params
-    _, cal = budget_matches(p.budget, p)
+    try:
+        cal = calibrate_budget(epsilon=p.epsilon, delta=p.delta, conversion=p.conversion)
+    except BadInputError:
+        cal = None
     return {
         "ledger_uuid": ledger.meta["ledger_uuid"], "generation": ledger.generation,
         "snapshot": {"file": f"snapshot-{ledger.generation:06d}.parquet", "sha256": ledger.snapshot_sha256,
@@ -367,7 +380,8 @@ def _describe(ledger) -> dict:
         "events": {"count": head - snap_seq, "first_seq": snap_seq + 1 if head > snap_seq else None,
                    "last_seq": head if head > snap_seq else None, "unchained_legacy": ledger.unchained_events},
         "head": {"seq": head, "sha256": ledger.head_sha256},
-        "budgets": {"budget": p.budget, "calibrated_budget": cal, "epsilon": p.epsilon, "delta": p.delta,
+        "budgets": {"budget": p.budget, "calibrated_budget": cal, "bit_identical": p.budget == cal,
+                    "epsilon": p.epsilon, "delta": p.delta,
                     "conversion": p.conversion, "records": len(ledger.state), "records_at_budget": len(ledger.state)},
     }
 
@@ -390,7 +404,8 @@ def verification_lines(r: dict) -> list[str]:
         f"  hash chain: {ev['count']} event(s) after the snapshot, {rng}, contiguous, no duplicates, every link "
         f"matches" + (f" ({ev['unchained_legacy']} written before chaining, unchecked)" if ev["unchained_legacy"] else ""),
         f"  chain head: event {h['seq']} sha256 {h['sha256']}",
-        f"  budgets: B = {b['budget']!r} = calibration of ε={b['epsilon']!r}, δ={b['delta']!r} ({b['conversion']}); "
+        f"  budgets: B = {b['budget']!r} is the calibration of ε={b['epsilon']!r}, δ={b['delta']!r} "
+        f"({b['conversion']}){' (bit-identical)' if b['bit_identical'] else ' (to 1e-9)'}; "
         f"all {b['records']} records carry B",
     ]
     s = r.get("store")
