@@ -458,3 +458,27 @@ def test_ledger_from_before_chaining_still_opens_and_then_chains(world):
     _rewrite_meta(lp / "events" / f"{nxt:08d}-serve-q1.parquet", b"indknn_event", lambda m: dict(m, seq=nxt))
     with pytest.raises(LedgerIntegrityError, match="carries no hash link"):
         BudgetLedger.open(lp)
+
+
+def test_readers_beside_a_running_writer_never_see_a_false_rollback(tmp_path):
+    """account/--verify take no lock: they read the store's mark before the ledger, so a commit (and its
+    mark update) landing while they read is never mistaken for a rolled-back ledger."""
+    from indknn_cli.report import build_account_report
+
+    sp = _store(tmp_path, {"qa": 400})
+    lp = tmp_path / "L"
+    build_index(store_path=sp, ledger_path=lp, params=make_params(**PARAMS))
+    a = subprocess.Popen([sys.executable, "-m", "indknn_cli", "serve-queries", "qa", "--store", str(sp),
+                          "--ledger", str(lp), "--device", "cpu", "--batch-size", "2"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    reads = 0
+    try:
+        while a.poll() is None:
+            v = verify_ledger(lp, store_path=sp)
+            assert v["verified"], v
+            build_account_report(ledger_path=lp, store_path=sp)
+            reads += 1
+    finally:
+        _, err = a.communicate(timeout=300)
+    assert a.returncode == 0, err
+    assert reads >= 3
