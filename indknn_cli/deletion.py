@@ -93,7 +93,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .errors import BadInputError, LedgerError, StorageError, StoreError
+from . import ledger_integrity as integrity
+from .errors import BadInputError, LedgerError, LedgerIntegrityError, StorageError, StoreError
 from .ledger import BudgetLedger, atomic_write_text, unpublished_store_uuids
 from .store import CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks
 
@@ -235,6 +236,11 @@ def delete_records(
         with store.write_lock(timeout=lock_timeout):
             try:
                 ledger = _recover(store, ledger_path)
+                if ledger is not None:  # one store, one ledger; a rolled-back ledger is refused (ledger_integrity)
+                    try:
+                        integrity.attach(store, ledger, ledger_path, bind=False)
+                    except LedgerIntegrityError as exc:  # damaged or rolled back: never blocks an erasure
+                        raise _LedgerUnreadable(exc) from None
             except _LedgerUnreadable as exc:
                 if not (record_ids or user_ids):  # --compact alone needs the ledger: refused, nothing written
                     raise exc.error from None
@@ -554,10 +560,11 @@ def _compact(store: FeatureStore, ledger: BudgetLedger | None) -> dict:
 def _new_store_lock(folder: Path) -> Iterator[Callable[[], None]]:
     fds: list[int] = []
 
-    def take() -> None:
-        fd = os.open(folder / FeatureStore.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        fds.append(fd)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh folder: nobody else can hold it
+    def take() -> None:  # the folder and its lock file, as FeatureStore.write_lock takes them
+        for path, flags in ((folder, os.O_RDONLY), (folder / FeatureStore.LOCK_NAME, os.O_RDWR | os.O_CREAT)):
+            fd = os.open(path, flags, 0o644)
+            fds.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh folder: nobody else can hold it
 
     try:
         yield take

@@ -3,9 +3,12 @@
 Exit codes (documented in README and `indknn --help`):
 
     0  success
-    1  runtime error (I/O failure such as a full disk or a read-only file system, lock timeout, ...)
+    1  runtime error (I/O failure such as a full disk or a read-only file system, lock timeout, ...),
+       and a damaged or rolled-back ledger (LedgerIntegrityError: a broken hash chain, a missing,
+       duplicated, edited or reordered event, edited budgets, a ledger behind the store's
+       high-water mark; `account --verify` failing); nothing was written
     2  usage error / bad input, including a missing, corrupt, foreign or newer-format store or
-       ledger (nothing was written)
+       ledger, and a second ledger for a store bound to another one (nothing was written)
     3  stop serving: the public query allowance is used up (`serve-queries --max-queries`,
        `account --queries-left`), or, for the operator only, fewer active records than
        `account --min-active`. `serve-queries` never exits 3 because records are retired.
@@ -43,6 +46,13 @@ class LedgerError(IndknnError):
     """The budget ledger is missing, corrupt, foreign or of another format."""
 
     exit_code = EXIT_USAGE
+
+
+class LedgerIntegrityError(LedgerError):
+    """The ledger fails its integrity checks (hash chain, sequence numbers, budgets, the store's
+    high-water mark): damaged, tampered with or rolled back. Refused, nothing written (exit 1)."""
+
+    exit_code = EXIT_RUNTIME
 
 
 class StorageError(IndknnError):

@@ -6,7 +6,7 @@ Layout of a ledger directory::
     snapshot-<g>.parquet         one row per record ever indexed (tombstones included)
     answers-<g>.parquet          every answer released up to the snapshot
     events/<seq>-<kind>-....parquet   one file per committed event after the snapshot
-    LOCK                         fcntl lock: one writer at a time
+    LOCK                         flock (with the folder itself): one writer at a time
 
 State = snapshot + events with seq > the snapshot's ``last_event_seq``, replayed
 in order. Every file is written to a temporary name, fsync'd, renamed, and the
@@ -17,7 +17,6 @@ before release": callers release answers only after :meth:`commit_serve` returns
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import numbers
@@ -32,8 +31,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import FORMAT_VERSION
-from .errors import BadInputError, ConcurrentChangeError, LedgerError, LockTimeoutError, StorageError
+from . import FORMAT_VERSION, locking
+from . import ledger_integrity as integrity
+from .errors import (BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError,
+                     StorageError)
 
 #: Test hook: called with a fault-point name at each step of a commit.
 FAULT_HOOK: Callable[[str], None] | None = None
@@ -169,12 +170,16 @@ def _storage_error(path: Path, exc: OSError) -> StorageError:
     return err
 
 
-def atomic_write_parquet(table: pa.Table, path: Path) -> None:
-    """temp name → fsync → rename → fsync directory."""
+def atomic_write_parquet(table: pa.Table, path: Path) -> str:
+    """temp name → fsync → rename → fsync directory. Returns the sha256 of the file's bytes (hash chain)."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    data = memoryview(sink.getvalue())
     try:
-        pq.write_table(table, tmp)
-        with open(tmp, "rb+") as fh:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
             os.fsync(fh.fileno())
         _fault("event-written-tmp")
         os.replace(tmp, path)
@@ -184,6 +189,7 @@ def atomic_write_parquet(table: pa.Table, path: Path) -> None:
         if tmp.exists():
             tmp.unlink()
     _fsync_dir(path.parent)
+    return integrity.sha256_bytes(data)
 
 
 def atomic_write_text(text: str, path: Path) -> None:
@@ -267,6 +273,14 @@ class BudgetLedger:
         self.generation = generation
         self.last_event_seq = last_event_seq
         self.snapshot_event_seq = int(meta.get("last_event_seq", 0))
+        # Hash chain (ledger_integrity): what the next event links to, the newest event's hash (the chain
+        # head, recorded by snapshots and in the store's high-water mark) and the hashes of the events read.
+        self.snapshot_sha256 = integrity.GENESIS
+        self.chain_prev_sha256 = integrity.GENESIS
+        self.head_sha256 = integrity.snapshot_head(meta)
+        self.event_sha256: dict[int, str] = {}
+        self.unchained_events = 0  # events written before chaining existed (accepted, reported by --verify)
+        self.mark_path: Path | None = None  # store's high-water mark, rewritten after each commit
 
     # -- opening -----------------------------------------------------------
     @staticmethod
@@ -297,6 +311,7 @@ class BudgetLedger:
         if not cls.exists(path):
             raise LedgerError(f"{path}: no budget ledger here (create one with `indknn index`)")
         for attempt in range(retries):
+            gen0 = cls._current_generation(path)
             try:
                 ledger = cls._load(path)
                 if cls._current_generation(path) == ledger.generation:
@@ -304,6 +319,12 @@ class BudgetLedger:
                 if attempt == retries - 1:
                     raise LedgerError(f"{path}: ledger files changed while reading (a compaction ran); try again")
                 continue
+            except LedgerIntegrityError:
+                if cls._current_generation(path) == gen0:
+                    raise  # no compaction landed while we read: the ledger itself is damaged
+                if attempt == retries - 1:
+                    raise LedgerError(f"{path}: ledger files changed while reading (a compaction ran); "
+                                      "try again") from None
             except FileNotFoundError:  # a concurrent compaction removed files between reads
                 if attempt == retries - 1:
                     raise LedgerError(f"{path}: ledger files changed while reading; try again") from None
@@ -337,8 +358,10 @@ class BudgetLedger:
             raise LedgerError(f"{path}/CURRENT: corrupt (not the JSON pointer indknn writes)") from None
         snap_path = path / f"snapshot-{generation:06d}.parquet"
         try:
-            snap = pq.read_table(snap_path)
-            answers = pq.read_table(path / f"answers-{generation:06d}.parquet")
+            snap_bytes = snap_path.read_bytes()
+            answers_bytes = (path / f"answers-{generation:06d}.parquet").read_bytes()
+            snap = pq.read_table(pa.BufferReader(snap_bytes))
+            answers = pq.read_table(pa.BufferReader(answers_bytes))
         except FileNotFoundError:
             raise
         except Exception as exc:
@@ -374,14 +397,18 @@ class BudgetLedger:
         state.batches = list(meta.get("batches", []))
         state.history = list(meta.get("history", []))
         ledger = cls(path, meta, state, generation, int(meta.get("last_event_seq", 0)))
-        for seq, event_path in ledger._event_files():
-            if seq <= ledger.snapshot_event_seq:
-                continue
-            ledger._apply_event(event_path, seq)
+        integrity.check_snapshot(snap_path, meta, ledger.params, answers_bytes)
+        ledger.snapshot_sha256 = ledger.chain_prev_sha256 = integrity.sha256_bytes(snap_bytes)
+        files = ledger._event_files()
+        chained = integrity.snapshot_is_chained(meta)
+        for seq, event_path in integrity.events_after_snapshot(path, files, ledger.snapshot_event_seq):
+            chained = ledger._apply_event(event_path, seq, chained=chained)
+        integrity.check_record_budgets(path, ledger)
         return ledger
 
     # -- events ------------------------------------------------------------
     def _event_files(self) -> list[tuple[int, Path]]:
+        """(seq, path) of every event file, sorted; two files with one sequence number are refused."""
         out = []
         for p in (self.path / "events").glob("*.parquet"):
             if p.name.startswith("."):
@@ -390,11 +417,15 @@ class BudgetLedger:
                 out.append((int(p.name.split("-", 1)[0]), p))
             except ValueError:
                 raise LedgerError(f"{p}: unexpected file in the ledger's events folder") from None
-        return sorted(out)
+        out.sort()
+        integrity.check_unique_seqs(self.path, out)
+        return out
 
-    def _apply_event(self, event_path: Path, seq: int) -> None:
+    def _apply_event(self, event_path: Path, seq: int, *, chained: bool) -> bool:
+        """Check the event's link in the hash chain, then replay it. Returns whether the chain has started."""
         try:
-            table = pq.read_table(event_path)
+            data = event_path.read_bytes()
+            table = pq.read_table(pa.BufferReader(data))
             info = json.loads((table.schema.metadata or {})[b"indknn_event"])
         except FileNotFoundError:
             raise
@@ -404,8 +435,14 @@ class BudgetLedger:
             raise LedgerError(f"{event_path}: event format_version {info.get('format_version')!r}")
         if info.get("ledger_uuid") != self.meta["ledger_uuid"]:
             raise LedgerError(f"{event_path}: event belongs to another ledger")
+        sha = integrity.sha256_bytes(data)
+        chained = integrity.check_link(event_path, seq, info, prev=self.chain_prev_sha256,
+                                       snapshot=self.snapshot_sha256, chained=chained)
+        self.unchained_events += not chained
         self._apply_table(table, info)
         self.last_event_seq = max(self.last_event_seq, seq)
+        self.chain_prev_sha256 = self.head_sha256 = self.event_sha256[seq] = sha
+        return chained
 
     def _apply_table(self, table: pa.Table, info: dict) -> None:
         s = self.state
@@ -482,16 +519,20 @@ class BudgetLedger:
             data[f.name] = pa.array(vals if vals is not None else [None] * n, type=f.type)
         seq = self._next_seq()
         info = dict(info, type=event_type, seq=seq, format_version=FORMAT_VERSION,
-                    ledger_uuid=self.meta["ledger_uuid"], time=info.get("time", time.time()))
+                    ledger_uuid=self.meta["ledger_uuid"], time=info.get("time", time.time()),
+                    prev_sha256=self.chain_prev_sha256, snapshot_sha256=self.snapshot_sha256)
         schema = EVENT_SCHEMA.with_metadata({b"indknn_event": json.dumps(info).encode()})
         table = pa.Table.from_arrays([data[f.name] for f in EVENT_SCHEMA], schema=schema)
         tag = "".join(ch if ch.isalnum() or ch in "._" else "_" for ch in str(info.get("batch_id") or ""))[:60]
         path = self.path / "events" / f"{seq:08d}-{event_type}{'-' + tag if tag else ''}.parquet"
         _fault("before-event-write")
-        atomic_write_parquet(table, path)
+        sha = atomic_write_parquet(table, path)
         _fault("event-committed")
         self._apply_table(table, info)
         self.last_event_seq = seq
+        self.chain_prev_sha256 = self.head_sha256 = self.event_sha256[seq] = sha
+        if self.mark_path is not None:  # after the commit point: a crash here leaves the mark behind, never ahead
+            integrity.write_mark(self.mark_path, self)
         return path
 
     # -- records -------------------------------------------------------------
@@ -578,8 +619,10 @@ class BudgetLedger:
     def _write_snapshot(self, generation: int, *, publish: bool = True) -> None:
         s = self.state
         c1 = self.params.c1 if "params" in self.meta else 0.0
+        answers_sha = atomic_write_parquet(s.answers_table(), self.path / f"answers-{generation:06d}.parquet")
         meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
-                    batches=s.batches, history=s.history[-100000:])
+                    batches=s.batches, history=s.history[-100000:],
+                    **integrity.snapshot_chain_fields(self, answers_sha))
         table = pa.table({
             "record_id": pa.array(list(s.record_id), pa.string()),
             "user_id": pa.array(list(s.user_id), pa.string()),
@@ -590,8 +633,10 @@ class BudgetLedger:
             "deleted": pa.array(s.deleted, pa.bool_()), "deleted_at": pa.array(s.deleted_at, pa.float64()),
             "last_change": pa.array(s.last_change, pa.float64()),
         }, schema=RECORD_SCHEMA).replace_schema_metadata({b"indknn": json.dumps(meta).encode()})
-        atomic_write_parquet(s.answers_table(), self.path / f"answers-{generation:06d}.parquet")
-        atomic_write_parquet(table, self.path / f"snapshot-{generation:06d}.parquet")
+        self.snapshot_sha256 = self.chain_prev_sha256 = atomic_write_parquet(
+            table, self.path / f"snapshot-{generation:06d}.parquet")
+        self.meta = meta
+        self.event_sha256 = {}
         if publish:
             atomic_write_text(json.dumps({"generation": generation}), self.path / "CURRENT")
 
@@ -659,27 +704,19 @@ class BudgetLedger:
     @staticmethod
     @contextlib.contextmanager
     def write_lock(path: str | os.PathLike, *, timeout: float = 60.0) -> Iterator[None]:
-        """One writer at a time: an fcntl lock on ``LOCK``; waits up to ``timeout`` seconds."""
+        """One writer at a time: flock on the ledger folder and on ``LOCK`` (:mod:`.locking`: removing or
+        replacing ``LOCK`` releases nothing); waits up to ``timeout`` seconds."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+
+        def expired() -> LockTimeoutError:
+            return LockTimeoutError(f"{path}: another indknn process holds the ledger lock (waited {timeout:g} s); "
+                                    "retry later or raise --lock-timeout")
+        stack = contextlib.ExitStack()
         try:
-            fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+            stack.enter_context(locking.exclusive(path, path / "LOCK", timeout=timeout, on_timeout=expired))
         except OSError as exc:  # a read-only file system or no permission: an I/O failure, not bad input
             raise StorageError(f"{path}: cannot open the ledger lock for writing ({exc.strerror}); "
                                "is the ledger on a read-only file system?") from None
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise LockTimeoutError(
-                            f"{path}: another indknn process holds the ledger lock (waited {timeout:g} s); "
-                            "retry later or raise --lock-timeout"
-                        ) from None
-                    time.sleep(0.05)
+        with stack:
             yield
-        finally:
-            os.close(fd)

@@ -37,6 +37,7 @@ import numpy as np
 from . import FORMAT_VERSION
 from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _check_delta, _check_epsilon,
                          calibrate_budget, epsilon_for_budget, realised_epsilons)
+from . import ledger_integrity as integrity
 from .errors import BadInputError, BudgetExhaustedError, CheckFailedError, LedgerError
 
 REALISED_LABEL = "realised individual loss (descriptive, not a guarantee)"
@@ -333,7 +334,10 @@ def build_account_report(
 
         store = FeatureStore.open(store_path, mode="r")
         store_uuid = store.uuid
+        mark = integrity.read_mark(store.path)  # before the ledger (no lock held): see ledger_integrity
     ledger = open_ledger_readonly(ledger_path, store_uuid=store_uuid)
+    if store is not None:  # one store, one ledger; a ledger behind the store's high-water mark is refused
+        integrity.check_binding(store, ledger, ledger_path, mark=mark)
     params = ledger.params
     s = ledger.state
     n = len(s)

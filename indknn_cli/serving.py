@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import accounting, gate, indexes
+from . import ledger_integrity as integrity
 from .engine import COUNT_GRID_DECIMALS, BudgetView, ReusePool, StoreSource, answer_batch
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
@@ -138,9 +139,12 @@ def build_index(
     plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
                               nprobe=nprobe, train_on=train_on, params=known_params)
     created = False
+    if not BudgetLedger.exists(ledger_path):  # before the lock, which would create the ledger folder
+        integrity.refuse_second_ledger(store, ledger_path)
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
         if BudgetLedger.exists(ledger_path):
             ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+            integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
             if params is not None and _differs(params, ledger.params):
                 raise LedgerError(
                     f"{ledger_path}: the ledger already exists with fixed parameters "
@@ -150,8 +154,10 @@ def build_index(
         else:
             if params is None:
                 raise BadInputError("creating a ledger needs --eps and --delta (and --tau, --sigma2)")
+            integrity.refuse_second_ledger(store, ledger_path)  # one store, one ledger (SPEC §8)
             ledger = BudgetLedger.create(ledger_path, params=params, store_uuid=store.uuid,
                                          store_path=str(Path(store_path).resolve()))
+            integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
             created = True
         added = sync_ledger(ledger, store)
         if created:
@@ -270,6 +276,7 @@ def serve_queries(
         store.pin_rows("private")  # one row count for the whole run, whatever a concurrent embed commits
         q_start, q_stop, q_sha = store.query_batch(query_batch)
         ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+        integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
         params = ledger.params
         done = ledger.answers_for(batch_id)
         done_rows = set(done["query_row"])

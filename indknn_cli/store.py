@@ -11,7 +11,6 @@ A crash before that leaves the store as it was for every reader.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import time
@@ -24,7 +23,7 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from . import FORMAT_VERSION
+from . import FORMAT_VERSION, locking
 from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
 
 ROLES = ("private", "public", "query")
@@ -205,22 +204,17 @@ class FeatureStore:
     # -- locking ---------------------------------------------------------
     @contextlib.contextmanager
     def write_lock(self, timeout: float = 60.0) -> Iterator[None]:
-        """One writer at a time (an fcntl lock on a file inside the store)."""
-        fd = os.open(self.path / self.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise LockTimeoutError(f"{self.path}: another indknn process is writing this store")
-                    time.sleep(0.05)
+        """One writer at a time: flock on the store folder and on a file inside it (:mod:`.locking`).
+
+        A folder swapped in by a compaction while we waited is locked again at
+        its new inode, and then refused by :meth:`_refresh_after_lock`.
+        """
+        def expired() -> LockTimeoutError:
+            return LockTimeoutError(f"{self.path}: another indknn process is writing this store")
+
+        with locking.exclusive(self.path, self.path / self.LOCK_NAME, timeout=timeout, on_timeout=expired):
             self._refresh_after_lock()
             yield
-        finally:
-            os.close(fd)
 
     def _refresh_after_lock(self) -> None:
         """Re-read the metadata now that no other writer can change it.

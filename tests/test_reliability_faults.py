@@ -142,10 +142,12 @@ def _kill_campaign(root: Path, *, kills: int, per_batch: int, n_queries: int, rn
         bid = f"k{batch_no}"
         seed = 1000 + batch_no if batch_no % 2 == 0 else None
         cmd = _serve_cmd(store, lp, "big", "--batch-id", bid, *(["--seed", str(seed)] if seed is not None else []))
-        ref_lp = root / "ref-ledger"
+        ref_lp, ref_sp = root / "ref-ledger", root / "ref-store.zarr"
         if seed is not None:  # the state this batch starts from, for an uninterrupted reference run
             shutil.rmtree(ref_lp, ignore_errors=True)
+            shutil.rmtree(ref_sp, ignore_errors=True)
             shutil.copytree(lp, ref_lp, ignore=shutil.ignore_patterns("LOCK", ".*"))
+            shutil.copytree(store, ref_sp, ignore=shutil.ignore_patterns(".*"))  # with its store: one ledger each
         released: dict[int, tuple] = {}  # every answer printed by any process of this batch
         for _ in range(min(per_batch, kills - figures["kills"])):
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
@@ -195,7 +197,7 @@ def _kill_campaign(root: Path, *, kills: int, per_batch: int, n_queries: int, rn
         assert sorted(p.name for p in (lp / "events").iterdir()) == files
         _same_state(BudgetLedger.open(lp), led)
         if seed is not None:  # killed-and-resumed == uninterrupted: no lost, no double charge
-            serve_queries(store_path=store, ledger_path=ref_lp, query_batch="big", batch_id=bid, seed=seed,
+            serve_queries(store_path=ref_sp, ledger_path=ref_lp, query_batch="big", batch_id=bid, seed=seed,
                           batch_size=8)
             ref = BudgetLedger.open(ref_lp)
             assert np.array_equal(ref.state.spent, led.state.spent)

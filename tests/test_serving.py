@@ -78,9 +78,10 @@ def test_fault_injection_never_releases_uncommitted_answers(vector_store, tmp_pa
     import shutil
 
     lp = _index(vector_store, tmp_path)
-    ref_lp = tmp_path / "ref-ledger"
+    ref_lp, ref_sp = tmp_path / "ref-ledger", tmp_path / "ref-store.zarr"
     shutil.copytree(lp, ref_lp)
-    ref = serve_queries(store_path=vector_store.path, ledger_path=ref_lp, query_batch="q1", seed=11, batch_size=8)
+    shutil.copytree(vector_store.path, ref_sp)  # a ledger copy serves with its store copy (one store, one ledger)
+    ref = serve_queries(store_path=ref_sp, ledger_path=ref_lp, query_batch="q1", seed=11, batch_size=8)
 
     released: list[dict] = []
     calls = {"n": 0}

@@ -191,7 +191,10 @@ def test_missing_user_ids_refused_with_count_or_each_its_own_user(tmp_path):
     serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch="q1", seed=1)
     led = BudgetLedger.open(tmp_path / "L")
     assert len(led.state) == 16 and (led.state.spent <= led.params.budget).all()
-    rec = runner.invoke(app, ["index", "--store", str(store.path), "--ledger", str(tmp_path / "R"), "--eps", "1",
+    other = tmp_path / "other"
+    other.mkdir()
+    store2, *_ = _user_store(other, users)  # one store, one ledger: the record-unit check needs its own store
+    rec = runner.invoke(app, ["index", "--store", str(store2.path), "--ledger", str(other / "R"), "--eps", "1",
                               "--tau", "0.3"])
     assert rec.exit_code == 0 and "--privacy-unit user" in rec.stderr  # warned: user ids, record unit
 

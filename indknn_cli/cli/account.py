@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..accounting import CONVERSION_LABEL
 from ..errors import EXIT_BUDGET_EXHAUSTED
+from ..ledger_integrity import enforce_verified, verification_lines, verify_ledger
 from ..report import (QUANTILES, REALISED_LABEL, AccountReport,
                       build_account_report, enforce_checks)
 from ..serving import public_allowance
@@ -136,6 +137,7 @@ def account_command(
     record: Optional[str] = typer.Option(None, "--record", help="One record's status, spent, remaining, realised ε, times selected, deletion (data-subject access request): that record's figures and the ledger's guarantee only, nothing about other records."),
     user: Optional[str] = typer.Option(None, "--user", help="The same for every record of one user, record by record: there is no user-level ε (the guarantee is per record, add/remove one record)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a picture (PNG/PDF/SVG): retired fraction and median realised loss against queries answered, histogram of spent/B."),
+    verify: bool = typer.Option(False, "--verify", help="Walk the ledger's hash chain and check its budgets, the store binding and the store's high-water mark (--store, else the store the ledger records); print what was verified. Exit 1 when a check fails."),
 ) -> None:
     """Where privacy budgets stand: the (ε, δ) guarantee (gdp and rdp), active/retired/deleted records, history.
 
@@ -148,10 +150,15 @@ def account_command(
     the private data. They must never drive what query-senders see (whether to serve, what to release): gate
     serving on public figures with --queries-left or serve-queries --max-queries.
 
-    Exit codes: 0 ok (all checks passed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 no query left (--queries-left) or fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
+    Exit codes: 0 ok (all checks passed); 1 a damaged or rolled-back ledger (or --verify failed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 no query left (--queries-left) or fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
     """
     err = stderr_console()
     ledger_path = resolve_ledger(ledger)
+    if verify:
+        result = run_library_call(lambda: verify_ledger(ledger_path, store_path=store))
+        emit_json(result) if json_out else typer.echo("\n".join(verification_lines(result)))
+        run_library_call(lambda: enforce_verified(result))
+        return
     if queries_left:
         allowance = run_library_call(lambda: public_allowance(ledger_path=ledger_path, max_queries=max_queries))
         emit_json(allowance.as_dict())

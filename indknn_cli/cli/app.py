@@ -12,7 +12,8 @@ app = typer.Typer(
         "Differentially private prediction with Ind-KNN: every record has its own privacy budget, "
         "charged only when it helps answer a query.\n\n"
         "Exit codes: 0 ok, 1 runtime error, 2 usage error / bad input (nothing written), "
-        "3 budget exhausted, 4 `account --eps` check failed."
+        "3 stop serving (public --max-queries allowance used up; operator's --min-active), "
+        "4 `account --eps` check failed."
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -29,6 +30,7 @@ def _register() -> None:
     app.command("index")(index_command)
     app.command("serve-queries")(serve_command)
     for name, module, attr in (("delete", "delete", "delete_command"), ("account", "account", "account_command"),
+                               ("repair", "repair", "repair_command"),
                                ("bench", "bench", "bench_app")):
         try:
             mod = __import__(f"indknn_cli.cli.{module}", fromlist=[attr])

@@ -14,6 +14,7 @@ from ..ledger import BudgetLedger
 from .. import gate
 from ..serving import (check_batch_id_before_embedding, queries_answered, resolve_query_batch, serve_queries,
                        write_answers_parquet)
+from ..ledger_integrity import check_binding, read_mark
 from ..store import FeatureStore
 from .common import (check_lock_timeout, emit_json, parse_size, read_json_line_from_stdin, resolve_ledger,
                      resolve_store, run_library_call, stderr_console)
@@ -35,7 +36,9 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
     max_queries = gate.parse_max_queries(max_queries)
     if queries != "-" and Path(queries).exists():  # a file to embed: the ledger must fit the store first
         store = FeatureStore.open(store_path, mode="r")
+        mark = read_mark(store.path)  # before the ledger: no lock is held here
         led = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+        check_binding(store, led, ledger_path, mark=mark)
         # Refusals that would come after the embed, checked before it (nothing written): a reused
         # --batch-id, and a public allowance that is already used up.
         check_batch_id_before_embedding(store=store, ledger=led, batch_id=batch_id)

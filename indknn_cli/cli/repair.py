@@ -1,0 +1,43 @@
+"""`indknn repair`: quarantine a damaged ledger's unreadable or unchained events, retire every record; no refund."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from ..ledger_repair import repair_ledger
+from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store, run_library_call, stderr_console
+
+
+def repair_command(
+    store: Optional[Path] = typer.Option(None, "--store", help="Feature store the ledger is bound to (else $INDKNN_STORE, ./indknn-store.zarr)."),
+    ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what repair would quarantine and retire; write nothing."),
+    lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
+) -> None:
+    """Repair a ledger that is refused (truncated or edited event, broken chain, rolled back): keep the longest
+    verified prefix of events, move the rest to quarantine/, and retire every record (spent = B) with one
+    `repair` event. Costs utility, never privacy: no spent budget goes down. A healthy ledger is left as it is.
+
+    stdout: one JSON line. Exit codes: 0 repaired or nothing to repair; 1 the snapshot itself is damaged
+    (restore it from a backup); 2 bad input (no ledger, a ledger of another store).
+    """
+    err = stderr_console()
+
+    def call():
+        check_lock_timeout(lock_timeout)
+        return repair_ledger(ledger_path=resolve_ledger(ledger), store_path=resolve_store(store), dry_run=dry_run,
+                             lock_timeout=lock_timeout)
+
+    result = run_library_call(call)
+    emit_json(result.as_dict())
+    if not result.repaired:
+        err.print("the ledger verifies: nothing to repair")
+    else:
+        verb = "would quarantine" if result.dry_run else "quarantined"
+        err.print(escape(f"{verb} {len(result.quarantined)} event file(s); {result.records_retired} records "
+                         f"retired (spent = B) and {result.store_rows_added_retired} store rows brought in "
+                         "retired: utility lost, no budget refunded"))

@@ -1,0 +1,422 @@
+"""Tamper evidence of the budget ledger and its binding to one feature store (issue 16 §2, issue 15 §2).
+
+SPEC §8: "One store, one ledger [...] The ledger is append-only and tamper-evident; a
+damaged or rolled-back ledger is refused". Three mechanisms, all checked whenever a
+ledger is opened (:meth:`BudgetLedger.open`) or bound to its store (:func:`attach`):
+
+Hash chain
+    Every event's metadata records its ``seq``, ``prev_sha256`` (sha256 of the bytes
+    of the previous event file, or of the snapshot file for the first event after a
+    snapshot) and ``snapshot_sha256`` (the snapshot it builds on). A snapshot records
+    the chain head it folded (``chain_head_seq``, ``chain_head_sha256``: the newest
+    event's hash, carried over from the previous snapshot when no event was folded)
+    and ``answers_sha256`` (its answers file). Opening verifies: no two event files
+    share a sequence number, the events after the snapshot are exactly
+    ``last_event_seq + 1, + 2, ...``, every event's ``seq`` is its file name's, every
+    link matches. Events written before chaining existed (no ``prev_sha256``) are
+    accepted only after an unchained snapshot and before the first chained event.
+
+Budgets
+    ``params.budget`` must be the calibration of the ledger's own (ε, δ, conversion)
+    and every record's ``budget`` must equal ``params.budget``.
+
+Binding and high-water mark
+    The store's root attribute ``ledger_binding`` names the ledger's uuid (and its
+    path, for messages); the ledger's metadata names the store's uuid. The file
+    ``ledger-mark.json`` in the store folder holds the ledger's high-water mark:
+    the newest event's ``seq`` and ``sha256``, rewritten after every commit by the
+    ledger lock holder. A ledger whose chain ends before the mark (an older copy
+    restored, its newest events removed), or whose event at the mark's ``seq`` has
+    another hash, is refused. The mark is a plain file rather than a zarr attribute
+    because zarr rewrites a group's whole ``zarr.json`` on every attribute update,
+    which ``embed`` does under the store lock only.
+
+These are tamper *evidence* against edits, removals, copies and rollbacks by
+operators and tools that do not recompute sha256 chains; someone who rewrites the
+whole chain and the mark consistently is outside this model (docs/RELIABILITY.md).
+
+Failures raise :class:`LedgerIntegrityError` (exit 1); a store bound to another
+ledger raises :class:`LedgerError` (exit 2). Messages name files, sequence numbers
+and hashes, never a record id.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .accounting import calibrate_budget, epsilon_for_budget
+from .errors import BadInputError, LedgerError, LedgerIntegrityError
+
+GENESIS = "0" * 64          # the chain head of a ledger without events
+CHAIN_VERSION = 1           # snapshot metadata "chain": events after it must be chained
+BINDING_ATTR = "ledger_binding"
+MARK_NAME = "ledger-mark.json"
+BUDGET_REL_TOL = 1e-9       # B must be the largest budget certifying ε up to this relative step
+
+
+def sha256_bytes(data) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _short(h: str | None) -> str:
+    return f"{h[:12]}…" if isinstance(h, str) else repr(h)
+
+
+# -- snapshots ------------------------------------------------------------------------
+def snapshot_is_chained(meta: dict) -> bool:
+    return meta.get("chain") == CHAIN_VERSION
+
+
+def snapshot_head(meta: dict) -> str | None:
+    """The chain head a snapshot folded; GENESIS for a ledger without events; None: unknown (legacy)."""
+    if snapshot_is_chained(meta):
+        return meta.get("chain_head_sha256")
+    return GENESIS if int(meta.get("last_event_seq", 0)) == 0 else None
+
+
+def head_seq(ledger) -> int:
+    return max(ledger.last_event_seq, ledger.snapshot_event_seq)
+
+
+def snapshot_chain_fields(ledger, answers_sha256: str) -> dict:
+    """Metadata a new snapshot records: the chain head it folds, and its answers file's hash."""
+    return {"chain": CHAIN_VERSION, "chain_head_seq": head_seq(ledger), "chain_head_sha256": ledger.head_sha256,
+            "answers_sha256": answers_sha256}
+
+
+@functools.lru_cache(maxsize=256)
+def _certifies(budget: float, epsilon: float, delta: float, conversion: str) -> bool:
+    """The calibration's own test: B converts to at most the target ε (accounting.calibrate_budget)."""
+    try:
+        return epsilon_for_budget(budget=budget, delta=delta, conversion=conversion) <= epsilon
+    except (BadInputError, TypeError, ValueError, OverflowError):
+        return False
+
+
+def budget_matches(budget: float, params) -> bool:
+    """Whether B is the calibration of the ledger's own (ε, δ, conversion).
+
+    ``calibrate_budget`` returns (by bisection to 1e-13) the largest B whose ε(B) ≤ ε. Re-running it
+    costs ~45 conversions (2 s for RDP) on every open, so this checks the same two facts directly: B
+    certifies ε, and B·(1 + 1e-9) does not (B is that largest value up to 1e-9 relative). A raised B
+    fails the first test, a lowered one the second. ``account --verify`` also recomputes the
+    calibration and reports whether it is bit-identical.
+    """
+    try:
+        b, eps, delta, conv = float(budget), float(params.epsilon), float(params.delta), str(params.conversion)
+    except (TypeError, ValueError):
+        return False
+    if not (math.isfinite(b) and b > 0):
+        return False
+    return _certifies(b, eps, delta, conv) and not _certifies(b * (1.0 + BUDGET_REL_TOL), eps, delta, conv)
+
+
+def check_snapshot(snap_path: Path, meta: dict, params, answers_bytes: bytes) -> None:
+    if not budget_matches(params.budget, params):
+        certifies = _certifies(float(params.budget), float(params.epsilon), float(params.delta), str(params.conversion))
+        raise LedgerIntegrityError(
+            f"{snap_path}: params.budget B={params.budget!r} is not the calibration of the ledger's own "
+            f"ε={params.epsilon!r}, δ={params.delta!r} ({params.conversion}): B "
+            f"{'is below the largest budget that certifies' if certifies else 'does not certify'} that ε; "
+            "the ledger's parameters were edited; refusing it"
+        )
+    want = meta.get("answers_sha256")
+    if snapshot_is_chained(meta) and want != sha256_bytes(answers_bytes):
+        raise LedgerIntegrityError(f"{snap_path.with_name(snap_path.name.replace('snapshot-', 'answers-'))}: "
+                                   f"sha256 {_short(sha256_bytes(answers_bytes))} is not the {_short(want)} its "
+                                   "snapshot recorded (released answers edited or replaced); refusing the ledger")
+
+
+def check_record_budgets(path: Path, ledger) -> None:
+    b = ledger.state.budget
+    bad = b != ledger.params.budget
+    if bad.any():
+        vals = np.unique(b[bad])
+        raise LedgerIntegrityError(
+            f"{path}: {int(bad.sum())} record(s) carry a budget other than the ledger's B={ledger.params.budget!r} "
+            f"(e.g. {float(vals[-1])!r}): the ledger was edited; refusing it"
+        )
+
+
+# -- events ------------------------------------------------------------------------------
+def check_unique_seqs(path: Path, files: list[tuple[int, Path]]) -> None:
+    for (s1, p1), (s2, p2) in zip(files, files[1:]):
+        if s1 == s2:
+            raise LedgerIntegrityError(f"{path}/events: {p1.name} and {p2.name} share sequence number {s1} "
+                                       "(two writers, or an event copied in); refusing the ledger")
+
+
+def events_after_snapshot(path: Path, files: list[tuple[int, Path]], snap_seq: int) -> list[tuple[int, Path]]:
+    """The events to replay: exactly snap_seq+1, snap_seq+2, ... (a gap is a removed event)."""
+    after = [(s, p) for s, p in files if s > snap_seq]
+    for k, (s, p) in enumerate(after):
+        if s != snap_seq + 1 + k:
+            raise LedgerIntegrityError(
+                f"{path}/events: event {snap_seq + 1 + k} is missing (the snapshot ends at event {snap_seq}, "
+                f"the next file is {p.name}); a removed event would refund its charges: refusing the ledger"
+            )
+    return after
+
+
+def check_link(event_path: Path, seq: int, info: dict, *, prev: str, snapshot: str, chained: bool) -> bool:
+    """Check one event's place in the chain; returns whether the chain has started (chained events seen)."""
+    if info.get("seq") != seq:
+        raise LedgerIntegrityError(f"{event_path}: the file name says event {seq}, its metadata event "
+                                   f"{info.get('seq')!r} (renamed, reordered or copied in); refusing the ledger")
+    if "prev_sha256" not in info:
+        if chained:
+            raise LedgerIntegrityError(f"{event_path}: event {seq} carries no hash link but the ledger's chain "
+                                       "has started (an old event copied in?); refusing the ledger")
+        return False
+    if info.get("snapshot_sha256") != snapshot:
+        raise LedgerIntegrityError(f"{event_path}: event {seq} builds on snapshot sha256 "
+                                   f"{_short(info.get('snapshot_sha256'))}, this ledger's snapshot is "
+                                   f"{_short(snapshot)} (copied in from another state, or the snapshot was edited); "
+                                   "refusing the ledger")
+    if info.get("prev_sha256") != prev:
+        raise LedgerIntegrityError(f"{event_path}: event {seq} links to sha256 {_short(info.get('prev_sha256'))}, "
+                                   f"but its predecessor's is {_short(prev)}: an event was edited, removed, "
+                                   "reordered or copied in; refusing the ledger")
+    return True
+
+
+# -- binding and high-water mark -------------------------------------------------------------
+def mark_path(store_path: str | os.PathLike) -> Path:
+    return Path(store_path) / MARK_NAME
+
+
+def binding_of(store) -> dict | None:
+    b = dict(store.root.attrs).get(BINDING_ATTR)
+    return b if isinstance(b, dict) else None
+
+
+def _bound_elsewhere(store, binding: dict, ledger_path, what: str) -> LedgerError:
+    return LedgerError(
+        f"{store.path}: this store is bound to the ledger {binding.get('ledger_path')} (ledger uuid "
+        f"{binding.get('ledger_uuid')}); {ledger_path} {what}. One store, one ledger: a second ledger would give "
+        "every record a fresh budget. Use the bound ledger (a copy of it works too); a new budget for the same "
+        "people needs a new store"
+    )
+
+
+def refuse_second_ledger(store, ledger_path) -> None:
+    """Before creating a ledger: a store bound to a ledger gets no other (exit 2, names the bound ledger)."""
+    b = binding_of(store)
+    if b is not None:
+        raise _bound_elsewhere(store, b, ledger_path, "holds no ledger, and no new one is created for it")
+
+
+def read_mark(store_path) -> dict | None:
+    p = mark_path(store_path)
+    try:
+        m = json.loads(p.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise LedgerIntegrityError(f"{p}: the ledger's high-water mark is unreadable ({type(exc).__name__})") from None
+    if not (isinstance(m, dict) and isinstance(m.get("seq"), int)):
+        raise LedgerIntegrityError(f"{p}: the ledger's high-water mark is corrupt")
+    return m
+
+
+def write_mark(path: Path, ledger) -> None:
+    from .ledger import atomic_write_text
+
+    atomic_write_text(json.dumps({"ledger_uuid": ledger.meta["ledger_uuid"], "seq": head_seq(ledger),
+                                  "sha256": ledger.head_sha256, "time": time.time()}), Path(path))
+
+
+def _sha_at(ledger, seq: int) -> str | None:
+    if seq in ledger.event_sha256:
+        return ledger.event_sha256[seq]
+    if seq == ledger.snapshot_event_seq:
+        return snapshot_head(ledger.meta)
+    return None  # folded into an older snapshot: only the order can be checked
+
+
+_UNREAD = object()
+
+
+def check_mark(store_path, ledger, *, required: bool, mark=_UNREAD) -> dict | None:
+    """The ledger must reach the store's high-water mark with the same event there. Returns the mark.
+
+    A caller without the ledger lock passes ``mark`` = :func:`read_mark` taken *before* it opened
+    the ledger: the mark is written after each commit, so it can then only be behind what it read.
+    """
+    m = read_mark(store_path) if mark is _UNREAD else mark
+    p = mark_path(store_path)
+    if m is None:
+        if required:
+            raise LedgerIntegrityError(f"{p}: the store is bound to this ledger but its high-water mark is "
+                                       "missing (removed?); refusing: a rollback could not be detected")
+        return None
+    if m.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
+        raise LedgerIntegrityError(f"{p}: the high-water mark belongs to ledger {m.get('ledger_uuid')}, not to "
+                                   f"{ledger.path} ({ledger.meta['ledger_uuid']}); refusing")
+    head = head_seq(ledger)
+    if head < m["seq"]:
+        raise LedgerIntegrityError(
+            f"{ledger.path}: the ledger ends at event {head}, but the store {store_path} saw event {m['seq']} "
+            "committed: the ledger was rolled back (an older copy restored, or its newest events removed), which "
+            "would refund charges; refusing it"
+        )
+    have = _sha_at(ledger, m["seq"])
+    if have is not None and m.get("sha256") is not None and have != m["sha256"]:
+        raise LedgerIntegrityError(
+            f"{ledger.path}: event {m['seq']} has sha256 {_short(have)}, the store {store_path} saw "
+            f"{_short(m['sha256'])} committed there: the ledger's history was replaced; refusing it"
+        )
+    return m
+
+
+def check_binding(store, ledger, ledger_path, *, mark=_UNREAD) -> dict:
+    """A store bound to another ledger → LedgerError (exit 2); a rolled-back ledger → LedgerIntegrityError.
+
+    Without the ledger lock, pass ``mark`` read before opening the ledger (see :func:`check_mark`).
+    """
+    b = binding_of(store)
+    if b is not None and b.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
+        raise _bound_elsewhere(store, b, ledger_path, f"is another ledger ({ledger.meta['ledger_uuid']})")
+    mark = check_mark(store.path, ledger, required=b is not None, mark=mark)
+    return {"bound": b is not None, "binding": b, "mark": mark}
+
+
+def attach(store, ledger, ledger_path, *, bind: bool, lock_timeout: float = 60.0) -> None:
+    """Check the binding and the mark; bind an unbound store (``bind``); keep the mark current from now on.
+
+    The caller holds the ledger lock (and, when ``bind`` is False, may hold the store lock).
+    """
+    check_binding(store, ledger, ledger_path)
+    if bind and binding_of(store) is None:
+        _bind(store.path, ledger, ledger_path, lock_timeout)
+    ledger.mark_path = mark_path(store.path)
+
+
+def _bind(store_path, ledger, ledger_path, lock_timeout: float) -> None:
+    from .store import FeatureStore, _fsync_path
+
+    st = FeatureStore.open(store_path, mode="a")
+    with st.write_lock(timeout=lock_timeout):
+        b = binding_of(st)
+        if b is not None:  # bound by another process while we waited
+            if b.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
+                raise _bound_elsewhere(st, b, ledger_path, f"is another ledger ({ledger.meta['ledger_uuid']})")
+            return
+        write_mark(mark_path(store_path), ledger)  # first: a bound store always has a mark
+        st.root.attrs.update({BINDING_ATTR: {
+            "ledger_uuid": ledger.meta["ledger_uuid"], "ledger_path": str(Path(ledger_path).resolve()),
+            "bound_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}})
+        _fsync_path(Path(store_path) / "zarr.json")
+        _fsync_path(Path(store_path))
+
+
+# -- `indknn account --verify` ------------------------------------------------------------------
+def verify_ledger(ledger_path, *, store_path=None) -> dict:
+    """Walk the chain and every check above; return what was verified (``verified`` False and ``error``
+    on failure: :func:`enforce_verified` raises it). ``store_path`` None: the store the ledger records,
+    when it is still there."""
+    from .ledger import BudgetLedger
+    from .report import open_ledger_readonly
+    from .store import FeatureStore
+
+    ledger_path = Path(ledger_path)
+    if not BudgetLedger.exists(ledger_path):
+        raise LedgerError(f"{ledger_path}: no budget ledger here (create one with `indknn index`)")
+    out: dict = {"verified": False, "ledger": str(ledger_path)}
+    try:
+        explicit = store_path is not None
+        if not explicit:
+            recorded = Path(str(open_ledger_readonly(ledger_path).meta.get("store_path", "")))
+            store_path = recorded if (recorded / "zarr.json").is_file() else None
+            out["store_note"] = None if store_path else f"store not checked: none at the recorded {recorded}"
+        store = FeatureStore.open(store_path, mode="r") if store_path is not None else None
+        mark = read_mark(store.path) if store is not None else None  # before the ledger: no lock is held
+        ledger = open_ledger_readonly(ledger_path, store_uuid=store.uuid if store is not None else None)
+        out.update(_describe(ledger))
+        if store is not None:
+            info = check_binding(store, ledger, ledger_path, mark=mark)
+            m = info["mark"]
+            out["store"] = {
+                "path": str(store.path), "store_uuid": store.uuid, "recorded_by_ledger": not explicit,
+                "bound": info["bound"], "bound_ledger_uuid": (info["binding"] or {}).get("ledger_uuid"),
+                "bound_ledger_path": (info["binding"] or {}).get("ledger_path"),
+                "high_water_mark": None if m is None else {"seq": m["seq"], "sha256": m.get("sha256")},
+                "ledger_ahead_of_mark_by": None if m is None else head_seq(ledger) - m["seq"],
+            }
+        else:
+            out["store"] = None
+        out["verified"] = True
+    except LedgerError as exc:
+        out["error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - StoreError, unreadable files: the verification failed
+        from .errors import IndknnError
+
+        if not isinstance(exc, (IndknnError, OSError)):
+            raise
+        out["error"] = str(exc)
+    return out
+
+
+def _describe(ledger) -> dict:
+    snap_seq = ledger.snapshot_event_seq
+    head = head_seq(ledger)
+    p = ledger.params
+    try:
+        cal = calibrate_budget(epsilon=p.epsilon, delta=p.delta, conversion=p.conversion)
+    except BadInputError:
+        cal = None
+    return {
+        "ledger_uuid": ledger.meta["ledger_uuid"], "generation": ledger.generation,
+        "snapshot": {"file": f"snapshot-{ledger.generation:06d}.parquet", "sha256": ledger.snapshot_sha256,
+                     "last_event_seq": snap_seq, "chained": snapshot_is_chained(ledger.meta)},
+        "events": {"count": head - snap_seq, "first_seq": snap_seq + 1 if head > snap_seq else None,
+                   "last_seq": head if head > snap_seq else None, "unchained_legacy": ledger.unchained_events},
+        "head": {"seq": head, "sha256": ledger.head_sha256},
+        "budgets": {"budget": p.budget, "calibrated_budget": cal, "bit_identical": p.budget == cal,
+                    "epsilon": p.epsilon, "delta": p.delta,
+                    "conversion": p.conversion, "records": len(ledger.state), "records_at_budget": len(ledger.state)},
+    }
+
+
+def enforce_verified(result: dict) -> None:
+    if not result.get("verified"):
+        raise LedgerIntegrityError(f"verification failed: {result.get('error')}")
+
+
+def verification_lines(r: dict) -> list[str]:
+    """Plain text of ``account --verify`` for a compliance reviewer (no markup)."""
+    if not r.get("verified"):
+        return [f"ledger {r['ledger']}: NOT verified", f"  {r.get('error')}"]
+    ev, b, h = r["events"], r["budgets"], r["head"]
+    rng = f"events {ev['first_seq']}..{ev['last_seq']}" if ev["count"] else "no events"
+    lines = [
+        f"ledger {r['ledger']} (uuid {r['ledger_uuid']}): verified",
+        f"  snapshot {r['snapshot']['file']} sha256 {r['snapshot']['sha256']} (folds events up to "
+        f"{r['snapshot']['last_event_seq']}{'' if r['snapshot']['chained'] else '; written before hash chaining'})",
+        f"  hash chain: {ev['count']} event(s) after the snapshot, {rng}, contiguous, no duplicates, every link "
+        f"matches" + (f" ({ev['unchained_legacy']} written before chaining, unchecked)" if ev["unchained_legacy"] else ""),
+        f"  chain head: event {h['seq']} sha256 {h['sha256']}",
+        f"  budgets: B = {b['budget']!r} is the calibration of ε={b['epsilon']!r}, δ={b['delta']!r} "
+        f"({b['conversion']}){' (bit-identical)' if b['bit_identical'] else ' (to 1e-9)'}; "
+        f"all {b['records']} records carry B",
+    ]
+    s = r.get("store")
+    if s is None:
+        lines.append(f"  {r.get('store_note') or 'store not checked (give --store)'}")
+    else:
+        bound = (f"bound to this ledger (uuid {s['bound_ledger_uuid']}, recorded path {s['bound_ledger_path']})"
+                 if s["bound"] else "not bound yet (bound by the next index or serve-queries)")
+        lines.append(f"  store {s['path']} (uuid {s['store_uuid']}): {bound}")
+        m = s["high_water_mark"]
+        lines.append("  high-water mark: none" if m is None else
+                     f"  high-water mark: event {m['seq']} sha256 {m['sha256']}; the ledger reaches it"
+                     f"{f' and is {ahead} event(s) ahead' if (ahead := s['ledger_ahead_of_mark_by']) else ''}")
+    return lines

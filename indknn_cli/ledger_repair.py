@@ -1,0 +1,184 @@
+"""`indknn repair`: bring a damaged or rolled-back ledger back into service without refunding anything.
+
+A ledger is refused when an event is truncated or unreadable, the hash chain is broken (an event edited,
+removed, copied in or reordered) or the ledger is behind the store's high-water mark (an older copy
+restored). Removing the offending file by hand would refund the charges it held. Repair instead:
+
+1. finds the longest prefix of events that opens cleanly (the chain is prefix-monotone: if events up to k
+   verify, so does every shorter prefix — a binary search over k);
+2. moves every later event file to ``quarantine/<time>/`` (kept for forensics, never replayed);
+3. commits one ``repair`` event that sets **every record not deleted to spent = B (retired)** and brings
+   every store row the kept ledger does not know into it at spent = B: the quarantined events may have
+   charged any record, so every record is assumed to have spent all of its budget;
+4. moves the store's high-water mark to the repair event.
+
+Repair costs utility (every current record retires; new records joining later start fresh, as always),
+never privacy: no record's spent ever goes down. A damaged snapshot cannot be repaired this way (restore
+it from a backup; repair refuses).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import ledger_integrity as integrity
+from .errors import LedgerError, LedgerIntegrityError
+from .ledger import BudgetLedger
+from .store import FeatureStore
+
+
+@dataclass
+class RepairResult:
+    ledger: str
+    repaired: bool
+    reason: str | None = None
+    events_kept_through: int | None = None
+    quarantined: list[str] = field(default_factory=list)
+    quarantine_folder: str | None = None
+    records_retired: int = 0
+    store_rows_added_retired: int = 0
+    dry_run: bool = False
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "cost": "utility only: every record not deleted is retired (spent = B); "
+                                         "no spent budget goes down"}
+
+
+def _event_files(path: Path) -> list[tuple[int, Path]]:
+    out = []
+    for p in (path / "events").glob("*.parquet"):
+        if p.name.startswith("."):
+            continue
+        head = p.name.split("-", 1)[0]
+        out.append((int(head) if head.isdigit() else -1, p))
+    return sorted(out, key=lambda t: (t[0], t[1].name))
+
+
+def _opens(path: Path, store_uuid: str) -> bool:
+    try:
+        BudgetLedger.open(path, store_uuid=store_uuid)
+        return True
+    except LedgerError:
+        return False
+
+
+def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: str) -> int:
+    """Number of leading event files with which the ledger opens; moves files aside while it probes."""
+    aside = path / f".repair-probe-{os.getpid()}"
+    aside.mkdir()
+    try:
+        for _, p in files:
+            os.replace(p, aside / p.name)
+        if not _opens(path, store_uuid):
+            raise LedgerIntegrityError(f"{path}: the snapshot itself is damaged or edited; repair cannot rebuild it "
+                                       "(restore the snapshot from a backup, then run repair)")
+        lo, hi = 0, len(files)  # prefix lo opens; find the largest
+        present = 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            for _, p in files[present:mid]:
+                os.replace(aside / p.name, p)
+            for _, p in files[mid:present]:
+                os.replace(p, aside / p.name)
+            present = mid
+            if _opens(path, store_uuid):
+                lo = mid
+            else:
+                hi = mid - 1
+        for _, p in files[present:lo]:
+            os.replace(aside / p.name, p)
+        for _, p in files[lo:present]:
+            os.replace(p, aside / p.name)
+        return lo
+    finally:
+        for p in aside.iterdir():  # whatever is still aside goes back; the caller quarantines it
+            os.replace(p, path / "events" / p.name)
+        aside.rmdir()
+
+
+def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLike, dry_run: bool = False,
+                  lock_timeout: float = 60.0) -> RepairResult:
+    """Repair the ledger bound to ``store_path`` (see the module doc). ``dry_run`` works on a copy."""
+    ledger_path, store_path = Path(ledger_path), Path(store_path)
+    if not BudgetLedger.exists(ledger_path):
+        raise LedgerError(f"{ledger_path}: no budget ledger here")
+    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+        store = FeatureStore.open(store_path, mode="r")
+        try:
+            led = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+            integrity.check_binding(store, led, ledger_path)
+            return RepairResult(ledger=str(ledger_path), repaired=False, dry_run=dry_run)
+        except LedgerIntegrityError as exc:
+            reason = str(exc)
+        except LedgerError as exc:
+            if "another feature store" in str(exc) or "bound to the ledger" in str(exc):
+                raise  # a wrong pairing, not damage: never "repaired" into this store
+            reason = str(exc)
+        if dry_run:
+            with tempfile.TemporaryDirectory() as tmp:
+                copy = Path(tmp) / "ledger"
+                shutil.copytree(ledger_path, copy, ignore=shutil.ignore_patterns("LOCK"))
+                return _repair(copy, store, reason, dry_run=True, shown_path=ledger_path)
+        return _repair(ledger_path, store, reason, dry_run=False, shown_path=ledger_path)
+
+
+def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, shown_path: Path) -> RepairResult:
+    files = _event_files(path)
+    bad_names = [p for s, p in files if s < 0]
+    files = [(s, p) for s, p in files if s >= 0]
+    keep = _longest_good_prefix(path, files, store.uuid)
+    quarantine = path / "quarantine" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    moved = [p for _, p in files[keep:]] + bad_names
+    if moved:
+        quarantine.mkdir(parents=True, exist_ok=True)
+        for p in moved:
+            os.replace(p, quarantine / p.name)
+    led = BudgetLedger.open(path, store_uuid=store.uuid)
+    b = integrity.binding_of(store)
+    if b is not None and b.get("ledger_uuid") != led.meta["ledger_uuid"]:
+        raise LedgerError(f"{store.path}: bound to ledger {b.get('ledger_uuid')}, not {led.meta['ledger_uuid']}")
+    s = led.state
+    B = led.params.budget
+    live = np.flatnonzero(~s.deleted & (s.spent < B))
+    n_store = store.n_rows("private")
+    known = led.store_row_map(n_store) >= 0
+    deleted_rows = store.read("private", "deleted").astype(bool) if n_store else np.zeros(0, bool)
+    new_rows = np.flatnonzero(~known & ~deleted_rows)
+    ids = store.read("private", "record_id")
+    users = store.read("private", "user_id")
+    index_of = {rid: i for i, rid in enumerate(s.record_id)}
+    add_li, nxt = [], len(s)
+    for r in new_rows:
+        rid = str(ids[r])
+        if rid in index_of:
+            add_li.append(index_of[rid])
+        else:
+            add_li.append(nxt)
+            index_of[rid] = nxt
+            nxt += 1
+    if not dry_run:
+        led.mark_path = integrity.mark_path(store.path)  # the mark moves to the repair event
+    na, nc = len(add_li), int(live.size)
+    led.commit_event(event_type="repair", info={
+        "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
+        "store_rows_added_retired": na}, columns={
+        "kind": ["add"] * na + ["charge"] * nc,
+        "ledger_index": add_li + live.tolist(),
+        "record_id": [str(ids[r]) for r in new_rows] + [None] * nc,
+        "user_id": [str(users[r] or "") for r in new_rows] + [None] * nc,
+        "row": new_rows.tolist() + [None] * nc,
+        "budget": [B] * na + [None] * nc,
+        "spent_after": [B] * (na + nc),
+        "selected": [None] * na + [0] * nc,
+    })
+    return RepairResult(ledger=str(shown_path), repaired=True, reason=reason, events_kept_through=
+                        integrity.head_seq(led), quarantined=[p.name for p in moved],
+                        quarantine_folder=None if dry_run or not moved else str(quarantine),
+                        records_retired=nc, store_rows_added_retired=na, dry_run=dry_run)

@@ -1,0 +1,84 @@
+"""Exclusive flock locks that survive their lock file being removed or replaced (issue 16 §1).
+
+A lock on a file opened by path protects nothing once the file is unlinked:
+the next process creates a new file at the path and locks *that*. Two measures:
+
+* the folder itself is locked (an ``O_RDONLY`` descriptor of the directory):
+  removing a file inside it cannot release it;
+* the lock file (kept so that older indknn versions, which lock only the file,
+  still exclude us) is checked after ``flock``: the descriptor must name the
+  file now at the path (same ``st_dev`` and ``st_ino``); if the path is gone or
+  names another file, the descriptor is closed and the lock taken again.
+
+The same check applies to the folder: a folder swapped at its path (store
+compaction renames a new folder into place) is locked again at the new inode.
+Every lock is taken in a fixed order (folder, then file), waiting at most until
+one deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+
+class _Expired(Exception):
+    pass
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _lock_one(path: Path, deadline: float, *, directory: bool) -> int:
+    """flock ``path`` (a folder, or a file created if missing); a descriptor that still names ``path``."""
+    while True:
+        if directory:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise _Expired() from None
+                    time.sleep(0.05)
+            if _same_file(fd, path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # locked a file no longer at the path: take the lock again
+        if time.monotonic() >= deadline:
+            raise _Expired()
+
+
+@contextlib.contextmanager
+def exclusive(folder: Path, lock_file: Path, *, timeout: float,
+              on_timeout: Callable[[], Exception]) -> Iterator[None]:
+    """Hold flock on ``folder`` and on ``lock_file`` (in that order) for the ``with`` block."""
+    deadline = time.monotonic() + timeout
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(_lock_one(Path(folder), deadline, directory=True))
+            fds.append(_lock_one(Path(lock_file), deadline, directory=False))
+        except _Expired:
+            raise on_timeout() from None
+        yield
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+

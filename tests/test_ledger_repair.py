@@ -1,0 +1,107 @@
+"""Issue 16 §3: a damaged or rolled-back ledger is repairable without a refund (`indknn repair`): the longest
+verified prefix of events is kept, the rest quarantined, and every record retired (spent = B)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+
+from indknn_cli.ledger import BudgetLedger
+from indknn_cli.ledger_integrity import verify_ledger
+from indknn_cli.serving import build_index, serve_queries
+from indknn_cli.store import FeatureStore
+
+from .test_ledger_integrity import _cli, _events, _serve, world  # noqa: F401 (world: the shared fixture)
+
+
+def _spent_by_id(lp):
+    s = BudgetLedger.open(lp).state
+    return dict(zip(s.record_id, s.spent))
+
+
+def test_a_truncated_event_is_repaired_by_retiring_everyone_never_refunding(world, tmp_path):
+    sp, lp = world
+    before = _spent_by_id(lp)
+    B = BudgetLedger.open(lp).params.budget
+    ev = _events(lp)
+    ev[3].write_bytes(ev[3].read_bytes()[:200])  # truncated middle event: every command refuses the ledger
+    assert _serve(sp, lp, "q2").returncode != 0
+    dry = _cli("repair", "--store", str(sp), "--ledger", str(lp), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    d = json.loads(dry.stdout)
+    assert d["dry_run"] and d["repaired"] and d["quarantined"] == [p.name for p in ev[3:]]
+    assert _events(lp) == ev and not (lp / "quarantine").exists()  # the dry run wrote nothing
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)
+    assert r["repaired"] and r["quarantined"] == [p.name for p in ev[3:]] and r["records_retired"] > 0
+    assert "no budget refunded" in res.stderr
+    after = _spent_by_id(lp)
+    assert all(after[k] >= before[k] for k in before)  # nothing refunded, whatever the lost events held
+    assert all(v == B for v in after.values())  # every record retired
+    assert sorted(p.name for p in (lp / "quarantine").rglob("*.parquet")) == sorted(p.name for p in ev[3:])
+    assert verify_ledger(lp, store_path=sp)["verified"]
+    served = _serve(sp, lp, "q2")  # back in service: answered from noise, nobody charged
+    assert served.returncode == 0 and len(served.stdout.splitlines()) == 40
+    assert _spent_by_id(lp) == after
+    again = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert again.returncode == 0 and json.loads(again.stdout)["repaired"] is False
+
+
+def test_a_rolled_back_ledger_is_repaired_without_refund(world, tmp_path):
+    sp, lp = world
+    backup = tmp_path / "backup"
+    shutil.copytree(lp, backup)
+    serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", batch_size=8, seed=2)
+    latest = _spent_by_id(lp)
+    shutil.rmtree(lp)
+    shutil.copytree(backup, lp)  # an older copy restored: refused (the store's high-water mark)
+    assert _serve(sp, lp, "q3").returncode == 1
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode == 0, res.stderr
+    after = _spent_by_id(lp)
+    assert all(after[k] >= latest[k] for k in latest)  # the later charges are not refunded
+    assert _serve(sp, lp, "q3").returncode == 0
+
+
+def test_rows_added_in_lost_events_come_back_retired(world, tmp_path):
+    sp, lp = world
+    x = FeatureStore.open(sp).read("private", "features", 0, 3)
+    st = FeatureStore.open(sp, mode="a")
+    st.append("private", x, labels=np.zeros(3, np.int32), record_ids=["late0", "late1", "late2"])
+    build_index(store_path=sp, ledger_path=lp, params=None)  # an `add` event brings them in
+    newest = _events(lp)[-1]
+    newest.unlink()  # that add event is lost: without care, the three would come back with a fresh B
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["store_rows_added_retired"] == 3
+    led = BudgetLedger.open(lp)
+    spent = dict(zip(led.state.record_id, led.state.spent))
+    assert all(spent[f"late{i}"] == led.params.budget for i in range(3))
+
+
+def test_a_damaged_snapshot_is_refused_with_a_clear_message(world, tmp_path):
+    sp, lp = world
+    snap = sorted(lp.glob("snapshot-*.parquet"))[-1]
+    snap.write_bytes(snap.read_bytes()[:100])
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode in (1, 2) and "snapshot" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_damaged_ledger_with_a_pending_erasure_then_repair(world):
+    """The erasure goes through while the ledger is damaged; repair retires everyone; the next delete writes
+    the pending tombstone with the record's spent (= B), never less than it had."""
+    sp, lp = world
+    before = _spent_by_id(lp)
+    ev = _events(lp)
+    ev[-1].write_bytes(b"not parquet")
+    gone = _cli("delete", "--record", "r5", "--store", str(sp), "--ledger", str(lp))
+    assert gone.returncode == 0 and json.loads(gone.stdout)["tombstones_pending"] == 1
+    assert _cli("repair", "--store", str(sp), "--ledger", str(lp)).returncode == 0
+    done = _cli("delete", "--record", "r6", "--store", str(sp), "--ledger", str(lp))
+    assert done.returncode == 0, done.stderr
+    led = BudgetLedger.open(lp)
+    i = list(led.state.record_id).index("r5")
+    assert led.state.deleted[i] and led.state.spent[i] == led.params.budget >= before["r5"]
