@@ -233,7 +233,7 @@ def delete_records(
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
         _recover_store_folder(store_path)
         store = FeatureStore.open(store_path, mode="a")
-        with store.write_lock(timeout=lock_timeout):
+        with integrity.writer_lock(store_path, timeout=lock_timeout), store.write_lock(timeout=lock_timeout):
             try:
                 ledger = _recover(store, ledger_path)
                 if ledger is not None:  # one store, one ledger; a rolled-back ledger is refused (ledger_integrity)

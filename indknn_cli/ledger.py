@@ -560,6 +560,8 @@ class BudgetLedger:
             uid = uid or ""
             if rid in index_of:
                 i = index_of[rid]
+                if s.deleted[i] and s.user_id[i] and s.user_id[i] != uid:
+                    continue  # an erased id under another user: stays out (see user_moves; `index` refuses it)
                 if not s.deleted[i] and s.row[i] >= 0 and s.row[i] != row:
                     raise LedgerError(f"record id {rid!r} is already active in the ledger at another row")
                 if not s.deleted[i] and s.row[i] == row:
@@ -579,6 +581,19 @@ class BudgetLedger:
             "row": row_out, "budget": [self.params.budget] * len(li), "spent_after": spent_out,
         })
         return len(li)
+
+    def user_moves(self, record_ids, user_ids) -> list[str]:
+        """Erased record ids that come back under *another* user. Re-adding one would move its tombstone (and
+        the spent it carries) away from its first user, whose returning records would then start lower
+        (SPEC §8). Such rows never join the ledger; `index` refuses them (operator side)."""
+        s = self.state
+        index_of = {rid: i for i, rid in enumerate(s.record_id)}
+        out = []
+        for rid, uid in zip(record_ids, user_ids):
+            i = index_of.get(rid)
+            if i is not None and s.deleted[i] and s.user_id[i] and s.user_id[i] != (uid or ""):
+                out.append(rid)
+        return out
 
     def delete_records(self, ledger_indices) -> int:
         """Tombstone records (one `delete` event): never selectable again, spent kept, never refunded.
@@ -662,6 +677,8 @@ class BudgetLedger:
                 old.unlink(missing_ok=True)
         self.generation = generation
         self.snapshot_event_seq = self.last_event_seq
+        if self.mark_path is not None:  # the mark names the new snapshot (an edit of it is caught)
+            integrity.write_mark(self.mark_path, self)
         return folded
 
     def prepare_renumbered_snapshot(self, *, new_row_of: np.ndarray, store_uuid: str, info: dict) -> int:

@@ -42,6 +42,7 @@ and hashes, never a record id.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -53,12 +54,14 @@ from pathlib import Path
 import numpy as np
 
 from .accounting import calibrate_budget, epsilon_for_budget
-from .errors import BadInputError, LedgerError, LedgerIntegrityError
+from .errors import BadInputError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
 
 GENESIS = "0" * 64          # the chain head of a ledger without events
 CHAIN_VERSION = 1           # snapshot metadata "chain": events after it must be chained
 BINDING_ATTR = "ledger_binding"
 MARK_NAME = "ledger-mark.json"
+#: Lock file in the store folder that every ledger writer of the store holds (whichever copy of the ledger).
+WRITER_LOCK_NAME = ".indknn-ledger-writer.lock"
 BUDGET_REL_TOL = 1e-9       # B must be the largest budget certifying ε up to this relative step
 
 
@@ -228,10 +231,42 @@ def read_mark(store_path) -> dict | None:
 
 
 def write_mark(path: Path, ledger) -> None:
+    """The store's high-water mark: the chain head and the current snapshot (generation and file sha256).
+
+    The snapshot's own hash matters when no event follows it (right after a compaction): an edited snapshot
+    is then caught by the mark, since no event links to it yet.
+    """
     from .ledger import atomic_write_text
 
     atomic_write_text(json.dumps({"ledger_uuid": ledger.meta["ledger_uuid"], "seq": head_seq(ledger),
-                                  "sha256": ledger.head_sha256, "time": time.time()}), Path(path))
+                                  "sha256": ledger.head_sha256, "generation": int(ledger.generation),
+                                  "snapshot_sha256": ledger.snapshot_sha256, "time": time.time()}), Path(path))
+
+
+@contextlib.contextmanager
+def writer_lock(store_path, *, timeout: float):
+    """Held by every ledger writer of a store (serve, index, delete, repair) inside its ledger lock.
+
+    The ledger lock is per ledger folder, so two *copies* of one ledger could each take their own and
+    commit concurrently: both pass the high-water-mark check, one copy's charges then live only in the
+    copy that is later refused (a fork). This lock, in the store folder, makes every writer of the store
+    wait for the others, so the second one sees the first one's mark and is refused.
+    """
+    from .locking import _Expired, _lock_one
+
+    path = Path(store_path) / WRITER_LOCK_NAME
+    try:
+        fd = _lock_one(path, time.monotonic() + timeout, directory=False)
+    except _Expired:
+        raise LockTimeoutError(f"{store_path}: another indknn process writes this store's ledger (waited "
+                               f"{timeout:g} s); retry later or raise --lock-timeout") from None
+    except OSError as exc:
+        raise StorageError(f"{path}: cannot open the store's ledger-writer lock ({exc.strerror}); "
+                           "is the store on a read-only file system?") from None
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def _sha_at(ledger, seq: int) -> str | None:
@@ -261,6 +296,18 @@ def check_mark(store_path, ledger, *, required: bool, mark=_UNREAD) -> dict | No
     if m.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
         raise LedgerIntegrityError(f"{p}: the high-water mark belongs to ledger {m.get('ledger_uuid')}, not to "
                                    f"{ledger.path} ({ledger.meta['ledger_uuid']}); refusing")
+    g = m.get("generation")
+    if isinstance(g, int):  # marks written before this field: no snapshot check
+        if ledger.generation < g:
+            raise LedgerIntegrityError(
+                f"{ledger.path}: the ledger is at snapshot generation {ledger.generation}, but the store "
+                f"{store_path} saw generation {g}: an older copy was restored, which would refund charges; "
+                "refusing it")
+        if ledger.generation == g and m.get("snapshot_sha256") not in (None, ledger.snapshot_sha256):
+            raise LedgerIntegrityError(
+                f"{ledger.path}: snapshot-{g:06d}.parquet has sha256 {_short(ledger.snapshot_sha256)}, the "
+                f"store {store_path} saw {_short(m.get('snapshot_sha256'))} written: the snapshot was edited; "
+                "refusing it")
     head = head_seq(ledger)
     if head < m["seq"]:
         raise LedgerIntegrityError(

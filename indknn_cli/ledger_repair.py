@@ -44,6 +44,7 @@ class RepairResult:
     quarantine_folder: str | None = None
     records_retired: int = 0
     store_rows_added_retired: int = 0
+    tombstones_written: int = 0
     dry_run: bool = False
 
     def as_dict(self) -> dict:
@@ -59,6 +60,22 @@ def _event_files(path: Path) -> list[tuple[int, Path]]:
         head = p.name.split("-", 1)[0]
         out.append((int(head) if head.isdigit() else -1, p))
     return sorted(out, key=lambda t: (t[0], t[1].name))
+
+
+def _ids_in_lost_events(paths: list[Path]) -> list[tuple[str, str]]:
+    """(record id, user id) of every add/delete row in the quarantined events that can still be read."""
+    import pyarrow.parquet as pq
+
+    out = []
+    for p in paths:
+        try:
+            t = pq.read_table(p, columns=["kind", "record_id", "user_id"])
+        except Exception:  # noqa: BLE001 - the damaged event itself: nothing can be read from it
+            continue
+        for kind, rid, uid in zip(*(t.column(c).to_pylist() for c in ("kind", "record_id", "user_id"))):
+            if kind in ("add", "delete") and rid:
+                out.append((str(rid), str(uid or "")))
+    return out
 
 
 def _opens(path: Path, store_uuid: str) -> bool:
@@ -109,7 +126,8 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
     ledger_path, store_path = Path(ledger_path), Path(store_path)
     if not BudgetLedger.exists(ledger_path):
         raise LedgerError(f"{ledger_path}: no budget ledger here")
-    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \
+            integrity.writer_lock(store_path, timeout=lock_timeout):
         store = FeatureStore.open(store_path, mode="r")
         try:
             led = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
@@ -146,39 +164,62 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
         raise LedgerError(f"{store.path}: bound to ledger {b.get('ledger_uuid')}, not {led.meta['ledger_uuid']}")
     s = led.state
     B = led.params.budget
-    live = np.flatnonzero(~s.deleted & (s.spent < B))
     n_store = store.n_rows("private")
-    known = led.store_row_map(n_store) >= 0
     deleted_rows = store.read("private", "deleted").astype(bool) if n_store else np.zeros(0, bool)
-    new_rows = np.flatnonzero(~known & ~deleted_rows)
     ids = store.read("private", "record_id")
     users = store.read("private", "user_id")
+    # Records the kept ledger holds as live whose store row is gone (erased in a lost event, or by a delete
+    # run while the ledger was unreadable): tombstoned at B, so their erasure and compaction go on.
+    gone = np.zeros(len(s), bool)
+    for i in np.flatnonzero(~s.deleted):
+        r = int(s.row[i])
+        gone[i] = not (0 <= r < n_store) or bool(deleted_rows[r]) or str(ids[r]) != str(s.record_id[i])
+    live = np.flatnonzero(~s.deleted & ~gone & (s.spent < B))
+    tomb = np.flatnonzero(gone)
+    known = led.store_row_map(n_store) >= 0
+    new_rows = np.flatnonzero(~known & ~deleted_rows)
     index_of = {rid: i for i, rid in enumerate(s.record_id)}
-    add_li, nxt = [], len(s)
-    for r in new_rows:
-        rid = str(ids[r])
+    add_li, add_rid, add_uid, add_row, nxt = [], [], [], [], len(s)
+
+    def add(rid: str, uid: str, row: int) -> int:
+        nonlocal nxt
         if rid in index_of:
-            add_li.append(index_of[rid])
+            i = index_of[rid]
         else:
-            add_li.append(nxt)
-            index_of[rid] = nxt
+            i = index_of[rid] = nxt
             nxt += 1
+        add_li.append(i); add_rid.append(rid); add_uid.append(uid); add_row.append(row)
+        return i
+
+    for r in new_rows:
+        add(str(ids[r]), str(users[r] or ""), int(r))
+    # Ids the lost events added (readable events after the damaged one still name them): records added and
+    # erased there must keep a tombstone at B, or a returning id (or user) would start afresh (SPEC §8).
+    live_ids = {str(ids[r]) for r in new_rows}
+    lost_tombs = []
+    for rid, uid in _ids_in_lost_events([quarantine / p.name for p in moved]):
+        if rid not in index_of and rid not in live_ids:
+            lost_tombs.append(add(rid, uid, -1))
+    tomb = np.concatenate([tomb, np.asarray(lost_tombs, np.int64)]).astype(np.int64)
+    index_rid = dict(zip(add_li, add_rid))
     if not dry_run:
         led.mark_path = integrity.mark_path(store.path)  # the mark moves to the repair event
-    na, nc = len(add_li), int(live.size)
+    na, nc, nt = len(add_li), int(live.size), int(tomb.size)
     led.commit_event(event_type="repair", info={
         "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
-        "store_rows_added_retired": na}, columns={
-        "kind": ["add"] * na + ["charge"] * nc,
-        "ledger_index": add_li + live.tolist(),
-        "record_id": [str(ids[r]) for r in new_rows] + [None] * nc,
-        "user_id": [str(users[r] or "") for r in new_rows] + [None] * nc,
-        "row": new_rows.tolist() + [None] * nc,
-        "budget": [B] * na + [None] * nc,
-        "spent_after": [B] * (na + nc),
-        "selected": [None] * na + [0] * nc,
+        "store_rows_added_retired": len(new_rows), "tombstones_written": nt}, columns={
+        "kind": ["add"] * na + ["charge"] * nc + ["delete"] * nt,
+        "ledger_index": add_li + live.tolist() + tomb.tolist(),
+        "record_id": add_rid + [None] * nc + [str(s.record_id[i]) if i < len(s) else index_rid[int(i)]
+                                              for i in tomb],
+        "user_id": add_uid + [None] * (nc + nt),
+        "row": add_row + [None] * nc + [-1] * nt,
+        "budget": [B] * na + [None] * (nc + nt),
+        "spent_after": [B] * (na + nc + nt),
+        "selected": [None] * na + [0] * nc + [None] * nt,
     })
     return RepairResult(ledger=str(shown_path), repaired=True, reason=reason, events_kept_through=
                         integrity.head_seq(led), quarantined=[p.name for p in moved],
                         quarantine_folder=None if dry_run or not moved else str(quarantine),
-                        records_retired=nc, store_rows_added_retired=na, dry_run=dry_run)
+                        records_retired=nc, store_rows_added_retired=len(new_rows), tombstones_written=nt,
+                        dry_run=dry_run)

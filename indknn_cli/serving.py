@@ -141,7 +141,8 @@ def build_index(
     created = False
     if not BudgetLedger.exists(ledger_path):  # before the lock, which would create the ledger folder
         integrity.refuse_second_ledger(store, ledger_path)
-    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \
+            integrity.writer_lock(store_path, timeout=lock_timeout):
         if BudgetLedger.exists(ledger_path):
             ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
             integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
@@ -159,6 +160,12 @@ def build_index(
                                          store_path=str(Path(store_path).resolve()))
             integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
             created = True
+        n_priv = store.n_rows("private")
+        moves = ledger.user_moves([str(r) for r in store.read("private", "record_id")],
+                                  [str(u or "") for u in store.read("private", "user_id")]) if n_priv else []
+        if moves:
+            raise BadInputError(f"{len(moves)} private row(s) reuse an erased record id under another user (first: "
+                                f"{moves[0]!r}); an erased id keeps its user: give these rows new record ids")
         added = sync_ledger(ledger, store)
         if created:
             ledger.compact()
@@ -270,7 +277,8 @@ def serve_queries(
     batch_id = batch_id or query_batch
     store = FeatureStore.open(store_path, mode="r")
     q_start, q_stop, q_sha = store.query_batch(query_batch)
-    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \
+            integrity.writer_lock(store_path, timeout=lock_timeout):
         # Re-open under the lock: a delete/compaction may have finished while we waited.
         store = FeatureStore.open(store_path, mode="r")
         store.pin_rows("private")  # one row count for the whole run, whatever a concurrent embed commits
