@@ -271,3 +271,18 @@ def test_min_margin_refuses_nonsense():
     for bad in (-1.0, math.nan, math.inf, True):
         with pytest.raises(BadInputError, match="min-margin"):
             check_min_margin(bad)
+
+
+def test_cli_min_margin(tune_store, tmp_path):
+    from indknn_cli.serving import make_params
+
+    build_index(store_path=tune_store.path, ledger_path=tmp_path / "l",
+                params=make_params(epsilon=2.0, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=100))
+    res = runner.invoke(app, ["serve-queries", "q1", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l"),
+                              "--seed", "5", "--min-margin", "1.0"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.strip().splitlines()]
+    assert len(rows) == 30 and any(r["label"] == -1 and r["label_name"] == "abstain" for r in rows)
+    res = runner.invoke(app, ["serve-queries", "q1", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l"),
+                              "--batch-id", "other", "--min-margin", "-1"])
+    assert res.exit_code == 2 and "min-margin" in res.stderr

@@ -40,7 +40,7 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
         # --batch-id, and a public allowance that is already used up.
         check_batch_id_before_embedding(store=store, ledger=led, batch_id=batch_id)
         allowance = gate.allowance(answered=queries_answered(led), planned_queries=led.params.planned_queries,
-                                   max_queries=max_queries, min_margin=min_margin)
+                                   max_queries=max_queries)
         if allowance is not None and allowance.left == 0 and not (batch_id and led.answers_for(batch_id)["query_row"]):
             gate.check(allowance, new_queries=1)
 
