@@ -284,10 +284,26 @@ def release_count(noisy: float, *, k_min: float) -> float:
     return max(round(noisy * scale) / scale, float(k_min))
 
 
+#: The label value of an abstention (``serve-queries --min-margin``): not a class; its label_name is ABSTAIN_NAME.
+ABSTAIN_LABEL = -1
+ABSTAIN_NAME = "abstain"
+
+
 @dataclass
 class QueryAnswer:
     label: int
     released_count: float
+    #: (noisy top-1 − noisy top-2 vote) / (σ2·sqrt(K_t)), from the same noisy vote vector the argmax reads
+    #: (post-processing of the charged release; never released itself, only compared with --min-margin).
+    margin: float | None = None
+
+
+def noisy_margin(votes: np.ndarray, *, scale: float) -> float:
+    """(top-1 − top-2) of the *noisy* votes over the noise scale σ2·sqrt(K_t); +inf with one class."""
+    if votes.size < 2:
+        return math.inf
+    top2 = np.partition(votes, votes.size - 2)[-2:]
+    return float((top2[1] - top2[0]) / scale)
 
 
 def answer_one(
@@ -331,7 +347,8 @@ def answer_one(
     # Step 4-5: kernel-weighted votes + reuse + N(0, σ2² K) per class; argmax.
     votes = np.bincount(lab, weights=w, minlength=n_classes).astype(np.float64) + reuse_votes
     votes = votes + params.sigma2 * math.sqrt(k_t) * rng.standard_normal(n_classes)
-    return QueryAnswer(label=int(np.argmax(votes)), released_count=float(k_t))
+    return QueryAnswer(label=int(np.argmax(votes)), released_count=float(k_t),
+                       margin=noisy_margin(votes, scale=params.sigma2 * math.sqrt(k_t)))
 
 
 @dataclass
@@ -366,8 +383,13 @@ def answer_batch(
     on_query: Callable[[int], None] | None = None,
     candidate_finder: Callable[..., Candidates] | None = None,
     max_pairs: int | None = None,
+    min_margin: float | None = None,
 ) -> list[QueryAnswer]:
     """Answer a batch of queries in order; mutates ``budgets`` (and ``reuse``).
+
+    ``min_margin`` M (serve-queries --min-margin): an answer whose noisy margin (QueryAnswer.margin) is below
+    M gets ``label = ABSTAIN_LABEL``; it is post-processing of the same noise (no draw, no charge changes)
+    and an abstention joins the reuse pool without a vote (it released no label).
 
     ``candidate_finder(queries, row_mask=...)`` replaces the exact flat scan
     (hashing / IVF kinds); it must return exact κ ≥ τ candidates.
@@ -383,14 +405,16 @@ def answer_batch(
             half = m // 2
             kw = dict(source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
                       n_classes=n_classes, budgets=budgets, run_key=run_key, reuse=reuse, device=device,
-                      on_query=on_query, candidate_finder=candidate_finder, max_pairs=max_pairs)
+                      on_query=on_query, candidate_finder=candidate_finder, max_pairs=max_pairs,
+                      min_margin=min_margin)
             return (answer_batch(queries[:half], first_index=first_index, **kw)
                     + answer_batch(queries[half:], first_index=first_index + half, **kw))
     else:
         cands = _candidates(queries, source, params, device, row_to_ledger, candidate_finder, None)
     return _answer_with_candidates(queries, cands, row_to_ledger=row_to_ledger, row_labels=row_labels,
                                    params=params, n_classes=n_classes, budgets=budgets, run_key=run_key,
-                                   first_index=first_index, reuse=reuse, device=device, on_query=on_query)
+                                   first_index=first_index, reuse=reuse, device=device, on_query=on_query,
+                                   min_margin=min_margin)
 
 
 def _candidates(queries, source, params, device, row_to_ledger, candidate_finder, max_pairs) -> Candidates:
@@ -401,7 +425,7 @@ def _candidates(queries, source, params, device, row_to_ledger, candidate_finder
 
 
 def _answer_with_candidates(queries, cands, *, row_to_ledger, row_labels, params, n_classes, budgets, run_key,
-                            first_index, reuse, device, on_query) -> list[QueryAnswer]:
+                            first_index, reuse, device, on_query, min_margin=None) -> list[QueryAnswer]:
     m = queries.shape[0]
     pool_cands = None
     n_pool0 = 0
@@ -423,12 +447,18 @@ def _answer_with_candidates(queries, cands, *, row_to_ledger, row_labels, params
             plab = np.empty(prow.size, np.int64)
             plab[old] = reuse.labels[prow[old]]
             plab[~old] = batch_labels[prow[~old] - n_pool0]
-            reuse_votes = np.bincount(plab, weights=pool_cands.kappa[t], minlength=n_classes).astype(np.float64)
+            kap_pool = pool_cands.kappa[t]
+            voted = plab >= 0  # an abstention released no label: it gives no reuse vote
+            if not voted.all():
+                plab, kap_pool = plab[voted], kap_pool[voted]
+            reuse_votes = np.bincount(plab, weights=kap_pool, minlength=n_classes).astype(np.float64)
         ans = budgets.answer_one(  # the record unit (SPEC §2) or, for a UserBudgetView, the user unit (§9)
             cand_ledger_idx=row_to_ledger[rows], cand_kappa=cands.kappa[t],
             cand_labels=row_labels[rows].astype(np.int64), reuse_votes=reuse_votes, params=params,
             n_classes=n_classes, rng=noise_generator(run_key, first_index + t),
         )
+        if min_margin is not None and ans.margin < min_margin:
+            ans.label = ABSTAIN_LABEL
         batch_labels[t] = ans.label
         answers.append(ans)
         if on_query is not None:

@@ -288,9 +288,15 @@ class BudgetLedger:
         return (Path(path) / "CURRENT").is_file()
 
     @classmethod
-    def create(cls, path: str | os.PathLike, *, params: PrivacyParams, store_uuid: str, store_path: str) -> "BudgetLedger":
+    def create(cls, path: str | os.PathLike, *, params: PrivacyParams, store_uuid: str, store_path: str,
+               tuning: dict | None = None) -> "BudgetLedger":
+        """``tuning``: the record of ``index --tune`` (indknn_cli.tuning.TuningRecord.as_dict()), written in the
+        metadata of generation 0 — before the ledger exists, so before any query can be charged."""
         path = Path(path)
         params.validate()
+        if tuning is not None and tuning.get("mode") == "private" and params.conversion != "rdp":
+            raise LedgerError(f"{path}: a privately tuned ledger composes tuning and serving by RDP; "
+                              f"its conversion must be rdp, got {params.conversion!r}")
         if cls.exists(path):
             raise LedgerError(f"{path}: a ledger already exists here")
         path.mkdir(parents=True, exist_ok=True)
@@ -299,6 +305,7 @@ class BudgetLedger:
             "format_version": FORMAT_VERSION, "ledger_uuid": uuid.uuid4().hex, "store_uuid": store_uuid,
             "store_path": str(store_path), "params": params.as_dict(),
             "created": time.time(), "last_event_seq": 0,
+            **({"tuning": dict(tuning)} if tuning is not None else {}),
         }
         state = LedgerState.empty()
         ledger = cls(path, meta, state, generation=-1, last_event_seq=0)

@@ -122,8 +122,41 @@ def budget_matches(budget: float, params) -> bool:
     return _certifies(b, eps, delta, conv) and not _certifies(b * (1.0 + BUDGET_REL_TOL), eps, delta, conv)
 
 
+@functools.lru_cache(maxsize=64)
+def _tuned_certifies(budget: float, rho_run: float, mean_runs: float, shape, epsilon: float, delta: float) -> bool:
+    from .tuning import composed_epsilon
+
+    try:
+        return composed_epsilon(rho_run=rho_run, mean_runs=mean_runs, shape=shape, budget_serve=budget,
+                                delta=delta) <= epsilon
+    except (BadInputError, TypeError, ValueError, OverflowError):
+        return False
+
+
+def tuned_budget_matches(budget: float, params, tuning: dict) -> bool:
+    """A ledger made by `index --tune private`: B is B_serve, the largest budget whose composition with the
+    recorded search (dp-accounting, RDP) certifies the ledger's ε — the same two-sided test as
+    :func:`budget_matches`, on the composed curve (docs/TUNING.md)."""
+    try:
+        b, eps, delta = float(budget), float(params.epsilon), float(params.delta)
+        key = (float(tuning["rho_run"]), float(tuning["mean_runs"]), tuning["shape"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if not (math.isfinite(b) and b > 0) or float(tuning.get("budget_serve", -1)) != b:
+        return False
+    return (_tuned_certifies(b, *key, eps, delta)
+            and not _tuned_certifies(b * (1.0 + BUDGET_REL_TOL), *key, eps, delta))
+
+
 def check_snapshot(snap_path: Path, meta: dict, params, answers_bytes: bytes) -> None:
-    if not budget_matches(params.budget, params):
+    tuning = meta.get("tuning") if isinstance(meta.get("tuning"), dict) else None
+    if tuning is not None and tuning.get("mode") == "private":
+        if not tuned_budget_matches(params.budget, params, tuning):
+            raise LedgerIntegrityError(
+                f"{snap_path}: params.budget B={params.budget!r} is not the serving budget of the recorded "
+                f"private tuning composed to ε={params.epsilon!r}, δ={params.delta!r} (rdp); the ledger's "
+                "parameters or its tuning record were edited; refusing it")
+    elif not budget_matches(params.budget, params):
         certifies = _certifies(float(params.budget), float(params.epsilon), float(params.delta), str(params.conversion))
         raise LedgerIntegrityError(
             f"{snap_path}: params.budget B={params.budget!r} is not the calibration of the ledger's own "

@@ -67,7 +67,7 @@ def unit_figures(privacy_unit: str) -> dict:
 
 
 #: The keys of the ledger-wide guarantee, the only ledger-level figures a data-subject view carries.
-_GUARANTEE_KEYS = ("ledger", "format_version", "unit", "adjacency", "scope", "budget", "delta", "epsilon",
+_GUARANTEE_KEYS = ("ledger", "format_version", "unit", "adjacency", "scope", "budget", "delta", "epsilon", "tuning",
                    "conversion", "conversion_label", "epsilon_by_conversion", "ledger_delta", "ledger_conversion",
                    "target_epsilon", "target_conversion", "guarantees", "next_charge_at_least")
 QUANTILES = (("min", 0.0), ("median", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
@@ -358,6 +358,18 @@ def build_account_report(
     if use_delta != ledger_delta:
         guarantees.append(_guarantee(budget, use_delta))
     headline = guarantees[-1]["epsilon_by_conversion"]
+    # index --tune private (docs/TUNING.md): the guarantee is the search composed with serving's α·B by RDP;
+    # the Gaussian-DP curve does not apply to the composition (the selection is not a Gaussian mechanism).
+    from .tuning import headline as tuning_headline
+
+    tuning_share = tuning_headline(ledger.meta.get("tuning"), budget=budget, delta=use_delta)
+    if tuning_share is not None:
+        tuning_share["epsilon_serving_alone"] = headline["rdp"]
+        headline = {"gdp": None, "rdp": _finite(tuning_share["epsilon_total"])}
+        for g in guarantees:
+            g["epsilon_by_conversion"] = {"gdp": None, "rdp": _finite(tuning_headline(
+                ledger.meta["tuning"], budget=budget, delta=g["delta"])["epsilon_total"])}
+        use_conv = "rdp"
     epsilon = headline[use_conv]
 
     spent = np.asarray(s.spent, dtype=np.float64)
@@ -391,6 +403,7 @@ def build_account_report(
         "target_epsilon": params.epsilon,
         "target_conversion": params.conversion,
         "guarantees": guarantees,
+        **({"tuning": tuning_share} if tuning_share is not None else {}),
         "next_charge_at_least": c1,
         "records": n,
         "records_active": n_active,
@@ -456,7 +469,7 @@ def build_account_report(
 
     # A data subject's view (--record / --user): their own figures at the top level, the ledger's guarantee,
     # and nothing computed from other people's records (no counts, quantiles, history or checks).
-    base = {k: data[k] for k in _GUARANTEE_KEYS}
+    base = {k: data[k] for k in _GUARANTEE_KEYS if k in data}
     if record_id is not None:
         hits = np.flatnonzero(s.record_id == record_id) if n else np.empty(0, np.int64)
         if hits.size == 0:

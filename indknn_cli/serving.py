@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from . import accounting, gate, indexes
 from . import ledger_integrity as integrity
-from .engine import COUNT_GRID_DECIMALS, BudgetView, ReusePool, StoreSource, answer_batch
+from .engine import ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, BudgetView, ReusePool, StoreSource, answer_batch
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
 from .store import FeatureStore
@@ -39,14 +39,20 @@ class IndexResult:
     params: PrivacyParams
     kind: str = "flat"
     extra: dict = field(default_factory=dict)
+    tuning: dict | None = None  # the ledger's tuning record (index --tune), if any
 
     def as_dict(self) -> dict:
         p = self.params
+        from . import tuning as _tuning
+
+        share = _tuning.headline(self.tuning, budget=p.budget, delta=p.delta)
+        eps = (share["epsilon_total"] if share is not None
+               else accounting.epsilon_for_budget(budget=p.budget, delta=p.delta, conversion=p.conversion))
         return {
             "store": self.store, "ledger": self.ledger, "kind": self.kind, "created": self.created,
             "records": self.records, "records_added": self.records_added,
-            "budget": p.budget, "epsilon": accounting.epsilon_for_budget(budget=p.budget, delta=p.delta,
-                                                                         conversion=p.conversion),
+            "budget": p.budget, "epsilon": eps,
+            **({"tuning": {**self.tuning, "headline": share}} if self.tuning is not None else {}),
             "delta": p.delta, "conversion": p.conversion, "kernel": p.kernel, "tau": p.tau,
             "sigma1": p.sigma1, "sigma2": p.sigma2, "k_min": p.k_min, "unit": p.privacy_unit,  # what the ε is for (SPEC §8)
             "adjacency": f"add/remove one {p.privacy_unit}",
@@ -114,7 +120,7 @@ def build_index(
     *, store_path: str | os.PathLike, ledger_path: str | os.PathLike, params: PrivacyParams | None,
     kind: str | None = None, lock_timeout: float = 60.0, tables: int | None = None, bits: int | None = None,
     index_seed: int | None = None, nlist: int | None = None, nprobe: int | None = None,
-    train_on: str | os.PathLike | None = None,
+    train_on: str | os.PathLike | None = None, tune: "tuning.TuneRequest | None" = None,
 ) -> IndexResult:
     """Create the ledger (or add the store's new records to it, keeping every spent budget).
 
@@ -122,11 +128,32 @@ def build_index(
     store's current candidate index. hnsw, and IVF centroids trained on private
     vectors, are refused (PrivacyRefusedError): a record's candidate membership
     would depend on other private records, breaking the filter's guarantee (SPEC §4).
+
+    ``tune`` (index --tune, docs/TUNING.md): choose (τ, σ2) first — privately, at a cost composed into the
+    guarantee, or free on labelled public rows — then create the ledger with the chosen parameters and the
+    tuning record in its metadata. Only when the ledger does not exist yet (tuning is once, at creation).
     """
     indexes.check_kind(kind)
+    if tune is not None:
+        if params is not None:
+            raise BadInputError("give the serving parameters through the tuning request, not both")
+        tune.check()
     store = FeatureStore.open(store_path, mode="r")
     if store.n_rows("private") == 0:
         raise BadInputError(f"{store_path}: the store has no private records to index")
+
+    record = None
+    if tune is not None:
+        if BudgetLedger.exists(ledger_path):
+            raise LedgerError(f"{ledger_path}: the ledger already exists; --tune chooses τ and σ2 once, when the "
+                              "ledger is created (its parameters and budget cannot change afterwards)")
+        with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+            if BudgetLedger.exists(ledger_path):
+                raise LedgerError(f"{ledger_path}: the ledger already exists; --tune runs only at creation")
+            from . import tuning as _tuning
+
+            rec, params = _tuning.run_tuning(store, tune)
+            record = rec.as_dict()
 
     def known_params():  # τ and kernel for IVF's nprobe calibration; read only when an IVF is trained
         if params is not None or not BudgetLedger.exists(ledger_path):
@@ -145,6 +172,8 @@ def build_index(
             integrity.writer_lock(store_path, timeout=lock_timeout):
         if BudgetLedger.exists(ledger_path):
             ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+            if record is not None:  # created while we tuned: the tuning result is dropped, never applied
+                raise LedgerError(f"{ledger_path}: another process created the ledger while this one tuned")
             integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
             if params is not None and _differs(params, ledger.params):
                 raise LedgerError(
@@ -157,7 +186,7 @@ def build_index(
                 raise BadInputError("creating a ledger needs --eps and --delta (and --tau, --sigma2)")
             integrity.refuse_second_ledger(store, ledger_path)  # one store, one ledger (SPEC §8)
             ledger = BudgetLedger.create(ledger_path, params=params, store_uuid=store.uuid,
-                                         store_path=str(Path(store_path).resolve()))
+                                         store_path=str(Path(store_path).resolve()), tuning=record)
             integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
             created = True
         n_priv = store.n_rows("private")
@@ -172,7 +201,8 @@ def build_index(
     index_info = indexes.apply_plan(store, plan, lock_timeout=max(lock_timeout, 300.0))
     return IndexResult(store=str(store_path), ledger=str(ledger_path), records=len(ledger.state),
                        records_added=added, created=created, params=ledger.params, kind=plan.kind,
-                       extra={"index": index_info, **({"warnings": warnings} if warnings else {})})
+                       extra={"index": index_info, **({"warnings": warnings} if warnings else {})},
+                       tuning=ledger.meta.get("tuning"))
 
 
 def _unit_checks(store: FeatureStore, params: PrivacyParams | None) -> list[str]:
@@ -254,6 +284,7 @@ def serve_queries(
     on_progress: Callable[[int, int], None] | None = None,
     candidate_finder_factory: Callable | None = None,
     max_queries: int | str | None = None,
+    min_margin: float | None = None,
 ) -> ServeResult:
     """Answer the stored query batch ``query_batch``; each part is charged and committed before release.
 
@@ -270,6 +301,7 @@ def serve_queries(
     queries answered so far plus this batch's new ones would pass T.
     """
     max_queries = gate.parse_max_queries(max_queries)
+    min_margin = check_min_margin(min_margin)
     if batch_size < 1:
         raise BadInputError(f"--batch-size must be ≥ 1, got {batch_size}")
     if max_memory < (16 << 20):
@@ -341,6 +373,7 @@ def serve_queries(
                 queries, source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
                 n_classes=n_classes, budgets=budgets, run_key=run_key, first_index=lo - q_start, reuse=pool,
                 device=device, candidate_finder=finder, max_pairs=max(1 << 16, max_memory // 4 // 24),
+                min_margin=min_margin,
             )
             touched, touched_counts = budgets.part_charges()
             n_ans = len(answers)
@@ -357,7 +390,7 @@ def serve_queries(
                 "query_id": [None] * n_ch + [str(x) for x in query_ids[lo - q_start:hi - q_start]],
                 "query_row": [None] * n_ch + list(range(lo, hi)),
                 "label": [None] * n_ch + labels,
-                "label_name": [None] * n_ch + [store.label_names[x] for x in labels],
+                "label_name": [None] * n_ch + [label_name(store, x) for x in labels],
                 "released_count": [None] * n_ch + [a.released_count for a in answers],
                 "seed": [None] * n_ch + [seed_str] * n_ans,
             }
@@ -365,11 +398,13 @@ def serve_queries(
                 "batch_id": batch_id, "part": part, "seed": seed_str, "query_batch": query_batch,
                 "query_sha256": q_sha, "answers": n_ans, "charged_records": n_ch,
                 "released_count_grid": 10.0 ** -COUNT_GRID_DECIMALS,
+                **({"min_margin": min_margin, "abstained": labels.count(ABSTAIN_LABEL)} if min_margin is not None
+                   else {}),
             })
             part += 1
             new_rows = [{
                 "batch_id": batch_id, "query_index": lo - q_start + j, "query_id": cols["query_id"][n_ch + j],
-                "label": labels[j], "label_name": store.label_names[labels[j]],
+                "label": labels[j], "label_name": label_name(store, labels[j]),
                 "released_count": answers[j].released_count, **({"seed": seed} if seed is not None else {}),
             } for j in range(n_ans)]
             released.extend(new_rows)
@@ -383,6 +418,21 @@ def serve_queries(
     if allowance is not None:
         allowance = gate.Allowance(allowance.max_queries, allowance.source, total)
     return ServeResult(batch_id, released, n_queries - already, already, seed, total, allowance)
+
+
+def check_min_margin(min_margin) -> float | None:
+    """--min-margin M: a finite number ≥ 0 (None: always answer)."""
+    if min_margin is None:
+        return None
+    ok = isinstance(min_margin, (int, float)) and not isinstance(min_margin, bool) and math.isfinite(min_margin)
+    if not ok or min_margin < 0:
+        raise BadInputError(f"--min-margin must be a finite number ≥ 0, got {min_margin!r}")
+    return float(min_margin)
+
+
+def label_name(store: FeatureStore, label: int) -> str:
+    """The released label's name; ``abstain`` for ABSTAIN_LABEL (−1), never a class's name."""
+    return ABSTAIN_NAME if label == ABSTAIN_LABEL else store.label_names[label]
 
 
 def _check_batch_id(batch_id: str, done_rows: set, q_start: int, q_stop: int) -> None:

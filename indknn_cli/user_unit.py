@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .engine import QueryAnswer, release_count
+from .engine import QueryAnswer, noisy_margin, release_count
 from .errors import BadInputError
 
 PRIVACY_UNITS = ("record", "user")
@@ -199,4 +199,5 @@ def answer_one_user(
     # Step 4-5: votes + reuse + N(0, σ2² K) per class; argmax.
     votes = np.bincount(lab[ok], weights=w[ok], minlength=n_classes).astype(np.float64) + reuse_votes
     votes = votes + params.sigma2 * math.sqrt(k_t) * rng.standard_normal(n_classes)
-    return QueryAnswer(label=int(np.argmax(votes)), released_count=float(k_t))
+    return QueryAnswer(label=int(np.argmax(votes)), released_count=float(k_t),
+                       margin=noisy_margin(votes, scale=params.sigma2 * math.sqrt(k_t)))

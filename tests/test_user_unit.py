@@ -238,3 +238,12 @@ def test_account_names_the_user_unit_and_shows_the_users_own_figures(tmp_path):
     text = runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--user", "u1"]).stdout
     flat = " ".join(text.split())
     assert "adjacency: add/remove one user" in flat and "realised individual loss" in flat
+
+
+def test_tune_never_silently_downgrades_a_user_unit_request(tmp_path):
+    users = [f"u{i % 4}" for i in range(40)]
+    store, *_ = _user_store(tmp_path, users)
+    res = runner.invoke(app, ["index", "--store", str(store.path), "--ledger", str(tmp_path / "L"), "--eps", "1",
+                              "--privacy-unit", "user", "--tune", "private"])
+    assert res.exit_code == 2 and "--privacy-unit user" in res.stderr
+    assert not (tmp_path / "L" / "CURRENT").exists()

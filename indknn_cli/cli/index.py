@@ -8,7 +8,9 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
+from ..errors import BadInputError
 from ..serving import build_index, make_params
+from ..tuning import DEFAULT_SIGMA2S, DEFAULT_TAUS, TuneRequest, check_shape
 from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store,
                      run_library_call, stderr_console)
 
@@ -18,7 +20,7 @@ def index_command(
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
     eps: Optional[float] = typer.Option(None, "--eps", help="Target ε of every record's guarantee."),
     delta: float = typer.Option(1e-5, "--delta", help="Target δ."),
-    conversion: str = typer.Option("gdp", "--conversion", help="gdp (analytic Gaussian, default) or rdp."),
+    conversion: Optional[str] = typer.Option(None, "--conversion", help="gdp (analytic Gaussian, default) or rdp (default and required with --tune private)."),
     kernel: str = typer.Option("cosine", "--kernel", help="cosine or rbf."),
     tau: float = typer.Option(0.25, "--tau", help="Kernel threshold τ (tune on public/validation data: `indknn bench tune`)."),
     sigma2: float = typer.Option(0.6, "--sigma2", help="Vote noise scale σ2."),
@@ -37,6 +39,14 @@ def index_command(
     privacy_unit: str = typer.Option("record", "--privacy-unit", help="record (default) or user: whose budget the filter keeps. With user, a person's records share one budget B and the guarantee is for adding or removing one user with all their records (SPEC §9)."),
     max_records_per_user: Optional[int] = typer.Option(None, "--max-records-per-user", help="user unit: only a user's k most similar records (largest κ) count per query (default: all)."),
     user_for_missing: str = typer.Option("refuse", "--user-for-missing", help="user unit: rows without a user id are refused (refuse, default) or each is its own user (record)."),
+    tune: Optional[str] = typer.Option(None, "--tune", help="Choose τ and σ2 when creating the ledger (docs/TUNING.md): private = random search on the private records, its cost composed into the ε target by RDP and recorded in the ledger; public = on the store's labelled public rows, free. --tau/--sigma2 are then ignored."),
+    tune_share: float = typer.Option(0.2, "--tune-share", help="--tune private: fraction of --eps the search may cost (RDP, at --delta)."),
+    tune_runs: float = typer.Option(5.0, "--tune-runs", help="--tune private: mean number of runs K."),
+    tune_shape: str = typer.Option("1", "--tune-shape", help="--tune private: distribution of K: η ≥ 0 of the truncated negative binomial (0 logarithmic, 1 geometric) or 'poisson'."),
+    tune_taus: str = typer.Option(",".join(map(str, DEFAULT_TAUS)), "--tune-taus", help="Comma-separated τ grid."),
+    tune_sigma2s: str = typer.Option(",".join(map(str, DEFAULT_SIGMA2S)), "--tune-sigma2s", help="Comma-separated σ2 grid."),
+    tune_queries: int = typer.Option(500, "--tune-queries", help="--tune private: validation queries S per run (the private set is split in S shards by a public coin)."),
+    tune_seed: Optional[int] = typer.Option(None, "--tune-seed", help="Experiments only: fixed seed of the tuning's coins and noise (recorded). Default: OS entropy."),
 ) -> None:
     """Create the ledger with B calibrated from (ε, δ); re-running adds new records, keeping spent budgets."""
     def call():
@@ -47,11 +57,24 @@ def index_command(
             store_path = Path(upstream["store"]) if upstream and "store" in upstream else resolve_store(None)
         params = None
         if planned_queries < 1:  # make_params would take 0 for "not given" and use 1000
-            from ..errors import BadInputError
-
             raise BadInputError(f"--planned-queries must be ≥ 1, got {planned_queries}")
+        if tune is not None:
+            if eps is None:
+                raise BadInputError("--tune needs --eps (the total ε, tuning included)")
+            if privacy_unit != "record" or max_records_per_user is not None:
+                # the tuning's base run and its accounting are per record; never downgrade a user-unit request
+                raise BadInputError(f"--tune is not available with --privacy-unit {privacy_unit} yet: give --tau "
+                                    "and --sigma2 (chosen on public data) for a user-unit ledger")
+            req = TuneRequest(epsilon=eps, delta=delta, on=tune, share=tune_share, mean_runs=tune_runs,
+                              shape=check_shape(tune_shape), taus=_floats(tune_taus, "--tune-taus"),
+                              sigma2s=_floats(tune_sigma2s, "--tune-sigma2s"), n_val=tune_queries, seed=tune_seed,
+                              conversion=conversion or ("rdp" if tune == "private" else "gdp"), kernel=kernel,
+                              nu=nu, k_min=k_min, sigma1=sigma1, planned_queries=planned_queries)
+            return build_index(store_path=store_path, ledger_path=resolve_ledger(ledger), params=None, kind=kind,
+                               lock_timeout=lock_timeout, tables=tables, bits=bits, index_seed=index_seed,
+                               nlist=nlist, nprobe=nprobe, train_on=train_on, tune=req)
         if eps is not None:
-            params = make_params(epsilon=eps, delta=delta, conversion=conversion, kernel=kernel, tau=tau,
+            params = make_params(epsilon=eps, delta=delta, conversion=conversion or "gdp", kernel=kernel, tau=tau,
                                  sigma2=sigma2, sigma1=sigma1, planned_queries=planned_queries, nu=nu, k_min=k_min,
                                  privacy_unit=privacy_unit, max_records_per_user=max_records_per_user,
                                  user_for_missing=user_for_missing)
@@ -60,6 +83,26 @@ def index_command(
                            nprobe=nprobe, train_on=train_on)
 
     result = run_library_call(call)
+    tuned = result.tuning or {}
+    if tuned.get("mode") == "private" and result.created:
+        stderr_console().print(escape(
+            f"tuned privately: τ={tuned['chosen_tau']:g}, σ2={tuned['chosen_sigma2']:g} after {tuned['runs_drawn']} "
+            f"runs; the search costs ε={tuned['epsilon_tuning']:.4g} of the total ε={tuned['epsilon_total']:.4g} "
+            f"at δ={delta:g} (RDP, record unit, add/remove one record); serving B={result.params.budget:.6g}"))
+    elif tuned.get("mode") == "public" and result.created:
+        stderr_console().print(escape(
+            f"tuned on the store's labelled public rows (free, no private record read): τ={tuned['chosen_tau']:g}, "
+            f"σ2={tuned['chosen_sigma2']:g} (validation accuracy {tuned['public_accuracy']:.3f})"))
     for w in result.extra.get("warnings", []):
         stderr_console().print(f"[yellow]warning:[/] {escape(w)}")
     emit_json(result.as_dict())
+
+
+def _floats(text: str, flag: str) -> tuple:
+    try:
+        vals = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise BadInputError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise BadInputError(f"{flag} must list at least one number, got {text!r}")
+    return vals

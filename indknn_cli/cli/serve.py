@@ -12,7 +12,7 @@ from rich.markup import escape
 from ..errors import BadInputError, ConcurrentChangeError, LedgerError
 from ..ledger import BudgetLedger
 from .. import gate
-from ..serving import (check_batch_id_before_embedding, queries_answered, resolve_query_batch, serve_queries,
+from ..serving import (check_batch_id_before_embedding, check_min_margin, queries_answered, resolve_query_batch, serve_queries,
                        write_answers_parquet)
 from ..ledger_integrity import check_binding, read_mark
 from ..store import FeatureStore
@@ -61,6 +61,7 @@ def serve_command(
     max_memory: str = typer.Option("2G", "--max-memory", help="Memory bound for cached features and scores."),
     lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
     max_queries: Optional[str] = typer.Option(None, "--max-queries", envvar="INDKNN_MAX_QUERIES", help="Public gate for cron: refuse the batch (exit 3, nothing answered or charged) when the queries answered through this ledger plus this batch's would pass N; 'planned' = the ledger's --planned-queries. Reads public figures only. Else $INDKNN_MAX_QUERIES; default: no gate."),
+    min_margin: Optional[float] = typer.Option(None, "--min-margin", help="Abstain (label -1, label_name \"abstain\") when the noisy top-1 minus top-2 vote is below M·σ2·sqrt(K_t): post-processing of the released noise, so charges are unchanged. Abstentions give no reuse vote."),
     text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column of a raw query file."),
     id_column: Optional[str] = typer.Option(None, "--id-column", help="Query id column of a raw query file."),
     image_column: Optional[str] = typer.Option(None, "--image-column"),
@@ -101,6 +102,7 @@ def serve_command(
             upstream_line.append(read_json_line_from_stdin())
         upstream = upstream_line[0] if queries == "-" else None
         sp = Path(upstream["store"]) if upstream and store is None and "store" in upstream else store_path
+        check_min_margin(min_margin)  # before a query file is embedded (nothing written on bad input)
         _preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
                    max_memory=parse_size(max_memory), batch_id=batch_id, max_queries=max_queries)
         opts = {k: v for k, v in dict(text_column=text_column, id_column=id_column, image_column=image_column,
@@ -110,7 +112,7 @@ def serve_command(
         return serve_queries(store_path=sp, ledger_path=ledger_path, query_batch=name, batch_id=batch_id,
                              seed=seed, batch_size=batch_size, device=device, reuse=not no_reuse,
                              max_memory=parse_size(max_memory), lock_timeout=lock_timeout, on_committed=emit,
-                             max_queries=max_queries)
+                             max_queries=max_queries, min_margin=min_margin)
 
     result = run_library_call(call)
     if out is not None:

@@ -1,0 +1,297 @@
+"""index --tune (issue 18): private (τ, σ2) search accounted by dp-accounting, composed with serving by RDP."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from indknn_cli import tuning
+from indknn_cli.cli.app import app
+from indknn_cli.errors import BadInputError, LedgerError
+from indknn_cli.ledger import BudgetLedger
+from indknn_cli.report import build_account_report
+from indknn_cli.serving import build_index, serve_queries
+from indknn_cli.store import ExtractorInfo, FeatureStore
+
+from .conftest import clustered
+
+runner = CliRunner()
+FAST = dict(taus=(0.3, 0.6), sigma2s=(0.5, 1.0), n_val=40, mean_runs=3.0, share=0.3, planned_queries=100)
+
+
+def _req(**kw):
+    return tuning.TuneRequest(**{**dict(epsilon=2.0, delta=1e-5, seed=7), **FAST, **kw})
+
+
+# -- accounting -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [0.0, 1.0, 2.5, "poisson"])
+def test_tuning_cost_is_dp_accountings_figure(shape):
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import RdpAccountant
+
+    rho, mean, delta = 3e-3, 7.0, 1e-6
+    acc = RdpAccountant(orders=list(tuning.ORDERS))
+    sh = math.inf if shape == "poisson" else shape
+    acc.compose(dp_event.RepeatAndSelectDpEvent(event=dp_event.ZCDpEvent(rho=rho), mean=mean, shape=sh))
+    ref = acc.get_epsilon(delta)
+    got = tuning.tuning_epsilon(rho_run=rho, mean_runs=mean, shape=shape, delta=delta)
+    assert got == math.nextafter(ref, math.inf)
+    # composed with serving: the same accountant with ZCDpEvent(B) added
+    acc.compose(dp_event.ZCDpEvent(rho=0.01))
+    assert tuning.composed_epsilon(rho_run=rho, mean_runs=mean, shape=shape, budget_serve=0.01,
+                                   delta=delta) == math.nextafter(acc.get_epsilon(delta), math.inf)
+    # repeat-and-select costs more than one run, never less
+    acc1 = RdpAccountant(orders=list(tuning.ORDERS))
+    acc1.compose(dp_event.ZCDpEvent(rho=rho))
+    assert got > acc1.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 2.0])
+@pytest.mark.parametrize("delta", [1e-5, 1e-9])
+@pytest.mark.parametrize("mean,shape", [(2.0, 1.0), (10.0, "poisson"), (10.0, 0.0)])
+def test_composed_epsilon_never_exceeds_the_target(epsilon, delta, mean, shape):
+    rho = tuning.rho_for_share(epsilon=epsilon, delta=delta, share=0.25, mean_runs=mean, shape=shape)
+    assert tuning.tuning_epsilon(rho_run=rho, mean_runs=mean, shape=shape, delta=delta) <= 0.25 * epsilon
+    b = tuning.serving_budget(epsilon=epsilon, delta=delta, rho_run=rho, mean_runs=mean, shape=shape)
+    kw = dict(rho_run=rho, mean_runs=mean, shape=shape, delta=delta)
+    assert tuning.composed_epsilon(budget_serve=b, **kw) <= epsilon
+    assert tuning.composed_epsilon(budget_serve=b * (1 + 1e-6), **kw) > epsilon * (1 - 1e-5)  # tight, not wasteful
+
+
+def test_share_too_large_or_nonsense_is_refused_naming_the_value():
+    with pytest.raises(BadInputError, match="tune-share"):
+        tuning.rho_for_share(epsilon=1.0, delta=1e-5, share=1.5, mean_runs=5, shape=1)
+    with pytest.raises(BadInputError, match="tune-shape"):
+        tuning.check_shape("geometric")
+    with pytest.raises(BadInputError, match="tune-runs"):
+        tuning.tuning_event(rho_run=1e-3, mean_runs=0.5, shape=1.0)
+
+
+@pytest.mark.parametrize("shape", [0.0, 1.0, 3.0, "poisson"])
+def test_number_of_runs_has_the_accounted_mean(shape):
+    rng = np.random.default_rng(0)
+    k = np.array([tuning.draw_runs(mean_runs=6.0, shape=shape, rng=rng) for _ in range(6000)])
+    assert abs(k.mean() - 6.0) < 0.35
+    if shape != "poisson":
+        assert k.min() >= 1
+
+
+def test_shard_coins_depend_on_the_record_only():
+    ids = [f"r{i}" for i in range(500)]
+    shard, val = tuning.shard_split(ids, n_shards=20, seed_text="seed:1")
+    shard2, val2 = tuning.shard_split(ids[:250] + ids[251:], n_shards=20, seed_text="seed:1")
+    assert np.array_equal(np.delete(shard, 250), shard2)
+    changed = [s for s in range(20) if (val[s] if val[s] < 250 else val[s] - 1) != val2[s] and val[s] != 250]
+    assert changed == []  # removing one record changes at most its own shard's validation record
+    for s in range(20):
+        members = np.flatnonzero(shard == s)
+        assert val[s] in members
+
+
+# -- the search on a store ----------------------------------------------------------------------------------
+@pytest.fixture
+def tune_store(tmp_path):
+    x, y, _ = clustered(600, 16, 3, seed=3)
+    store = FeatureStore.create(tmp_path / "store.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=16,
+                                label_names=["a", "b", "c"], chunk_rows=128)
+    store.append("private", x, labels=y, record_ids=[f"r{i:04d}" for i in range(600)])
+    q, _, _ = clustered(30, 16, 3, seed=4)
+    store.append("query", q, record_ids=[f"q{i:03d}" for i in range(30)], batch="q1")
+    return store
+
+
+def test_reproducible_under_seed(tune_store):
+    store = FeatureStore.open(tune_store.path, mode="r")
+    a, pa_ = tuning.run_tuning(store, _req())
+    b, pb = tuning.run_tuning(store, _req())
+    assert a.as_dict() == b.as_dict() and pa_ == pb
+    data = tuning.BaseRunData.build(store.read("private", "features"), store.read("private", "labels"),
+                                    store.read("private", "record_id"), n_shards=40, seed_text="seed:7",
+                                    n_classes=3)
+    key = tuning._run_key(7, "tune:run:0")
+    s1 = tuning.base_run_correct(data, params=pa_, run_key=key) + tuning.score_noise(key, rho_run=a.rho_run)
+    s2 = tuning.base_run_correct(data, params=pa_, run_key=key) + tuning.score_noise(key, rho_run=a.rho_run)
+    assert s1 == s2
+    c = tuning.run_tuning(store, _req(seed=8, mean_runs=8.0)).__getitem__(0)
+    assert c.as_dict() != a.as_dict()
+
+
+def test_base_run_scores_track_accuracy(tune_store):
+    """A generous per-run budget: the (unnoised) score prefers a sensible τ to one with no neighbours."""
+    from indknn_cli.ledger import PrivacyParams
+
+    store = FeatureStore.open(tune_store.path, mode="r")
+    data = tuning.BaseRunData.build(store.read("private", "features"), store.read("private", "labels"),
+                                    store.read("private", "record_id"), n_shards=40, seed_text="seed:1",
+                                    n_classes=3)
+    def p(tau):
+        return PrivacyParams(epsilon=8, delta=1e-5, conversion="rdp", budget=5.0, kernel="cosine", tau=tau,
+                             sigma1=3.0, sigma2=0.05, nu=None, k_min=1.0, planned_queries=None)
+    good = tuning.base_run_correct(data, params=p(0.3), run_key=1)
+    none = tuning.base_run_correct(data, params=p(0.99), run_key=1)
+    assert good >= 30 and good > none + 10
+
+
+def test_index_tune_records_the_choice_before_any_charge(tune_store, tmp_path):
+    ledger_path = tmp_path / "ledger"
+    res = build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+    led = BudgetLedger.open(ledger_path)
+    t = led.meta["tuning"]
+    # the chosen θ is recorded and is what the ledger serves with
+    assert (t["chosen_tau"], t["chosen_sigma2"]) == (led.params.tau, led.params.sigma2)
+    assert [t["chosen_tau"], t["chosen_sigma2"]] in t["thetas_tried"] or t["default_used"]
+    assert t["runs_drawn"] == len(t["thetas_tried"]) and t["seed"] == "7"
+    assert led.params.conversion == "rdp" and led.params.budget == t["budget_serve"]
+    assert t["epsilon_total"] <= 2.0 and t["epsilon_tuning"] <= 0.3 * 2.0
+    assert not any("score" in k and k not in ("chosen_noisy_score", "score_noise_std") for k in t)  # no other run's score
+    assert res.as_dict()["epsilon"] <= 2.0
+    # the record is in the metadata of the snapshot that created the ledger (generation 0, no event yet):
+    # no query can be charged on a ledger that does not carry it
+    gen0 = [p for p in ledger_path.glob("snapshot-*.parquet")]
+    meta = json.loads(pq.read_schema(gen0[0]).metadata[b"indknn"])
+    assert meta["tuning"] == t
+    served = serve_queries(store_path=tune_store.path, ledger_path=ledger_path, query_batch="q1", seed=1)
+    assert len(served.answers) == 30
+    assert BudgetLedger.open(ledger_path).meta["tuning"] == t  # survives compaction
+
+
+def test_failed_tuning_leaves_no_ledger_and_nothing_to_charge(tune_store, tmp_path, monkeypatch):
+    ledger_path = tmp_path / "ledger"
+
+    def boom(store, req):
+        raise BadInputError("tuning failed")
+    monkeypatch.setattr(tuning, "run_tuning", boom)
+    with pytest.raises(BadInputError):
+        build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+    assert not BudgetLedger.exists(ledger_path)
+    with pytest.raises(LedgerError):
+        serve_queries(store_path=tune_store.path, ledger_path=ledger_path, query_batch="q1", seed=1)
+
+
+def test_tune_refused_on_an_existing_ledger_and_with_gdp(tune_store, tmp_path):
+    ledger_path = tmp_path / "ledger"
+    build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+    with pytest.raises(LedgerError, match="once"):
+        build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+    with pytest.raises(BadInputError, match="rdp"):
+        build_index(store_path=tune_store.path, ledger_path=tmp_path / "l2", params=None,
+                    tune=_req(conversion="gdp"))
+
+
+def test_account_shows_the_tuning_share(tune_store, tmp_path):
+    ledger_path = tmp_path / "ledger"
+    build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+    d = build_account_report(ledger_path=ledger_path).data
+    t = d["tuning"]
+    assert d["conversion"] == "rdp" and d["epsilon"] == t["epsilon_total"] <= 2.0
+    assert d["epsilon_by_conversion"]["gdp"] is None
+    assert t["epsilon_tuning"] < d["epsilon"] and t["epsilon_serving_alone"] < d["epsilon"]
+    res = runner.invoke(app, ["account", "--ledger", str(ledger_path)], env={"INDKNN_WIDTH": "200"})
+    assert res.exit_code == 0, res.output
+    assert "of which tuning" in res.stdout and "rdp" in res.stdout
+    res = runner.invoke(app, ["account", "--ledger", str(ledger_path), "--eps", "2", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["check_eps"]["passed"]
+
+
+def test_public_tuning_is_free(tmp_path):
+    x, y, _ = clustered(400, 16, 3, seed=5)
+    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=16,
+                                label_names=["a", "b", "c"], chunk_rows=128)
+    store.append("private", x[:200], labels=y[:200], record_ids=[f"r{i}" for i in range(200)])
+    store.append("public", x[200:], labels=y[200:], record_ids=[f"p{i}" for i in range(200)])
+    res = build_index(store_path=store.path, ledger_path=tmp_path / "l", params=None,
+                      tune=_req(on="public", conversion="gdp"))
+    led = BudgetLedger.open(tmp_path / "l")
+    assert led.meta["tuning"]["mode"] == "public" and led.meta["tuning"]["epsilon_tuning"] == 0.0
+    from indknn_cli.accounting import calibrate_budget
+
+    assert led.params.budget == calibrate_budget(epsilon=2.0, delta=1e-5, conversion="gdp")  # nothing paid
+    assert build_account_report(ledger_path=tmp_path / "l").data.get("tuning") is None
+    assert res.as_dict()["tuning"]["public_accuracy"] > 0.5
+
+
+def test_cli_index_tune(tune_store, tmp_path):
+    res = runner.invoke(app, ["index", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l"),
+                              "--eps", "2", "--tune", "private", "--tune-taus", "0.3,0.6", "--tune-sigma2s", "0.5",
+                              "--tune-queries", "30", "--tune-runs", "2", "--tune-share", "0.3",
+                              "--planned-queries", "100", "--tune-seed", "3"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["conversion"] == "rdp" and out["tuning"]["mode"] == "private" and out["epsilon"] <= 2.0
+    assert "tuned privately" in res.stderr and "RDP" in res.stderr
+    res = runner.invoke(app, ["index", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l2"),
+                              "--eps", "2", "--tune", "private", "--conversion", "gdp"])
+    assert res.exit_code == 2 and "rdp" in res.stderr
+
+
+# -- serve-queries --min-margin ---------------------------------------------------------------------------------
+def _own_store(store, dest):
+    import shutil
+
+    shutil.copytree(store.path, dest)  # an unbound copy (made before any index)
+    return dest
+
+
+def test_min_margin_abstains_without_changing_answers_or_charges(tune_store, tmp_path):
+    from indknn_cli.serving import make_params
+
+    params = make_params(epsilon=2.0, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=100)
+    runs = {}
+    for name, mm in (("plain", None), ("margin", 1.0)):
+        led = tmp_path / name
+        sp = _own_store(tune_store, tmp_path / f"{name}.zarr")  # one store, one ledger
+        build_index(store_path=sp, ledger_path=led, params=params)
+        r = serve_queries(store_path=sp, ledger_path=led, query_batch="q1", seed=5, reuse=False,
+                          min_margin=mm)
+        runs[name] = (r.answers, BudgetLedger.open(led).state.spent.copy(), BudgetLedger.open(led))
+    plain, margin = runs["plain"][0], runs["margin"][0]
+    assert np.array_equal(runs["plain"][1], runs["margin"][1])  # charges unchanged
+    abst = [m for m in margin if m["label"] == -1]
+    assert abst and all(m["label_name"] == "abstain" for m in abst) and len(abst) < len(margin)
+    for p, m in zip(plain, margin):  # an answer is either the same label or an abstention
+        assert m["released_count"] == p["released_count"]
+        assert m["label"] in (p["label"], -1)
+    assert runs["margin"][2].state.answers["label"].count(-1) == len(abst)  # ledger answer rows too
+
+
+def test_min_margin_with_reuse_same_answers_for_any_batch_size(tune_store, tmp_path):
+    from indknn_cli.serving import make_params
+
+    params = make_params(epsilon=2.0, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=100)
+    out = []
+    for bs in (30, 7):
+        led = tmp_path / f"l{bs}"
+        sp = _own_store(tune_store, tmp_path / f"l{bs}.zarr")  # one store, one ledger
+        build_index(store_path=sp, ledger_path=led, params=params)
+        r = serve_queries(store_path=sp, ledger_path=led, query_batch="q1", seed=5, batch_size=bs,
+                          min_margin=0.8)
+        out.append([(a["label"], a["released_count"]) for a in r.answers])
+    assert out[0] == out[1] and any(lab == -1 for lab, _ in out[0])
+
+
+def test_min_margin_refuses_nonsense():
+    from indknn_cli.serving import check_min_margin
+
+    for bad in (-1.0, math.nan, math.inf, True):
+        with pytest.raises(BadInputError, match="min-margin"):
+            check_min_margin(bad)
+
+
+def test_cli_min_margin(tune_store, tmp_path):
+    from indknn_cli.serving import make_params
+
+    build_index(store_path=tune_store.path, ledger_path=tmp_path / "l",
+                params=make_params(epsilon=2.0, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=100))
+    res = runner.invoke(app, ["serve-queries", "q1", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l"),
+                              "--seed", "5", "--min-margin", "1.0"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.strip().splitlines()]
+    assert len(rows) == 30 and any(r["label"] == -1 and r["label_name"] == "abstain" for r in rows)
+    res = runner.invoke(app, ["serve-queries", "q1", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l"),
+                              "--batch-id", "other", "--min-margin", "-1"])
+    assert res.exit_code == 2 and "min-margin" in res.stderr
