@@ -21,7 +21,7 @@ def embed_command(
     model: Optional[str] = typer.Option(None, "--model", help="text: all-MiniLM-L6-v2 (default, bundled) or a local model folder; image: ARCH:/path/ckpt.pt; pixels-28; hog-28; vectors: a tag naming the vector source."),
     text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column (default: text); a comma list such as title,description is joined with '. '."),
     label_column: Optional[str] = typer.Option(None, "--label-column", help="Label column (default: label; .npz: y; image folders: the class folder names)."),
-    id_column: Optional[str] = typer.Option(None, "--id-column", help="Record id column (default: generated ids ROLE-00000000; image folders: FOLDERNAME/CLASS/FILE; .npz: ids)."),
+    id_column: Optional[str] = typer.Option(None, "--id-column", help="Record id column (default: id when the input has such a column, else generated ids ROLE-00000000; \"\" always generates; image folders: FOLDERNAME/CLASS/FILE; .npz: ids)."),
     user_column: Optional[str] = typer.Option(None, "--user-column", help="User id column (optional; .npz: users)."),
     image_column: Optional[str] = typer.Option(None, "--image-column", help="Image path column of a table of images (default: path; relative to the table's folder)."),
     vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed vectors in Parquet / JSON lines (default: vector; .npz: x)."),

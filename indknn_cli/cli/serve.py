@@ -61,10 +61,10 @@ def serve_command(
     max_memory: str = typer.Option("2G", "--max-memory", help="Memory bound for cached features and scores."),
     lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
     max_queries: Optional[str] = typer.Option(None, "--max-queries", envvar="INDKNN_MAX_QUERIES", help="Public gate for cron: refuse the batch (exit 3, nothing answered or charged) when the queries answered through this ledger plus this batch's would pass N; 'planned' = the ledger's --planned-queries. Reads public figures only. Else $INDKNN_MAX_QUERIES; default: no gate."),
-    text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column of a raw query file."),
-    id_column: Optional[str] = typer.Option(None, "--id-column", help="Query id column of a raw query file."),
-    image_column: Optional[str] = typer.Option(None, "--image-column"),
-    vector_column: Optional[str] = typer.Option(None, "--vector-column"),
+    text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column of a raw query file (default: text)."),
+    id_column: Optional[str] = typer.Option(None, "--id-column", help="Query id column of a raw query file (default: id when the file has such a column, else generated ids query-00000000; \"\" always generates). Answers carry these ids."),
+    image_column: Optional[str] = typer.Option(None, "--image-column", help="Image path column of a raw query table (default: path; relative to the table's folder)."),
+    vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed query vectors in Parquet / JSON lines (default: vector)."),
 ) -> None:
     """Answer queries with Ind-KNN. stdout: one JSON line per answer (query id, label, released count K).
 
