@@ -193,7 +193,7 @@ def serve_speed_command(ctx: typer.Context) -> None:
     """Queries/s of serve-queries end to end (flat, cosine, reuse off) at several N and d. `--help` for options."""
     from ..benchmarks.serve_speed import main
 
-    main(list(ctx.args))
+    run_library_call(lambda: main(list(ctx.args)))
 
 
 @bench_app.command("index-speed", context_settings=_PASSTHROUGH)
@@ -201,7 +201,7 @@ def index_speed_command(ctx: typer.Context) -> None:
     """Queries/s, candidate recall and accuracy per index kind (flat, lsh, ivf). `--help` for options."""
     from ..benchmarks.index_speed import main
 
-    main(list(ctx.args))
+    run_library_call(lambda: main(list(ctx.args)))
 
 
 @bench_app.command("user-unit", context_settings=_PASSTHROUGH)
@@ -209,7 +209,7 @@ def user_unit_command(ctx: typer.Context) -> None:
     """Accuracy and queries/s of the record unit vs the user unit on users of 1–20 records. `--help` for options."""
     from ..benchmarks.user_unit import main
 
-    code = main(list(ctx.args))
+    code = run_library_call(lambda: main(list(ctx.args)))
     if code:
         raise typer.Exit(code)
 
@@ -219,6 +219,6 @@ def audit_command(ctx: typer.Context) -> None:
     """Empirical privacy audit: a canary membership-inference ε lower bound vs the certified ε (exit 4 if above)."""
     from ..benchmarks.audit import main
 
-    code = main(list(ctx.args))
+    code = run_library_call(lambda: main(list(ctx.args)))
     if code:
         raise typer.Exit(code)
