@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -49,7 +50,7 @@ def test_dash_h_and_quiet_verbose_everywhere():
     for cmd in cmds:
         res = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
         assert res.exit_code == 0, cmd
-        if cmd[0] != "bench" or cmd[-1] not in ("serve-speed", "index-speed", "user-unit", "audit"):
+        if cmd[-1] != "user-unit":  # user-unit keeps its own argparse parser (-h there is argparse's)
             assert "--quiet" in res.stdout and "-q" in res.stdout and "--verbose" in res.stdout, cmd
             short = runner.invoke(app, [*cmd, "-h"], env={"COLUMNS": "200"})
             assert short.exit_code == 0 and short.stdout == res.stdout, cmd
@@ -173,3 +174,86 @@ def test_account_export_bad_name_is_exit_2(tmp_path, vector_store):
     assert res.returncode == 2 and ".parquet or .csv" in res.stderr and not (tmp_path / "state.xlsx").exists()
     res = cli("account", "--help", env={"COLUMNS": "300"})
     assert "OPERATOR ONLY" in res.stdout
+
+
+def _run_with_stderr_on_a_pty(args, env=None):
+    """Run the CLI with stderr on a pseudo-terminal (stdout a pipe); return (rc, stdout, stderr text)."""
+    import pty
+
+    master, slave = pty.openpty()
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("INDKNN_")}
+    full_env.update(PYTHONPATH=str(ROOT), COLUMNS="100", TERM="xterm", **(env or {}))
+    full_env.pop("NO_COLOR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "indknn_cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=slave, stdin=subprocess.DEVNULL, env=full_env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the pty
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out = proc.stdout.read().decode()
+    rc = proc.wait(timeout=300)
+    os.close(master)
+    return rc, out, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_only_on_a_terminal(vector_store, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    store, ledger = vector_store.path, tmp_path / "L"
+    assert cli("index", "--store", store, "--ledger", ledger, "--eps", "1", "--tau", "0.5").returncode == 0
+    rc, out, err = _run_with_stderr_on_a_pty(["serve-queries", "q1", "--store", store, "--ledger", ledger,
+                                              "--seed", "1", "--batch-size", "16"])
+    assert rc == 0 and out.count("\n") == 40, err
+    assert "answering" in err and "━" in err and "40/40" in err
+    res = cli("serve-queries", "q1", "--store", store, "--ledger", ledger, "--seed", "1", "--batch-id", "b2")
+    assert res.returncode == 0 and "━" not in res.stderr and "answering" not in res.stderr
+    rc, out, err = _run_with_stderr_on_a_pty(["serve-queries", "q1", "--store", store, "--ledger", ledger,
+                                              "--seed", "1", "--batch-id", "b3", "-q"])
+    assert rc == 0 and err.strip() == "", err  # --quiet: no bar either
+
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"id": [f"n{i}" for i in range(5)], "label": ["a"] * 5,
+                             "vector": [list(map(float, v)) for v in rng.normal(size=(5, 16))]}), tmp_path / "v.parquet")
+    rc, out, err = _run_with_stderr_on_a_pty(["embed", tmp_path / "v.parquet", "--store", tmp_path / "e.zarr",
+                                              "--extractor", "vectors"])
+    assert rc == 0 and "embedding" in err and "━" in err, err
+    res = cli("embed", tmp_path / "v.parquet", "--store", tmp_path / "e2.zarr", "--extractor", "vectors")
+    assert res.returncode == 0 and "━" not in res.stderr and "embedding" not in res.stderr, res.stderr
+
+
+def test_embed_checks_the_input_before_loading_the_model(tmp_path, monkeypatch):
+    from indknn_cli import embedding, extractors
+    from indknn_cli.errors import BadInputError
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(extractors.TextExtractor, "__init__", no_model)
+    (tmp_path / "t.csv").write_text("id,text,label\na,hello,x\n")
+    with pytest.raises(BadInputError, match="text column 'nope' not found"):
+        embedding.embed_into_store(tmp_path / "t.csv", store_path=tmp_path / "s.zarr", text_column="nope")
+    with pytest.raises(BadInputError, match="no such file"):
+        embedding.embed_into_store(tmp_path / "none.csv", store_path=tmp_path / "s.zarr")
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_bench_speed_and_audit_help_is_typer_style():
+    for cmd, flags in ((["bench", "serve-speed"], ["--n", "--d", "--queries", "--device"]),
+                       (["bench", "index-speed"], ["--n", "--ag", "--out"]),
+                       (["bench", "audit"], ["--eps", "--trials", "--reuse", "--no-reuse", "--seed"])):
+        res = runner.invoke(app, [*cmd, "-h"], env={"COLUMNS": "250"})
+        assert res.exit_code == 0, cmd
+        text = res.stdout
+        assert "usage: indknn" not in text and "issue 5" not in text, cmd
+        assert "[default:" in text and all(f in text for f in flags), cmd
+    res = runner.invoke(app, ["bench", "audit", "--reuse", "maybe"])
+    assert res.exit_code == 2
+    res = runner.invoke(app, ["serve-queries", "-h"], env={"COLUMNS": "300"})
+    assert "K, M, G or T" in " ".join(res.stdout.split())

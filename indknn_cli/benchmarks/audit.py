@@ -1,7 +1,7 @@
 """Empirical privacy audit of Ind-KNN: ε lower bound from a canary attack vs the certified ε.
 
     indknn bench audit                          # 2000 trials per world, OS-entropy noise
-    indknn bench audit --trials 5000 --epsilon 4 --out audit.json
+    indknn bench audit --trials 5000 --eps 4 --out audit.json
     python bench/audit.py ...                   # the same
 
 Prints one JSON object on stdout: the measured ε lower bound (Clopper–Pearson,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -58,6 +59,32 @@ def error_message(prefix: str, text: str) -> None:
 def stdout_console() -> Console:
     width = os.environ.get("INDKNN_WIDTH")
     return Console(width=int(width) if width else None, highlight=False)
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, *, total: int | None = None):
+    """A rich bar on stderr, only on a terminal and not under --quiet (cron mail gets nothing).
+
+    Yields ``update(completed=None, total=None, advance=None, description=None)``; off a terminal a no-op.
+    """
+    con = stderr_console()
+    if verbosity() == 0 or not con.is_terminal:
+        yield lambda **_: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    # redirect_stdout=False: JSON lines written while the bar runs stay on stdout (rich would capture them)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=con, transient=False, redirect_stdout=False, redirect_stderr=False) as bar:
+        task = bar.add_task(escape(description), total=total)
+
+        def update(*, completed=None, total=None, advance=None, description=None) -> None:
+            kw = {k: v for k, v in dict(completed=completed, total=total, advance=advance).items() if v is not None}
+            if description is not None:
+                kw["description"] = escape(description)
+            bar.update(task, **kw)
+
+        yield update
 
 
 def emit_json(obj: dict) -> None:

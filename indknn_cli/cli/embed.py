@@ -7,10 +7,9 @@ from typing import Optional
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..embedding import embed_into_store
-from .common import emit_json, resolve_store, run_library_call, stderr_console
+from .common import emit_json, progress_bar, resolve_store, run_library_call, stderr_console
 
 
 def embed_command(
@@ -37,12 +36,10 @@ def embed_command(
     names = [n.strip() for n in label_names.split(",")] if label_names is not None else None
 
     def call():
-        with Progress(TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=False) as bar:
-            task = bar.add_task("embed", total=None)
-
+        # on a terminal only; "loading model" until the first rows are embedded (the input is checked first)
+        with progress_bar("loading model") as update:
             def progress(done: int, total: int | None) -> None:
-                bar.update(task, completed=done, total=total)
+                update(completed=done, total=total, description="embedding")
 
             return embed_into_store(
                 input, store_path=store_path, role=role, extractor=extractor, model=model,
