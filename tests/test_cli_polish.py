@@ -257,3 +257,11 @@ def test_bench_speed_and_audit_help_is_typer_style():
     assert res.exit_code == 2
     res = runner.invoke(app, ["serve-queries", "-h"], env={"COLUMNS": "300"})
     assert "K, M, G or T" in " ".join(res.stdout.split())
+
+
+def test_bench_audit_quiet_and_off_a_terminal():
+    res = cli("bench", "audit", "--trials", "40", "--seed", "1", "--eps", "2")
+    assert res.returncode == 0 and "trials" not in res.stderr  # no progress lines in cron mail
+    assert len(res.stderr.strip().splitlines()) == 1 and "ε lower bound" in res.stderr
+    res = cli("bench", "audit", "--trials", "40", "--seed", "1", "-q")
+    assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith("{")

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(done: int, total: int) -> None:
         now = time.perf_counter()
-        if now - last[0] > 5 or done == total:
+        if sys.stderr.isatty() and (now - last[0] > 5 or done == total):  # progress on a terminal only
             last[0] = now
             print(f"audit: {done}/{total} trials", file=sys.stderr, flush=True)
 

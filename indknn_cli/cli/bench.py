@@ -204,6 +204,19 @@ def _argv(**opts) -> list[str]:
     return argv
 
 
+def _module_main(main, argv: list[str]):
+    """Run a benchmark module's main; under --quiet its own stderr lines (progress, tables) are dropped."""
+    import contextlib
+    import os
+
+    from .common import verbosity
+
+    if verbosity() > 0:
+        return main(argv)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+        return main(argv)  # an error still reaches run_library_call, which prints it after the redirect
+
+
 N_SIZES = "Comma-separated private-set sizes N (1e6 or 1000000)."
 
 
@@ -221,8 +234,8 @@ def serve_speed_command(
     from ..benchmarks.serve_speed import main
 
     def call():
-        return main(_argv(n=list(_ints(n, "--n")), d=list(_ints(d, "--d")), queries=queries, tau=tau,
-                          batch_size=batch_size, device=device))
+        return _module_main(main, _argv(n=list(_ints(n, "--n")), d=list(_ints(d, "--d")), queries=queries,
+                                        tau=tau, batch_size=batch_size, device=device))
 
     run_library_call(call)
 
@@ -244,8 +257,9 @@ def index_speed_command(
     """Queries/s, candidate recall and accuracy per index kind (flat, lsh, ivf)."""
     from ..benchmarks.index_speed import main
 
-    run_library_call(lambda: main(_argv(n=list(_ints(n, "--n")), d=d, queries=queries, batch=batch, tau=tau,
-                                        ag=ag, ag_tau=ag_tau, latency_queries=latency_queries, out=out)))
+    run_library_call(lambda: _module_main(main, _argv(n=list(_ints(n, "--n")), d=d, queries=queries, batch=batch,
+                                                      tau=tau, ag=ag, ag_tau=ag_tau, latency_queries=latency_queries,
+                                                      out=out)))
 
 
 @bench_app.command("user-unit", context_settings=_PASSTHROUGH)
@@ -253,7 +267,7 @@ def user_unit_command(ctx: typer.Context) -> None:
     """Accuracy and queries/s of the record unit vs the user unit on users of 1–20 records. `--help` for options."""
     from ..benchmarks.user_unit import main
 
-    code = run_library_call(lambda: main(list(ctx.args)))
+    code = run_library_call(lambda: _module_main(main, list(ctx.args)))
     if code:
         raise typer.Exit(code)
 
@@ -291,6 +305,6 @@ def audit_command(
     argv = _argv(epsilon=eps, delta=delta, conversion=conversion, trials=trials, queries=queries,
                  background=background, far=far, dim=dim, tau=tau, sigma2=sigma2, count_share=count_share,
                  k_min=k_min, alpha=alpha, seed=seed, out=out) + ["--reuse", "true" if reuse else "false"]
-    code = run_library_call(lambda: main(argv))
+    code = run_library_call(lambda: _module_main(main, argv))
     if code:
         raise typer.Exit(code)
