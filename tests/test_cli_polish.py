@@ -265,3 +265,16 @@ def test_bench_audit_quiet_and_off_a_terminal():
     assert len(res.stderr.strip().splitlines()) == 1 and "ε lower bound" in res.stderr
     res = cli("bench", "audit", "--trials", "40", "--seed", "1", "-q")
     assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith("{")
+
+
+def test_redirected_account_tables_never_cut_ids(tmp_path):
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.serving import make_params
+
+    led = BudgetLedger.create(tmp_path / "L", params=make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.5), store_uuid="x",
+                              store_path="(none)")
+    long_id = "2026-11-24-request-from-a-very-long-customer-identifier-0001"
+    led.add_records(record_ids=[long_id], user_ids=["u-with-a-long-name-as-well-0001"], rows=[0])
+    res = cli("account", "--ledger", tmp_path / "L", "--record", long_id)
+    assert res.returncode == 0, res.stderr
+    assert long_id in res.stdout and "…" not in res.stdout

@@ -57,7 +57,10 @@ def error_message(prefix: str, text: str) -> None:
 
 
 def stdout_console() -> Console:
+    """Tables on stdout; redirected (not a terminal), a wide console so that ids are never cut at 80 columns."""
     width = os.environ.get("INDKNN_WIDTH")
+    if not width and not sys.stdout.isatty():
+        width = "1000"
     return Console(width=int(width) if width else None, highlight=False)
 
 
