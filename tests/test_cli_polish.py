@@ -278,3 +278,8 @@ def test_redirected_account_tables_never_cut_ids(tmp_path):
     res = cli("account", "--ledger", tmp_path / "L", "--record", long_id)
     assert res.returncode == 0, res.stderr
     assert long_id in res.stdout and "…" not in res.stdout
+
+
+def test_index_without_eps_names_only_what_is_missing(vector_store, tmp_path):
+    res = cli("index", "--store", vector_store.path, "--ledger", tmp_path / "L")
+    assert res.returncode == 2 and "needs --eps" in res.stderr and "have defaults" in res.stderr
