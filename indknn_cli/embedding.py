@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import BadInputError, StoreError
-from .extractors import Extractor, extractor_from_info, get_extractor
+from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .readers import Source, open_source
 from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows
 
@@ -130,14 +130,26 @@ def embed_into_store(
     elif role == "query":
         raise StoreError(f"{store_path}: no feature store here; queries go into an existing store "
                          f"(embed the private set first: indknn embed DATA --role private --store {store_path})")
-    ex = _resolve_extractor(extractor, model, device, store)
-    if store is not None:  # other extractor or other d: a clear StoreError
-        store = FeatureStore.open(store_path, mode="a", expect_extractor=ex.info, expect_dim=ex.dim)
-    return _embed(source, store=store, store_path=store_path, role=role, ex=ex, if_exists=if_exists,
-                  batch=batch, label_names=label_names, progress=progress, lock=lock,
-                  reader_opts=dict(text_column=text_column, label_column=label_column, id_column=id_column,
-                                   user_column=user_column, image_column=image_column,
-                                   vector_column=vector_column, batch_rows=batch_rows, stdin=stdin))
+    reader_opts = dict(text_column=text_column, label_column=label_column, id_column=id_column,
+                       user_column=user_column, image_column=image_column, vector_column=vector_column,
+                       batch_rows=batch_rows, stdin=stdin)
+    # Check the input (file, format, columns) before loading a model (issue 20): the input kind needs no model.
+    kind = None if isinstance(source, Source) or isinstance(extractor, Extractor) else input_kind_of(
+        extractor if extractor is not None else (store.extractor.name if store is not None else "text"))
+    opened = open_source(source, extractor_kind=kind, **reader_opts) if kind is not None else None
+    try:
+        ex = _resolve_extractor(extractor, model, device, store)
+        if store is not None:  # other extractor or other d: a clear StoreError
+            store = FeatureStore.open(store_path, mode="a", expect_extractor=ex.info, expect_dim=ex.dim)
+        if opened is not None and ex.input_kind != kind:  # cannot happen with the built-in extractors
+            opened.close()
+            opened = None
+        return _embed(opened if opened is not None else source, store=store, store_path=store_path, role=role,
+                      ex=ex, if_exists=if_exists, batch=batch, label_names=label_names, progress=progress,
+                      lock=lock, reader_opts=reader_opts)
+    finally:
+        if opened is not None:
+            opened.close()
 
 
 class QueryBatchName(str):

@@ -431,6 +431,13 @@ def _load_open_clip(open_clip, arch: str, ckpt: str | None, device: str):
 # ---------------------------------------------------------------------------
 # factory
 # ---------------------------------------------------------------------------
+def input_kind_of(name: str) -> str | None:
+    """The input kind (text, image, vector) of extractor ``name`` without building it (no model load)."""
+    cls = {"text": TextExtractor, "image": ClipImageExtractor, "pixels": PixelsExtractor, "hog": HogExtractor,
+           "vectors": VectorsExtractor}.get(name)
+    return None if cls is None else cls.input_kind
+
+
 def get_extractor(name: str, *, model: str | None = None, device: str = "auto") -> Extractor:
     """Build the extractor ``name`` (text|image|pixels|hog|vectors) with an optional model spec."""
     if name == "text":

@@ -40,6 +40,7 @@ DEFAULT_TEXT_COLUMN = "text"
 DEFAULT_LABEL_COLUMN = "label"
 DEFAULT_IMAGE_COLUMN = "path"
 DEFAULT_VECTOR_COLUMN = "vector"
+DEFAULT_ID_COLUMN = "id"  # used when the input has such a column; --id-column "" generates ids instead
 NPZ_DEFAULTS = {"x": "x", "label": "y", "id": "ids", "user": "users"}
 TEXT_JOINER = ". "
 
@@ -367,7 +368,9 @@ class TableSource(Source):
         else:
             self.label_column = DEFAULT_LABEL_COLUMN if DEFAULT_LABEL_COLUMN in self.columns else None
         self.requested_label_column = label_column or DEFAULT_LABEL_COLUMN
-        self.id_column = id_column
+        if id_column is None and DEFAULT_ID_COLUMN in self.columns:
+            id_column = DEFAULT_ID_COLUMN
+        self.id_column = id_column or None
         self.user_column = user_column
         if id_column:
             t.require(id_column, "id")

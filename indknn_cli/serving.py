@@ -183,7 +183,8 @@ def build_index(
                 )
         else:
             if params is None:
-                raise BadInputError("creating a ledger needs --eps and --delta (and --tau, --sigma2)")
+                raise BadInputError("creating a ledger needs --eps (the target ε; --delta, --tau and --sigma2 have "
+                                    "defaults: indknn index -h)")
             integrity.refuse_second_ledger(store, ledger_path)  # one store, one ledger (SPEC §8)
             ledger = BudgetLedger.create(ledger_path, params=params, store_uuid=store.uuid,
                                          store_path=str(Path(store_path).resolve()), tuning=record)

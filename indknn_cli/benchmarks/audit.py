@@ -1,7 +1,7 @@
 """Empirical privacy audit of Ind-KNN: ε lower bound from a canary attack vs the certified ε.
 
     indknn bench audit                          # 2000 trials per world, OS-entropy noise
-    indknn bench audit --trials 5000 --epsilon 4 --out audit.json
+    indknn bench audit --trials 5000 --eps 4 --out audit.json
     python bench/audit.py ...                   # the same
 
 Prints one JSON object on stdout: the measured ε lower bound (Clopper–Pearson,
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(done: int, total: int) -> None:
         now = time.perf_counter()
-        if now - last[0] > 5 or done == total:
+        if sys.stderr.isatty() and (now - last[0] > 5 or done == total):  # progress on a terminal only
             last[0] = now
             print(f"audit: {done}/{total} trials", file=sys.stderr, flush=True)
 

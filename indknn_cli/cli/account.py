@@ -5,6 +5,7 @@ Read-only: takes no lock and writes nothing to the ledger.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -18,7 +19,7 @@ from ..ledger_integrity import enforce_verified, verification_lines, verify_ledg
 from ..report import (QUANTILES, REALISED_LABEL, AccountReport,
                       build_account_report, enforce_checks)
 from ..serving import public_allowance
-from .common import emit_json, resolve_ledger, run_library_call, stderr_console, stdout_console
+from .common import emit_json, resolve_ledger, run_library_call, say, stderr_console, stdout_console, verbosity
 
 HISTORY_ROWS = 20
 
@@ -61,7 +62,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     out.print(f"headline: ε({d['conversion']}) = {_f(d['epsilon'], '.6g')} at δ = {d['delta']:g}, "
               f"{escape(d['adjacency'])}")
     for c in ("gdp", "rdp"):
-        out.print(f"  {c}: {CONVERSION_LABEL[c]}")
+        out.print(escape(f"  {c}: {CONVERSION_LABEL[c]}"))
     out.print(f"the ledger was calibrated for ε({d['target_conversion']}) = {d['target_epsilon']:g} "
               f"at δ = {d['ledger_delta']:g}")
     t = d.get("tuning")
@@ -130,6 +131,25 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
             out.print(f"last {HISTORY_ROWS} of {len(hist)} batches (all of them in --json)")
 
 
+def _one_line_check(report: AccountReport) -> None:
+    """`account --eps/--min-active` used as a check off a terminal (or with --quiet): one verdict line on stderr,
+    the documented exit code, no tables."""
+    d = report.data
+    parts = []
+    chk = d.get("check_eps")
+    if chk is not None:
+        parts.append(f"--eps {chk['eps']:g} check {'passed' if chk['passed'] else 'FAILED'}: guarantee "
+                     f"ε({chk['conversion']}) = {_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}")
+    chk = d.get("check_min_active")
+    if chk is not None:
+        parts.append(f"--min-active {chk['min_active']} check {'passed' if chk['passed'] else 'FAILED'}: "
+                     f"{chk['records_active']} active (need {chk['required']}; operator-only figure)")
+    say("; ".join(parts), errors=True)  # the verdict is what a check is run for: shown under --quiet too
+    if report.failures:
+        raise typer.Exit(code=report.failures[0][0].exit_code)  # --eps wins when both fail (exit 4)
+    raise typer.Exit(code=0)
+
+
 def account_command(
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
     store: Optional[Path] = typer.Option(None, "--store", envvar="INDKNN_STORE", show_envvar=False,
@@ -144,6 +164,7 @@ def account_command(
     record: Optional[str] = typer.Option(None, "--record", help="One record's status, spent, remaining, realised ε, times selected, deletion (data-subject access request): that record's figures and the ledger's guarantee only, nothing about other records."),
     user: Optional[str] = typer.Option(None, "--user", help="The same for every record of one user, record by record: there is no user-level ε (the guarantee is per record, add/remove one record)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a picture (PNG/PDF/SVG): retired fraction and median realised loss against queries answered, histogram of spent/B."),
+    export: Optional[Path] = typer.Option(None, "--export", help="OPERATOR ONLY (exact private figures): write FILE.parquet or FILE.csv with one row per record as it stands now (id, user, status, spent, budget, remaining, realised ε by conversion, times selected, last change and deleted at as UTC timestamps) and ε, δ, B, conversion, unit and adjacency as columns. Prints one JSON line (file, rows). docs/EXPORT.md has a duckdb query."),
     verify: bool = typer.Option(False, "--verify", help="Walk the ledger's hash chain and check its budgets, the store binding and the store's high-water mark (--store, else the store the ledger records); print what was verified. Exit 1 when a check fails."),
 ) -> None:
     """Where privacy budgets stand: the (ε, δ) guarantee (gdp and rdp), active/retired/deleted records, history.
@@ -166,17 +187,28 @@ def account_command(
         emit_json(result) if json_out else typer.echo("\n".join(verification_lines(result)))
         run_library_call(lambda: enforce_verified(result))
         return
+    if export is not None:
+        from ..export import EXPORT_NOTE, export_account
+
+        result = run_library_call(lambda: export_account(ledger_path=ledger_path, out=export, delta=delta,
+                                                         conversion=conversion))
+        emit_json(result)
+        say(f"wrote {result['rows']} records to {result['export']} ({EXPORT_NOTE})")
+        return
     if queries_left:
         allowance = run_library_call(lambda: public_allowance(ledger_path=ledger_path, max_queries=max_queries))
         emit_json(allowance.as_dict())
         if allowance.left == 0:
-            err.print(f"query allowance reached: {allowance.answered} of T = {allowance.max_queries} answered")
+            say(f"query allowance reached: {allowance.answered} of T = {allowance.max_queries} answered", errors=True)
             raise typer.Exit(code=EXIT_BUDGET_EXHAUSTED)
         return
     report = run_library_call(lambda: build_account_report(
         ledger_path=ledger_path, store_path=store, delta=delta, conversion=conversion, eps=eps,
         min_active=min_active, record_id=record, user_id=user, plot_path=plot))
     d = report.data
+    if (eps is not None or min_active is not None) and not json_out and record is None and user is None \
+            and plot is None and (verbosity() == 0 or not sys.stdout.isatty()):
+        _one_line_check(report)  # cron: one line on stderr, no tables
     if json_out:
         emit_json(d)
     else:

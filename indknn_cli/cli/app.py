@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from .. import __version__
+from .common import internal_error, set_verbosity, with_verbosity
 
 app = typer.Typer(
     name="indknn",
@@ -16,6 +17,7 @@ app = typer.Typer(
         "4 `account --eps` check failed."
     ),
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     add_completion=False,
 )
@@ -41,6 +43,10 @@ def _register() -> None:
             app.add_typer(obj, name=name)
         else:
             app.command(name)(obj)
+    # --quiet/-q and --verbose/-v on every command, sub-commands of `bench` included
+    for group in [app] + [g.typer_instance for g in app.registered_groups]:
+        for info in group.registered_commands:
+            info.callback = with_verbosity(info.callback)
 
 
 def _version(value: bool) -> None:
@@ -53,10 +59,20 @@ def _version(value: bool) -> None:
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     """indknn."""
+    set_verbosity()  # a fresh invocation starts at normal verbosity; -q / -v on the command change it
 
 
 _register()
 
 
 def main() -> None:
-    app()
+    """The console entry point: no traceback ever reaches the terminal unless INDKNN_DEBUG=1."""
+    import os
+
+    try:
+        app()
+    except Exception as exc:  # noqa: BLE001 - typer re-raises what no command mapped (pretty exceptions off)
+        if os.environ.get("INDKNN_DEBUG") == "1":
+            raise
+        internal_error(exc)
+        raise SystemExit(1) from None

@@ -188,20 +188,78 @@ def tune(
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
-@bench_app.command("serve-speed", context_settings=_PASSTHROUGH)
-def serve_speed_command(ctx: typer.Context) -> None:
-    """Queries/s of serve-queries end to end (flat, cosine, reuse off) at several N and d. `--help` for options."""
+def _argv(**opts) -> list[str]:
+    """Typer-checked options → the argv of a benchmark module's own parser (None: left at its default)."""
+    argv: list[str] = []
+    for name, value in opts.items():
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _module_main(main, argv: list[str]):
+    """Run a benchmark module's main; under --quiet its own stderr lines (progress, tables) are dropped."""
+    import contextlib
+    import os
+
+    from .common import verbosity
+
+    if verbosity() > 0:
+        return main(argv)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+        return main(argv)  # an error still reaches run_library_call, which prints it after the redirect
+
+
+N_SIZES = "Comma-separated private-set sizes N (1e6 or 1000000)."
+
+
+@bench_app.command("serve-speed")
+def serve_speed_command(
+    n: str = typer.Option("10000,50000,200000", "--n", help=N_SIZES),
+    d: str = typer.Option("384,768", "--d", help="Comma-separated dimensions d."),
+    queries: int = typer.Option(2048, "--queries", min=1, help="Queries served per configuration."),
+    tau: float = typer.Option(0.5, "--tau", help="Cosine threshold τ of the synthetic clustered store."),
+    batch_size: int = typer.Option(1024, "--batch-size", min=1, help="Queries scored and committed together."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+) -> None:
+    """Queries/s of serve-queries end to end (store read, exact flat candidates, filter, ledger commits; cosine,
+    reuse off) on a synthetic clustered store, for every N × d. stdout: one JSON line per configuration."""
     from ..benchmarks.serve_speed import main
 
-    main(list(ctx.args))
+    def call():
+        return _module_main(main, _argv(n=list(_ints(n, "--n")), d=list(_ints(d, "--d")), queries=queries,
+                                        tau=tau, batch_size=batch_size, device=device))
+
+    run_library_call(call)
 
 
-@bench_app.command("index-speed", context_settings=_PASSTHROUGH)
-def index_speed_command(ctx: typer.Context) -> None:
-    """Queries/s, candidate recall and accuracy per index kind (flat, lsh, ivf). `--help` for options."""
+@bench_app.command("index-speed")
+def index_speed_command(
+    n: str = typer.Option("100000,1000000", "--n", help=N_SIZES + " Synthetic rows, d = --d."),
+    d: int = typer.Option(384, "--d", min=2, help="Dimension of the synthetic vectors."),
+    queries: int = typer.Option(1000, "--queries", min=1, help="Queries timed per index kind."),
+    batch: int = typer.Option(1024, "--batch", min=1, help="Queries per batch (as serve-queries --batch-size)."),
+    tau: float = typer.Option(0.6, "--tau", help="Synthetic cosine τ (a record's own sub-cluster)."),
+    ag: bool = typer.Option(True, "--ag/--no-ag", help="Also run on AG News MiniLM features (6,600 private / "
+                            "1,000 queries; needs the data set and the cached features)."),
+    ag_tau: float = typer.Option(0.25, "--ag-tau", help="τ on AG News."),
+    latency_queries: int = typer.Option(8, "--latency-queries", min=1, help="Queries timed one at a time "
+                                        "(latency)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON to this file."),
+) -> None:
+    """Queries/s, candidate recall and accuracy per index kind (flat, lsh, ivf)."""
     from ..benchmarks.index_speed import main
 
-    main(list(ctx.args))
+    run_library_call(lambda: _module_main(main, _argv(n=list(_ints(n, "--n")), d=d, queries=queries, batch=batch,
+                                                      tau=tau, ag=ag, ag_tau=ag_tau, latency_queries=latency_queries,
+                                                      out=out)))
 
 
 @bench_app.command("user-unit", context_settings=_PASSTHROUGH)
@@ -209,16 +267,44 @@ def user_unit_command(ctx: typer.Context) -> None:
     """Accuracy and queries/s of the record unit vs the user unit on users of 1–20 records. `--help` for options."""
     from ..benchmarks.user_unit import main
 
-    code = main(list(ctx.args))
+    code = run_library_call(lambda: _module_main(main, list(ctx.args)))
     if code:
         raise typer.Exit(code)
 
 
-@bench_app.command("audit", context_settings=_PASSTHROUGH)
-def audit_command(ctx: typer.Context) -> None:
-    """Empirical privacy audit: a canary membership-inference ε lower bound vs the certified ε (exit 4 if above)."""
+@bench_app.command("audit")
+def audit_command(
+    eps: float = typer.Option(2.0, "--eps", "--epsilon", help="Certified ε of the audited ledger (--epsilon: "
+                              "old name)."),
+    delta: float = typer.Option(1e-5, "--delta", help="δ of the certificate."),
+    conversion: str = typer.Option("gdp", "--conversion", help="gdp or rdp: how B is calibrated from (ε, δ)."),
+    trials: int = typer.Option(2000, "--trials", help="Trials per world (with and without the canary); ≥ 20, "
+                               "half calibrate the test, half evaluate it."),
+    queries: int = typer.Option(3, "--queries", help="Queries aimed at the canary in each trial (≥ 1)."),
+    background: int = typer.Option(40, "--background", help="Records of another label at the canary's location."),
+    far: int = typer.Option(60, "--far", help="Records elsewhere (never candidates)."),
+    dim: int = typer.Option(8, "--dim", help="Dimension of the synthetic vectors (≥ 2)."),
+    tau: float = typer.Option(0.5, "--tau", help="Cosine threshold τ."),
+    sigma2: float = typer.Option(0.5, "--sigma2", help="Vote noise σ2."),
+    count_share: float = typer.Option(0.98, "--count-share", help="One count charge 1/(2σ1²) as a share of B, "
+                                      "in (0, 1]."),
+    k_min: float = typer.Option(1.0, "--k-min", help="Clamp K_min of the released count."),
+    alpha: float = typer.Option(0.05, "--alpha", help="The lower bound holds with confidence 1 − α."),
+    reuse: bool = typer.Option(True, "--reuse/--no-reuse", help="Prediction reuse on (as serve-queries)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Experiments only: fixed noise seed (default: OS "
+                                       "entropy; recorded in the output)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON object to this file."),
+) -> None:
+    """Empirical privacy audit: a canary membership-inference ε lower bound (Clopper–Pearson) vs the certified ε.
+
+    stdout: one JSON object. Exit 0 when the lower bound does not exceed the certified ε, 4 when it does (an
+    implementation leak), 2 for bad input.
+    """
     from ..benchmarks.audit import main
 
-    code = main(list(ctx.args))
+    argv = _argv(epsilon=eps, delta=delta, conversion=conversion, trials=trials, queries=queries,
+                 background=background, far=far, dim=dim, tau=tau, sigma2=sigma2, count_share=count_share,
+                 k_min=k_min, alpha=alpha, seed=seed, out=out) + ["--reuse", "true" if reuse else "false"]
+    code = run_library_call(lambda: _module_main(main, argv))
     if code:
         raise typer.Exit(code)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,14 +20,74 @@ DEFAULT_STORE = "indknn-store.zarr"
 DEFAULT_LEDGER = "indknn-ledger"
 
 
-def stderr_console() -> Console:
+# Verbosity of this process, set by --quiet/-q and --verbose/-v on every command (VerbosityCommand below):
+# 0 quiet (only errors on stderr), 1 normal, 2 verbose.
+_VERBOSITY = {"level": 1}
+
+
+def verbosity() -> int:
+    return _VERBOSITY["level"]
+
+
+def set_verbosity(*, quiet: bool = False, verbose: bool = False) -> None:
+    _VERBOSITY["level"] = 0 if quiet else 2 if verbose else 1
+    if verbose:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+
+
+def stderr_console(*, errors: bool = False) -> Console:
+    """The stderr console for messages and progress; silent under --quiet unless ``errors`` (errors always show)."""
     width = os.environ.get("INDKNN_WIDTH")
-    return Console(stderr=True, width=int(width) if width else None, highlight=False)
+    return Console(stderr=True, width=int(width) if width else None, highlight=False,
+                   quiet=verbosity() == 0 and not errors)
+
+
+def say(text: str, *, style: str | None = None, errors: bool = False) -> None:
+    """Print one message on stderr, escaped: ids, paths and messages are text, never rich markup
+    (``'indknn[image]'`` and ``no[red]x[/red].csv`` print as written). ``style`` colours the whole line."""
+    body = escape(str(text))
+    stderr_console(errors=errors).print(f"[{style}]{body}[/]" if style else body, soft_wrap=True)
+
+
+def error_message(prefix: str, text: str) -> None:
+    """``Error: <text>`` on stderr, also under --quiet; the text is escaped."""
+    stderr_console(errors=True).print(f"[bold red]{escape(prefix)}[/] {escape(str(text))}", soft_wrap=True)
 
 
 def stdout_console() -> Console:
+    """Tables on stdout; redirected (not a terminal), a wide console so that ids are never cut at 80 columns."""
     width = os.environ.get("INDKNN_WIDTH")
+    if not width and not sys.stdout.isatty():
+        width = "1000"
     return Console(width=int(width) if width else None, highlight=False)
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, *, total: int | None = None):
+    """A rich bar on stderr, only on a terminal and not under --quiet (cron mail gets nothing).
+
+    Yields ``update(completed=None, total=None, advance=None, description=None)``; off a terminal a no-op.
+    """
+    con = stderr_console()
+    if verbosity() == 0 or not con.is_terminal:
+        yield lambda **_: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    # redirect_stdout=False: JSON lines written while the bar runs stay on stdout (rich would capture them)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=con, transient=False, redirect_stdout=False, redirect_stderr=False) as bar:
+        task = bar.add_task(escape(description), total=total)
+
+        def update(*, completed=None, total=None, advance=None, description=None) -> None:
+            kw = {k: v for k, v in dict(completed=completed, total=total, advance=advance).items() if v is not None}
+            if description is not None:
+                kw["description"] = escape(description)
+            bar.update(task, **kw)
+
+        yield update
 
 
 def emit_json(obj: dict) -> None:
@@ -44,21 +105,48 @@ def run_library_call(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except IndknnError as exc:
-        stderr_console().print(f"[bold red]Error:[/] {escape(str(exc))}", markup=True, soft_wrap=True)
+        error_message("Error:", str(exc))
         raise typer.Exit(code=exc.exit_code) from None
     except KeyboardInterrupt:
-        stderr_console().print("Interrupted.")
+        error_message("Interrupted.", "")
         raise typer.Exit(code=130) from None
     except OSError as exc:
-        stderr_console().print(f"[bold red]Error:[/] {escape(exc.strerror or type(exc).__name__)}"
-                               f"{escape(': ' + str(exc.filename)) if exc.filename else ''}", soft_wrap=True)
+        error_message("Error:", f"{exc.strerror or type(exc).__name__}{': ' + str(exc.filename) if exc.filename else ''}")
         raise typer.Exit(code=EXIT_RUNTIME) from None
     except Exception as exc:  # noqa: BLE001 - last line of defence: no private data in tracebacks
         if os.environ.get("INDKNN_DEBUG") == "1":
             raise
-        stderr_console().print(f"[bold red]Internal error:[/] {type(exc).__name__} "
-                               "(set INDKNN_DEBUG=1 for a traceback; it may show private values)")
+        internal_error(exc)
         raise typer.Exit(code=EXIT_RUNTIME) from None
+
+
+def internal_error(exc: BaseException) -> None:
+    error_message("Internal error:", f"{type(exc).__name__} (set INDKNN_DEBUG=1 for a traceback; "
+                  "it may show private values)")
+
+
+def with_verbosity(fn: Callable) -> Callable:
+    """``fn`` with --quiet/-q and --verbose/-v added (every command gets them; app.py applies this)."""
+    import functools
+    import inspect
+
+    @functools.wraps(fn)
+    def wrapper(*args, quiet: bool = False, verbose: bool = False, **kwargs):
+        if quiet and verbose:
+            error_message("Error:", "--quiet and --verbose cannot be used together")
+            raise typer.Exit(code=2)
+        set_verbosity(quiet=quiet, verbose=verbose)
+        return fn(*args, **kwargs)
+
+    sig = inspect.signature(fn)
+    extra = [inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+                 False, "--quiet", "-q", help="Only errors on stderr (no progress, warnings or summaries); stdout "
+                 "is unchanged.")),
+             inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+                 False, "--verbose", "-v", help="More detail on stderr (library log messages)."))]
+    wrapper.__signature__ = sig.replace(parameters=list(sig.parameters.values()) + extra)
+    wrapper.__annotations__ = {**getattr(fn, "__annotations__", {}), "quiet": bool, "verbose": bool}
+    return wrapper
 
 
 def resolve_store(path: Path | None) -> Path:

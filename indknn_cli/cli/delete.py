@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.markup import escape
 
 from ..deletion import delete_records, read_ids
 from ..errors import BadInputError
@@ -59,7 +60,7 @@ def delete_command(
         err.print(f"{len(result.ids_not_found)} record id(s) and {len(result.users_not_found)} user id(s) not found "
                   "(listed under ids_not_found / users_not_found)", soft_wrap=True)
     if result.ledger_unreadable is not None:
-        err.print(f"[yellow]Warning:[/] the ledger cannot be read ({result.ledger_unreadable}). The erasure was "
+        err.print(f"[yellow]Warning:[/] the ledger cannot be read ({escape(str(result.ledger_unreadable))}). The erasure was "
                   f"recorded and the vectors erased from the store; the tombstones of {result.tombstones_pending} "
                   "row(s) are written by the next `indknn delete` that can read the ledger (any ids, or --compact)"
                   f"{'; --compact was skipped' if result.compaction else ''}", soft_wrap=True)

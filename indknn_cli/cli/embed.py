@@ -7,10 +7,9 @@ from typing import Optional
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..embedding import embed_into_store
-from .common import emit_json, resolve_store, run_library_call, stderr_console
+from .common import emit_json, progress_bar, resolve_store, run_library_call, stderr_console
 
 
 def embed_command(
@@ -21,7 +20,7 @@ def embed_command(
     model: Optional[str] = typer.Option(None, "--model", help="text: all-MiniLM-L6-v2 (default, bundled) or a local model folder; image: ARCH:/path/ckpt.pt; pixels-28; hog-28; vectors: a tag naming the vector source."),
     text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column (default: text); a comma list such as title,description is joined with '. '."),
     label_column: Optional[str] = typer.Option(None, "--label-column", help="Label column (default: label; .npz: y; image folders: the class folder names)."),
-    id_column: Optional[str] = typer.Option(None, "--id-column", help="Record id column (default: generated ids ROLE-00000000; image folders: FOLDERNAME/CLASS/FILE; .npz: ids)."),
+    id_column: Optional[str] = typer.Option(None, "--id-column", help="Record id column (default: id when the input has such a column, else generated ids ROLE-00000000; \"\" always generates; image folders: FOLDERNAME/CLASS/FILE; .npz: ids)."),
     user_column: Optional[str] = typer.Option(None, "--user-column", help="User id column (optional; .npz: users)."),
     image_column: Optional[str] = typer.Option(None, "--image-column", help="Image path column of a table of images (default: path; relative to the table's folder)."),
     vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed vectors in Parquet / JSON lines (default: vector; .npz: x)."),
@@ -37,12 +36,10 @@ def embed_command(
     names = [n.strip() for n in label_names.split(",")] if label_names is not None else None
 
     def call():
-        with Progress(TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=False) as bar:
-            task = bar.add_task("embed", total=None)
-
+        # on a terminal only; "loading model" until the first rows are embedded (the input is checked first)
+        with progress_bar("loading model") as update:
             def progress(done: int, total: int | None) -> None:
-                bar.update(task, completed=done, total=total)
+                update(completed=done, total=total, description="embedding")
 
             return embed_into_store(
                 input, store_path=store_path, role=role, extractor=extractor, model=model,

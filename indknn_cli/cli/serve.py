@@ -18,6 +18,7 @@ from ..ledger_integrity import check_binding, read_mark
 from ..store import FeatureStore
 from .common import (check_lock_timeout, emit_json, parse_size, read_json_line_from_stdin, resolve_ledger,
                      resolve_store, run_library_call, stderr_console)
+from .common import progress_bar
 
 
 def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Optional[Path], batch_size: int,
@@ -48,6 +49,15 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
             gate.check(allowance, new_queries=1)
 
 
+def _batch_size_or_none(store_path: Path, name) -> Optional[int]:
+    """Queries in the batch, for the progress bar's total (None when it cannot be read cheaply)."""
+    try:
+        start, stop, _ = FeatureStore.open(store_path, mode="r").query_batch(str(name))
+        return int(stop - start)
+    except Exception:  # noqa: BLE001 - a bar without a total; serve_queries reports real problems
+        return None
+
+
 def serve_command(
     queries: str = typer.Argument(..., help="Query file/folder (embedded with the store's extractor), a stored query batch name, or - for the JSON line of `indknn embed --role query`."),
     store: Optional[Path] = typer.Option(None, "--store", help="Feature store (else $INDKNN_STORE, ./indknn-store.zarr)."),
@@ -58,14 +68,14 @@ def serve_command(
     batch_size: int = typer.Option(1024, "--batch-size", help="Queries scored and committed together (never changes answers)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     no_reuse: bool = typer.Option(False, "--no-reuse", help="Switch off prediction reuse (SPEC §4)."),
-    max_memory: str = typer.Option("2G", "--max-memory", help="Memory bound for cached features and scores."),
+    max_memory: str = typer.Option("2G", "--max-memory", help="Memory bound for cached features and scores: bytes, or a number with K, M, G or T (powers of 1024; KiB/KB read the same), e.g. 512M or 2G; at least 16M."),
     lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
     max_queries: Optional[str] = typer.Option(None, "--max-queries", envvar="INDKNN_MAX_QUERIES", help="Public gate for cron: refuse the batch (exit 3, nothing answered or charged) when the queries answered through this ledger plus this batch's would pass N; 'planned' = the ledger's --planned-queries. Reads public figures only. Else $INDKNN_MAX_QUERIES; default: no gate."),
     min_margin: Optional[float] = typer.Option(None, "--min-margin", help="Abstain (label -1, label_name \"abstain\") when the noisy top-1 minus top-2 vote is below M·σ2·sqrt(K_t): post-processing of the released noise, so charges are unchanged. Abstentions give no reuse vote."),
-    text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column of a raw query file."),
-    id_column: Optional[str] = typer.Option(None, "--id-column", help="Query id column of a raw query file."),
-    image_column: Optional[str] = typer.Option(None, "--image-column"),
-    vector_column: Optional[str] = typer.Option(None, "--vector-column"),
+    text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column of a raw query file (default: text)."),
+    id_column: Optional[str] = typer.Option(None, "--id-column", help="Query id column of a raw query file (default: id when the file has such a column, else generated ids query-00000000; \"\" always generates). Answers carry these ids."),
+    image_column: Optional[str] = typer.Option(None, "--image-column", help="Image path column of a raw query table (default: path; relative to the table's folder)."),
+    vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed query vectors in Parquet / JSON lines (default: vector)."),
 ) -> None:
     """Answer queries with Ind-KNN. stdout: one JSON line per answer (query id, label, released count K).
 
@@ -78,7 +88,11 @@ def serve_command(
     store_path = resolve_store(store)
     ledger_path = resolve_ledger(ledger)
 
+    bar: list = []  # the progress bar's update function (a no-op off a terminal), set once the batch is known
+
     def emit(rows):
+        if bar:
+            bar[0](advance=len(rows))
         if out is None:
             for r in rows:
                 emit_json(r)
@@ -109,10 +123,12 @@ def serve_command(
                                        vector_column=vector_column).items() if v is not None}
         name = resolve_query_batch(store_path=sp, queries=queries, batch_id=batch_id, upstream=upstream,
                                    reader_options=opts, device=device)
-        return serve_queries(store_path=sp, ledger_path=ledger_path, query_batch=name, batch_id=batch_id,
-                             seed=seed, batch_size=batch_size, device=device, reuse=not no_reuse,
-                             max_memory=parse_size(max_memory), lock_timeout=lock_timeout, on_committed=emit,
-                             max_queries=max_queries, min_margin=min_margin)
+        with progress_bar("answering", total=_batch_size_or_none(sp, name)) as update:
+            bar[:] = [update]
+            return serve_queries(store_path=sp, ledger_path=ledger_path, query_batch=name, batch_id=batch_id,
+                                 seed=seed, batch_size=batch_size, device=device, reuse=not no_reuse,
+                                 max_memory=parse_size(max_memory), lock_timeout=lock_timeout, on_committed=emit,
+                                 max_queries=max_queries, min_margin=min_margin)
 
     result = run_library_call(call)
     if out is not None:
