@@ -8,9 +8,15 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from ..serving import build_index, make_params
 from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store,
                      run_library_call, stderr_console)
+
+
+def _load() -> None:
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    from ..serving import build_index, make_params
+    for key, value in dict(locals()).items():
+        globals().setdefault(key, value)
 
 
 def index_command(
@@ -39,6 +45,7 @@ def index_command(
     user_for_missing: str = typer.Option("refuse", "--user-for-missing", help="user unit: rows without a user id are refused (refuse, default) or each is its own user (record)."),
 ) -> None:
     """Create the ledger with B calibrated from (ε, δ); re-running adds new records, keeping spent budgets."""
+    _load()
     def call():
         check_lock_timeout(lock_timeout)
         store_path = store
