@@ -44,6 +44,10 @@ def _size(p: Path) -> int:
 
 
 def _needs_compaction(ledger: BudgetLedger) -> bool:
+    """Whether a serve run should fold the ledger's events now; ``INDKNN_AUTO_COMPACT=0`` never (every event
+    file kept for an audit of the event log; `delete --compact` still folds them)."""
+    if os.environ.get("INDKNN_AUTO_COMPACT", "").strip().lower() in ("0", "off", "no", "false"):
+        return False
     files = ledger._event_files()
     if len(files) > AUTO_COMPACT_EVENTS:
         return True
