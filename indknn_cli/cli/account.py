@@ -15,6 +15,7 @@ from rich.table import Table
 from ..errors import EXIT_BUDGET_EXHAUSTED
 from .common import emit_json, resolve_ledger, run_library_call, stderr_console, stdout_console
 
+
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
     from ..accounting import CONVERSION_LABEL
