@@ -223,6 +223,15 @@ def unpublished_store_uuids(path: Path, generation: int) -> dict[str, int]:
     return out
 
 
+#: Figures of the state after each serve event kept in the history (account's plot).
+_HISTORY_STATS = ("records_active", "records_deleted", "records", "spent_median")
+
+
+def _history_stats(s: "LedgerState", c1: float) -> dict:
+    return {"records_active": int(s.active_mask(c1).sum()), "records_deleted": int(s.deleted.sum()),
+            "records": len(s), "spent_median": float(np.median(s.spent)) if len(s) else 0.0}
+
+
 @dataclass
 class LedgerState:
     """In-memory state: arrays indexed by ledger index."""
@@ -236,9 +245,69 @@ class LedgerState:
     deleted: np.ndarray
     deleted_at: np.ndarray
     last_change: np.ndarray
-    answers: dict[str, list] = field(default_factory=lambda: {n: [] for n in ANSWER_SCHEMA.names})
     batches: list[str] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
+    # Answers released: the snapshot's as an Arrow table (read once, never turned into Python objects unless
+    # someone asks for ``answers``) plus those of the events replayed or committed since, as lists.
+    _answers_base: pa.Table | None = field(default=None, repr=False)
+    _answers_new: dict[str, list] = field(default_factory=lambda: {n: [] for n in ANSWER_SCHEMA.names}, repr=False)
+    _batch_set: set | None = field(default=None, repr=False)
+
+    @property
+    def answers(self) -> dict[str, list]:
+        """Every answer released, column → list (materialised on first use; prefer the methods below)."""
+        if self._answers_base is not None:
+            base = self._answers_base
+            self._answers_new = {n: base.column(n).to_pylist() + self._answers_new[n] for n in ANSWER_SCHEMA.names}
+            self._answers_base = None
+        return self._answers_new
+
+    @answers.setter
+    def answers(self, value: dict[str, list]) -> None:
+        self._answers_base = None
+        self._answers_new = value
+
+    def set_answers_table(self, table: pa.Table) -> None:
+        self._answers_base = table if table.num_rows else None
+        self._answers_new = {n: [] for n in ANSWER_SCHEMA.names}
+
+    def extend_answers(self, table: pa.Table) -> None:
+        for n in ANSWER_SCHEMA.names:
+            self._answers_new[n].extend(table.column(n).to_pylist())
+
+    def n_answers(self) -> int:
+        base = 0 if self._answers_base is None else self._answers_base.num_rows
+        return base + len(self._answers_new["query_index"])
+
+    def answer_column(self, name: str, dtype=None) -> np.ndarray:
+        """One answers column as an array (Arrow → NumPy for the snapshot part, no per-value Python objects)."""
+        parts = []
+        if self._answers_base is not None:
+            col = self._answers_base.column(name)
+            parts.append(np.asarray(col.to_numpy(zero_copy_only=False), dtype=dtype))
+        parts.append(np.asarray(self._answers_new[name], dtype=dtype))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def answers_for(self, batch_id: str) -> dict[str, list]:
+        out: dict[str, list] = {n: [] for n in ANSWER_SCHEMA.names}
+        if self._answers_base is not None:
+            import pyarrow.compute as pc
+
+            sub = self._answers_base.filter(pc.equal(self._answers_base.column("batch_id"), batch_id))
+            for n in ANSWER_SCHEMA.names:
+                out[n] = sub.column(n).to_pylist()
+        a = self._answers_new
+        keep = [i for i, b in enumerate(a["batch_id"]) if b == batch_id]
+        for n in ANSWER_SCHEMA.names:
+            out[n].extend(a[n][i] for i in keep)
+        return out
+
+    def add_batch(self, batch_id) -> None:
+        if self._batch_set is None or len(self._batch_set) != len(self.batches):
+            self._batch_set = set(self.batches)
+        if batch_id not in self._batch_set:
+            self.batches.append(batch_id)
+            self._batch_set.add(batch_id)
 
     def __len__(self) -> int:
         return len(self.record_id)
@@ -259,7 +328,12 @@ class LedgerState:
         return out
 
     def answers_table(self) -> pa.Table:
-        return pa.table({n: pa.array(self.answers[n], type=ANSWER_SCHEMA.field(n).type) for n in ANSWER_SCHEMA.names})
+        new = pa.table({n: pa.array(self._answers_new[n], type=ANSWER_SCHEMA.field(n).type)
+                        for n in ANSWER_SCHEMA.names})
+        if self._answers_base is None:
+            return new
+        base = self._answers_base.select(ANSWER_SCHEMA.names).cast(new.schema)
+        return pa.concat_tables([base, new]).combine_chunks()
 
 
 class BudgetLedger:
@@ -400,7 +474,7 @@ class BudgetLedger:
             deleted_at=snap.column("deleted_at").to_numpy(zero_copy_only=False).astype(np.float64),
             last_change=snap.column("last_change").to_numpy().astype(np.float64),
         )
-        state.answers = {n: answers.column(n).to_pylist() for n in ANSWER_SCHEMA.names}
+        state.set_answers_table(answers.replace_schema_metadata(None))
         state.batches = list(meta.get("batches", []))
         state.history = list(meta.get("history", []))
         ledger = cls(path, meta, state, generation, int(meta.get("last_event_seq", 0)))
@@ -498,19 +572,36 @@ class BudgetLedger:
         ans = kind == "answer"
         n_answers = int(ans.sum())
         if n_answers:
-            sub = table.filter(pa.array(ans))
-            for n in ANSWER_SCHEMA.names:
-                s.answers[n].extend(sub.column(n).to_pylist())
+            s.extend_answers(table.filter(pa.array(ans)))
         if info.get("type") == "serve":
-            if info.get("batch_id") not in s.batches:
-                s.batches.append(info.get("batch_id"))
-            active = int(s.active_mask(self.params.c1).sum())
+            s.add_batch(info.get("batch_id"))
+            stats = info.get("state_after")
+            if not (isinstance(stats, dict) and set(stats) == set(_HISTORY_STATS)):
+                stats = _history_stats(s, self.params.c1)  # events written before state_after was recorded
             s.history.append({
                 "seq": info.get("seq"), "time": t, "batch_id": info.get("batch_id"), "part": info.get("part"),
-                "answers": n_answers, "records_active": active,
-                "records_deleted": int(s.deleted.sum()), "records": len(s),
-                "spent_median": float(np.median(s.spent)) if len(s) else 0.0,
+                "answers": n_answers, **{k: stats[k] for k in _HISTORY_STATS},
             })
+
+    def _stats_after_serve(self, columns: dict) -> dict:
+        """The history figures of the state a serve event leads to, computed before it is written.
+
+        Recorded in the event (``state_after``) so that replay appends them without an O(N) median per
+        event; equal to what replay computed before (a serve event only raises spent and counts selections).
+        """
+        s = self.state
+        kinds = columns.get("kind") or []
+        li = [i for k, i in zip(kinds, columns.get("ledger_index") or []) if k == "charge"]
+        after = [v for k, v in zip(kinds, columns.get("spent_after") or []) if k == "charge"]
+        if any(k not in ("charge", "answer") for k in kinds):
+            return {}
+        spent = s.spent.copy()
+        if li:
+            idx = np.asarray(li, dtype=np.int64)
+            spent[idx] = np.maximum(spent[idx], np.asarray(after, dtype=np.float64))
+        view = LedgerState(s.record_id, s.user_id, s.row, s.budget, spent, s.times_selected, s.deleted,
+                           s.deleted_at, s.last_change)
+        return _history_stats(view, self.params.c1)
 
     def _next_seq(self) -> int:
         files = self._event_files()
@@ -525,6 +616,10 @@ class BudgetLedger:
             vals = columns.get(f.name)
             data[f.name] = pa.array(vals if vals is not None else [None] * n, type=f.type)
         seq = self._next_seq()
+        if event_type == "serve":
+            stats = self._stats_after_serve(columns)
+            if stats:
+                info = dict(info, state_after=stats)
         info = dict(info, type=event_type, seq=seq, format_version=FORMAT_VERSION,
                     ledger_uuid=self.meta["ledger_uuid"], time=info.get("time", time.time()),
                     prev_sha256=self.chain_prev_sha256, snapshot_sha256=self.snapshot_sha256)
@@ -633,9 +728,7 @@ class BudgetLedger:
         return out
 
     def answers_for(self, batch_id: str) -> dict[str, list]:
-        a = self.state.answers
-        keep = [i for i, b in enumerate(a["batch_id"]) if b == batch_id]
-        return {n: [a[n][i] for i in keep] for n in ANSWER_SCHEMA.names}
+        return self.state.answers_for(batch_id)
 
     # -- compaction ------------------------------------------------------------
     def _write_snapshot(self, generation: int, *, publish: bool = True) -> None:

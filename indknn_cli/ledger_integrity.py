@@ -334,8 +334,8 @@ def check_mark(store_path, ledger, *, required: bool, mark=_UNREAD) -> dict | No
         if ledger.generation < g:
             raise LedgerIntegrityError(
                 f"{ledger.path}: the ledger is at snapshot generation {ledger.generation}, but the store "
-                f"{store_path} saw generation {g}: an older copy was restored, which would refund charges; "
-                "refusing it")
+                f"{store_path} saw generation {g}: the ledger was rolled back (an older copy restored), which would "
+                "refund charges; refusing it")
         if ledger.generation == g and m.get("snapshot_sha256") not in (None, ledger.snapshot_sha256):
             raise LedgerIntegrityError(
                 f"{ledger.path}: snapshot-{g:06d}.parquet has sha256 {_short(ledger.snapshot_sha256)}, the "

@@ -381,11 +381,11 @@ def build_account_report(
         realised_q = {k: _finite(float(v)) for k, v in zip(q_names, real_vals)}
     else:
         realised_q = {k: None for k in q_names}
-    total_answers = len(s.answers.get("query_index", []))
-    label_names = [x for x in s.answers.get("label_name", []) if x is not None]
+    total_answers = s.n_answers()
     by_label: dict[str, int] = {}
-    for name in label_names:
-        by_label[name] = by_label.get(name, 0) + 1
+    for name in s.answer_column("label_name", object):  # first-seen order, as before
+        if name is not None:
+            by_label[name] = by_label.get(name, 0) + 1
 
     points = _history(ledger, budget=budget, delta=use_delta, conversion=use_conv, total_answers=total_answers)
     data: dict = {

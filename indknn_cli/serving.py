@@ -25,7 +25,38 @@ from .store import FeatureStore
 from .user_unit import UserBudgetView, user_keys
 
 DEFAULT_MAX_MEMORY = 2 << 30
-AUTO_COMPACT_EVENTS = 512
+#: Fold events into a new snapshot (issue 21: a daily cron's open cost stays flat). Every open reads the
+#: snapshot and replays the events after it; an event costs a file read, a hash and a vectorised update
+#: (a few ms at any N), a compaction rewrites the snapshot and the answers file. So compact once the events
+#: weigh as much as the snapshot (their bytes plus AUTO_COMPACT_FILE_COST per file, at least
+#: AUTO_COMPACT_MIN_EVENTS of them), and always past AUTO_COMPACT_EVENTS: replay stays a bounded fraction
+#: of reading the snapshot, and compaction's cost is spread over the events it folds.
+AUTO_COMPACT_EVENTS = 64
+AUTO_COMPACT_MIN_EVENTS = 8
+AUTO_COMPACT_FILE_COST = 32 << 10
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _needs_compaction(ledger: BudgetLedger) -> bool:
+    """Whether a serve run should fold the ledger's events now; ``INDKNN_AUTO_COMPACT=0`` never (every event
+    file kept for an audit of the event log; `delete --compact` still folds them)."""
+    if os.environ.get("INDKNN_AUTO_COMPACT", "").strip().lower() in ("0", "off", "no", "false"):
+        return False
+    files = ledger._event_files()
+    if len(files) > AUTO_COMPACT_EVENTS:
+        return True
+    if len(files) < AUTO_COMPACT_MIN_EVENTS:
+        return False
+    events = sum(_size(p) + AUTO_COMPACT_FILE_COST for _, p in files)
+    g = ledger.generation
+    snapshot = _size(ledger.path / f"snapshot-{g:06d}.parquet") + _size(ledger.path / f"answers-{g:06d}.parquet")
+    return events >= snapshot
 
 
 # -- index -------------------------------------------------------------------
@@ -413,7 +444,7 @@ def serve_queries(
                 on_committed(new_rows)
             if on_progress is not None:
                 on_progress(hi - q_start, n_queries)
-        if len(ledger._event_files()) > AUTO_COMPACT_EVENTS:
+        if _needs_compaction(ledger):
             ledger.compact()
         total = queries_answered(ledger)
     if allowance is not None:
@@ -472,13 +503,13 @@ def public_allowance(*, ledger_path: str | os.PathLike, max_queries: int | str |
 
 def queries_answered(ledger: BudgetLedger) -> int:
     """Queries answered through this ledger, all batches (public: every answer released is counted)."""
-    return len(ledger.state.answers["query_index"])
+    return ledger.state.n_answers()
 
 
 def _reuse_pool(store: FeatureStore, ledger: BudgetLedger) -> ReusePool:
     """Released answers so far (in ledger order) with their query vectors from the store."""
-    rows = np.asarray(ledger.state.answers["query_row"], dtype=np.int64)
-    labels = np.asarray(ledger.state.answers["label"], dtype=np.int64)
+    rows = ledger.state.answer_column("query_row", np.int64)
+    labels = ledger.state.answer_column("label", np.int64)
     if rows.size == 0:
         return ReusePool.empty(store.dim)
     lo, hi = int(rows.min()), int(rows.max()) + 1

@@ -374,6 +374,13 @@ class Appender:
         self.start = store.n_rows(role)
         self.stop = self.start
         self._hash = hashlib.sha256()
+        # Rows are buffered per array and written in whole chunks (issue 21: writing 256 rows at a time into
+        # a chunk of thousands rewrote the tail chunk on every call); the rest at commit.
+        self._pending: dict[str, list[np.ndarray]] = {}
+        self._written: dict[str, int] = {}
+        #: Rows and bytes (uncompressed) handed to zarr, summed over the arrays: for tests and benchmarks.
+        self.rows_written = 0
+        self.bytes_written = 0
 
     def write(self, features: np.ndarray, *, labels: np.ndarray | None = None,
               record_ids: Sequence[str], user_ids: Sequence[str] | None = None) -> None:
@@ -399,15 +406,35 @@ class Appender:
             if len(values) != m:
                 raise BadInputError(f"{name}: {len(values)} values for {m} vectors")
         for name, values in arrays.items():
-            arr = self.group[name]
-            if arr.shape[0] < stop:
-                arr.resize((stop,) + tuple(arr.shape[1:]))
-            # a partly filled tail chunk is read back and rewritten whole: a corrupt one is a StoreError
-            _read_chunks(self.store.path, self.role, name, lambda: arr.__setitem__(slice(start, stop), values))
+            self._pending.setdefault(name, []).append(values)
         self._hash.update(feats.tobytes())
         self.stop = stop
+        self._flush(final=False)
+
+    def _flush(self, *, final: bool) -> None:
+        """Write each array's buffered rows up to its last whole chunk boundary (``final``: all of them)."""
+        for name, parts in self._pending.items():
+            if not parts:
+                continue
+            arr = self.group[name]
+            lo = self._written.get(name, self.start)
+            chunk = int(arr.chunks[0])
+            hi = self.stop if final else (self.stop // chunk) * chunk
+            if hi <= lo:
+                continue
+            values = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            head, rest = values[:hi - lo], values[hi - lo:]
+            self._pending[name] = [rest] if len(rest) else []
+            if arr.shape[0] < hi:
+                arr.resize((hi,) + tuple(arr.shape[1:]))
+            # a partly filled tail chunk is read back and rewritten whole: a corrupt one is a StoreError
+            _read_chunks(self.store.path, self.role, name, lambda: arr.__setitem__(slice(lo, hi), head))
+            self._written[name] = hi
+            self.rows_written += int(len(head))
+            self.bytes_written += int(head.nbytes)
 
     def commit(self, extra_attrs: dict | None = None) -> tuple[int, int]:
+        self._flush(final=True)
         if self.store.n_rows(self.role) != self.start:
             raise StoreError(f"{self.store.path}: {self.role} rows changed during the append (concurrent writer?)")
         attrs: dict = {"n_rows": self.stop}

@@ -52,8 +52,7 @@ from .errors import BadInputError
 ORDERS = tuple(float(a) for a in np.concatenate([np.linspace(1.02, 8, 80), np.linspace(8.25, 64, 60),
                                                   np.geomspace(66, 1e5, 40)]))
 POISSON = math.inf
-DEFAULT_TAUS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
-DEFAULT_SIGMA2S = (0.3, 0.5, 0.8, 1.2)
+from .tuning_grid import DEFAULT_SIGMA2S, DEFAULT_TAUS  # noqa: E402,F401 (re-exported)
 TUNING_FORMAT = 1
 
 

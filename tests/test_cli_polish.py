@@ -50,7 +50,8 @@ def test_dash_h_and_quiet_verbose_everywhere():
     for cmd in cmds:
         res = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
         assert res.exit_code == 0, cmd
-        if cmd[-1] != "user-unit":  # user-unit keeps its own argparse parser (-h there is argparse's)
+        # these bench modules keep their own argparse parser (-h there is argparse's; not yet typer commands)
+        if cmd[-1] not in ("user-unit", "year", "append", "startup"):
             assert "--quiet" in res.stdout and "-q" in res.stdout and "--verbose" in res.stdout, cmd
             short = runner.invoke(app, [*cmd, "-h"], env={"COLUMNS": "200"})
             assert short.exit_code == 0 and short.stdout == res.stdout, cmd

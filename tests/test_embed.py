@@ -296,8 +296,9 @@ def test_bad_input_leaves_store_untouched(vstore, tmp_path, case):
     files_before = sorted(p.relative_to(vstore).as_posix() for p in vstore.rglob("zarr.json"))
     with pytest.raises(exc, match=msg):
         embed_into_store(path, store_path=vstore, role="private", batch_rows=4)
-    if case == "nan":  # two batches were written past n_rows before the bad row: not visible
-        assert FeatureStore.open(vstore).group("private")["features"].shape[0] == 28
+    if case == "nan":  # two batches were read before the bad row: buffered (whole chunks only) or written past
+        # n_rows, never visible
+        assert 20 <= FeatureStore.open(vstore).group("private")["features"].shape[0] <= 28
     assert snapshot(vstore) == before
     assert sorted(p.relative_to(vstore).as_posix() for p in vstore.rglob("zarr.json")) == files_before
     # the store still takes a good append afterwards, overwriting whatever was left past n_rows

@@ -387,7 +387,9 @@ def _concurrent(root: Path, *, n_serve: int, n_delete: int, n_queries: int = 40)
             v = deletes[key]
             cmd = _cli("delete", "--user", v["user"], *sum((["--record", r] for r in v["records"]), []),
                        "--store", str(store), "--ledger", str(lp), *lock)
-        procs[(kind, key)] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        # every event file kept (no auto-compaction): the checks below walk the whole event log
+        procs[(kind, key)] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                              env=dict(ENV, INDKNN_AUTO_COMPACT="0"))
     deadline = time.monotonic() + TIMEOUT
     outputs = {}
     try:

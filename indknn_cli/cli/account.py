@@ -13,13 +13,20 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..accounting import CONVERSION_LABEL
 from ..errors import EXIT_BUDGET_EXHAUSTED
-from ..ledger_integrity import enforce_verified, verification_lines, verify_ledger
-from ..report import (QUANTILES, REALISED_LABEL, AccountReport,
-                      build_account_report, enforce_checks)
-from ..serving import public_allowance
 from .common import emit_json, resolve_ledger, run_library_call, say, stderr_console, stdout_console, verbosity
+
+
+def _load() -> None:
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    from ..accounting import CONVERSION_LABEL
+    from ..ledger_integrity import enforce_verified, verification_lines, verify_ledger
+    from ..report import (QUANTILES, REALISED_LABEL, AccountReport,
+                          build_account_report, enforce_checks)
+    from ..serving import public_allowance
+    for key, value in dict(locals()).items():
+        globals().setdefault(key, value)
+
 
 HISTORY_ROWS = 20
 
@@ -180,6 +187,7 @@ def account_command(
 
     Exit codes: 0 ok (all checks passed); 1 a damaged or rolled-back ledger (or --verify failed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 no query left (--queries-left) or fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
     """
+    _load()
     err = stderr_console()
     ledger_path = resolve_ledger(ledger)
     if verify:

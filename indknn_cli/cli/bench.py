@@ -240,6 +240,30 @@ def serve_speed_command(
     run_library_call(call)
 
 
+@bench_app.command("year", context_settings=_PASSTHROUGH)
+def year_command(ctx: typer.Context) -> None:
+    """A year of cron into one ledger: last day's serve and account time vs day 10's. `--help` for options."""
+    from ..benchmarks.year import main
+
+    main(list(ctx.args))
+
+
+@bench_app.command("append", context_settings=_PASSTHROUGH)
+def append_command(ctx: typer.Context) -> None:
+    """Bytes written per byte of query vectors embedded (write amplification). `--help` for options."""
+    from ..benchmarks.append import main
+
+    main(list(ctx.args))
+
+
+@bench_app.command("startup", context_settings=_PASSTHROUGH)
+def startup_command(ctx: typer.Context) -> None:
+    """`indknn --help` wall time against a bare `python -c pass` (lazy imports). `--help` for options."""
+    from ..benchmarks.startup import main
+
+    main(list(ctx.args))
+
+
 @bench_app.command("index-speed")
 def index_speed_command(
     n: str = typer.Option("100000,1000000", "--n", help=N_SIZES + " Synthetic rows, d = --d."),

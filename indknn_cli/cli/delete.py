@@ -9,9 +9,15 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from ..deletion import delete_records, read_ids
 from ..errors import BadInputError
 from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store, run_library_call, stderr_console
+
+
+def _load() -> None:
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    from ..deletion import delete_records, read_ids
+    for key, value in dict(locals()).items():
+        globals().setdefault(key, value)
 
 
 def _read_file(name: str, what: str) -> list[str]:
@@ -40,6 +46,7 @@ def delete_command(
 ) -> None:
     """Erase records: features, label and ids overwritten in the store; the ledger keeps a tombstone
     (id, user, spent, deleted at), so a returning id never gets a fresh budget. Prints one JSON line."""
+    _load()
     def call():
         check_lock_timeout(lock_timeout)
         if ids_file == "-" and users_file == "-":

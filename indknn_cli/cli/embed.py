@@ -8,8 +8,14 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from ..embedding import embed_into_store
 from .common import emit_json, progress_bar, resolve_store, run_library_call, stderr_console
+
+
+def _load() -> None:
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    from ..embedding import embed_into_store
+    for key, value in dict(locals()).items():
+        globals().setdefault(key, value)
 
 
 def embed_command(
@@ -31,6 +37,7 @@ def embed_command(
     batch_size: int = typer.Option(256, "--batch-size", help="Rows read and embedded per batch (bounds memory)."),
 ) -> None:
     """Embed INPUT into the feature store. stdout: one JSON line (store, role, rows_added, rows_skipped, d, extractor)."""
+    _load()
     err = stderr_console()
     store_path = resolve_store(store)
     names = [n.strip() for n in label_names.split(",")] if label_names is not None else None

@@ -9,10 +9,17 @@ import typer
 from rich.markup import escape
 
 from ..errors import BadInputError
-from ..serving import build_index, make_params
-from ..tuning import DEFAULT_SIGMA2S, DEFAULT_TAUS, TuneRequest, check_shape
+from ..tuning_grid import DEFAULT_SIGMA2S, DEFAULT_TAUS
 from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store,
                      run_library_call, stderr_console)
+
+
+def _load() -> None:
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    from ..serving import build_index, make_params
+    from ..tuning import TuneRequest, check_shape
+    for key, value in dict(locals()).items():
+        globals().setdefault(key, value)
 
 
 def index_command(
@@ -49,6 +56,7 @@ def index_command(
     tune_seed: Optional[int] = typer.Option(None, "--tune-seed", help="Experiments only: fixed seed of the tuning's coins and noise (recorded). Default: OS entropy."),
 ) -> None:
     """Create the ledger with B calibrated from (ε, δ); re-running adds new records, keeping spent budgets."""
+    _load()
     def call():
         check_lock_timeout(lock_timeout)
         store_path = store

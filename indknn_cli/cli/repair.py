@@ -8,8 +8,14 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from ..ledger_repair import repair_ledger
 from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store, run_library_call, stderr_console
+
+
+def _load() -> None:
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    from ..ledger_repair import repair_ledger
+    for key, value in dict(locals()).items():
+        globals().setdefault(key, value)
 
 
 def repair_command(
@@ -25,6 +31,7 @@ def repair_command(
     stdout: one JSON line. Exit codes: 0 repaired or nothing to repair; 1 the snapshot itself is damaged
     (restore it from a backup); 2 bad input (no ledger, a ledger of another store).
     """
+    _load()
     err = stderr_console()
 
     def call():

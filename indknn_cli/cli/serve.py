@@ -10,15 +10,21 @@ import typer
 from rich.markup import escape
 
 from ..errors import BadInputError, ConcurrentChangeError, LedgerError
-from ..ledger import BudgetLedger
-from .. import gate
-from ..serving import (check_batch_id_before_embedding, check_min_margin, queries_answered, resolve_query_batch, serve_queries,
-                       write_answers_parquet)
-from ..ledger_integrity import check_binding, read_mark
-from ..store import FeatureStore
 from .common import (check_lock_timeout, emit_json, parse_size, read_json_line_from_stdin, resolve_ledger,
                      resolve_store, run_library_call, stderr_console)
 from .common import progress_bar
+
+
+def _load() -> None:
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    from ..ledger import BudgetLedger
+    from .. import gate
+    from ..serving import (check_batch_id_before_embedding, check_min_margin, queries_answered, resolve_query_batch, serve_queries,
+                           write_answers_parquet)
+    from ..ledger_integrity import check_binding, read_mark
+    from ..store import FeatureStore
+    for key, value in dict(locals()).items():
+        globals().setdefault(key, value)
 
 
 def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Optional[Path], batch_size: int,
@@ -84,6 +90,7 @@ def serve_command(
     ledger-dependent refusal is the public gate --max-queries. Exit codes: 0 answered; 1 runtime error;
     2 bad input (nothing written); 3 --max-queries allowance reached (nothing answered or charged).
     """
+    _load()
     err = stderr_console()
     store_path = resolve_store(store)
     ledger_path = resolve_ledger(ledger)

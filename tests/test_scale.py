@@ -1,0 +1,180 @@
+"""Issue 21: incremental ledger state and auto-compaction give exactly the state of a full replay."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from indknn_cli import ledger_integrity as integrity
+from indknn_cli import serving
+from indknn_cli.ledger import BudgetLedger
+from indknn_cli.report import build_account_report
+from indknn_cli.serving import build_index, make_params, serve_queries
+from indknn_cli.store import ExtractorInfo, FeatureStore
+
+from .conftest import clustered
+
+DAYS = 6
+
+
+def _store(path):
+    x, y, _ = clustered(300, 16, 3, seed=1)
+    store = FeatureStore.create(path, extractor=ExtractorInfo("vectors", "none", "1"), dim=16,
+                                label_names=["a", "b", "c"], chunk_rows=64)
+    store.append("private", x, labels=y, record_ids=[f"r{i:04d}" for i in range(300)],
+                 user_ids=[f"u{i % 50:03d}" for i in range(300)])
+    q, _, _ = clustered(20 * DAYS, 16, 3, seed=2)
+    for day in range(DAYS):
+        store.append("query", q[20 * day:20 * (day + 1)], record_ids=[f"q{day}-{i}" for i in range(20)],
+                     batch=f"day{day}")
+    return store
+
+
+def _run_year(tmp_path, name, monkeypatch, *, events, min_events, file_cost, delete_after=None):
+    monkeypatch.setattr(serving, "AUTO_COMPACT_EVENTS", events)
+    monkeypatch.setattr(serving, "AUTO_COMPACT_MIN_EVENTS", min_events)
+    monkeypatch.setattr(serving, "AUTO_COMPACT_FILE_COST", file_cost)
+    store = _store(tmp_path / f"{name}.zarr")
+    lp = tmp_path / f"{name}-ledger"
+    build_index(store_path=store.path, ledger_path=lp,
+                params=make_params(epsilon=2.0, delta=1e-5, tau=0.5, sigma2=0.5, planned_queries=20 * DAYS))
+    answers = []
+    for day in range(DAYS):
+        res = serve_queries(store_path=store.path, ledger_path=lp, query_batch=f"day{day}", seed=day, batch_size=8)
+        answers.append([(a["label"], a["released_count"]) for a in res.answers])
+    return store, lp, answers
+
+
+def _same_state(a, b):
+    sa, sb = a.state, b.state
+    for name in ("spent", "budget", "row", "times_selected", "deleted"):
+        assert getattr(sa, name).tobytes() == getattr(sb, name).tobytes(), name
+    assert list(sa.record_id) == list(sb.record_id) and list(sa.user_id) == list(sb.user_id)
+    assert sa.answers == sb.answers
+    assert sa.n_answers() == sb.n_answers() == len(sa.answers["query_index"])
+    assert sa.batches == sb.batches
+    strip = [{k: v for k, v in h.items() if k not in ("seq", "time")} for h in sa.history]
+    assert strip == [{k: v for k, v in h.items() if k not in ("seq", "time")} for h in sb.history]
+
+
+def test_auto_compaction_keeps_answers_charges_and_chain(tmp_path, monkeypatch):
+    _, never, ans_never = _run_year(tmp_path, "never", monkeypatch, events=10**9, min_events=10**9, file_cost=0)
+    _, often, ans_often = _run_year(tmp_path, "often", monkeypatch, events=2, min_events=2, file_cost=1 << 30)
+    assert ans_never == ans_often  # bit-identical answers (seeded)
+    a, b = BudgetLedger.open(never), BudgetLedger.open(often)
+    assert len(a._event_files()) == 3 * DAYS and b.generation > 2 and len(b._event_files()) <= 2
+    _same_state(a, b)
+    for lp in (never, often):
+        out = integrity.verify_ledger(lp)
+        assert out["verified"], out
+
+
+def test_compacted_and_cached_history_equal_full_replay(tmp_path, monkeypatch):
+    store, lp, _ = _run_year(tmp_path, "full", monkeypatch, events=10**9, min_events=10**9, file_cost=0)
+    full = BudgetLedger.open(lp)
+    assert len(full._event_files()) == 3 * DAYS
+    # replaying without the figures each serve event recorded (state_after): recomputed from the state
+    orig = BudgetLedger._apply_table
+
+    def recompute(self, table, info):
+        assert "state_after" in info or info.get("type") != "serve"
+        return orig(self, table, {k: v for k, v in info.items() if k != "state_after"})
+
+    monkeypatch.setattr(BudgetLedger, "_apply_table", recompute)
+    recomputed = BudgetLedger.open(lp)
+    monkeypatch.undo()
+    _same_state(full, recomputed)
+    assert full.state.history == recomputed.state.history
+    report_full = build_account_report(ledger_path=lp, store_path=store.path).data
+    copy = tmp_path / "copy-ledger"
+    shutil.copytree(lp, copy)
+    with BudgetLedger.write_lock(copy):
+        led = BudgetLedger.open(copy)
+        led.compact()
+    compacted = BudgetLedger.open(copy)
+    assert not compacted._event_files()
+    _same_state(full, compacted)
+    assert full.state.history == compacted.state.history
+    assert compacted.head_sha256 == full.head_sha256
+    # one more day served after the compaction continues the same chain and matches serving without it
+    serve_queries(store_path=store.path, ledger_path=lp, query_batch="day0", batch_id="again", seed=99)
+    assert BudgetLedger.open(lp).state.n_answers() == 20 * DAYS + 20
+    report_after = build_account_report(ledger_path=lp, store_path=store.path).data
+    assert report_full["history"] != report_after["history"]
+    for key in ("spent_median", "batches"):
+        assert key in report_full
+
+
+def test_answers_read_lazily_match_lists(tmp_path, monkeypatch):
+    store, lp, _ = _run_year(tmp_path, "lazy", monkeypatch, events=3, min_events=3, file_cost=1 << 30)
+    led = BudgetLedger.open(lp)
+    assert led.state._answers_base is not None  # the snapshot's answers stay an Arrow table
+    n = led.state.n_answers()
+    rows = led.state.answer_column("query_row", np.int64)
+    for_day = {f"day{d}": led.answers_for(f"day{d}") for d in range(DAYS)}
+    lists = led.state.answers  # materialised
+    assert n == len(lists["query_index"]) == 20 * DAYS
+    assert rows.tolist() == lists["query_row"]
+    for batch, got in for_day.items():
+        keep = [i for i, b in enumerate(lists["batch_id"]) if b == batch]
+        assert got == {k: [v[i] for i in keep] for k, v in lists.items()}
+    assert led.state.answers_table().to_pydict() == lists
+
+
+def _store_arrays(store, role):
+    n = store.n_rows(role)
+    names = ("features", "labels", "record_id", "user_id", "deleted") + (("batch",) if role == "query" else ())
+    return {name: store.read(role, name, 0, n) for name in names}
+
+
+@pytest.mark.parametrize("role", ["query", "private"])
+def test_buffered_appends_store_what_one_write_stores(tmp_path, role):
+    x, y, _ = clustered(1000, 16, 3, seed=5)
+    kw = dict(extractor=ExtractorInfo("vectors", "none", "1"), dim=16, label_names=["a", "b", "c"], chunk_rows=64)
+    one = FeatureStore.create(tmp_path / "one.zarr", **kw)
+    many = FeatureStore.create(tmp_path / "many.zarr", **kw)
+    ids = [f"r{i}" for i in range(1000)]
+    users = [f"u{i % 7}" for i in range(1000)]
+    for st in (one, many):  # an unaligned start: 30 rows already there
+        st.append(role, x[:30], labels=y[:30], record_ids=ids[:30], user_ids=users[:30], batch="a")
+    one.append(role, x[30:], labels=y[30:], record_ids=ids[30:], user_ids=users[30:], batch="b")
+    app = many.appender(role, batch="b")
+    for lo in range(30, 1000, 37):
+        hi = min(lo + 37, 1000)
+        app.write(x[lo:hi], labels=y[lo:hi], record_ids=ids[lo:hi], user_ids=users[lo:hi])
+    assert many.n_rows(role) == 30  # nothing visible before the commit
+    app.commit()
+    # every row handed to zarr once (no tail-chunk rewrite per write)
+    assert app.rows_written == 970 * len(_store_arrays(many, role))
+    a, b = _store_arrays(one, role), _store_arrays(many, role)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    assert a["features"].tobytes() == b["features"].tobytes()
+    if role == "query":
+        assert one.batches() == many.batches()
+    # an abandoned append leaves the store as it was; the next one overwrites its rows
+    ab = many.appender(role, batch="c")
+    ab.write(x[:100], labels=y[:100], record_ids=ids[:100], user_ids=users[:100])
+    assert many.n_rows(role) == 1000
+    many.append(role, x[:5], labels=y[:5], record_ids=[f"z{i}" for i in range(5)], batch="d")
+    assert many.read(role, "record_id", 1000, 1005).tolist() == [f"z{i}" for i in range(5)]
+
+
+def test_help_imports_no_heavy_library():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from indknn_cli.benchmarks.startup import HELP_PROBE
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", HELP_PROBE + "import indknn_cli; print('AT=' + indknn_cli.__file__)"],
+                         capture_output=True, text=True, check=True, env=env)
+    assert f"AT={root}" in out.stdout
+    heavy = [x for x in out.stderr.splitlines() if x.startswith("HEAVY=")][-1][len("HEAVY="):]
+    assert not {"torch", "zarr", "scipy", "pyarrow", "numpy"} & set(heavy.split(",")), heavy
+    assert "Usage" in out.stdout
