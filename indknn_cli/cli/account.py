@@ -169,15 +169,16 @@ def account_command(
     queries_left: bool = typer.Option(False, "--queries-left", help="Public gate for cron: print one JSON line (T, queries answered, queries left) and exit 3 when none is left. Reads public figures only; safe to drive serving."),
     max_queries: Optional[str] = typer.Option(None, "--max-queries", envvar="INDKNN_MAX_QUERIES", help="T for --queries-left (default: the ledger's --planned-queries; else $INDKNN_MAX_QUERIES)."),
     record: Optional[str] = typer.Option(None, "--record", help="One record's status, spent, remaining, realised ε, times selected, deletion (data-subject access request): that record's figures and the ledger's guarantee only, nothing about other records."),
-    user: Optional[str] = typer.Option(None, "--user", help="The same for every record of one user, record by record: there is no user-level ε (the guarantee is per record, add/remove one record)."),
+    user: Optional[str] = typer.Option(None, "--user", help="One user's records, record by record. Record-unit ledger: no user-level ε (the guarantee is per record, add/remove one record). User-unit ledger (index --privacy-unit user): also the user's own spent and realised ε, per user."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a picture (PNG/PDF/SVG): retired fraction and median realised loss against queries answered, histogram of spent/B."),
     export: Optional[Path] = typer.Option(None, "--export", help="OPERATOR ONLY (exact private figures): write FILE.parquet or FILE.csv with one row per record as it stands now (id, user, status, spent, budget, remaining, realised ε by conversion, times selected, last change and deleted at as UTC timestamps) and ε, δ, B, conversion, unit and adjacency as columns. Prints one JSON line (file, rows). docs/EXPORT.md has a duckdb query."),
     verify: bool = typer.Option(False, "--verify", help="Walk the ledger's hash chain and check its budgets, the store binding and the store's high-water mark (--store, else the store the ledger records); print what was verified. Exit 1 when a check fails."),
 ) -> None:
     """Where privacy budgets stand: the (ε, δ) guarantee (gdp and rdp), active/retired/deleted records, history.
 
-    Every ε is for one record under add/remove adjacency (a data set with or without that record); it is not a
-    per-user guarantee, and under replace-one adjacency the Gaussian-DP μ doubles.
+    Every ε is for one privacy unit under add/remove adjacency: one record (the default), or one user with all
+    their records for a ledger made with `index --privacy-unit user`. Under replace-one adjacency the
+    Gaussian-DP μ doubles.
 
     Read-only: takes no lock and writes nothing, so it is safe while serve-queries holds the ledger lock.
 
