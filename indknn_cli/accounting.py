@@ -164,6 +164,25 @@ def epsilon_for_budget(*, budget: float, delta: float, conversion: str = "gdp") 
     return rdp_epsilon(budget=float(budget), delta=float(delta))
 
 
+def bisect_largest(ok, *, hi0: float, rel_tol: float, too_large: str) -> float:
+    """Largest x > 0 with ``ok(x)`` for ``ok`` monotone decreasing, to ``rel_tol``; returns a value that was
+    checked (``ok(lo)`` held), or 0.0. Doubling from ``hi0`` first; past 1e9 raises ``too_large``."""
+    lo, hi = 0.0, hi0
+    while ok(hi):
+        lo, hi = hi, hi * 2.0
+        if hi > 1e9:
+            raise BadInputError(too_large)
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= rel_tol * max(hi, 1e-300):
+            break
+    return lo
+
+
 def calibrate_budget(*, epsilon: float, delta: float, conversion: str = "gdp") -> float:
     """Largest B (rounded down) whose conversion gives ε ≤ epsilon at delta."""
     epsilon = _check_epsilon(epsilon)
@@ -173,19 +192,7 @@ def calibrate_budget(*, epsilon: float, delta: float, conversion: str = "gdp") -
     def ok(b: float) -> bool:
         return epsilon_for_budget(budget=b, delta=delta, conversion=conversion) <= epsilon
 
-    lo, hi = 0.0, 1.0
-    while ok(hi):
-        lo, hi = hi, hi * 2.0
-        if hi > 1e9:
-            raise BadInputError(f"epsilon={epsilon} is too large to calibrate")
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-13 * max(hi, 1e-300):
-            break
+    lo = bisect_largest(ok, hi0=1.0, rel_tol=1e-13, too_large=f"epsilon={epsilon} is too large to calibrate")
     # lo is a budget that was checked: ok(lo) holds. (Stepping below it is not safe: the computed
     # ε(B) is monotone in B only up to floating-point noise, ~1e-13 relative, so a smaller B can
     # convert to a hair more ε and fail the check.)

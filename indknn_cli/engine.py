@@ -346,9 +346,15 @@ def answer_one(
         budgets.selected_in_part[sel] += 1  # sel holds distinct indices
     # Step 4-5: kernel-weighted votes + reuse + N(0, σ2² K) per class; argmax.
     votes = np.bincount(lab, weights=w, minlength=n_classes).astype(np.float64) + reuse_votes
-    votes = votes + params.sigma2 * math.sqrt(k_t) * rng.standard_normal(n_classes)
-    return QueryAnswer(label=int(np.argmax(votes)), released_count=float(k_t),
-                       margin=noisy_margin(votes, scale=params.sigma2 * math.sqrt(k_t)))
+    return release_answer(votes, k_t=k_t, params=params, rng=rng)
+
+
+def release_answer(votes: np.ndarray, *, k_t: float, params: PrivacyParams, rng: np.random.Generator) -> QueryAnswer:
+    """SPEC §2 steps 4–5, shared by the record and the user unit: add N(0, σ2²·K_t) per class (the draws
+    after the count's), release the argmax and K_t; the margin is read from the same noisy votes."""
+    scale = params.sigma2 * math.sqrt(k_t)
+    votes = votes + scale * rng.standard_normal(votes.size)
+    return QueryAnswer(label=int(np.argmax(votes)), released_count=float(k_t), margin=noisy_margin(votes, scale=scale))
 
 
 @dataclass

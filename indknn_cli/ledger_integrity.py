@@ -285,21 +285,19 @@ def writer_lock(store_path, *, timeout: float):
     copy that is later refused (a fork). This lock, in the store folder, makes every writer of the store
     wait for the others, so the second one sees the first one's mark and is refused.
     """
-    from .locking import _Expired, _lock_one
+    from .locking import exclusive_file
 
     path = Path(store_path) / WRITER_LOCK_NAME
+    stack = contextlib.ExitStack()
     try:
-        fd = _lock_one(path, time.monotonic() + timeout, directory=False)
-    except _Expired:
-        raise LockTimeoutError(f"{store_path}: another indknn process writes this store's ledger (waited "
-                               f"{timeout:g} s); retry later or raise --lock-timeout") from None
+        stack.enter_context(exclusive_file(path, timeout=timeout, on_timeout=lambda: LockTimeoutError(
+            f"{store_path}: another indknn process writes this store's ledger (waited {timeout:g} s); "
+            "retry later or raise --lock-timeout")))
     except OSError as exc:
         raise StorageError(f"{path}: cannot open the store's ledger-writer lock ({exc.strerror}); "
                            "is the store on a read-only file system?") from None
-    try:
+    with stack:
         yield
-    finally:
-        os.close(fd)
 
 
 def _sha_at(ledger, seq: int) -> str | None:

@@ -82,3 +82,18 @@ def exclusive(folder: Path, lock_file: Path, *, timeout: float,
         for fd in reversed(fds):
             os.close(fd)
 
+
+
+@contextlib.contextmanager
+def exclusive_file(lock_file: Path, *, timeout: float, on_timeout: Callable[[], Exception]) -> Iterator[None]:
+    """Hold flock on ``lock_file`` alone (created if missing; the descriptor must still name the file at the
+    path). For locks taken while the folder lock of :func:`exclusive` is held by the same process: flock on
+    the folder through a second descriptor would wait for ourselves."""
+    try:
+        fd = _lock_one(Path(lock_file), time.monotonic() + timeout, directory=False)
+    except _Expired:
+        raise on_timeout() from None
+    try:
+        yield
+    finally:
+        os.close(fd)

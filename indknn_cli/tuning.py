@@ -136,20 +136,9 @@ def composed_epsilon(*, rho_run: float, mean_runs: float, shape: float, budget_s
 
 def _bisect_largest(ok, *, hi0: float) -> float:
     """Largest x in (0, ...) with ok(x), ok monotone decreasing; returns a value that was checked (or 0)."""
-    lo, hi = 0.0, hi0
-    while ok(hi):
-        lo, hi = hi, hi * 2.0
-        if hi > 1e9:
-            raise BadInputError("the target ε is too large to calibrate")
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-12 * max(hi, 1e-300):
-            break
-    return lo
+    from .accounting import bisect_largest
+
+    return bisect_largest(ok, hi0=hi0, rel_tol=1e-12, too_large="the target ε is too large to calibrate")
 
 
 def rho_for_share(*, epsilon: float, delta: float, share: float, mean_runs: float, shape: float) -> float:

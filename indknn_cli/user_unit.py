@@ -23,12 +23,11 @@ its replay are unchanged and the per-user state is ``spent_u = max`` over u's re
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .engine import QueryAnswer, noisy_margin, release_count
+from .engine import QueryAnswer, release_answer, release_count
 from .errors import BadInputError
 
 PRIVACY_UNITS = ("record", "user")
@@ -198,6 +197,4 @@ def answer_one_user(
         budgets.charged_in_part[uniq[eligible]] = True
     # Step 4-5: votes + reuse + N(0, σ2² K) per class; argmax.
     votes = np.bincount(lab[ok], weights=w[ok], minlength=n_classes).astype(np.float64) + reuse_votes
-    votes = votes + params.sigma2 * math.sqrt(k_t) * rng.standard_normal(n_classes)
-    return QueryAnswer(label=int(np.argmax(votes)), released_count=float(k_t),
-                       margin=noisy_margin(votes, scale=params.sigma2 * math.sqrt(k_t)))
+    return release_answer(votes, k_t=k_t, params=params, rng=rng)

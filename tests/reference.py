@@ -18,6 +18,16 @@ def kappa(x: np.ndarray, q: np.ndarray, kernel: str, nu: float | None) -> float:
     return float(np.exp(-(d * d).sum() / (nu * nu)))
 
 
+def reuse_votes(pool, q, *, params, n_classes):
+    """SPEC §4: κ-weighted votes of the released (vector, label) pairs within τ of q (none without reuse)."""
+    reuse = [0.0] * n_classes
+    for v, lab in pool or []:
+        k = kappa(v, q, params.kernel, params.nu)
+        if k >= params.tau:
+            reuse[lab] += k
+    return reuse
+
+
 def reference_answers(X, y, Q, *, params, n_classes, spent, budget, deleted, run_key, reuse_pool=None):
     """Returns (labels, counts); mutates ``spent`` (list of floats). ``reuse_pool`` = list of (vec, label) or None."""
     c1 = params.c1
@@ -49,13 +59,7 @@ def reference_answers(X, y, Q, *, params, n_classes, spent, budget, deleted, run
                 w, new = 0.0, sp
             spent[i] = new
             votes[int(y[i])] += w
-        reuse = [0.0] * n_classes
-        if pool is not None:
-            for v, lab in pool:
-                k = kappa(v, q, params.kernel, params.nu)
-                if k >= params.tau:
-                    reuse[lab] += k
-        total = np.array(votes) + np.array(reuse)
+        total = np.array(votes) + np.array(reuse_votes(pool, q, params=params, n_classes=n_classes))
         total = total + params.sigma2 * math.sqrt(K) * rng.standard_normal(n_classes)
         a = int(np.argmax(total))
         labels.append(a)

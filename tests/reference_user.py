@@ -13,7 +13,7 @@ import numpy as np
 
 from indknn_cli.engine import noise_generator
 
-from .reference import kappa
+from .reference import kappa, reuse_votes
 
 
 def reference_user_answers(X, y, users, Q, *, params, n_classes, spent_u, budget, deleted, run_key, k=None,
@@ -63,13 +63,7 @@ def reference_user_answers(X, y, users, Q, *, params, n_classes, spent_u, budget
         votes = [0.0] * n_classes
         for i in sorted(weights):  # candidate (row) order, as the engine sums
             votes[int(y[i])] += weights[i]
-        reuse = [0.0] * n_classes
-        if pool is not None:
-            for v, lab in pool:
-                kk = kappa(v, q, params.kernel, params.nu)
-                if kk >= params.tau:
-                    reuse[lab] += kk
-        total = np.array(votes) + np.array(reuse)
+        total = np.array(votes) + np.array(reuse_votes(pool, q, params=params, n_classes=n_classes))
         total = total + params.sigma2 * math.sqrt(K) * rng.standard_normal(n_classes)
         a = int(np.argmax(total))
         labels.append(a)

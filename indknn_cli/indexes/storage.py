@@ -4,10 +4,8 @@ renumbering after a compaction, reconciling with the store."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
-import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -41,21 +39,13 @@ def read_meta(store_path: str | os.PathLike) -> dict | None:
 
 @contextlib.contextmanager
 def index_lock(store_path: str | os.PathLike, timeout: float = 300.0) -> Iterator[None]:
-    """One index writer at a time (fcntl lock file in the store folder)."""
-    fd = os.open(Path(store_path) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise LockTimeoutError(f"{store_path}: another indknn process is writing the candidate index")
-                time.sleep(0.05)
+    """One index writer at a time (a flock on a lock file in the store folder that must still be the file at
+    the path: locking.exclusive_file)."""
+    from ..locking import exclusive_file
+
+    with exclusive_file(Path(store_path) / LOCK_NAME, timeout=timeout, on_timeout=lambda: LockTimeoutError(
+            f"{store_path}: another indknn process is writing the candidate index")):
         yield
-    finally:
-        os.close(fd)
 
 
 def _structure(group: zarr.Group, meta: dict) -> LshIndex | IvfIndex:
