@@ -96,3 +96,10 @@ class CheckFailedError(IndknnError):
     """A budget check (`account --eps`) did not pass."""
 
     exit_code = EXIT_CHECK_FAILED
+
+
+class SchedulerError(IndknnError):
+    """A Dask scheduler (`--scheduler ADDRESS` or `$INDKNN_SCHEDULER`) could not be reached or its
+    workers failed past Dask's retries: nothing was written or released (exit 1)."""
+
+    exit_code = EXIT_RUNTIME
