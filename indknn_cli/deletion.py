@@ -97,6 +97,7 @@ from . import ledger_integrity as integrity
 from .errors import BadInputError, LedgerError, LedgerIntegrityError, StorageError, StoreError
 from .ledger import BudgetLedger, atomic_write_text, unpublished_store_uuids
 from .store import CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks
+from .wording import count
 
 #: Test hook: called with a step name at each step of a deletion / compaction.
 FAULT_HOOK: Callable[[str], None] | None = None
@@ -317,7 +318,8 @@ def _enforce_strict(plan: _Plan, strict: bool) -> None:
         return
     missing = [f"record {r!r}" for r in plan.not_found] + [f"user {u!r}" for u in plan.users_not_found]
     more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-    raise BadInputError(f"--strict: {len(missing)} unknown id(s): {', '.join(missing[:5])}{more}; nothing was deleted")
+    raise BadInputError(f"--strict: {count(len(missing), 'unknown id')}: {', '.join(missing[:5])}{more}; "
+                        "nothing was deleted")
 
 
 # -- planning (read only) ---------------------------------------------------------

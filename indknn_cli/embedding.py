@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import data_quality
 from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .readers import Source, open_source
@@ -122,7 +123,7 @@ def embed_into_store(
     if if_exists not in IF_EXISTS:
         raise BadInputError(f"--if-exists must be error or skip, got {if_exists!r}")
     if batch is not None and role != "query":
-        raise BadInputError("--batch applies to --role query only")
+        raise BadInputError("--batch-id applies to --role query only")
     store_path = Path(store_path)
     store = None
     if _store_exists(store_path) or (store_path.exists() and (store_path.is_file() or any(store_path.iterdir()))):
@@ -275,7 +276,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                                warnings=warnings + [f"query batch {batch!r} is already in the store "
                                                     f"(same input); nothing added"])
         raise BadInputError(f"query batch {batch!r} is already in store {store_path} with other content; "
-                            f"choose another --batch name")
+                            f"choose another --batch-id")
 
     if role == "query":
         input_sha = src.sha256()
@@ -307,7 +308,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     return done
             dim = store.dim if store is not None else None
             seen: set[str] = set()
-            rows_in = rows_skipped = rows_added = 0
+            rows_in = rows_skipped = rows_added = empty = 0
             for rb in src.batches(labels=use_labels):
                 n = len(rb)
                 rows = list(range(rb.start, rb.start + n))
@@ -332,6 +333,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     pick = (lambda seq: seq if sel is None or seq is None else
                             (seq[sel] if isinstance(seq, np.ndarray) else [seq[k] for k in sel]))
                     items, labels, users = pick(rb.items), pick(rb.labels), pick(rb.users)
+                    if ex.input_kind == "text":
+                        empty += data_quality.empty_texts(items)
                     rows_k, ids_k = pick(rows), pick(ids)
                     x = ex.embed(items)
                     x = np.asarray(x)
@@ -384,6 +387,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     inputs[batch] = input_sha
                     extra = {BATCH_INPUTS_ATTR: inputs}
                 start, stop = app.commit(extra)
+                warnings += _quality_warnings(store, role, src.name, empty)
     except BaseException:
         if created:
             shutil.rmtree(store_path, ignore_errors=True)
@@ -394,3 +398,10 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                        dim=int(store.dim), extractor=store.extractor, batch=batch, start=start, stop=stop,
                        created=created, warnings=warnings)
 
+
+def _quality_warnings(store: FeatureStore, role: str, source: str, empty: int) -> list[str]:
+    """Issue 20: empty texts in this input; labels of the role's live rows with fewer than a handful of records."""
+    labels = None
+    if role != "query":
+        labels = store.read(role, "labels")[~store.read(role, "deleted").astype(bool)]
+    return data_quality.embed_warnings(source=source, empty=empty, labels=labels, label_names=store.label_names)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import BadInputError, QueryAllowanceError
+from .wording import count
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def check(gate: Allowance | None, *, new_queries: int) -> None:
         return
     if gate.answered + new_queries > gate.max_queries:
         raise QueryAllowanceError(
-            f"query allowance reached: {gate.answered} queries answered of T = {gate.max_queries} "
-            f"({gate.source}); this batch has {new_queries} new queries, {gate.left} may still be answered. "
+            f"query allowance reached: {count(gate.answered, 'query')} answered of T = {gate.max_queries} "
+            f"({gate.source}); this batch has {count(new_queries, 'new query')}, {gate.left} may still be answered. "
             "Nothing was answered or charged."
         )

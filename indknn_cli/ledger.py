@@ -35,6 +35,7 @@ from . import FORMAT_VERSION, locking
 from . import ledger_integrity as integrity
 from .errors import (BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError,
                      StorageError)
+from .wording import count
 
 #: Test hook: called with a fault-point name at each step of a commit.
 FAULT_HOOK: Callable[[str], None] | None = None
@@ -150,7 +151,7 @@ def _check_finite_columns(path: Path, event_type: str, columns: dict) -> None:
         bad = np.flatnonzero(present & ~np.isfinite(arr))
         if bad.size:
             raise LedgerError(f"{path}: refusing to commit a {event_type} event with {name} = "
-                              f"{float(arr[bad[0]])!r} (row {int(bad[0])}; {bad.size} non-finite value(s)); "
+                              f"{float(arr[bad[0]])!r} (row {int(bad[0])}; {count(int(bad.size), 'non-finite value')}); "
                               "nothing was written")
 
 
@@ -824,16 +825,26 @@ class BudgetLedger:
         """One writer at a time: flock on the ledger folder and on ``LOCK`` (:mod:`.locking`: removing or
         replacing ``LOCK`` releases nothing); waits up to ``timeout`` seconds."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
 
         def expired() -> LockTimeoutError:
             return LockTimeoutError(f"{path}: another indknn process holds the ledger lock (waited {timeout:g} s); "
                                     "retry later or raise --lock-timeout")
-        stack = contextlib.ExitStack()
-        try:
-            stack.enter_context(locking.exclusive(path, path / "LOCK", timeout=timeout, on_timeout=expired))
-        except OSError as exc:  # a read-only file system or no permission: an I/O failure, not bad input
-            raise StorageError(f"{path}: cannot open the ledger lock for writing ({exc.strerror}); "
-                               "is the ledger on a read-only file system?") from None
+        for attempt in range(5):  # a folder another run created, then removed unused (locking.remove_unused)
+            created = locking.missing_folders(path)
+            stack = contextlib.ExitStack()
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                stack.enter_context(locking.exclusive(path, path / "LOCK", timeout=timeout, on_timeout=expired))
+                break
+            except FileNotFoundError:
+                if attempt == 4:
+                    raise StorageError(f"{path}: the ledger folder keeps disappearing") from None
+            except OSError as exc:  # a read-only file system or no permission: an I/O failure, not bad input
+                raise StorageError(f"{path}: cannot open the ledger lock for writing ({exc.strerror}); "
+                                   "is the ledger on a read-only file system?") from None
         with stack:
-            yield
+            try:
+                yield
+            finally:  # no ledger written in folders this lock created (a refusal, a ledger-less delete): remove them
+                if not BudgetLedger.exists(path):
+                    locking.remove_unused(created, path / "LOCK")

@@ -55,6 +55,7 @@ import numpy as np
 
 from .accounting import calibrate_budget, epsilon_for_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
+from .wording import count
 
 GENESIS = "0" * 64          # the chain head of a ledger without events
 CHAIN_VERSION = 1           # snapshot metadata "chain": events after it must be chained
@@ -177,7 +178,8 @@ def check_record_budgets(path: Path, ledger) -> None:
     if bad.any():
         vals = np.unique(b[bad])
         raise LedgerIntegrityError(
-            f"{path}: {int(bad.sum())} record(s) carry a budget other than the ledger's B={ledger.params.budget!r} "
+            f"{path}: {count(int(bad.sum()), 'record')} {'carries' if int(bad.sum()) == 1 else 'carry'} a budget "
+            f"other than the ledger's B={ledger.params.budget!r} "
             f"(e.g. {float(vals[-1])!r}): the ledger was edited; refusing it"
         )
 
@@ -479,7 +481,7 @@ def verification_lines(r: dict) -> list[str]:
         f"ledger {r['ledger']} (uuid {r['ledger_uuid']}): verified",
         f"  snapshot {r['snapshot']['file']} sha256 {r['snapshot']['sha256']} (folds events up to "
         f"{r['snapshot']['last_event_seq']}{'' if r['snapshot']['chained'] else '; written before hash chaining'})",
-        f"  hash chain: {ev['count']} event(s) after the snapshot, {rng}, contiguous, no duplicates, every link "
+        f"  hash chain: {count(ev['count'], 'event')} after the snapshot, {rng}, contiguous, no duplicates, every link "
         f"matches" + (f" ({ev['unchained_legacy']} written before chaining, unchecked)" if ev["unchained_legacy"] else ""),
         f"  chain head: event {h['seq']} sha256 {h['sha256']}",
         f"  budgets: B = {b['budget']!r} is the calibration of ε={b['epsilon']!r}, δ={b['delta']!r} "
@@ -496,5 +498,5 @@ def verification_lines(r: dict) -> list[str]:
         m = s["high_water_mark"]
         lines.append("  high-water mark: none" if m is None else
                      f"  high-water mark: event {m['seq']} sha256 {m['sha256']}; the ledger reaches it"
-                     f"{f' and is {ahead} event(s) ahead' if (ahead := s['ledger_ahead_of_mark_by']) else ''}")
+                     f"{' and is ' + count(ahead, 'event') + ' ahead' if (ahead := s['ledger_ahead_of_mark_by']) else ''}")
     return lines

@@ -126,6 +126,7 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
     ledger_path, store_path = Path(ledger_path), Path(store_path)
     if not BudgetLedger.exists(ledger_path):
         raise LedgerError(f"{ledger_path}: no budget ledger here")
+    FeatureStore.open(store_path, mode="r")  # a missing store is bad input (exit 2), before any lock file is made
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \
             integrity.writer_lock(store_path, timeout=lock_timeout):
         store = FeatureStore.open(store_path, mode="r")

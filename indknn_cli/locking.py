@@ -97,3 +97,29 @@ def exclusive_file(lock_file: Path, *, timeout: float, on_timeout: Callable[[], 
         yield
     finally:
         os.close(fd)
+
+
+def missing_folders(path: Path) -> list[Path]:
+    """``path`` and those of its ancestors that do not exist yet, deepest first (what ``mkdir -p`` would create)."""
+    out: list[Path] = []
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def remove_unused(created: list[Path], lock_file: Path) -> None:
+    """A refused or read-only run leaves nothing behind: when the folders in ``created`` (deepest first) hold
+    nothing but ``lock_file``, remove it and them. Called with the lock still held; a waiter that then finds
+    the folder gone takes the lock again on a new one (:func:`_lock_one` checks the path)."""
+    if not created:
+        return
+    try:
+        if {e.name for e in os.scandir(created[0])} - {Path(lock_file).name}:
+            return
+        Path(lock_file).unlink(missing_ok=True)
+        for p in created:
+            p.rmdir()
+    except OSError:  # someone else wrote there meanwhile: keep what is there
+        pass

@@ -39,6 +39,8 @@ from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _chec
                          calibrate_budget, epsilon_for_budget, realised_epsilons)
 from . import ledger_integrity as integrity
 from .errors import BadInputError, BudgetExhaustedError, CheckFailedError, LedgerError
+from .wording import count
+from . import data_quality
 
 REALISED_LABEL = "realised individual loss (descriptive, not a guarantee)"
 #: The privacy unit and the adjacency every printed ε is stated for (SPEC §8).
@@ -412,6 +414,8 @@ def build_account_report(
         "queries_answered": total_answers,
         "batches": len(s.batches),
         "answers_by_label": by_label,
+        # operator-only: answers released at the K_min clamp (noise-only answers are likely there)
+        "answers_at_k_min": data_quality.clamp_share(s.answer_column("released_count", np.float64), params.k_min),
         "spent_min": spent_q["min"], "spent_median": spent_q["median"], "spent_p90": spent_q["p90"],
         "spent_p99": spent_q["p99"], "spent_max": spent_q["max"],
         "spent_quantiles": spent_q,
@@ -462,9 +466,9 @@ def build_account_report(
         data["check_min_active"] = {"min_active": str(min_active), "kind": kind, "required": required,
                                     "records_active": n_active, "passed": passed}
         if not passed:
-            what = (f"{value:g} of the {alive} records not deleted" if kind == "fraction" else "the minimum")
+            what = (f"{value:g} of the {count(alive, 'record')} not deleted" if kind == "fraction" else "the minimum")
             failures.append((BudgetExhaustedError,
-                             f"only {n_active} records are active, fewer than --min-active {min_active} "
+                             f"only {count(n_active, 'record')} {'is' if n_active == 1 else 'are'} active, fewer than --min-active {min_active} "
                              f"({required}, {what})"))
 
     # A data subject's view (--record / --user): their own figures at the top level, the ledger's guarantee,

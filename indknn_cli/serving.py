@@ -16,11 +16,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import accounting, gate, indexes
+from . import accounting, data_quality, gate, indexes
 from . import ledger_integrity as integrity
 from .engine import ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, BudgetView, ReusePool, StoreSource, answer_batch
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
+from .wording import count
 from .store import FeatureStore
 from .user_unit import UserBudgetView, user_keys
 
@@ -225,12 +226,16 @@ def build_index(
         moves = ledger.user_moves([str(r) for r in store.read("private", "record_id")],
                                   [str(u or "") for u in store.read("private", "user_id")]) if n_priv else []
         if moves:
-            raise BadInputError(f"{len(moves)} private row(s) reuse an erased record id under another user (first: "
-                                f"{moves[0]!r}); an erased id keeps its user: give these rows new record ids")
+            raise BadInputError(f"{count(len(moves), 'private row')} reuse{'s' if len(moves) == 1 else ''} an erased "
+                                f"record id under another user (first: {moves[0]!r}); an erased id keeps its user: "
+                                "give these rows new record ids")
         added = sync_ledger(ledger, store)
         if created:
             ledger.compact()
     index_info = indexes.apply_plan(store, plan, lock_timeout=max(lock_timeout, 300.0))
+    # operator-only (index's stderr, never serve's); only when the ledger is made or grows, not on every cron re-run
+    sparse = data_quality.neighbour_warning(store, ledger.params) if created or added else None
+    warnings = warnings + ([sparse] if sparse else [])
     return IndexResult(store=str(store_path), ledger=str(ledger_path), records=len(ledger.state),
                        records_added=added, created=created, params=ledger.params, kind=plan.kind,
                        extra={"index": index_info, **({"warnings": warnings} if warnings else {})},
@@ -528,12 +533,24 @@ def write_answers_parquet(rows: list[dict], path: str | os.PathLike) -> None:
         "label": pa.array([r["label"] for r in rows], pa.int32()),
         "label_name": pa.array([r["label_name"] for r in rows], pa.string()),
         "released_count": pa.array([r["released_count"] for r in rows], pa.float64()),
-        "seed": pa.array([None if r.get("seed") is None else str(r["seed"]) for r in rows], pa.string()),
+        "seed": pa.array([None if r.get("seed") is None else int(r["seed"]) for r in rows], pa.int64()),
     })
     path = Path(path)
     if path.parent and not path.parent.exists():
         raise BadInputError(f"--out: folder {path.parent} does not exist")
     atomic_write_parquet(table, path)
+
+
+def read_answers_parquet(path: str | os.PathLike) -> pa.Table:
+    """An answers file of ``serve-queries --out``; ``seed`` is int64 as in the JSON lines (files written before
+    it was, with a string ``seed``, are read to the same type)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    i = table.schema.get_field_index("seed")
+    if i >= 0 and table.schema.field(i).type != pa.int64():
+        table = table.set_column(i, "seed", table.column(i).cast(pa.int64()))
+    return table
 
 
 def resolve_query_batch(

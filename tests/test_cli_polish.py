@@ -50,11 +50,9 @@ def test_dash_h_and_quiet_verbose_everywhere():
     for cmd in cmds:
         res = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
         assert res.exit_code == 0, cmd
-        # these bench modules keep their own argparse parser (-h there is argparse's; not yet typer commands)
-        if cmd[-1] not in ("user-unit", "year", "append", "startup"):
-            assert "--quiet" in res.stdout and "-q" in res.stdout and "--verbose" in res.stdout, cmd
-            short = runner.invoke(app, [*cmd, "-h"], env={"COLUMNS": "200"})
-            assert short.exit_code == 0 and short.stdout == res.stdout, cmd
+        assert "--quiet" in res.stdout and "-q" in res.stdout and "--verbose" in res.stdout, cmd
+        short = runner.invoke(app, [*cmd, "-h"], env={"COLUMNS": "200"})
+        assert short.exit_code == 0 and short.stdout == res.stdout, cmd
 
 
 def test_id_column_default_is_in_the_help():
@@ -107,7 +105,7 @@ def test_bench_audit_bad_input_is_exit_2_without_traceback():
 def test_unexpected_errors_print_no_traceback(monkeypatch, capsys):
     from indknn_cli.cli import app as app_mod
 
-    def boom():
+    def boom(**_):
         raise RuntimeError("secret 0.123")
 
     monkeypatch.setattr(app_mod, "app", boom)

@@ -2,7 +2,6 @@
 
     indknn bench audit                          # 2000 trials per world, OS-entropy noise
     indknn bench audit --trials 5000 --eps 4 --out audit.json
-    python bench/audit.py ...                   # the same
 
 Prints one JSON object on stdout: the measured ε lower bound (Clopper–Pearson,
 confidence 1 − α), the certified ε of the budget B with its conversion, the

@@ -26,6 +26,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -92,23 +93,58 @@ def _file_sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def _cached(cache_dir: Path, key: str, compute) -> tuple[np.ndarray, bool]:
-    """Load ``key`` from the cache or compute and store it atomically. Returns (array, from_cache)."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    path = cache_dir / f"{key}.npy"
-    if path.is_file():
-        return np.load(path), True
-    arr = np.ascontiguousarray(compute(), dtype=np.float32)
+#: Rows embedded and written to the feature cache at a time: an interrupted bench keeps every finished block.
+FEATURE_BLOCK_ROWS = 2048
+
+
+def _save_atomic(path: Path, arr: np.ndarray) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         np.save(f, arr)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return arr, False
 
 
-def load_ag_news(data_dir: Path, cache_dir: Path, *, device: str = "cpu", limit: int | None = None) -> Dataset:
+def _cached(cache_dir: Path, key: str, n: int, embed_rows: Callable[[int, int], np.ndarray],
+            progress: Callable[[str], None] = lambda s: None) -> tuple[np.ndarray, dict]:
+    """Features of rows 0..n from the cache ``<key>.npy``, or computed block by block: each finished block of
+    :data:`FEATURE_BLOCK_ROWS` rows is written to ``<key>.parts/`` at once, so a re-run after an interruption
+    embeds only the missing blocks; the whole array is then written and the parts removed.
+    Returns (array, {"cache_hit", "blocks_resumed", "blocks_computed"})."""
+    import shutil
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"{key}.npy"
+    if path.is_file():
+        return np.load(path), {"cache_hit": True, "blocks_resumed": 0, "blocks_computed": 0}
+    parts = cache_dir / f"{key}.parts"
+    parts.mkdir(exist_ok=True)
+    blocks, resumed, computed = [], 0, 0
+    for i, lo in enumerate(range(0, n, FEATURE_BLOCK_ROWS)):
+        hi = min(n, lo + FEATURE_BLOCK_ROWS)
+        part = parts / f"{lo:09d}-{hi:09d}.npy"
+        arr = None
+        if part.is_file():
+            try:
+                arr = np.load(part)
+                resumed += 1
+            except (OSError, ValueError):  # a torn file (only possible without the atomic rename): recompute
+                arr = None
+        if arr is None or arr.shape[0] != hi - lo:
+            arr = np.ascontiguousarray(embed_rows(lo, hi), dtype=np.float32)
+            _save_atomic(part, arr)
+            computed += 1
+        blocks.append(arr)
+        progress(f"features: {hi}/{n} rows ({'from the partial cache' if computed == 0 else 'cached'})")
+    x = np.concatenate(blocks) if blocks else np.zeros((0, 0), np.float32)
+    _save_atomic(path, x)
+    shutil.rmtree(parts, ignore_errors=True)
+    return x, {"cache_hit": False, "blocks_resumed": resumed, "blocks_computed": computed}
+
+
+def load_ag_news(data_dir: Path, cache_dir: Path, *, device: str = "cpu", limit: int | None = None,
+                 progress: Callable[[str], None] = lambda s: None) -> Dataset:
     path = data_dir / "ag_news" / "test.csv"
     if not path.is_file():
         raise BadInputError(f"{path}: AG News not found (set --data-dir or $INDKNN_DATA)")
@@ -123,17 +159,22 @@ def load_ag_news(data_dir: Path, cache_dir: Path, *, device: str = "cpu", limit:
 
     key = f"ag_news-minilm-{_file_sha(path)[:16]}-{len(texts)}-v{FEATURE_CACHE_VERSION}"
 
-    def compute():
-        ex = get_extractor("text", device=device)
-        return ex.embed(texts)
+    model: list = []  # loaded only when a block has to be embedded
 
-    x, hit = _cached(cache_dir, key, compute)
+    def embed_rows(lo: int, hi: int) -> np.ndarray:
+        if not model:
+            progress("loading the text model")
+            model.append(get_extractor("text", device=device))
+        return model[0].embed(texts[lo:hi])
+
+    x, how = _cached(cache_dir, key, len(texts), embed_rows, progress)
     return Dataset("ag_news", normalize_rows(x).astype(np.float32), np.asarray(labels, np.int64), AG_NEWS_LABELS,
                    extractor="text:all-MiniLM-L6-v2", source=str(path),
-                   info={"feature_cache": str(cache_dir / f"{key}.npy"), "cache_hit": hit, "rows": len(texts)})
+                   info={"feature_cache": str(cache_dir / f"{key}.npy"), **how, "rows": len(texts)})
 
 
-def load_mnist(data_dir: Path, cache_dir: Path, *, features: str = "hog") -> Dataset:
+def load_mnist(data_dir: Path, cache_dir: Path, *, features: str = "hog",
+               progress: Callable[[str], None] = lambda s: None) -> Dataset:
     path = data_dir / "mnist" / "mnist.npz"
     if not path.is_file():
         raise BadInputError(f"{path}: MNIST not found (set --data-dir or $INDKNN_DATA)")
@@ -148,23 +189,19 @@ def load_mnist(data_dir: Path, cache_dir: Path, *, features: str = "hog") -> Dat
     ex = get_extractor(features)
     key = f"mnist-{features}-{_file_sha(path)[:16]}-v{FEATURE_CACHE_VERSION}"
 
-    def compute():
+    def embed_rows(lo: int, hi: int) -> np.ndarray:
         from PIL import Image
 
-        out = np.empty((images.shape[0], ex.dim), np.float32)
-        for lo in range(0, images.shape[0], 2048):
-            block = images[lo:lo + 2048]
-            out[lo:lo + block.shape[0]] = ex.embed([Image.fromarray(a) for a in block])
-        return out
+        return ex.embed([Image.fromarray(a) for a in images[lo:hi]])
 
-    x, hit = _cached(cache_dir, key, compute)
+    x, how = _cached(cache_dir, key, images.shape[0], embed_rows, progress)
     x = x.astype(np.float64)
     zero = np.sqrt((x * x).sum(axis=1)) == 0
     x[zero] = 1.0  # an all-blank HOG/pixel row would be refused; none occur in MNIST
     return Dataset("mnist", normalize_rows(x).astype(np.float32), labels, [str(i) for i in range(10)],
                    extractor=f"{features}:{ex.info.model}", source=str(path),
                    fixed_query_pool=np.arange(n_train, images.shape[0]),
-                   info={"feature_cache": str(cache_dir / f"{key}.npy"), "cache_hit": hit,
+                   info={"feature_cache": str(cache_dir / f"{key}.npy"), **how,
                          "extractor_version": ex.info.version})
 
 
@@ -199,14 +236,15 @@ def load_store(path: Path) -> Dataset:
 
 
 def load_dataset(name: str, *, data_dir: Path | None = None, cache_dir: Path | None = None,
-                 features: str = "hog", device: str = "cpu") -> Dataset:
+                 features: str = "hog", device: str = "cpu",
+                 progress: Callable[[str], None] = lambda s: None) -> Dataset:
     """``ag_news``, ``mnist`` or the path of an indknn feature store."""
     data_dir = Path(data_dir) if data_dir else default_data_dir()
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     if name == "ag_news":
-        return load_ag_news(data_dir, cache_dir, device=device)
+        return load_ag_news(data_dir, cache_dir, device=device, progress=progress)
     if name == "mnist":
-        return load_mnist(data_dir, cache_dir, features=features)
+        return load_mnist(data_dir, cache_dir, features=features, progress=progress)
     if Path(name).exists():
         return load_store(Path(name))
     raise BadInputError(f"--dataset must be ag_news, mnist or a feature store path, got {name!r}")

@@ -19,12 +19,15 @@ import numpy as np
 from .. import accounting
 from ..baselines import PrivateKNN, knn_predict, opacus_epsilon, train_linear_noisy_sgd, train_logistic_regression
 from ..serving import make_params
+from ..wording import count
 from .config import BenchConfig
 from .data import Dataset, Split, synthetic_dataset
 from .methods import (ValData, accuracy, kernel_matrix, nonprivate_indknn, run_indknn, tune_indknn, tune_knn,
                       tune_logreg, tune_noisy_sgd, tune_private_knn, tune_tau_stage1)
 
 Progress = Callable[[str], None]
+#: Called with the result rows so far after each step (ε, T, Q or configuration) of an experiment.
+Partial = Callable[[list], None]
 PROTOCOL = ("Hyper-parameters of every method are tuned on a validation split carved from the private side "
             "(validation queries asked of the remaining private records), never on the reported queries. "
             "Tuning reads private records without accounting, as the paper's protocol does; in a deployment "
@@ -144,7 +147,8 @@ def _nonprivate_rows(p: Prepared, cfg: BenchConfig, draws, tuning: dict, progres
     return [{"method": names[m], "epsilon": math.inf, "hyper": hyper[m], **_summary(a)} for m, a in rows.items()]
 
 
-def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progress = lambda s: None) -> dict:
+def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progress = lambda s: None,
+                    partial: Partial = lambda rows: None) -> dict:
     """Median accuracy over query draws per ε (paper Figures 1a, 2; Table 2), each method tuned on validation."""
     t_start = time.perf_counter()
     p = prepare(ds, split, cfg)
@@ -179,6 +183,7 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
         rows.append(_sgd_row(p, cfg, eps=eps, lr=ts["chosen"]["lr"], models=models, draws=draws))
         timing[f"report_eps{eps}"] = time.perf_counter() - t0
         progress("ε=%s: " % eps + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]))
+        partial(rows)
     rows += _nonprivate_rows(p, cfg, draws, tuning, progress)
     timing["total"] = time.perf_counter() - t_start
     return {"experiment": "accuracy-vs-eps", "dataset": dataset_info(p), "config": cfg.as_dict(),
@@ -206,7 +211,7 @@ def eps_table(rows: list[dict], epsilons, note: str = "") -> dict:
 
 
 def accuracy_vs_queries(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: float = 1.0,
-                        progress: Progress = lambda s: None) -> dict:
+                        progress: Progress = lambda s: None, partial: Partial = lambda rows: None) -> dict:
     """Accuracy as T grows at fixed ε (paper Figure 1b), Ind-KNN with and without prediction reuse."""
     t_start = time.perf_counter()
     p = prepare(ds, split, cfg)
@@ -234,6 +239,7 @@ def accuracy_vs_queries(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: fl
         rows.append({"queries": T, **_sgd_row(p, cfg, eps=epsilon, lr=ts["chosen"]["lr"], models=models,
                                               draws=draws)})
         progress(f"T={T}: " + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]))
+        partial(rows)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     table = {"title": f"median accuracy at ε={epsilon:g}", "columns": ["method"] + [f"T={T}" for T in grid],
              "rows": [[m] + [round(next(r["accuracy_median"] for r in rows if r["method"] == m and r["queries"] == T),
@@ -247,7 +253,7 @@ def accuracy_vs_queries(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: fl
 
 
 def retraining(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: float = 1.0,
-               progress: Progress = lambda s: None) -> dict:
+               progress: Progress = lambda s: None, partial: Partial = lambda rows: None) -> dict:
     """Data changes every Q queries (paper Table 1 / Figure 3): Ind-KNN deletes records at no retraining
     cost; Linear NoisySGD retrains on every change and its privacy loss composes over the trainings."""
     t_start = time.perf_counter()
@@ -262,7 +268,7 @@ def retraining(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: float = 1.0
                          sigma2=ch["sigma2"], planned_queries=T)
     idx = query_draws(p.pool_x.shape[0], T, 1, cfg.seed, tag="retrain")[0]
     q, y = p.pool_x[idx], p.pool_y[idx]
-    progress(f"timing {cfg.timing_repeats} NoisySGD training(s) on {p.priv_x.shape[0]} records")
+    progress(f"timing {count(cfg.timing_repeats, 'NoisySGD training')} on {count(int(p.priv_x.shape[0]), 'record')}")
     models = _sgd_models(p, cfg, eps=epsilon, lr=ts["chosen"]["lr"], n=cfg.timing_repeats)
     train_s = float(np.median([m.seconds for m in models]))
     t0 = time.perf_counter()
@@ -303,6 +309,7 @@ def retraining(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: float = 1.0
                      "noisysgd_epsilon_total": sgd_eps, "noisysgd_accuracy_first_model": sgd_acc})
         progress(f"Q={Q}: Ind-KNN {rows[-1]['indknn_seconds_per_query']:.2e} s/query, ε {params.epsilon:g}; "
                  f"NoisySGD {rows[-1]['noisysgd_seconds_per_query']:.2e} s/query, ε {sgd_eps:.3g}")
+        partial(rows)
     table = {"title": f"retraining every Q queries (T={T}; ε={epsilon:g} = Ind-KNN guarantee = each training's ε)",
              "columns": ["Q", "Ind-KNN s/query", "Ind-KNN ε guarantee", "Ind-KNN median realised ε*",
                          "NoisySGD s/query", "NoisySGD ε (composed)"],
@@ -321,7 +328,8 @@ def retraining(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: float = 1.0
             "seconds": {"total": time.perf_counter() - t_start}}
 
 
-def speed(cfg: BenchConfig, progress: Progress = lambda s: None, classes: int = 100, tau: float = 0.5) -> dict:
+def speed(cfg: BenchConfig, progress: Progress = lambda s: None, classes: int = 100, tau: float = 0.5,
+          partial: Partial = lambda rows: None) -> dict:
     """Queries per second of the engine (flat kind) on synthetic clustered unit vectors."""
     rows = []
     for d in cfg.speed_d:
@@ -335,6 +343,7 @@ def speed(cfg: BenchConfig, progress: Progress = lambda s: None, classes: int = 
                          "queries_per_second": cfg.speed_queries / run.seconds, "seconds": run.seconds,
                          "median_released_count": float(np.median(run.released_counts))})
             progress(f"flat N={n} d={d}: {rows[-1]['queries_per_second']:.1f} queries/s")
+            partial(rows)
     table = {"title": "engine throughput (flat, exact)", "columns": ["kind", "N", "d", "queries/s", "median K"],
              "rows": [[r["kind"], r["n"], r["d"], f"{r['queries_per_second']:.1f}", f"{r['median_released_count']:.0f}"]
                       for r in rows],

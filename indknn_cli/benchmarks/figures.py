@@ -15,6 +15,16 @@ def _ds(result: dict) -> str:
     return f"{d.get('name', '?')} ({d.get('extractor', '?')}, {d.get('split', {}).get('private', '?')} private)"
 
 
+def _band(name: str, rows: list[dict], x: str) -> dict:
+    """{name: (x, median, min, max)} over the query draws of ``rows`` (sorted by ``x``); {} when empty."""
+    rows = sorted(rows, key=lambda r: r[x])
+    if not rows:
+        return {}
+    return {name: ([r[x] for r in rows], [r["accuracy_median"] for r in rows],
+                   [r.get("accuracy_min", r["accuracy_median"]) for r in rows],
+                   [r.get("accuracy_max", r["accuracy_median"]) for r in rows])}
+
+
 def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
     out_dir = Path(out_dir)
     kind = result["experiment"]
@@ -23,26 +33,23 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
         rows = result["results"]
         series = {}
         for m in PRIVATE_METHODS:
-            pts = sorted((r["epsilon"], r["accuracy_median"]) for r in rows if r["method"] == m)
-            if pts:
-                series[m] = ([p[0] for p in pts], [p[1] for p in pts])
-        hl = {r["method"]: r["accuracy_median"] for r in rows if r["epsilon"] == math.inf}
+            series.update(_band(m, [r for r in rows if r["method"] == m], "epsilon"))
+        hl = {r["method"]: (r["accuracy_median"], r.get("accuracy_min", r["accuracy_median"]),
+                            r.get("accuracy_max", r["accuracy_median"])) for r in rows if r["epsilon"] == math.inf}
         T = result["dataset"].get("queries_per_draw")
         c = result["config"]
         paths.append(plot_lines(out_dir / f"{stem}.png", series=series, hlines=hl,
                                 xlabel=f"ε (δ = {c['delta']:g}; Ind-KNN {c['conversion'].upper()}, Private-kNN "
                                 f"{c['pknn_accountant'].upper()}, NoisySGD {c['sgd_accountant'].upper()})",
-                                ylabel=f"median accuracy of {T} queries",
+                                ylabel=f"median accuracy of {T} queries (band: min–max over draws)",
                                 title=f"Accuracy vs ε\n{_ds(result)}"))
     elif kind == "accuracy-vs-queries":
         rows = result["results"]
         series = {}
         for m in PRIVATE_METHODS:
-            pts = sorted((r["queries"], r["accuracy_median"]) for r in rows if r["method"] == m)
-            if pts:
-                series[m] = ([p[0] for p in pts], [p[1] for p in pts])
+            series.update(_band(m, [r for r in rows if r["method"] == m], "queries"))
         paths.append(plot_lines(out_dir / f"{stem}.png", series=series, xlabel="number of queries T",
-                                ylabel="median accuracy", logx=True,
+                                ylabel="median accuracy (band: min–max over draws)", logx=True,
                                 title=f"Accuracy vs T at ε={result['epsilon']:g}\n{_ds(result)}"))
     elif kind == "retraining":
         rows = result["results"]

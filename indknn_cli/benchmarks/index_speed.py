@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, nargs="*", default=[100_000, 1_000_000])
     ap.add_argument("--d", type=int, default=384)
     ap.add_argument("--queries", type=int, default=1000)
-    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--batch-size", "--batch", dest="batch", type=int, default=1024)
     ap.add_argument("--tau", type=float, default=0.6, help="synthetic τ (cos): a record's own sub-cluster")
     ap.add_argument("--ag", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--ag-tau", type=float, default=0.25)

@@ -85,16 +85,27 @@ STYLE = {"ind-knn": ("tab:red", "o"), "ind-knn+reuse": ("tab:orange", "s"), "pri
          "linear-noisysgd": ("tab:green", "D")}
 
 
-def plot_lines(path: Path, *, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str,
-               hlines: dict[str, float] | None = None, logx: bool = False, logy: bool = False) -> Path:
-    """One line per series {name: (x, y)}; ``hlines`` as dashed references (non-private accuracies)."""
+def plot_lines(path: Path, *, series: dict[str, tuple], xlabel: str, ylabel: str, title: str,
+               hlines: dict[str, float | tuple] | None = None, logx: bool = False, logy: bool = False) -> Path:
+    """One line per series {name: (x, y)} or {name: (x, y, low, high)}: with low/high, the spread over query
+    draws is a shaded band. ``hlines`` {name: y or (y, low, high)}: non-private references, each in its own
+    colour and dash pattern, its value in the legend and its spread as a band, so that two close references
+    can be told apart."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.0, 4.2), dpi=120)
-    for name, (xs, ys) in series.items():
+    for name, values in series.items():
+        xs, ys = values[0], values[1]
         color, marker = STYLE.get(name.split(" ")[0], (None, "o"))
-        ax.plot(xs, ys, marker=marker, color=color, label=name)
-    for i, (name, y) in enumerate((hlines or {}).items()):
-        ax.axhline(y, linestyle="--", linewidth=1, color=f"C{(i + 5) % 10}", label=name)
+        line, = ax.plot(xs, ys, marker=marker, color=color, label=name)
+        if len(values) == 4:
+            ax.fill_between(xs, values[2], values[3], color=line.get_color(), alpha=0.15, linewidth=0)
+    dashes = ("--", ":", "-.", (0, (5, 1, 1, 1)))
+    for i, (name, ref) in enumerate((hlines or {}).items()):
+        y, band = (ref[0], ref[1:]) if isinstance(ref, tuple) else (ref, ())
+        color = f"C{(i + 5) % 10}"
+        ax.axhline(y, linestyle=dashes[i % len(dashes)], linewidth=1.2, color=color, label=f"{name} ({y:.3f})")
+        if len(band) == 2 and band[1] > band[0]:
+            ax.axhspan(band[0], band[1], color=color, alpha=0.10, linewidth=0)
     if logx:
         ax.set_xscale("log")
     if logy:

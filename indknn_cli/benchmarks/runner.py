@@ -61,25 +61,35 @@ def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Pat
     _validate(cfg, epsilon)
     env = environment()
     out_dir = Path(out_dir)
+    stem = _stem(experiment, None if experiment == "speed" else dataset)
+    partial_path = out_dir / f"{stem}.partial.json"
+
+    def partial(rows: list) -> None:
+        """Each finished step's rows, at once: an interrupted bench keeps what it measured."""
+        write_json(partial_path, {"experiment": experiment, "dataset": dataset, "complete": False, "seed": seed,
+                                  "config": cfg.as_dict(), "results": rows, "environment": env,
+                                  "seconds_so_far": time.perf_counter() - t0})
+
     if experiment == "speed":
-        result = experiments.speed(cfg, progress=progress)
-        stem = _stem(experiment, None)
+        result = experiments.speed(cfg, progress=progress, partial=partial)
     else:
-        progress(f"loading {dataset} (features are computed once and cached)")
-        ds = load_dataset(dataset, data_dir=data_dir, cache_dir=cache_dir, features=features, device=cfg.device)
+        progress(f"loading {dataset} (features are computed once and cached block by block)")
+        ds = load_dataset(dataset, data_dir=data_dir, cache_dir=cache_dir, features=features, device=cfg.device,
+                          progress=progress)
         split = make_split(ds, seed=seed, n_queries=n_queries, n_private=n_private,
                            max_private=cfg.max_private)
-        stem = _stem(experiment, dataset)
         is_store = dataset not in ("ag_news", "mnist")
         if experiment == "tune" and is_store and ds.public_rows is None and not unaccounted_private_tuning:
             raise PrivacyRefusedError(NO_PUBLIC_TUNING.format(store=dataset))
         try:
             if experiment == "accuracy-vs-eps":
-                result = experiments.accuracy_vs_eps(ds, split, cfg, progress=progress)
+                result = experiments.accuracy_vs_eps(ds, split, cfg, progress=progress, partial=partial)
             elif experiment == "accuracy-vs-queries":
-                result = experiments.accuracy_vs_queries(ds, split, cfg, epsilon=epsilon, progress=progress)
+                result = experiments.accuracy_vs_queries(ds, split, cfg, epsilon=epsilon, progress=progress,
+                                                         partial=partial)
             elif experiment == "retraining":
-                result = experiments.retraining(ds, split, cfg, epsilon=epsilon, progress=progress)
+                result = experiments.retraining(ds, split, cfg, epsilon=epsilon, progress=progress,
+                                                partial=partial)
             else:
                 result = experiments.tune(ds, split, cfg, progress=progress)
         except ValueError as exc:  # sizes that do not fit the data
@@ -99,6 +109,7 @@ def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Pat
     seconds = time.perf_counter() - t0
     result["wall_seconds"] = seconds
     path = write_json(out_dir / f"{stem}.json", result)
+    partial_path.unlink(missing_ok=True)  # the complete file replaces the partial one
     summary = {"experiment": experiment, "dataset": dataset if experiment != "speed" else "synthetic",
                "quick": quick, "seed": seed, "json": str(path), "plots": [str(p) for p in plots],
                "table": result["table"], "seconds": round(seconds, 1)}

@@ -1,6 +1,6 @@
 """Throughput of `serve-queries` (exact flat search, cosine, reuse off) end to end from a Zarr store.
 
-    indknn bench serve-speed --n 10000 50000 200000 --d 384 768 --queries 2048
+    indknn bench serve-speed --n 10000,50000,200000 --d 384,768 --queries 2048
 
 Builds a synthetic clustered store per (N, d) in a temp dir, creates a ledger,
 and times `serving.serve_queries` (candidates, filter, ledger commits) with a

@@ -1,6 +1,6 @@
 """Record unit vs user unit (SPEC §9): accuracy and throughput on data with several records per user.
 
-    indknn bench user-unit --dataset ag_news --eps 0.5 1 2 --draws 3 --out bench_out/user_unit
+    indknn bench user-unit --dataset ag_news --eps 0.5,1,2 --draws 3 --out bench_out/user_unit
 
 AG News test split (MiniLM features, cached by `bench`), split at random (seeded) into private records and
 queries; the private records are grouped into users of 1–20 records at random (sizes uniform on 1..20).
@@ -115,10 +115,12 @@ def main(argv: list[str]) -> int:
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(5, 3.2))
         for name in dict.fromkeys(r["variant"] for r in rows):
-            pts = [(r["epsilon"], r["accuracy_median"]) for r in rows if r["variant"] == name]
-            ax.plot(*zip(*pts), marker="o", label=name)
+            sel = [r for r in rows if r["variant"] == name]
+            line, = ax.plot([r["epsilon"] for r in sel], [r["accuracy_median"] for r in sel], marker="o", label=name)
+            ax.fill_between([r["epsilon"] for r in sel], [min(r["accuracies"]) for r in sel],
+                            [max(r["accuracies"]) for r in sel], color=line.get_color(), alpha=0.15, linewidth=0)
         ax.set_xlabel("ε (gdp, δ = %g; per record or per user)" % a.delta)
-        ax.set_ylabel("accuracy (median of %d draws)" % a.draws)
+        ax.set_ylabel("accuracy (median of %d draws; band: min–max)" % a.draws)
         ax.set_title("AG News, users of 1–%d records" % a.max_records)
         ax.legend()
         fig.tight_layout()

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import EXIT_BUDGET_EXHAUSTED
+from ..wording import count
 from .common import emit_json, resolve_ledger, run_library_call, say, stderr_console, stdout_console, verbosity
 
 
@@ -83,8 +84,8 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
         _print_subject(out, f"Record {d['record_id']}", d)
     if d.get("subject") == "user":
         u = d
-        out.print(f"[bold]User {escape(u['user_id'])}[/]: {u['records']} records (active {u['records_active']}, "
-                  f"retired {u['records_retired']}, deleted {u['records_deleted']})")
+        out.print(f"[bold]User {escape(u['user_id'])}[/]: {count(u['records'], 'record')} "
+                  f"(active {u['records_active']}, retired {u['records_retired']}, deleted {u['records_deleted']})")
         t = Table()
         for col in ("record id", "status", "spent", "remaining", "times selected",
                     f"realised ε ({d['conversion']})", "deleted at"):
@@ -111,6 +112,11 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
               str(d["queries_answered"]), str(d["batches"]))
     out.print(r)
     out.print("retired: budget left below the next count charge; deleted: tombstones (never refunded)")
+    clamp = d["answers_at_k_min"]
+    if clamp["answers"]:
+        out.print(escape(f"answers at the K_min = {clamp['k_min']:g} clamp: {100 * clamp['share']:.1f}% "
+                         f"({clamp['at_k_min']} of {count(clamp['answers'], 'answer')}; noise-only answers are "
+                         f"likely there) [OPERATOR ONLY: {clamp['note']}]"))
     out.print("[bold]Distribution over all records[/]")
     q = Table()
     q.add_column("")
@@ -202,7 +208,7 @@ def account_command(
         result = run_library_call(lambda: export_account(ledger_path=ledger_path, out=export, delta=delta,
                                                          conversion=conversion))
         emit_json(result)
-        say(f"wrote {result['rows']} records to {result['export']} ({EXPORT_NOTE})")
+        say(f"wrote {count(result['rows'], 'record')} to {result['export']} ({EXPORT_NOTE})")
         return
     if queries_left:
         allowance = run_library_call(lambda: public_allowance(ledger_path=ledger_path, max_queries=max_queries))
@@ -233,8 +239,8 @@ def account_command(
         verdict = "passed" if chk["passed"] else "FAILED"
         err.print(f"--eps {chk['eps']:g} check {verdict}: guarantee ε({chk['conversion']}) = "
                   f"{_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}")
-        err.print(escape(f"{over} records' realised loss ε({chk['conversion']}) is above {chk['eps']:g} "
-                         f"(informational: {REALISED_LABEL})"))
+        err.print(escape(f"{over} {'record' if over == 1 else 'records'}' realised loss ε({chk['conversion']}) "
+                         f"is above {chk['eps']:g} (informational: {REALISED_LABEL})"))
     chk = d.get("check_min_active")
     if chk is not None and chk["passed"]:
         err.print(escape(f"--min-active {chk['min_active']} check passed: {chk['records_active']} active "

@@ -19,7 +19,7 @@ app = typer.Typer(
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # indknn --install-completion [bash|zsh|fish|powershell], --show-completion
 )
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     import os
 
     try:
-        app()
+        app(prog_name="indknn")  # usage lines and completion scripts say `indknn`, also under python -m
     except Exception as exc:  # noqa: BLE001 - typer re-raises what no command mapped (pretty exceptions off)
         if os.environ.get("INDKNN_DEBUG") == "1":
             raise

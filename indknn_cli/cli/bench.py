@@ -9,7 +9,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .common import emit_json, run_library_call, stderr_console
+from ..wording import count
+from .common import deprecated_alias, emit_json, run_library_call, stderr_console
 
 bench_app = typer.Typer(
     help=(
@@ -82,7 +83,8 @@ def _run(experiment: str, parsed=lambda: {}, **kw) -> None:
         err.print(escape(t["note"]))
     if summary.get("warning"):
         err.print(f"[yellow]{escape(summary['warning'])}[/]")
-    err.print(escape(f"wrote {summary['json']} and {len(summary['plots'])} plot(s) in {summary['seconds']:.0f} s"))
+    err.print(escape(f"wrote {summary['json']} and {count(len(summary['plots']), 'plot')} in "
+                     f"{summary['seconds']:.0f} s"))
     emit_json(summary)
 
 
@@ -185,9 +187,6 @@ def tune(
 
 
 
-_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
-
-
 def _argv(**opts) -> list[str]:
     """Typer-checked options → the argv of a benchmark module's own parser (None: left at its default)."""
     argv: list[str] = []
@@ -240,28 +239,53 @@ def serve_speed_command(
     run_library_call(call)
 
 
-@bench_app.command("year", context_settings=_PASSTHROUGH)
-def year_command(ctx: typer.Context) -> None:
-    """A year of cron into one ledger: last day's serve and account time vs day 10's. `--help` for options."""
+@bench_app.command("year")
+def year_command(
+    days: int = typer.Option(60, "--days", min=12, help="Days of cron, one query batch a day (≥ 12: day 10 is "
+                             "compared with the last days; 365 for the issue's year)."),
+    queries: int = typer.Option(200, "--queries", min=1, help="Queries per day."),
+    n: int = typer.Option(5000, "--n", min=1, help="Private records N of the synthetic clustered store."),
+    d: int = typer.Option(64, "--d", min=2, help="Dimension of the synthetic vectors."),
+    tau: float = typer.Option(0.5, "--tau", help="Cosine threshold τ."),
+    eps: float = typer.Option(100.0, "--eps", help="ε of the ledger (large, so that records stay active all year)."),
+    reuse: bool = typer.Option(False, "--reuse/--no-reuse", help="Serve with prediction reuse on."),
+    keep: Optional[Path] = typer.Option(None, "--keep", help="Build the store and ledger in this new folder and keep "
+                                        "them (default: a temporary folder, removed)."),
+    processes: bool = typer.Option(False, "--processes", help="Time whole `indknn serve-queries` and `indknn "
+                                   "account` processes on the compared days (default: the calls in this process)."),
+) -> None:
+    """A year of cron into one ledger: the last days' serve and account seconds against day 10's (target ratio
+    ≤ 1.2). stdout: one JSON line (seconds per day, ratios, event files). Fixed seed: for measurement only."""
     from ..benchmarks.year import main
 
-    main(list(ctx.args))
+    run_library_call(lambda: _module_main(main, _argv(days=days, queries=queries, n=n, d=d, tau=tau, eps=eps,
+                                                      keep=keep) + (["--reuse"] if reuse else [])
+                                          + (["--processes"] if processes else [])))
 
 
-@bench_app.command("append", context_settings=_PASSTHROUGH)
-def append_command(ctx: typer.Context) -> None:
-    """Bytes written per byte of query vectors embedded (write amplification). `--help` for options."""
+@bench_app.command("append")
+def append_command(
+    rows: int = typer.Option(20000, "--rows", min=1, help="Query vectors embedded (from a .npy file, 256 rows at a "
+                             "time as serve-queries reads a query file)."),
+    d: int = typer.Option(64, "--d", min=2, help="Dimension of the vectors."),
+) -> None:
+    """Write amplification of an append: bytes this process wrote (every write(2), chunks and metadata) per byte
+    of query vectors embedded (target ≤ 1.2). stdout: one JSON line."""
     from ..benchmarks.append import main
 
-    main(list(ctx.args))
+    run_library_call(lambda: _module_main(main, _argv(rows=rows, d=d)))
 
 
-@bench_app.command("startup", context_settings=_PASSTHROUGH)
-def startup_command(ctx: typer.Context) -> None:
-    """`indknn --help` wall time against a bare `python -c pass` (lazy imports). `--help` for options."""
+@bench_app.command("startup")
+def startup_command(
+    repeat: int = typer.Option(5, "--repeat", min=1, help="Runs of each command; the best wall time (seconds) "
+                               "is reported."),
+) -> None:
+    """Fixed cost of a process: `indknn --help` wall time against a bare `python -c pass`, and which heavy
+    libraries `--help` imported (none expected). stdout: one JSON line."""
     from ..benchmarks.startup import main
 
-    main(list(ctx.args))
+    run_library_call(lambda: _module_main(main, _argv(repeat=repeat)))
 
 
 @bench_app.command("index-speed")
@@ -269,7 +293,9 @@ def index_speed_command(
     n: str = typer.Option("100000,1000000", "--n", help=N_SIZES + " Synthetic rows, d = --d."),
     d: int = typer.Option(384, "--d", min=2, help="Dimension of the synthetic vectors."),
     queries: int = typer.Option(1000, "--queries", min=1, help="Queries timed per index kind."),
-    batch: int = typer.Option(1024, "--batch", min=1, help="Queries per batch (as serve-queries --batch-size)."),
+    batch_size: int = typer.Option(1024, "--batch-size", min=1, help="Queries scored together (as serve-queries "
+                                   "--batch-size)."),
+    batch: Optional[int] = typer.Option(None, "--batch", hidden=True, help="Deprecated spelling of --batch-size."),
     tau: float = typer.Option(0.6, "--tau", help="Synthetic cosine τ (a record's own sub-cluster)."),
     ag: bool = typer.Option(True, "--ag/--no-ag", help="Also run on AG News MiniLM features (6,600 private / "
                             "1,000 queries; needs the data set and the cached features)."),
@@ -281,17 +307,36 @@ def index_speed_command(
     """Queries/s, candidate recall and accuracy per index kind (flat, lsh, ivf)."""
     from ..benchmarks.index_speed import main
 
-    run_library_call(lambda: _module_main(main, _argv(n=list(_ints(n, "--n")), d=d, queries=queries, batch=batch,
-                                                      tau=tau, ag=ag, ag_tau=ag_tau, latency_queries=latency_queries,
-                                                      out=out)))
+    size = batch_size if batch is None else deprecated_alias(None if batch_size == 1024 else batch_size, batch,
+                                                             new="--batch-size", old="--batch")
+    run_library_call(lambda: _module_main(main, _argv(n=list(_ints(n, "--n")), d=d, queries=queries,
+                                                      batch_size=size, tau=tau, ag=ag, ag_tau=ag_tau,
+                                                      latency_queries=latency_queries, out=out)))
 
 
-@bench_app.command("user-unit", context_settings=_PASSTHROUGH)
-def user_unit_command(ctx: typer.Context) -> None:
-    """Accuracy and queries/s of the record unit vs the user unit on users of 1–20 records. `--help` for options."""
+@bench_app.command("user-unit")
+def user_unit_command(
+    dataset: str = typer.Option("ag_news", "--dataset", help="ag_news (MiniLM features cached by `bench`), mnist, or "
+                                "the path of an indknn feature store."),
+    eps: str = typer.Option("0.5,1,2", "--eps", help="Comma-separated ε values (gdp; per record or per user)."),
+    draws: int = typer.Option(3, "--draws", min=1, help="Random splits per ε (median reported)."),
+    queries: int = typer.Option(1000, "--queries", min=1, help="Queries per draw, split off the data set."),
+    max_records: int = typer.Option(20, "--max-records", min=1, help="Users have 1..N records (uniform)."),
+    k: int = typer.Option(3, "--k", min=1, help="--max-records-per-user of the capped user-unit row."),
+    tau: float = typer.Option(0.25, "--tau", help="Cosine threshold τ."),
+    sigma2: float = typer.Option(0.6, "--sigma2", help="Vote noise σ2."),
+    delta: float = typer.Option(1e-5, "--delta", help="δ of every guarantee."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the splits, the users and the noise."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder: also write user_unit.json and user_unit.png."),
+) -> None:
+    """Accuracy and queries/s of the record unit vs the user unit (all records, and the k most similar) on users
+    of 1–N records. stdout: one JSON line; a line per row on stderr."""
     from ..benchmarks.user_unit import main
 
-    code = run_library_call(lambda: _module_main(main, list(ctx.args)))
+    code = run_library_call(lambda: _module_main(main, _argv(dataset=dataset, eps=list(_floats(eps, "--eps")),
+                                                             draws=draws, queries=queries, max_records=max_records,
+                                                             k=k, tau=tau, sigma2=sigma2, delta=delta, seed=seed,
+                                                             out=out)))
     if code:
         raise typer.Exit(code)
 

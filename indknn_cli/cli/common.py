@@ -149,6 +149,18 @@ def with_verbosity(fn: Callable) -> Callable:
     return wrapper
 
 
+def deprecated_alias(value, old_value, *, new: str, old: str):
+    """A hidden, deprecated option spelling (``old``) folded into ``new``: a note on stderr; both at once with
+    different values is a usage error (exit 2)."""
+    if old_value is None:
+        return value
+    if value is not None and value != old_value:
+        error_message("Error:", f"{old} is the old name of {new}: give one of them")
+        raise typer.Exit(code=2)
+    say(f"note: {old} is deprecated, use {new}")
+    return old_value
+
+
 def resolve_store(path: Path | None) -> Path:
     """--store, else $INDKNN_STORE, else ./indknn-store.zarr."""
     if path is not None:

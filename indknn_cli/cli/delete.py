@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from ..errors import BadInputError
+from ..wording import count
 from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store, run_library_call, stderr_console
 
 
@@ -64,15 +65,18 @@ def delete_command(
     result = run_library_call(call)
     err = stderr_console()
     if result.ids_not_found or result.users_not_found:
-        err.print(f"{len(result.ids_not_found)} record id(s) and {len(result.users_not_found)} user id(s) not found "
+        err.print(f"{count(len(result.ids_not_found), 'record id')} and "
+                  f"{count(len(result.users_not_found), 'user id')} not found "
                   "(listed under ids_not_found / users_not_found)", soft_wrap=True)
     if result.ledger_unreadable is not None:
         err.print(f"[yellow]Warning:[/] the ledger cannot be read ({escape(str(result.ledger_unreadable))}). The erasure was "
-                  f"recorded and the vectors erased from the store; the tombstones of {result.tombstones_pending} "
-                  "row(s) are written by the next `indknn delete` that can read the ledger (any ids, or --compact)"
+                  "recorded and the vectors erased from the store; the tombstones of "
+                  f"{count(result.tombstones_pending, 'row')} are written by the next `indknn delete` that can "
+                  "read the ledger (any ids, or --compact)"
                   f"{'; --compact was skipped' if result.compaction else ''}", soft_wrap=True)
     if result.pending_completed and not dry_run:
-        err.print(f"finished an interrupted deletion of {result.pending_completed} row(s) first", soft_wrap=True)
+        err.print(f"finished an interrupted deletion of {count(result.pending_completed, 'row')} first",
+                  soft_wrap=True)
     if dry_run:
         err.print("dry run: nothing was written", soft_wrap=True)
     emit_json(result.as_dict())

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from .common import emit_json, progress_bar, resolve_store, run_library_call, stderr_console
+from .common import deprecated_alias, emit_json, progress_bar, resolve_store, run_library_call, stderr_console
 
 
 def _load() -> None:
@@ -32,7 +32,8 @@ def embed_command(
     vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed vectors in Parquet / JSON lines (default: vector; .npz: x)."),
     label_names: Optional[str] = typer.Option(None, "--label-names", help="Comma-separated label names fixed at store creation (default: the sorted distinct labels of the input)."),
     if_exists: str = typer.Option("error", "--if-exists", help="error | skip: what to do with a record id that is already in the store."),
-    batch: Optional[str] = typer.Option(None, "--batch", help="Query batch name (--role query; default q-<sha256 of the input>). Re-running the same input is a no-op."),
+    batch_id: Optional[str] = typer.Option(None, "--batch-id", help="Name of the stored query batch (--role query; default q-<sha256 of the input>): give it to serve-queries as QUERIES. Re-running the same input is a no-op."),
+    batch: Optional[str] = typer.Option(None, "--batch", hidden=True, help="Deprecated spelling of --batch-id."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     batch_size: int = typer.Option(256, "--batch-size", help="Rows read and embedded per batch (bounds memory)."),
 ) -> None:
@@ -41,6 +42,7 @@ def embed_command(
     err = stderr_console()
     store_path = resolve_store(store)
     names = [n.strip() for n in label_names.split(",")] if label_names is not None else None
+    batch_id = deprecated_alias(batch_id, batch, new="--batch-id", old="--batch")
 
     def call():
         # on a terminal only; "loading model" until the first rows are embedded (the input is checked first)
@@ -52,7 +54,7 @@ def embed_command(
                 input, store_path=store_path, role=role, extractor=extractor, model=model,
                 text_column=text_column, label_column=label_column, id_column=id_column,
                 user_column=user_column, image_column=image_column, vector_column=vector_column,
-                if_exists=if_exists, batch=batch, label_names=names, device=device, batch_rows=batch_size,
+                if_exists=if_exists, batch=batch_id, label_names=names, device=device, batch_rows=batch_size,
                 progress=progress,
             )
 

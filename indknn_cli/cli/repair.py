@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
+from ..wording import count
 from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store, run_library_call, stderr_console
 
 
@@ -45,6 +46,7 @@ def repair_command(
         err.print("the ledger verifies: nothing to repair")
     else:
         verb = "would quarantine" if result.dry_run else "quarantined"
-        err.print(escape(f"{verb} {len(result.quarantined)} event file(s); {result.records_retired} records "
-                         f"retired (spent = B) and {result.store_rows_added_retired} store rows brought in "
+        err.print(escape(f"{verb} {count(len(result.quarantined), 'event file')}; "
+                         f"{count(result.records_retired, 'record')} "
+                         f"retired (spent = B) and {count(result.store_rows_added_retired, 'store row')} brought in "
                          "retired: utility lost, no budget refunded"))

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from ..errors import BadInputError, ConcurrentChangeError, LedgerError
+from ..wording import count
 from .common import (check_lock_timeout, emit_json, parse_size, read_json_line_from_stdin, resolve_ledger,
                      resolve_store, run_library_call, stderr_console)
 from .common import progress_bar
@@ -141,13 +142,13 @@ def serve_command(
     if out is not None:
         run_library_call(lambda: write_answers_parquet(result.answers, out))
     if result.already_answered and not result.newly_answered:
-        err.print(escape(f"batch {result.batch_id!r} was already answered: returned its {result.already_answered} "
-                         "released answers; nothing charged, no new noise"))
+        err.print(escape(f"batch {result.batch_id!r} was already answered: returned its "
+                         f"{count(result.already_answered, 'released answer')}; nothing charged, no new noise"))
     else:
         # Public figures only (SPEC §8): this message may reach whoever reads the job's output.
         left = (f"; {result.allowance.left} of T = {result.allowance.max_queries} left"
                 if result.allowance is not None else "")
-        err.print(escape(f"batch {result.batch_id!r}: answered {result.newly_answered} queries"
+        err.print(escape(f"batch {result.batch_id!r}: answered {count(result.newly_answered, 'query')}"
                          f"{f' (resumed after {result.already_answered})' if result.already_answered else ''}; "
                          f"{result.queries_answered_total} answered through this ledger{left}"))
     if seed is not None:

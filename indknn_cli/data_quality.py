@@ -1,0 +1,98 @@
+"""Data-quality warnings for the operator (issue 20): empty texts and thin labels at ``embed``, a τ at which most
+public/query rows have no neighbour at ``index``, and the share of released answers at the K_min clamp for
+``account``.
+
+Every figure here is computed from the private data (except the clamp share, which is computed from released
+answers) and is for the data holder only: ``embed``, ``index`` and ``account`` print them on stderr (or in
+``account``'s report); ``serve-queries`` never does, so nothing a query-sender sees depends on them (SPEC §8).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .wording import count
+
+#: A label with fewer records than this gets a warning (the filter rarely finds enough of its neighbours).
+MIN_LABEL_RECORDS = 5
+#: Public/query rows sampled for the neighbour check at ``index`` (bounded work on any store).
+NEIGHBOUR_SAMPLE = 512
+#: Warn when more than this share of the sampled rows has no private record with κ ≥ τ.
+NO_NEIGHBOUR_SHARE = 0.5
+OPERATOR_ONLY = "operator-only figure, from the private data; never shown to query-senders"
+
+
+def empty_texts(items) -> int:
+    """How many of a batch's text inputs are empty or only white space (embedded as an empty string)."""
+    return sum(1 for t in items if isinstance(t, str) and not t.strip())
+
+
+def embed_warnings(*, source: str, empty: int, labels: np.ndarray | None, label_names) -> list[str]:
+    """Warnings after an ``embed``: ``empty`` texts in ``source``; labels of the role's live rows in the store
+    (``labels``: their label indices) with fewer than :data:`MIN_LABEL_RECORDS` records."""
+    out = []
+    if empty:
+        out.append(f"{source}: {count(empty, 'empty text')} (embedded as the vector of an empty string; "
+                   "check --text-column)")
+    if labels is not None and labels.size:
+        counts = np.bincount(labels.astype(np.int64), minlength=len(label_names))
+        thin = [(str(label_names[i]), int(c)) for i, c in enumerate(counts) if 0 < c < MIN_LABEL_RECORDS]
+        if thin:
+            shown = ", ".join(f"{name!r} ({count(c, 'record')})" for name, c in thin[:5])
+            more = f" and {len(thin) - 5} more" if len(thin) > 5 else ""
+            out.append(f"{count(len(thin), 'label')} with fewer than {MIN_LABEL_RECORDS} records: {shown}{more}; "
+                       f"such labels are rarely predicted ({OPERATOR_ONLY})")
+    return out
+
+
+def _max_kernel(rows: np.ndarray, private: np.ndarray, *, kernel: str, nu: float | None) -> np.ndarray:
+    """Per row, the largest κ to any private vector (unit vectors: ‖x − q‖² = 2 − 2 x·q for the RBF kernel)."""
+    best = np.full(rows.shape[0], -np.inf)
+    for lo in range(0, private.shape[0], 65536):
+        best = np.maximum(best, (rows @ private[lo:lo + 65536].T).max(axis=1))
+    best = np.minimum(best.astype(np.float64), 1.0)
+    if kernel == "cosine":
+        return best
+    return np.exp(-(2.0 - 2.0 * best) / (nu * nu))
+
+
+def neighbour_warning(store, params) -> str | None:
+    """At ``index``: a warning when most public/query rows already in the store have no private record with
+    κ ≥ τ (their answers would be noise alone). A sample of at most :data:`NEIGHBOUR_SAMPLE` rows."""
+    groups = []
+    for role in ("public", "query"):
+        n = store.n_rows(role)
+        if n:
+            take = np.unique(np.linspace(0, n - 1, min(n, NEIGHBOUR_SAMPLE)).astype(np.int64))
+            groups.append(store.read(role, "features")[take] if n <= 4 * NEIGHBOUR_SAMPLE else
+                          np.stack([store.read(role, "features", int(i), int(i) + 1)[0] for i in take]))
+    if not groups:
+        return None
+    rows = np.concatenate(groups).astype(np.float32)
+    rows = rows[np.linspace(0, len(rows) - 1, min(len(rows), NEIGHBOUR_SAMPLE)).astype(np.int64)]
+    n_priv = store.n_rows("private")
+    if n_priv == 0:
+        return None
+    live = ~store.read("private", "deleted").astype(bool)
+    best = np.full(rows.shape[0], -np.inf)
+    for lo in range(0, n_priv, 65536):
+        block = store.read("private", "features", lo, min(n_priv, lo + 65536)).astype(np.float32)
+        block = block[live[lo:lo + block.shape[0]]]
+        if block.size:
+            best = np.maximum(best, _max_kernel(rows, block, kernel=params.kernel, nu=params.nu))
+    share = float(np.mean(best < params.tau))
+    if share <= NO_NEIGHBOUR_SHARE:
+        return None
+    return (f"at τ = {params.tau:g} ({params.kernel}), {100 * share:.0f}% of the public/query rows in the store "
+            f"({count(len(rows), 'row')} checked) have no private record with κ ≥ τ: their answers would be "
+            f"noise alone; a lower τ (tuned on public data: `indknn bench tune`) may suit ({OPERATOR_ONLY})")
+
+
+def clamp_share(released_counts, k_min: float) -> dict:
+    """Released answers whose count K_t sits at the K_min clamp (few or no candidates: a noise-only answer is
+    likely). Operator-only: shown by ``account``, never by ``serve-queries``."""
+    k = np.asarray(released_counts, dtype=np.float64)
+    k = k[np.isfinite(k)]
+    at = int(np.count_nonzero(k <= float(k_min)))
+    return {"answers": int(k.size), "at_k_min": at, "share": (at / k.size) if k.size else None,
+            "k_min": float(k_min), "note": OPERATOR_ONLY}

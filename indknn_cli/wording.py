@@ -1,0 +1,25 @@
+"""Plural rules for messages: ``1 record``, ``2 records``, ``1 query``, ``3 batches`` (never ``1 records``)."""
+
+from __future__ import annotations
+
+_ES = ("s", "x", "z", "ch", "sh")
+
+
+def plural_of(word: str) -> str:
+    """The English plural of a (last) word: query → queries, batch → batches, record → records, id → ids."""
+    if word.endswith("y") and len(word) > 1 and word[-2] not in "aeiou":
+        return word[:-1] + "ies"
+    if word.endswith(_ES):
+        return word + "es"
+    return word + "s"
+
+
+def count(n: int | float, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun``, the noun plural unless ``n`` is exactly 1 (``0 records``, ``1 record``, ``2 records``).
+
+    ``noun`` may be several words: only the last is inflected (``1 record id``, ``2 record ids``); ``plural``
+    overrides an irregular plural."""
+    if plural is None:
+        head, _, last = noun.rpartition(" ")
+        plural = f"{head} {plural_of(last)}" if head else plural_of(last)
+    return f"{n:g} {noun if n == 1 else plural}" if isinstance(n, float) else f"{n} {noun if n == 1 else plural}"
