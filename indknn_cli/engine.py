@@ -40,13 +40,35 @@ def dot_threshold(*, kernel: str, tau: float, nu: float | None) -> float:
 
 
 def exact_kernel(x: np.ndarray, q: np.ndarray, *, kernel: str, nu: float | None) -> np.ndarray:
-    """κ of row pairs in float64 (row i of x with row i of q). Deterministic per row."""
-    x64 = x.astype(np.float64)
-    q64 = q.astype(np.float64)
+    """κ of row pairs in float64 (row i of x with row i of q). Deterministic per row.
+
+    Cosine: the products of the float64-cast values (exact for float32 inputs) summed by numpy's
+    per-row reduction; RBF: exp(−Σ(x − q)²/ν²) likewise. The ufuncs cast inside their loops
+    (``dtype=float64``), which gives the same values as casting the operands first, without the copies.
+    """
     if kernel == "cosine":
-        return (x64 * q64).sum(axis=1)
-    diff = x64 - q64
+        return np.multiply(x, q, dtype=np.float64).sum(axis=1)
+    diff = np.subtract(x, q, dtype=np.float64)
     return np.exp(-(diff * diff).sum(axis=1) / (nu * nu))
+
+
+#: Pairs per block of the float64 recompute: the rows gathered for a block (512 × d × 4 bytes each side,
+#: and their float64 products) stay in cache; 32,768-pair blocks cost ~8× more in memory traffic.
+EXACT_PAIR_BLOCK = 512
+
+
+def exact_kernel_pairs(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndarray, *, kernel: str,
+                       nu: float | None, block: int = EXACT_PAIR_BLOCK) -> np.ndarray:
+    """κ(x[xi[p]], q[qi[p]]) for every pair p, bit-identical to ``exact_kernel(x[xi], q[qi])``.
+
+    Each value is one row's reduction, independent of the other rows, so computing the pairs in
+    cache-sized blocks changes no bit (tests/test_engine.py checks it on near-τ data).
+    """
+    out = np.empty(xi.size, dtype=np.float64)
+    for lo in range(0, xi.size, block):
+        hi = min(xi.size, lo + block)
+        out[lo:hi] = exact_kernel(x[xi[lo:hi]], q[qi[lo:hi]], kernel=kernel, nu=nu)
+    return out
 
 
 def noise_generator(run_key: int, query_index: int) -> np.random.Generator:
@@ -95,8 +117,22 @@ class StoreSource:
             self._cache = cache
 
 
-def _torch_device(device: str):
+def _import_torch():
+    """torch, imported with ``OMP_WAIT_POLICY=PASSIVE`` unless the caller set a policy: OpenMP threads that
+    spin after each matrix product would otherwise hold a core while the float64 recompute and the filter run
+    on one thread (CPU seconds, and other processes on a shared machine, pay for the spinning)."""
+    import os
+    import sys
+
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
+
+    return torch
+
+
+def _torch_device(device: str):
+    torch = _import_torch()
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -154,7 +190,7 @@ def find_candidates(
     nu: float | None,
     device: str = "auto",
     row_mask: np.ndarray | None = None,
-    max_pairs_block: int = 1 << 15,
+    max_pairs_block: int = EXACT_PAIR_BLOCK,
     strictly_before: np.ndarray | None = None,
     max_pairs: int | None = None,
 ) -> Candidates:
@@ -165,15 +201,16 @@ def find_candidates(
     value for query t (prediction reuse within a run). With ``max_pairs``, a
     batch of several queries whose candidates exceed it raises TooManyPairs.
     """
-    import torch
+    torch = _import_torch()
 
     dev = _torch_device(device)
     m, d = queries.shape
     thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
     screen = thr - screening_margin(d)
     q_t = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(dev)
-    per_q_rows: list[list[np.ndarray]] = [[] for _ in range(m)]
-    per_q_kap: list[list[np.ndarray]] = [[] for _ in range(m)]
+    parts_q: list[np.ndarray] = []
+    parts_rows: list[np.ndarray] = []
+    parts_kap: list[np.ndarray] = []
     total_pairs = 0
     resident = _resident_blocks(source, dev)
     blocks = ((start, None, x_t) for start, x_t in resident) if resident is not None else (
@@ -201,12 +238,10 @@ def find_candidates(
         if strictly_before is not None:
             keep &= rows < strictly_before[qi]
         qi, ri, rows = qi[keep], ri[keep], rows[keep]
-        kap = np.empty(rows.size, dtype=np.float64)
-        for lo in range(0, rows.size, max_pairs_block):
-            hi = min(rows.size, lo + max_pairs_block)
-            # The rows' float32 values, from the host block or (resident) gathered from the device copy.
-            xr = block[ri[lo:hi]] if block is not None else x_t[torch.from_numpy(ri[lo:hi]).to(dev)].cpu().numpy()
-            kap[lo:hi] = exact_kernel(xr, queries[qi[lo:hi]], kernel=kernel, nu=nu)
+        if block is None:  # resident on the device: one gather of the rows this chunk needs
+            uniq, ri = np.unique(ri, return_inverse=True)
+            block = x_t[torch.from_numpy(uniq).to(dev)].cpu().numpy()
+        kap = exact_kernel_pairs(block, ri, queries, qi, kernel=kernel, nu=nu, block=max_pairs_block)
         ok = kap >= tau
         qi, rows, kap = qi[ok], rows[ok], kap[ok]
         if qi.size == 0:
@@ -214,24 +249,16 @@ def find_candidates(
         total_pairs += qi.size
         if max_pairs is not None and m > 1 and total_pairs > max_pairs:
             raise TooManyPairs()
-        order = np.argsort(qi, kind="stable")
-        qi, rows, kap = qi[order], rows[order], kap[order]
-        bounds = np.searchsorted(qi, np.arange(m + 1))
-        for t in range(m):
-            a, b = bounds[t], bounds[t + 1]
-            if b > a:
-                per_q_rows[t].append(rows[a:b])
-                per_q_kap[t].append(kap[a:b])
-    out_rows, out_kap = [], []
-    for t in range(m):
-        if per_q_rows[t]:
-            r = np.concatenate(per_q_rows[t])
-            k = np.concatenate(per_q_kap[t])
-            o = np.argsort(r, kind="stable")
-            out_rows.append(r[o]); out_kap.append(k[o])
-        else:
-            out_rows.append(np.empty(0, np.int64)); out_kap.append(np.empty(0, np.float64))
-    return Candidates(out_rows, out_kap)
+        parts_q.append(qi); parts_rows.append(rows); parts_kap.append(kap)
+    # One sort per batch: by query, then by row (a (query, row) pair occurs once).
+    qi = np.concatenate(parts_q) if parts_q else np.empty(0, np.int64)
+    rows = np.concatenate(parts_rows) if parts_rows else np.empty(0, np.int64)
+    kap = np.concatenate(parts_kap) if parts_kap else np.empty(0, np.float64)
+    order = np.lexsort((rows, qi))
+    qi, rows, kap = qi[order], rows[order], kap[order]
+    bounds = np.searchsorted(qi, np.arange(m + 1))
+    return Candidates([rows[bounds[t]:bounds[t + 1]] for t in range(m)],
+                      [kap[bounds[t]:bounds[t + 1]] for t in range(m)])
 
 
 @dataclass

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import FORMAT_VERSION, locking
+from . import ledger_history
 from . import ledger_integrity as integrity
 from .errors import (BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError,
                      StorageError)
@@ -224,15 +225,6 @@ def unpublished_store_uuids(path: Path, generation: int) -> dict[str, int]:
     return out
 
 
-#: Figures of the state after each serve event kept in the history (account's plot).
-_HISTORY_STATS = ("records_active", "records_deleted", "records", "spent_median")
-
-
-def _history_stats(s: "LedgerState", c1: float) -> dict:
-    return {"records_active": int(s.active_mask(c1).sum()), "records_deleted": int(s.deleted.sum()),
-            "records": len(s), "spent_median": float(np.median(s.spent)) if len(s) else 0.0}
-
-
 @dataclass
 class LedgerState:
     """In-memory state: arrays indexed by ledger index."""
@@ -248,11 +240,19 @@ class LedgerState:
     last_change: np.ndarray
     batches: list[str] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
-    # Answers released: the snapshot's as an Arrow table (read once, never turned into Python objects unless
-    # someone asks for ``answers``) plus those of the events replayed or committed since, as lists.
-    _answers_base: pa.Table | None = field(default=None, repr=False)
+    # Answers released: the snapshot's (ledger_history.LazyAnswers: an Arrow table parsed on first use, never
+    # turned into Python objects unless someone asks for ``answers``) plus those of the events since, as lists.
+    _answers_src: ledger_history.LazyAnswers | None = field(default=None, repr=False)
     _answers_new: dict[str, list] = field(default_factory=lambda: {n: [] for n in ANSWER_SCHEMA.names}, repr=False)
     _batch_set: set | None = field(default=None, repr=False)
+
+    @property
+    def _answers_base(self) -> pa.Table | None:
+        return None if self._answers_src is None else self._answers_src.table()
+
+    @_answers_base.setter
+    def _answers_base(self, table: pa.Table | None) -> None:
+        self._answers_src = ledger_history.LazyAnswers.of(table)
 
     @property
     def answers(self) -> dict[str, list]:
@@ -277,7 +277,7 @@ class LedgerState:
             self._answers_new[n].extend(table.column(n).to_pylist())
 
     def n_answers(self) -> int:
-        base = 0 if self._answers_base is None else self._answers_base.num_rows
+        base = 0 if self._answers_src is None else self._answers_src.num_rows
         return base + len(self._answers_new["query_index"])
 
     def answer_column(self, name: str, dtype=None) -> np.ndarray:
@@ -443,7 +443,7 @@ class BudgetLedger:
             snap_bytes = snap_path.read_bytes()
             answers_bytes = (path / f"answers-{generation:06d}.parquet").read_bytes()
             snap = pq.read_table(pa.BufferReader(snap_bytes))
-            answers = pq.read_table(pa.BufferReader(answers_bytes))
+            answers = ledger_history.LazyAnswers(answers_bytes, where=f"{path}/answers-{generation:06d}.parquet")
         except FileNotFoundError:
             raise
         except Exception as exc:
@@ -475,7 +475,7 @@ class BudgetLedger:
             deleted_at=snap.column("deleted_at").to_numpy(zero_copy_only=False).astype(np.float64),
             last_change=snap.column("last_change").to_numpy().astype(np.float64),
         )
-        state.set_answers_table(answers.replace_schema_metadata(None))
+        state._answers_src = answers if answers.num_rows else None
         state.batches = list(meta.get("batches", []))
         state.history = list(meta.get("history", []))
         ledger = cls(path, meta, state, generation, int(meta.get("last_event_seq", 0)))
@@ -577,12 +577,9 @@ class BudgetLedger:
         if info.get("type") == "serve":
             s.add_batch(info.get("batch_id"))
             stats = info.get("state_after")
-            if not (isinstance(stats, dict) and set(stats) == set(_HISTORY_STATS)):
-                stats = _history_stats(s, self.params.c1)  # events written before state_after was recorded
-            s.history.append({
-                "seq": info.get("seq"), "time": t, "batch_id": info.get("batch_id"), "part": info.get("part"),
-                "answers": n_answers, **{k: stats[k] for k in _HISTORY_STATS},
-            })
+            if not ledger_history.has_stats(stats):
+                stats = ledger_history.history_stats(s, self.params.c1)  # events written before state_after
+            s.history.append(ledger_history.history_entry(info, stats, time=t, answers=n_answers))
 
     def _stats_after_serve(self, columns: dict) -> dict:
         """The history figures of the state a serve event leads to, computed before it is written.
@@ -602,7 +599,7 @@ class BudgetLedger:
             spent[idx] = np.maximum(spent[idx], np.asarray(after, dtype=np.float64))
         view = LedgerState(s.record_id, s.user_id, s.row, s.budget, spent, s.times_selected, s.deleted,
                            s.deleted_at, s.last_change)
-        return _history_stats(view, self.params.c1)
+        return ledger_history.with_realised(ledger_history.history_stats(view, self.params.c1), self.params)
 
     def _next_seq(self) -> int:
         files = self._event_files()

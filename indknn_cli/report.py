@@ -37,6 +37,7 @@ import numpy as np
 from . import FORMAT_VERSION
 from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _check_delta, _check_epsilon,
                          calibrate_budget, epsilon_for_budget, realised_epsilons)
+from . import ledger_history
 from . import ledger_integrity as integrity
 from .errors import BadInputError, BudgetExhaustedError, CheckFailedError, LedgerError
 from .wording import count
@@ -261,8 +262,10 @@ def _history(ledger, *, budget: float, delta: float, conversion: str, total_answ
     hist = list(ledger.state.history)
     if not hist:
         return []
-    medians = realised_loss([float(h.get("spent_median", 0.0)) for h in hist], budget=budget, delta=delta,
-                            conversion=conversion)
+    medians = ledger_history.history_epsilons(hist, budget=budget, delta=delta, conversion=conversion)
+    if medians is None:  # events written before the cache, or another conversion or δ than the ledger's
+        medians = realised_loss([float(h.get("spent_median", 0.0)) for h in hist], budget=budget, delta=delta,
+                                conversion=conversion)
     after = total_answers
     points: list[dict] = []
     for h, med in zip(reversed(hist), reversed(medians)):
@@ -384,10 +387,7 @@ def build_account_report(
     else:
         realised_q = {k: None for k in q_names}
     total_answers = s.n_answers()
-    by_label: dict[str, int] = {}
-    for name in s.answer_column("label_name", object):  # first-seen order, as before
-        if name is not None:
-            by_label[name] = by_label.get(name, 0) + 1
+    by_label = ledger_history.answer_label_counts(s)  # first-seen order, as before
 
     points = _history(ledger, budget=budget, delta=use_delta, conversion=use_conv, total_answers=total_answers)
     data: dict = {

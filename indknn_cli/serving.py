@@ -30,9 +30,10 @@ DEFAULT_MAX_MEMORY = 2 << 30
 #: snapshot and replays the events after it; an event costs a file read, a hash and a vectorised update
 #: (a few ms at any N), a compaction rewrites the snapshot and the answers file. So compact once the events
 #: weigh as much as the snapshot (their bytes plus AUTO_COMPACT_FILE_COST per file, at least
-#: AUTO_COMPACT_MIN_EVENTS of them), and always past AUTO_COMPACT_EVENTS: replay stays a bounded fraction
-#: of reading the snapshot, and compaction's cost is spread over the events it folds.
-AUTO_COMPACT_EVENTS = 64
+#: AUTO_COMPACT_MIN_EVENTS of them), and always past AUTO_COMPACT_EVENTS (16: a daily cron replays at most
+#: 16 events, each a read, a hash and a parse of ~0.1 MB at N = 5,000): replay stays a bounded fraction of
+#: reading the snapshot, and compaction's cost is spread over the events it folds.
+AUTO_COMPACT_EVENTS = 16
 AUTO_COMPACT_MIN_EVENTS = 8
 AUTO_COMPACT_FILE_COST = 32 << 10
 

@@ -120,3 +120,61 @@ def test_released_counts_lie_on_the_grid_and_drive_the_charges():
     assert release_count(12.344999, k_min=1.0) == 12.34 and release_count(0.3, k_min=5.0) == 5.0
     with pytest.raises(ValueError):
         release_count(float("nan"), k_min=1.0)
+
+
+def _near_tau_rows(q: np.ndarray, thr: float, n: int, rng) -> np.ndarray:
+    """Unit float32 rows whose dot with the unit query q lies within ~1e-6 of ``thr`` (both sides)."""
+    d = q.size
+    perp = rng.standard_normal((n, d))
+    perp -= np.outer(perp @ q, q)
+    perp /= np.linalg.norm(perp, axis=1, keepdims=True)
+    c = thr + rng.uniform(-2e-6, 2e-6, n)
+    x = c[:, None] * q[None, :] + np.sqrt(1.0 - c * c)[:, None] * perp
+    return normalize_rows(x).astype(np.float32)
+
+
+def _old_exact_candidates(X, Q, *, kernel, tau, nu, row_mask):
+    """The pre-block path: every pair's rows gathered, cast to float64, multiplied, summed per row."""
+    rows_out, kap_out = [], []
+    x64 = X.astype(np.float64)
+    for q in Q:
+        q64 = np.repeat(q.astype(np.float64)[None, :], len(X), axis=0)
+        if kernel == "cosine":
+            kap = (x64 * q64).sum(axis=1)
+        else:
+            diff = x64 - q64
+            kap = np.exp(-(diff * diff).sum(axis=1) / (nu * nu))
+        ok = (kap >= tau) & row_mask
+        rows_out.append(np.flatnonzero(ok))
+        kap_out.append(kap[ok])
+    return rows_out, kap_out
+
+
+@pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.54, None), ("rbf", 0.6, 1.3)])
+def test_blocked_exact_candidates_equal_the_old_per_pair_path_near_tau(kernel, tau, nu):
+    """find_candidates (cache-sized float64 blocks, one sort per batch) gives bit for bit the κ and the sets
+    of the old per-pair exact path, on rows placed within the fp32 screening margin of τ (both sides)."""
+    from indknn_cli.engine import find_candidates
+
+    rng = np.random.default_rng(11)
+    d = 96
+    Q = normalize_rows(rng.standard_normal((24, d))).astype(np.float32)
+    thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
+    X = np.concatenate([_near_tau_rows(Q[t % len(Q)].astype(np.float64), thr, 40, rng) for t in range(30)]
+                       + [normalize_rows(rng.standard_normal((300, d))).astype(np.float32)])
+    X = X[rng.permutation(len(X))]
+    mask = rng.random(len(X)) > 0.1
+    ref_rows, ref_kap = _old_exact_candidates(X, Q, kernel=kernel, tau=tau, nu=nu, row_mask=mask)
+    assert sum(r.size for r in ref_rows) > 200  # near-τ rows really are candidates …
+    below = 0
+    for t, q in enumerate(Q):  # … and as many just below τ were screened in and rejected exactly
+        k = exact_kernel(X, np.repeat(q[None, :], len(X), axis=0), kernel=kernel, nu=nu)
+        below += int(((k < tau) & (k > tau - 1e-5)).sum())
+    assert below > 200
+    for chunk, batch, block in ((37, 24, 512), (1000, 7, 3), (4096, 1, 512)):
+        for lo in range(0, len(Q), batch):
+            c = find_candidates(Q[lo:lo + batch], ArraySource(X, rows=chunk), kernel=kernel, tau=tau, nu=nu,
+                                device="cpu", row_mask=mask, max_pairs_block=block)
+            for t in range(len(c.rows)):
+                assert c.rows[t].tolist() == ref_rows[lo + t].tolist()
+                assert c.kappa[t].tolist() == ref_kap[lo + t].tolist()  # bit-identical float64

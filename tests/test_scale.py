@@ -10,6 +10,7 @@ import pytest
 from indknn_cli import ledger_integrity as integrity
 from indknn_cli import serving
 from indknn_cli.ledger import BudgetLedger
+from indknn_cli.ledger_history import REALISED_KEY
 from indknn_cli.report import build_account_report
 from indknn_cli.serving import build_index, make_params, serve_queries
 from indknn_cli.store import ExtractorInfo, FeatureStore
@@ -47,7 +48,7 @@ def _run_year(tmp_path, name, monkeypatch, *, events, min_events, file_cost, del
     return store, lp, answers
 
 
-def _same_state(a, b):
+def _same_state(a, b, *, skip=("seq", "time")):
     sa, sb = a.state, b.state
     for name in ("spent", "budget", "row", "times_selected", "deleted"):
         assert getattr(sa, name).tobytes() == getattr(sb, name).tobytes(), name
@@ -55,8 +56,8 @@ def _same_state(a, b):
     assert sa.answers == sb.answers
     assert sa.n_answers() == sb.n_answers() == len(sa.answers["query_index"])
     assert sa.batches == sb.batches
-    strip = [{k: v for k, v in h.items() if k not in ("seq", "time")} for h in sa.history]
-    assert strip == [{k: v for k, v in h.items() if k not in ("seq", "time")} for h in sb.history]
+    strip = [{k: v for k, v in h.items() if k not in skip} for h in sa.history]
+    assert strip == [{k: v for k, v in h.items() if k not in skip} for h in sb.history]
 
 
 def test_auto_compaction_keeps_answers_charges_and_chain(tmp_path, monkeypatch):
@@ -84,10 +85,16 @@ def test_compacted_and_cached_history_equal_full_replay(tmp_path, monkeypatch):
 
     monkeypatch.setattr(BudgetLedger, "_apply_table", recompute)
     recomputed = BudgetLedger.open(lp)
+    # without the cached realised ε (ledger_history), account converts every history point's median again
+    report_converted = build_account_report(ledger_path=lp, store_path=store.path).data
     monkeypatch.undo()
-    _same_state(full, recomputed)
-    assert full.state.history == recomputed.state.history
+    _same_state(full, recomputed, skip=("seq", "time", REALISED_KEY))
+    assert all(REALISED_KEY in h for h in full.state.history)
+    assert not any(REALISED_KEY in h for h in recomputed.state.history)
+    assert [{k: v for k, v in h.items() if k != REALISED_KEY} for h in full.state.history] == \
+        recomputed.state.history
     report_full = build_account_report(ledger_path=lp, store_path=store.path).data
+    assert report_full == report_converted  # the cached figures are the converted ones, bit for bit
     copy = tmp_path / "copy-ledger"
     shutil.copytree(lp, copy)
     with BudgetLedger.write_lock(copy):
@@ -105,6 +112,32 @@ def test_compacted_and_cached_history_equal_full_replay(tmp_path, monkeypatch):
     assert report_full["history"] != report_after["history"]
     for key in ("spent_median", "batches"):
         assert key in report_full
+
+
+@pytest.mark.parametrize("conversion", ["gdp", "rdp"])
+def test_cached_realised_epsilons_equal_converting_every_point(conversion):
+    """ledger_history's cached ε per history point, after its monotone fix and cap, equals
+    report.realised_loss converting every point's median (repeats, 0, B and above B included)."""
+    from indknn_cli.ledger_history import history_epsilons, realised_median
+    from indknn_cli.report import realised_loss
+
+    budget, delta = 0.37, 1e-5
+    rng = np.random.default_rng(3)
+    medians = np.concatenate([rng.uniform(0, budget, 25), [0.0, budget, budget * 1.5, -0.0], rng.uniform(0, budget, 3)])
+    medians = np.concatenate([medians, medians[:6]])  # repeated medians (days without a change)
+    hist = [{"spent_median": float(m), REALISED_KEY: realised_median(m, budget=budget, delta=delta,
+                                                                       conversion=conversion)} for m in medians]
+    cached = history_epsilons(hist, budget=budget, delta=delta, conversion=conversion)
+    converted = realised_loss(medians, budget=budget, delta=delta, conversion=conversion)
+    assert cached.tolist() == converted.tolist()
+    assert len(set(cached.tolist())) > 20
+    # another δ, conversion or B than the cached one: no cache (account converts as before)
+    other = "rdp" if conversion == "gdp" else "gdp"
+    assert history_epsilons(hist, budget=budget, delta=1e-6, conversion=conversion) is None
+    assert history_epsilons(hist, budget=budget, delta=delta, conversion=other) is None
+    assert history_epsilons(hist, budget=budget * 2, delta=delta, conversion=conversion) is None
+    assert history_epsilons(hist[:3] + [{"spent_median": 0.1}], budget=budget, delta=delta,
+                            conversion=conversion) is None
 
 
 def test_answers_read_lazily_match_lists(tmp_path, monkeypatch):

@@ -1,87 +1,176 @@
-"""Throughput of `serve-queries` (exact flat search, cosine, reuse off) end to end from a Zarr store.
+"""Speed of `serve-queries` against the bare fp32 matrix product, and of its candidate phase against FAISS.
 
-    indknn bench serve-speed --n 10000,50000,200000 --d 384,768 --queries 2048
+    indknn bench serve-speed                       # N = 50,000, d = 768, 20,000 stored queries, τ = 0.54
+    indknn bench serve-speed --n 10000,200000 --d 384 --queries 2048
 
-Builds a synthetic clustered store per (N, d) in a temp dir, creates a ledger,
-and times `serving.serve_queries` (candidates, filter, ledger commits) with a
-fixed seed. Prints one JSON line per configuration: queries/s, mean released
-K, peak RSS of the process (ru_maxrss), and the fp32 matmul floor measured
-on the same machine.
+Per (N, d), in one run on the same synthetic clustered data (private rows and queries drawn around the
+same class centres, so each query has ~200 candidates at τ = 0.54 for N = 50,000):
+
+- ``matmul``: the bare fp32 products of every query with every private row (torch, batches of
+  ``--batch-size`` queries against the whole private matrix in memory), nothing else;
+- ``candidates``: ``engine.find_candidates`` over the same batches (fp32 screen, exact float64 κ ≥ τ),
+  rows in the store's chunk size;
+- ``faiss``: FAISS ``IndexFlatIP.range_search`` with radius τ on the same batches (when faiss is installed);
+- ``serve``: a whole ``indknn serve-queries`` process (imports, store read, candidates, filter, ledger
+  commits; reuse off, fixed seed) on the stored batch, its CPU seconds from the children's rusage.
+
+Ratios are of CPU seconds (user + system, all threads), which a loaded machine disturbs less than wall
+time; the wall-time ratios are printed next to them. One JSON line per configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
+
+from indknn_cli.engine import ArraySource, _import_torch, find_candidates
+from indknn_cli.serving import build_index, make_params
+from indknn_cli.store import ExtractorInfo, FeatureStore
+
+CLASSES = 10
 
 
-from indknn_cli.serving import build_index, make_params, serve_queries  # noqa: E402
-from indknn_cli.store import ExtractorInfo, FeatureStore  # noqa: E402
+def class_centres(d: int, classes: int = CLASSES, seed: int = 0) -> np.ndarray:
+    centres = np.random.default_rng(seed).standard_normal((classes, d)).astype(np.float32)
+    return centres / np.linalg.norm(centres, axis=1, keepdims=True)
 
 
-def clustered(n, d, classes, rng, spread=1.0):
-    centres = rng.standard_normal((classes, d)).astype(np.float32)
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
-    y = rng.integers(0, classes, n)
+def clustered(n, centres, rng, spread=1.0):
+    """Unit vectors around the given centres (shared by private rows and queries); labels = centre."""
+    d = centres.shape[1]
+    y = rng.integers(0, centres.shape[0], n)
     x = centres[y] + spread * rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     return x, y.astype(np.int32)
 
 
-def matmul_floor(n, d, q=1024):
-    a = torch.randn(q, d)
-    b = torch.randn(n, d)
-    (a @ b.T)
-    t = time.perf_counter()
-    for _ in range(3):
-        (a @ b.T)
-    return (time.perf_counter() - t) / 3 / q
+class _Clock:
+    """Wall and CPU seconds (this process, all threads) of a block."""
+
+    def __enter__(self):
+        self.w0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self.w0, time.process_time() - self.c0
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def time_matmul(x, q, batch):
+    torch = _import_torch()
+    xt = torch.from_numpy(x)
+    (torch.from_numpy(q[:batch]) @ xt.T)  # warm-up (thread pool, allocator)
+    with _Clock() as c:
+        for lo in range(0, q.shape[0], batch):
+            s = torch.from_numpy(q[lo:lo + batch]) @ xt.T
+            del s
+    return c
+
+
+def time_candidates(x, q, batch, *, tau, chunk_rows):
+    pairs = 0
+    mask = np.ones(x.shape[0], bool)
+    src = ArraySource(x, rows=chunk_rows)
+    with _Clock() as c:
+        for lo in range(0, q.shape[0], batch):
+            cands = find_candidates(q[lo:lo + batch], src, kernel="cosine", tau=tau, nu=None, device="cpu",
+                                    row_mask=mask)
+            pairs += sum(r.size for r in cands.rows)
+    return c, pairs
+
+
+def time_faiss(x, q, batch, *, tau):
+    try:
+        import faiss
+    except ImportError:
+        return None, None
+    index = faiss.IndexFlatIP(x.shape[1])
+    index.add(x)
+    pairs = 0
+    with _Clock() as c:
+        for lo in range(0, q.shape[0], batch):
+            lims, _dist, _ids = index.range_search(q[lo:lo + batch], tau)
+            pairs += int(lims[-1])
+    return c, pairs
+
+
+def time_serve_process(tmp: Path, *, batch_size, device):
+    env = dict(os.environ, INDKNN_DEBUG="0")
+    cmd = [sys.executable, "-m", "indknn_cli", "serve-queries", "bench", "--store", str(tmp / "s.zarr"),
+           "--ledger", str(tmp / "L"), "--seed", "1", "--no-reuse", "--batch-size", str(batch_size),
+           "--device", device, "--out", str(tmp / "answers.parquet"), "-q"]
+    c0, w0 = _children_cpu(), time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, cwd=tmp)  # "bench": the stored batch
+    return time.perf_counter() - w0, _children_cpu() - c0
 
 
 def run(n, d, m, tau, batch_size, device):
-    rng = np.random.default_rng(0)
+    centres = class_centres(d)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         store = FeatureStore.create(tmp / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
-                                    label_names=[str(i) for i in range(10)])
+                                    label_names=[str(i) for i in range(CLASSES)])
         app = store.appender("private")
+        parts = []
         for lo in range(0, n, 50000):
-            x, y = clustered(min(50000, n - lo), d, 10, np.random.default_rng(lo))
+            x, y = clustered(min(50000, n - lo), centres, np.random.default_rng(lo + 1))
             app.write(x, labels=y, record_ids=[f"r{i}" for i in range(lo, lo + len(x))])
+            parts.append(x)
         app.commit()
-        q, _ = clustered(m, d, 10, np.random.default_rng(10**9))
+        x = np.concatenate(parts)
+        q, _ = clustered(m, centres, np.random.default_rng(10**9))
         store.append("query", q, record_ids=[f"q{i}" for i in range(m)], batch="bench")
         params = make_params(epsilon=1.0, delta=1e-5, tau=tau, sigma2=0.6, planned_queries=m)
         build_index(store_path=tmp / "s.zarr", ledger_path=tmp / "L", params=params)
-        t0 = time.perf_counter()
-        res = serve_queries(store_path=tmp / "s.zarr", ledger_path=tmp / "L", query_batch="bench", seed=1,
-                            batch_size=batch_size, device=device, reuse=False)
-        wall = time.perf_counter() - t0
-    ks = [a["released_count"] for a in res.answers]
-    return {"n": n, "d": d, "queries": m, "tau": tau, "batch_size": batch_size, "device": device,
-            "seconds": round(wall, 3), "queries_per_s": round(m / wall, 1),
-            "mean_released_K": round(float(np.mean(ks)), 1),
-            "matmul_floor_ms_per_query": round(matmul_floor(n, d) * 1e3, 3),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "torch_threads": torch.get_num_threads()}
+        mm = time_matmul(x, q, batch_size)
+        cand, pairs = time_candidates(x, q, batch_size, tau=tau, chunk_rows=store.chunk_rows)
+        fa, faiss_pairs = time_faiss(x, q, batch_size, tau=tau)
+        serve_wall, serve_cpu = time_serve_process(tmp, batch_size=batch_size, device=device)
+        import pyarrow.parquet as pq
+
+        ks = pq.read_table(tmp / "answers.parquet", columns=["released_count"]).column(0).to_numpy()
+    torch = _import_torch()
+    out = {"n": n, "d": d, "queries": m, "tau": tau, "batch_size": batch_size, "device": device,
+           "candidates_per_query": round(pairs / m, 1), "faiss_pairs_per_query": (
+               round(faiss_pairs / m, 1) if faiss_pairs is not None else None),
+           "mean_released_K": round(float(np.mean(ks)), 1),
+           "serve_vs_matmul": round(serve_cpu / mm.cpu, 3),
+           "candidates_vs_matmul": round(cand.cpu / mm.cpu, 3),
+           "candidates_vs_faiss": round(cand.cpu / fa.cpu, 3) if fa is not None else None,
+           "faiss_vs_matmul": round(fa.cpu / mm.cpu, 3) if fa is not None else None,
+           "cpu_s": {"matmul": round(mm.cpu, 2), "candidates": round(cand.cpu, 2),
+                     "faiss": round(fa.cpu, 2) if fa is not None else None, "serve_process": round(serve_cpu, 2)},
+           "wall_s": {"matmul": round(mm.wall, 2), "candidates": round(cand.wall, 2),
+                      "faiss": round(fa.wall, 2) if fa is not None else None, "serve_process": round(serve_wall, 2)},
+           "serve_vs_matmul_wall": round(serve_wall / mm.wall, 3),
+           "candidates_vs_faiss_wall": round(cand.wall / fa.wall, 3) if fa is not None else None,
+           "serve_queries_per_s": round(m / serve_wall, 1),
+           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+           "torch_threads": torch.get_num_threads(), "load_average": [round(v, 2) for v in os.getloadavg()]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, nargs="+", default=[10000, 50000, 200000])
-    ap.add_argument("--d", type=int, nargs="+", default=[384, 768])
-    ap.add_argument("--queries", type=int, default=2048)
-    ap.add_argument("--tau", type=float, default=0.5)
+    ap = argparse.ArgumentParser(prog="indknn bench serve-speed")
+    ap.add_argument("--n", type=int, nargs="+", default=[50000])
+    ap.add_argument("--d", type=int, nargs="+", default=[768])
+    ap.add_argument("--queries", type=int, default=20000)
+    ap.add_argument("--tau", type=float, default=0.54)
     ap.add_argument("--batch-size", type=int, default=1024)
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
     for d in a.d:
         for n in a.n:

@@ -221,15 +221,18 @@ N_SIZES = "Comma-separated private-set sizes N (1e6 or 1000000)."
 
 @bench_app.command("serve-speed")
 def serve_speed_command(
-    n: str = typer.Option("10000,50000,200000", "--n", help=N_SIZES),
-    d: str = typer.Option("384,768", "--d", help="Comma-separated dimensions d."),
-    queries: int = typer.Option(2048, "--queries", min=1, help="Queries served per configuration."),
-    tau: float = typer.Option(0.5, "--tau", help="Cosine threshold τ of the synthetic clustered store."),
+    n: str = typer.Option("50000", "--n", help=N_SIZES),
+    d: str = typer.Option("768", "--d", help="Comma-separated dimensions d."),
+    queries: int = typer.Option(20000, "--queries", min=1, help="Stored queries served per configuration."),
+    tau: float = typer.Option(0.54, "--tau", help="Cosine threshold τ of the synthetic clustered store (0.54: "
+                              "~200 candidates per query at N = 50,000, d = 768)."),
     batch_size: int = typer.Option(1024, "--batch-size", min=1, help="Queries scored and committed together."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    device: str = typer.Option("cpu", "--device", help="Device of the serve-queries process: auto, cpu or cuda "
+                               "(the matmul, candidate and FAISS timings run on the CPU)."),
 ) -> None:
-    """Queries/s of serve-queries end to end (store read, exact flat candidates, filter, ledger commits; cosine,
-    reuse off) on a synthetic clustered store, for every N × d. stdout: one JSON line per configuration."""
+    """serve-queries against the bare fp32 matmul of the same products, and its candidate phase against FAISS
+    range_search, in one run (CPU-second ratios serve_vs_matmul, candidates_vs_matmul, candidates_vs_faiss;
+    cosine, reuse off, synthetic clustered store). stdout: one JSON line per N × d."""
     from ..benchmarks.serve_speed import main
 
     def call():

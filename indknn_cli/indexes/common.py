@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..engine import Candidates, dot_threshold, exact_kernel, screening_margin
+from ..engine import EXACT_PAIR_BLOCK, Candidates, dot_threshold, exact_kernel, screening_margin
 from ..store import FeatureStore
 
 INDEX_GROUP = "index"
@@ -161,8 +161,8 @@ class _FinderBase:
         def exact_one(t):
             # One query against its rows: q broadcasts, so every value is bit-identical to the flat scan's
             # exact_kernel(x_rows, q_rows) (same elementwise products, same per-row reduction).
-            for lo in range(bounds[t], bounds[t + 1], PAIR_BLOCK):
-                hi = min(bounds[t + 1], lo + PAIR_BLOCK)
+            for lo in range(bounds[t], bounds[t + 1], EXACT_PAIR_BLOCK):  # cache-sized blocks
+                hi = min(bounds[t + 1], lo + EXACT_PAIR_BLOCK)
                 kap[lo:hi] = exact_kernel(vectors[vec_idx[lo:hi]], queries[t:t + 1], kernel=self.kernel, nu=self.nu)
 
         _parallel_blocks(np.flatnonzero(bounds[1:] > bounds[:-1]).tolist(), exact_one)

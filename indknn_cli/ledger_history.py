@@ -1,0 +1,145 @@
+"""History figures cached in the ledger (issue 21: a year of cron keeps `serve-queries` and `account` flat).
+
+Every serve event records, in ``state_after``, the figures of the state it leads to (records, active,
+deleted, spent median), so that replay never computes an O(N) median per event. It also records the
+realised ε of that median under the ledger's own conversion and δ (``realised_epsilon_median``),
+computed once when the event is written (one conversion, ~1 ms): `account` then shows the history of a
+year of daily batches without converting hundreds of medians again. Only the ledger's own (conversion,
+δ, B) is cached; `account --delta/--conversion` with other values converts as before.
+
+Realised ε is a descriptive figure (SPEC §8), never a second guarantee; the cache changes no figure:
+:func:`history_epsilons` applies to the cached values exactly the monotone fix and the cap that
+``report.realised_loss`` applies to the values it converts (tests/test_scale.py compares them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .accounting import epsilon_for_budget
+from .errors import LedgerError
+
+#: Figures of the state after each serve event kept in the history (account's plot).
+HISTORY_STATS = ("records_active", "records_deleted", "records", "spent_median")
+#: state_after / history key of the cached realised ε of the spent median: {"epsilon", "conversion", "delta",
+#: "budget"} (the conversion it was computed under).
+REALISED_KEY = "realised_epsilon_median"
+
+
+def history_stats(s, c1: float) -> dict:
+    """The history figures of a ledger state (O(N): a median over every record's spent)."""
+    return {"records_active": int(s.active_mask(c1).sum()), "records_deleted": int(s.deleted.sum()),
+            "records": len(s), "spent_median": float(np.median(s.spent)) if len(s) else 0.0}
+
+
+def realised_median(spent_median: float, *, budget: float, delta: float, conversion: str) -> dict:
+    """The cached realised ε of one history point: the conversion of min(max(median, 0), B), as
+    ``report.realised_loss`` converts it."""
+    s = min(max(float(spent_median), 0.0), float(budget))
+    eps = float(epsilon_for_budget(budget=s, delta=float(delta), conversion=str(conversion)))
+    return {"epsilon": eps, "conversion": str(conversion), "delta": float(delta), "budget": float(budget)}
+
+
+def with_realised(stats: dict, params) -> dict:
+    """``state_after`` of a serve event: the history figures plus the cached realised ε of the median."""
+    if not stats:
+        return stats
+    return dict(stats, **{REALISED_KEY: realised_median(stats["spent_median"], budget=params.budget,
+                                                        delta=params.delta, conversion=params.conversion)})
+
+
+def has_stats(stats) -> bool:
+    """Whether an event's ``state_after`` carries the history figures (events written before it did not)."""
+    return isinstance(stats, dict) and set(HISTORY_STATS) <= set(stats)
+
+
+def history_entry(info: dict, stats: dict, *, time: float, answers: int) -> dict:
+    """One LedgerState.history point of a replayed or committed serve event."""
+    entry = {"seq": info.get("seq"), "time": time, "batch_id": info.get("batch_id"), "part": info.get("part"),
+             "answers": answers, **{k: stats[k] for k in HISTORY_STATS}}
+    if isinstance(stats.get(REALISED_KEY), dict):
+        entry[REALISED_KEY] = stats[REALISED_KEY]
+    return entry
+
+
+def _cached(h: dict, *, budget: float, delta: float, conversion: str) -> float | None:
+    c = h.get(REALISED_KEY)
+    if not (isinstance(c, dict) and c.get("conversion") == conversion and c.get("delta") == delta
+            and c.get("budget") == budget and isinstance(c.get("epsilon"), (int, float))):
+        return None
+    return float(c["epsilon"])
+
+
+def history_epsilons(hist: list[dict], *, budget: float, delta: float, conversion: str) -> np.ndarray | None:
+    """Realised ε of every history point's spent median from the cache, or None when a point lacks it
+    (an event written before the cache, or another conversion or δ than the ledger's).
+
+    As ``report.realised_loss`` does with converted values: non-decreasing in the median (the computed
+    conversion is monotone only up to ~1e-13) and never above ε(B).
+    """
+    vals = [_cached(h, budget=budget, delta=delta, conversion=conversion) for h in hist]
+    if any(v is None for v in vals):
+        return None
+    s = np.clip(np.asarray([float(h.get("spent_median", 0.0)) for h in hist], dtype=np.float64), 0.0, budget)
+    if s.size == 0:
+        return s.copy()
+    uniq, first, inv = np.unique(s, return_index=True, return_inverse=True)
+    per_median = np.asarray(vals, dtype=np.float64)[first]
+    cap = epsilon_for_budget(budget=float(budget), delta=delta, conversion=conversion)
+    per_median = np.minimum(np.maximum.accumulate(per_median), cap)
+    return per_median[inv.reshape(s.shape)]
+
+
+class LazyAnswers:
+    """A snapshot's answers file: its row count from the Parquet footer at open, the rows parsed on first use.
+
+    `account` and a serve of a new batch read only the count and, for the label counts, one column; the
+    bytes are hashed at open all the same (ledger_integrity.check_snapshot), so an edited file is refused.
+    """
+
+    def __init__(self, data: bytes | None, *, where: str = "answers", table: pa.Table | None = None):
+        self.where, self._data, self._table = where, data, table
+        if table is not None:
+            self.num_rows = table.num_rows
+        else:  # the footer: a truncated or foreign file is refused at open, as before
+            self.num_rows = pq.read_metadata(pa.BufferReader(data)).num_rows
+
+    @classmethod
+    def of(cls, table: pa.Table | None) -> "LazyAnswers | None":
+        return None if table is None or not table.num_rows else cls(None, table=table)
+
+    def _read(self, columns=None) -> pa.Table:
+        try:
+            return pq.read_table(pa.BufferReader(self._data), columns=columns).replace_schema_metadata(None)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt ledger file
+            raise LedgerError(f"{self.where}: corrupt or truncated Parquet ({type(exc).__name__})") from None
+
+    def table(self) -> pa.Table:
+        if self._table is None:
+            self._table = self._read()
+            self._data = None
+        return self._table
+
+    def column(self, name: str):
+        return self._table.column(name) if self._table is not None else self._read([name]).column(0)
+
+
+def answer_label_counts(state) -> dict[str, int]:
+    """Answers released per label name, in first-seen order, without a Python object per answer: the
+    snapshot's answers are counted by Arrow from their one column (value_counts keeps the order of first
+    appearance), the answers of the events replayed since in Python."""
+    counts: dict[str, int] = {}
+    src = state._answers_src
+    if src is not None:
+        import pyarrow.compute as pc
+
+        vc = pc.value_counts(src.column("label_name"))
+        for name, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
+            if name is not None:
+                counts[name] = counts.get(name, 0) + int(n)
+    for name in state._answers_new["label_name"]:
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
