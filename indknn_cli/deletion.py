@@ -207,7 +207,7 @@ def delete_records(
         raise BadInputError("an empty record or user id was given")
     if not record_ids and not user_ids and not compact:
         raise BadInputError("nothing to delete: give --record, --user, --ids-file or --users-file (or --compact)")
-    store_path, ledger_path = Path(store_path), Path(ledger_path)
+    store_path, ledger_path = object_store.local_path(store_path), Path(ledger_path)
 
     if dry_run or strict:  # a lock-free look first: --dry-run and --strict refusals write nothing at all
         store = FeatureStore.open(store_path, mode="r")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
+from . import object_store
 from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .readers import Source, open_source
@@ -85,7 +85,8 @@ def _id_note(rid: str | None) -> str:
 
 
 def _store_exists(path: Path) -> bool:
-    return (path / "zarr.json").is_file()
+    loc = object_store.location(path)
+    return (path / "zarr.json").is_file() if loc is None else object_store.exists(loc)
 
 
 def embed_into_store(
@@ -123,9 +124,10 @@ def embed_into_store(
         raise BadInputError(f"--if-exists must be error or skip, got {if_exists!r}")
     if batch is not None and role != "query":
         raise BadInputError("--batch applies to --role query only")
-    store_path = Path(store_path)
+    store_path = object_store.local_path(store_path)  # an s3:// URL: its local state folder
     store = None
-    if _store_exists(store_path) or (store_path.exists() and (store_path.is_file() or any(store_path.iterdir()))):
+    if _store_exists(store_path) or (object_store.location(store_path) is None and store_path.exists()
+                                     and (store_path.is_file() or any(store_path.iterdir()))):
         store = FeatureStore.open(store_path, mode="a")  # refuses other format versions and foreign folders
     elif role == "query":
         raise StoreError(f"{store_path}: no feature store here; queries go into an existing store "
@@ -270,7 +272,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
         start, stop, _ = st.query_batch(batch)
         recorded = dict(st.group("query").attrs.get(BATCH_INPUTS_ATTR, {})).get(batch)
         if recorded == input_sha:
-            return EmbedResult(store=str(store_path), role=role, rows_added=0, rows_skipped=stop - start,
+            return EmbedResult(store=st.where, role=role, rows_added=0, rows_skipped=stop - start,
                                dim=st.dim, extractor=st.extractor, batch=batch, start=start, stop=stop,
                                warnings=warnings + [f"query batch {batch!r} is already in the store "
                                                     f"(same input); nothing added"])
@@ -287,6 +289,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
     total = src.count() if progress is not None else None
     created = False
     pre_existing_dir = store_path.is_dir() and store is None
+    named = (object_store.location(store_path) or store_path)
+    named = getattr(named, "name", str(named))  # what the JSON line says: the URL of a remote store
     try:
         with contextlib.ExitStack() as stack:
             existing: set[str] = set()
@@ -386,11 +390,14 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                 start, stop = app.commit(extra)
     except BaseException:
         if created:
-            shutil.rmtree(store_path, ignore_errors=True)
-            if pre_existing_dir:
+            remote = store.remote
+            object_store.remove(store_path)  # on object storage: the objects written too
+            if remote is not None:
+                object_store.local_path(remote.name)
+            elif pre_existing_dir:
                 store_path.mkdir(exist_ok=True)
         raise
-    return EmbedResult(store=str(store_path), role=role, rows_added=rows_added, rows_skipped=rows_skipped,
+    return EmbedResult(store=named, role=role, rows_added=rows_added, rows_skipped=rows_skipped,
                        dim=int(store.dim), extractor=store.extractor, batch=batch, start=start, stop=stop,
                        created=created, warnings=warnings)
 

@@ -20,7 +20,7 @@ def _load() -> None:
 
 def embed_command(
     input: str = typer.Argument(..., metavar="INPUT", help="CSV, Parquet or JSON lines file; a folder of images (one sub-folder per class); .npy/.npz vectors; or - for stdin."),
-    store: Optional[Path] = typer.Option(None, "--store", help="Feature store (else $INDKNN_STORE, else ./indknn-store.zarr). Created if missing (private/public)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Feature store: a folder or an s3:// URL (else $INDKNN_STORE, else ./indknn-store.zarr). Created if missing (private/public)."),
     role: str = typer.Option("private", "--role", help="private | query | public. Labels are required for private and public, ignored for queries."),
     extractor: Optional[str] = typer.Option(None, "--extractor", help="text | image | pixels | hog | vectors. Default: the store's own extractor, else text."),
     model: Optional[str] = typer.Option(None, "--model", help="text: all-MiniLM-L6-v2 (default, bundled) or a local model folder; image: ARCH:/path/ckpt.pt; pixels-28; hog-28; vectors: a tag naming the vector source."),
