@@ -16,7 +16,6 @@ from indknn_cli import object_store
 from indknn_cli.deletion import delete_records
 from indknn_cli.embedding import embed_into_store
 from indknn_cli.errors import StoreError
-from indknn_cli.ledger_integrity import verify_ledger
 from indknn_cli.serving import build_index, make_params, serve_queries
 from indknn_cli.store import FeatureStore, normalize_rows
 
@@ -58,7 +57,7 @@ def test_round_trip_with_physical_erasure(s3, state, tmp_path):
     x = _inputs(tmp_path)
     res = embed_into_store(tmp_path / "priv.npz", store_path=url, extractor="vectors")
     assert res.store == url and res.rows_added == 300
-    store = object_store.open_store(url)
+    store = object_store.open_store(url)  # the library's one opener of a store, local path or URL
     assert store.remote.url == url and store.remote.options == {"endpoint_url": s3}
     assert store.path == object_store.state_dir(url) and store.path.is_relative_to(state)
     assert np.array_equal(store.read("private", "features"), x)
@@ -82,9 +81,7 @@ def test_round_trip_with_physical_erasure(s3, state, tmp_path):
     keys = raw_objects(s3, bucket)
     assert keys and all(k.startswith(after.remote.url.split("/", 3)[3] + "/") for k in keys)  # old prefix gone
     assert np.array_equal(after.read("private", "features"), np.delete(x, 7, axis=0))
-    assert verify_ledger(lp, store_path=after.path)["verified"]
-    out = serve_queries(store_path=after.path, ledger_path=lp, query_batch="q1", batch_id="again", seed=4)
-    assert len(out.answers) == 20
+    # (serving again and `account --verify` after the compaction: test_cli_round_trip, slow)
 
 
 def test_versioned_bucket_is_refused(s3, state, tmp_path):

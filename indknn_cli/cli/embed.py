@@ -13,6 +13,7 @@ from .common import emit_json, progress_bar, resolve_store, run_library_call, st
 
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    from ..dask_embed import resolve_scheduler
     from ..embedding import embed_into_store
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)
@@ -35,6 +36,7 @@ def embed_command(
     batch: Optional[str] = typer.Option(None, "--batch", help="Query batch name (--role query; default q-<sha256 of the input>). Re-running the same input is a no-op."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     batch_size: int = typer.Option(256, "--batch-size", help="Rows read and embedded per batch (bounds memory)."),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="Dask scheduler address (tcp://HOST:8786; else $INDKNN_SCHEDULER, else in process): the rows are embedded on its workers, which write them into the store (a shared folder or an s3:// URL); the commit stays here. Unreachable: exit 1."),
 ) -> None:
     """Embed INPUT into the feature store. stdout: one JSON line (store, role, rows_added, rows_skipped, d, extractor)."""
     _load()
@@ -53,7 +55,7 @@ def embed_command(
                 text_column=text_column, label_column=label_column, id_column=id_column,
                 user_column=user_column, image_column=image_column, vector_column=vector_column,
                 if_exists=if_exists, batch=batch, label_names=names, device=device, batch_rows=batch_size,
-                progress=progress,
+                progress=progress, scheduler=resolve_scheduler(scheduler),
             )
 
     result = run_library_call(call)
