@@ -98,15 +98,19 @@ def test_unreachable_scheduler_is_exit_1(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_embed_on_workers_into_s3(cluster, tmp_path, monkeypatch):
-    """The workers write straight into the bucket (the store's remote URL and options travel with the task)."""
-    from .s3_server import moto_server, new_bucket
+    """The workers write straight into the bucket (the store's remote URL and options travel with the task;
+    here the credentials are in the options, as the workers were started before the server's variables)."""
+    from indknn_cli import object_store
+
+    from .s3_server import S3_ENV, moto_server, new_bucket
 
     pytest.importorskip("s3fs")
     monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "state"))
     x, _ = _pair(tmp_path, n=400)
     with moto_server() as endpoint:
         url = f"s3://{new_bucket(endpoint)}/st"
-        st = FeatureStore.create(url, extractor=get_extractor("vectors").info, dim=16, label_names=["0", "1", "2"],
+        opts = {"endpoint_url": endpoint, "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}
+        st = FeatureStore.create(object_store.local_path(url, storage_options=opts), extractor=get_extractor("vectors").info, dim=16, label_names=["0", "1", "2"],
                                  chunk_rows=64)
         embed_into_store(tmp_path / "in.npz", store_path=st.path, batch_rows=50, scheduler=cluster)
         assert np.array_equal(FeatureStore.open(url).read("private", "features"), normalize_rows(x))
