@@ -84,7 +84,6 @@ import ctypes
 import fcntl
 import json
 import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -94,9 +93,11 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from . import ledger_integrity as integrity
+from . import object_store
+from .compaction_copy import _fsync_tree, _write_compacted_copy
 from .errors import BadInputError, LedgerError, LedgerIntegrityError, StorageError, StoreError
 from .ledger import BudgetLedger, atomic_write_text, unpublished_store_uuids
-from .store import CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks
+from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks
 from .wording import count
 
 #: Test hook: called with a step name at each step of a deletion / compaction.
@@ -207,7 +208,7 @@ def delete_records(
         raise BadInputError("an empty record or user id was given")
     if not record_ids and not user_ids and not compact:
         raise BadInputError("nothing to delete: give --record, --user, --ids-file or --users-file (or --compact)")
-    store_path, ledger_path = Path(store_path), Path(ledger_path)
+    store_path, ledger_path = object_store.local_path(store_path), Path(ledger_path)
 
     if dry_run or strict:  # a lock-free look first: --dry-run and --strict refusals write nothing at all
         store = FeatureStore.open(store_path, mode="r")
@@ -504,7 +505,7 @@ def _recover(store: FeatureStore, ledger_path: Path) -> BudgetLedger | None:
             if p.name.split("-", 1)[0] in ("snapshot", "answers") and stem.isdigit() and int(stem) > ledger.generation:
                 p.unlink(missing_ok=True)
     for p in _leftovers(store.path):
-        shutil.rmtree(p, ignore_errors=True)
+        object_store.remove(p)  # a state folder: its remote prefix too
     return ledger
 
 
@@ -553,7 +554,7 @@ def _compact(store: FeatureStore, ledger: BudgetLedger | None) -> dict:
         if ledger is not None:
             out["ledger_events_folded"] = ledger.publish_generation(gen)
         _fault("compact-published")
-        shutil.rmtree(garbage, ignore_errors=True)
+        object_store.remove(garbage)  # on object storage: the old prefix's objects too
     out["store_uuid"] = new_uuid
     return out
 
@@ -573,80 +574,6 @@ def _new_store_lock(folder: Path) -> Iterator[Callable[[], None]]:
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new_uuid: str) -> None:
-    """The store without its deleted private rows, under ``new_uuid`` (the caller fsyncs it)."""
-    new = FeatureStore.create(dest, extractor=store.extractor, dim=store.dim, label_names=store.label_names,
-                              chunk_rows=store.chunk_rows)
-    attrs = dict(store.root.attrs)
-    history = list(attrs.get("compactions", []))
-    history.append({"from_store_uuid": store.uuid, "rows_removed": int(store.n_rows("private") - keep.size),
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    attrs.update(store_uuid=new_uuid, compactions=history)
-    new.root.attrs.update(attrs)
-
-    src, dst = store.group("private"), new.group("private")
-    names = ("features", "labels", "record_id", "user_id", "deleted")
-    m = int(keep.size)
-    for name in names:
-        dst[name].resize((m,) + tuple(dst[name].shape[1:]))
-    step = 4 * store.chunk_rows  # a multiple of every array's chunk length: each chunk written once
-    n = store.n_rows("private")
-    buf: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    buffered = written = 0
-
-    def flush(final: bool) -> None:
-        nonlocal buffered, written
-        while buffered >= step or (final and buffered):
-            take = min(step, buffered)
-            for name in names:
-                block = np.concatenate(buf[name]) if len(buf[name]) > 1 else buf[name][0]
-                dst[name][written:written + take] = block[:take]
-                buf[name] = [block[take:]] if take < len(block) else []
-            written += take
-            buffered -= take
-
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        sel = keep[(keep >= lo) & (keep < hi)] - lo
-        if sel.size == 0:
-            continue
-        for name in names:
-            buf[name].append(_read_chunks(store.path, "private", name, lambda: np.asarray(src[name][lo:hi]))[sel])
-        buffered += sel.size
-        flush(False)
-    flush(True)
-    group_attrs = {k: v for k, v in dict(src.attrs).items() if k != PENDING_ATTR}
-    group_attrs["n_rows"] = m
-    dst.attrs.update(group_attrs)
-    for role in ("public", "query"):  # untouched: copied byte for byte (query rows keep their numbers)
-        g = GROUP_OF_ROLE[role]
-        shutil.rmtree(dest / g)
-        shutil.copytree(store.path / g, dest / g)
-    known = {"zarr.json", FeatureStore.LOCK_NAME, *GROUP_OF_ROLE.values()}
-    for entry in store.path.iterdir():  # other tools' files (e.g. candidate indexes): carried as they are
-        if entry.name in known or entry.name.startswith("."):
-            continue
-        (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, dest / entry.name)
-    # crc32c: the rewritten private arrays have it; public/query groups copied from a store made before
-    # checksums do not, so the root attribute says "crc32c" only when every array really carries it.
-    copy = FeatureStore.open(dest, mode="a")
-    if copy.checksummed:
-        copy.root.attrs.update({"checksums": CHECKSUM})
-    elif "checksums" in copy.root.attrs:
-        del copy.root.attrs["checksums"]
-
-
-def _fsync_tree(root: Path) -> int:
-    total = 0
-    for folder, _, files in os.walk(root):
-        for f in files:
-            p = Path(folder) / f
-            total += p.stat().st_size
-            _fsync_path(p)
-        _fsync_path(Path(folder))
-    return total
 
 
 def _swap(new: Path, store_path: Path, token: str) -> Path:

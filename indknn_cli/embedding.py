@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -18,6 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import data_quality
+from . import object_store
 from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .readers import Source, open_source
@@ -81,12 +81,28 @@ def _check_finite_nonzero(x: np.ndarray, rows: Sequence[int], ids: Sequence[str 
         raise BadInputError(f"{display}: row {rows[j] + 1}{_id_note(ids[j])}: zero vector (cannot be L2-normalised)")
 
 
+def embed_rows(ex: Extractor, items, rows: Sequence[int], ids: Sequence[str | None], *, name: str,
+               dim: int | None, store_named: str | None) -> np.ndarray:
+    """Embed one group of input rows and L2-normalise them, refusing a wrong d, NaN/inf and zero vectors
+    (errors name the input row). The same code in process and on a Dask worker (bit-identical stores)."""
+    x = np.asarray(ex.embed(items))
+    if x.ndim != 2 or x.shape[0] != len(rows):
+        raise BadInputError(f"{name}: extractor returned shape {x.shape} for {len(rows)} rows")
+    if dim is not None and x.shape[1] != dim:
+        if store_named is not None:
+            raise StoreError(f"{store_named}: store has d={dim}, input has d={x.shape[1]} (row {rows[0] + 1})")
+        raise BadInputError(f"{name}: row {rows[0] + 1}: d={x.shape[1]}, earlier rows have d={dim}")
+    _check_finite_nonzero(x, rows, ids, name)
+    return normalize_rows(x, what=name)
+
+
 def _id_note(rid: str | None) -> str:
     return "" if rid is None else f" (id {rid!r})"
 
 
 def _store_exists(path: Path) -> bool:
-    return (path / "zarr.json").is_file()
+    loc = object_store.location(path)
+    return (path / "zarr.json").is_file() if loc is None else object_store.exists(loc)
 
 
 def embed_into_store(
@@ -110,13 +126,15 @@ def embed_into_store(
     progress: ProgressFn | None = None,
     lock: bool = True,
     stdin=None,
+    scheduler: str | None = None,
 ) -> EmbedResult:
     """Embed ``source`` (a path, ``-`` for stdin, or an open :class:`Source`) into the store.
 
     ``extractor=None`` means the store's own extractor when the store exists,
     else ``text``; ``model=None`` with the store's extractor name means the
     store's model. ``lock=False`` only when the caller already holds
-    ``store.write_lock()``.
+    ``store.write_lock()``. ``scheduler``: a Dask scheduler address; the rows are then embedded on its
+    workers, which write them into chunk-aligned regions (:mod:`.dask_embed`); the commit stays here.
     """
     if role not in ROLES:
         raise BadInputError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -124,9 +142,10 @@ def embed_into_store(
         raise BadInputError(f"--if-exists must be error or skip, got {if_exists!r}")
     if batch is not None and role != "query":
         raise BadInputError("--batch-id applies to --role query only")
-    store_path = Path(store_path)
+    store_path = object_store.local_path(store_path)  # an s3:// URL: its local state folder
     store = None
-    if _store_exists(store_path) or (store_path.exists() and (store_path.is_file() or any(store_path.iterdir()))):
+    if _store_exists(store_path) or (object_store.location(store_path) is None and store_path.exists()
+                                     and (store_path.is_file() or any(store_path.iterdir()))):
         store = FeatureStore.open(store_path, mode="a")  # refuses other format versions and foreign folders
     elif role == "query":
         raise StoreError(f"{store_path}: no feature store here; queries go into an existing store "
@@ -139,15 +158,21 @@ def embed_into_store(
         extractor if extractor is not None else (store.extractor.name if store is not None else "text"))
     opened = open_source(source, extractor_kind=kind, **reader_opts) if kind is not None else None
     try:
-        ex = _resolve_extractor(extractor, model, device, store)
-        if store is not None:  # other extractor or other d: a clear StoreError
-            store = FeatureStore.open(store_path, mode="a", expect_extractor=ex.info, expect_dim=ex.dim)
-        if opened is not None and ex.input_kind != kind:  # cannot happen with the built-in extractors
-            opened.close()
-            opened = None
-        return _embed(opened if opened is not None else source, store=store, store_path=store_path, role=role,
-                      ex=ex, if_exists=if_exists, batch=batch, label_names=label_names, progress=progress,
-                      lock=lock, reader_opts=reader_opts)
+        with contextlib.ExitStack() as stack:
+            ex = _resolve_extractor(extractor, model, device, store)
+            if store is not None:  # other extractor or other d: a clear StoreError
+                store = FeatureStore.open(store_path, mode="a", expect_extractor=ex.info, expect_dim=ex.dim)
+            if opened is not None and ex.input_kind != kind:  # cannot happen with the built-in extractors
+                opened.close()
+                opened = None
+            dist = None
+            if scheduler:
+                from .dask_embed import DaskFeatureWriter
+
+                dist = stack.enter_context(DaskFeatureWriter.connect(scheduler, ex, device=device))
+            return _embed(opened if opened is not None else source, store=store, store_path=store_path, role=role,
+                          ex=ex, if_exists=if_exists, batch=batch, label_names=label_names, progress=progress,
+                          lock=lock, reader_opts=reader_opts, dist=dist)
     finally:
         if opened is not None:
             opened.close()
@@ -216,12 +241,12 @@ def _resolve_extractor(extractor, model, device, store: FeatureStore | None) -> 
 
 def _embed(source, *, store: FeatureStore | None, store_path: Path, role: str, ex: Extractor, if_exists: str,
            batch: str | None, label_names: Sequence[str] | None, progress: ProgressFn | None, lock: bool,
-           reader_opts: dict) -> EmbedResult:
+           reader_opts: dict, dist=None) -> EmbedResult:
     own_source = not isinstance(source, Source)
     src = open_source(source, extractor_kind=ex.input_kind, **reader_opts) if own_source else source
     try:
         return _embed_source(src, store=store, store_path=store_path, role=role, ex=ex, if_exists=if_exists,
-                             batch=batch, label_names=label_names, progress=progress, lock=lock)
+                             batch=batch, label_names=label_names, progress=progress, lock=lock, dist=dist)
     finally:
         if own_source:
             src.close()
@@ -229,7 +254,7 @@ def _embed(source, *, store: FeatureStore | None, store_path: Path, role: str, e
 
 def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, role: str, ex: Extractor,
                   if_exists: str, batch: str | None, label_names: Sequence[str] | None,
-                  progress: ProgressFn | None, lock: bool) -> EmbedResult:
+                  progress: ProgressFn | None, lock: bool, dist=None) -> EmbedResult:
     warnings: list[str] = []
 
     # -- labels: known up front (a scan of the label column / the class folders)
@@ -271,7 +296,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
         start, stop, _ = st.query_batch(batch)
         recorded = dict(st.group("query").attrs.get(BATCH_INPUTS_ATTR, {})).get(batch)
         if recorded == input_sha:
-            return EmbedResult(store=str(store_path), role=role, rows_added=0, rows_skipped=stop - start,
+            return EmbedResult(store=st.where, role=role, rows_added=0, rows_skipped=stop - start,
                                dim=st.dim, extractor=st.extractor, batch=batch, start=start, stop=stop,
                                warnings=warnings + [f"query batch {batch!r} is already in the store "
                                                     f"(same input); nothing added"])
@@ -288,6 +313,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
     total = src.count() if progress is not None else None
     created = False
     pre_existing_dir = store_path.is_dir() and store is None
+    named = (object_store.location(store_path) or store_path)
+    named = getattr(named, "name", str(named))  # what the JSON line says: the URL of a remote store
     try:
         with contextlib.ExitStack() as stack:
             existing: set[str] = set()
@@ -336,20 +363,12 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     if ex.input_kind == "text":
                         empty += data_quality.empty_texts(items)
                     rows_k, ids_k = pick(rows), pick(ids)
-                    x = ex.embed(items)
-                    x = np.asarray(x)
-                    if x.ndim != 2 or x.shape[0] != len(keep):
-                        raise BadInputError(f"{src.name}: extractor returned shape {x.shape} for {len(keep)} rows")
-                    if dim is None:
-                        dim = int(x.shape[1])
-                    elif x.shape[1] != dim:
-                        if store is not None:
-                            raise StoreError(f"{store_path}: store has d={dim}, input has d={x.shape[1]} "
-                                             f"(row {rows_k[0] + 1})")
-                        raise BadInputError(f"{src.name}: row {rows_k[0] + 1}: d={x.shape[1]}, earlier rows "
-                                            f"have d={dim}")
-                    _check_finite_nonzero(x, rows_k, ids_k, src.name)
-                    xn = normalize_rows(x, what=src.name)
+                    if dist is None:
+                        xn = embed_rows(ex, items, rows_k, ids_k, name=src.name, dim=dim,
+                                        store_named=named if store is not None else None)
+                        dim = dim or int(xn.shape[1])
+                    else:  # embedded on the Dask workers, which write the features (dask_embed.py)
+                        xn, dim = None, dim or dist.dim_of(ex, items)
                     lab_idx = None
                     if use_labels:
                         lab_idx = np.empty(len(keep), dtype=np.int32)
@@ -373,6 +392,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                                 raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: generated id {rid!r} "
                                                     f"collides with an existing id; give an --id-column")
                         final_ids.append(rid)
+                    if dist is not None:
+                        dist.submit(store, role, items, rows_k, ids_k, at=app.stop, name=src.name)
                     app.write(xn, labels=lab_idx, record_ids=final_ids, user_ids=users)
                     rows_added += len(keep)
                 if progress is not None:
@@ -381,6 +402,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                 raise BadInputError(f"{src.name}: empty input (0 rows)")
             start = stop = store.n_rows(role) if store is not None else 0
             if rows_added:
+                if dist is not None:
+                    dist.finish(store, role)  # every worker's rows written, or the first failure raised
                 extra = None
                 if role == "query":
                     inputs = dict(store.group("query").attrs.get(BATCH_INPUTS_ATTR, {}))
@@ -390,11 +413,14 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                 warnings += _quality_warnings(store, role, src.name, empty)
     except BaseException:
         if created:
-            shutil.rmtree(store_path, ignore_errors=True)
-            if pre_existing_dir:
+            remote = store.remote
+            object_store.remove(store_path)  # on object storage: the objects written too
+            if remote is not None:
+                object_store.local_path(remote.name)
+            elif pre_existing_dir:
                 store_path.mkdir(exist_ok=True)
         raise
-    return EmbedResult(store=str(store_path), role=role, rows_added=rows_added, rows_skipped=rows_skipped,
+    return EmbedResult(store=named, role=role, rows_added=rows_added, rows_skipped=rows_skipped,
                        dim=int(store.dim), extractor=store.extractor, batch=batch, start=start, stop=stop,
                        created=created, warnings=warnings)
 

@@ -22,6 +22,7 @@ from .engine import ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, BudgetView
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
 from .wording import count
+from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import UserBudgetView, user_keys
 
@@ -171,6 +172,7 @@ def build_index(
         if params is not None:
             raise BadInputError("give the serving parameters through the tuning request, not both")
         tune.check()
+    store_path = local_path(store_path)  # an s3:// URL: the store's state folder (object_store.py)
     store = FeatureStore.open(store_path, mode="r")
     if store.n_rows("private") == 0:
         raise BadInputError(f"{store_path}: the store has no private records to index")
@@ -345,6 +347,7 @@ def serve_queries(
     if max_memory < (16 << 20):
         raise BadInputError(f"--max-memory must be at least 16 MiB, got {max_memory} bytes")
     batch_id = batch_id or query_batch
+    store_path = local_path(store_path)
     store = FeatureStore.open(store_path, mode="r")
     q_start, q_stop, q_sha = store.query_batch(query_batch)
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \

@@ -23,7 +23,7 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from . import FORMAT_VERSION, locking
+from . import FORMAT_VERSION, locking, object_store
 from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
 
 ROLES = ("private", "public", "query")
@@ -100,6 +100,14 @@ class FeatureStore:
         self.label_names: list[str] = list(attrs["label_names"])
         self.uuid: str = attrs["store_uuid"]
         self.chunk_rows = int(attrs["chunk_rows"])
+        #: Where the data is when the store is on object storage (``.url``, ``.options``, ``.name``), else None;
+        #: ``path`` is then the store's local state folder (locks, ledger mark, candidate index).
+        self.remote: object_store.RemoteLocation | None = object_store.location(self.path)
+
+    @property
+    def where(self) -> str:
+        """The store as the user named it: its URL when remote, else its path."""
+        return self.remote.name if self.remote is not None else str(self.path)
 
     # -- opening ---------------------------------------------------------
     @classmethod
@@ -112,14 +120,19 @@ class FeatureStore:
         label_names: Sequence[str],
         chunk_rows: int | None = None,
     ) -> "FeatureStore":
-        path = Path(path)
-        if path.exists() and any(path.iterdir()):
+        path = object_store.local_path(path)
+        loc = object_store.location(path)
+        if loc is not None:  # on object storage: created in place, the root attributes written last
+            if not object_store.is_empty(loc):
+                raise StoreError(f"{loc.name}: exists and is not empty; refusing to create a store there")
+            object_store.refuse_versioned(loc)
+        elif path.exists() and any(path.iterdir()):
             raise StoreError(f"{path}: exists and is not empty; refusing to create a store there")
         if dim <= 0:
             raise BadInputError(f"dimension must be positive, got {dim}")
         chunk_rows = chunk_rows or chunk_rows_for(dim)
         tmp = path.with_name(f".{path.name}.creating-{uuid.uuid4().hex[:8]}")
-        root = zarr.open_group(str(tmp), mode="w")
+        root = object_store.open_group(loc, "w-") if loc is not None else zarr.open_group(str(tmp), mode="w")
         for role, group in GROUP_OF_ROLE.items():
             g = root.create_group(group)
             crc = checksum_compressors()
@@ -145,9 +158,10 @@ class FeatureStore:
             "checksums": CHECKSUM,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
-        if path.exists():
-            path.rmdir()
-        os.replace(tmp, path)
+        if loc is None:
+            if path.exists():
+                path.rmdir()
+            os.replace(tmp, path)
         return cls.open(path, mode="a")
 
     @classmethod
@@ -159,11 +173,18 @@ class FeatureStore:
         expect_extractor: ExtractorInfo | None = None,
         expect_dim: int | None = None,
     ) -> "FeatureStore":
-        path = Path(path)
-        if not (path / "zarr.json").is_file():
+        path = object_store.local_path(path)
+        loc = object_store.location(path)
+        if loc is not None:
+            if not object_store.exists(loc):
+                raise StoreError(f"{loc.name}: not an indknn feature store (no zarr.json at {loc.url}); create one "
+                                 "with `indknn embed`")
+            if mode != "r":
+                object_store.refuse_versioned(loc)
+        elif not (path / "zarr.json").is_file():
             raise StoreError(f"{path}: not an indknn feature store (no zarr.json); create one with `indknn embed`")
         try:
-            root = zarr.open_group(str(path), mode="r" if mode == "r" else "r+")
+            root = _open_root(path, loc, mode)
             attrs = dict(root.attrs)
         except Exception as exc:  # corrupt JSON, foreign layout
             raise StoreError(f"{path}: cannot be read as a Zarr v3 group ({type(exc).__name__})") from None
@@ -225,7 +246,7 @@ class FeatureStore:
         copy under a new ``store_uuid``: a writer that waited through one is refused
         rather than writing with the old row numbers.
         """
-        root = zarr.open_group(str(self.path), mode="r" if self.read_only else "r+")
+        root = _open_root(self.path, object_store.location(self.path), "r" if self.read_only else "a")
         if dict(root.attrs).get("store_uuid") != self.uuid:
             raise ConcurrentChangeError(f"{self.path}: the store was compacted (rows renumbered) while this "
                                         "command waited for its lock; nothing was written; run the command again")
@@ -291,10 +312,12 @@ class FeatureStore:
         return int(info["start"]), int(info["stop"]), str(info["sha256"])
 
     # -- writing ---------------------------------------------------------
-    def appender(self, role: str, *, batch: str | None = None) -> "Appender":
+    def appender(self, role: str, *, batch: str | None = None):
         """Start an append; rows become visible only at :meth:`Appender.commit`."""
         if self.read_only:
             raise StoreError(f"{self.path}: opened read-only")
+        from .store_append import Appender
+
         return Appender(self, role, batch=batch)
 
     def append(
@@ -359,95 +382,6 @@ class FeatureStore:
         return written
 
 
-class Appender:
-    """Writes rows past the committed ``n_rows``; :meth:`commit` bumps it (the commit point).
-
-    Uncommitted rows are invisible to readers and are overwritten by the next
-    append, so a failed or abandoned append leaves the store as it was.
-    """
-
-    def __init__(self, store: FeatureStore, role: str, *, batch: str | None = None):
-        self.store = store
-        self.role = role
-        self.group = store.group(role)
-        self.batch = batch
-        self.start = store.n_rows(role)
-        self.stop = self.start
-        self._hash = hashlib.sha256()
-        # Rows are buffered per array and written in whole chunks (issue 21: writing 256 rows at a time into
-        # a chunk of thousands rewrote the tail chunk on every call); the rest at commit.
-        self._pending: dict[str, list[np.ndarray]] = {}
-        self._written: dict[str, int] = {}
-        #: Rows and bytes (uncompressed) handed to zarr, summed over the arrays: for tests and benchmarks.
-        self.rows_written = 0
-        self.bytes_written = 0
-
-    def write(self, features: np.ndarray, *, labels: np.ndarray | None = None,
-              record_ids: Sequence[str], user_ids: Sequence[str] | None = None) -> None:
-        feats = np.ascontiguousarray(features, dtype=np.float32)
-        if feats.ndim != 2 or feats.shape[1] != self.store.dim:
-            raise BadInputError(f"vectors have shape {feats.shape}, store expects d={self.store.dim}")
-        m = feats.shape[0]
-        if m == 0:
-            return
-        if labels is None:
-            labels = np.full(m, -1, dtype=np.int32)
-        start, stop = self.stop, self.stop + m
-        arrays = {
-            "features": feats,
-            "labels": np.asarray(labels, dtype=np.int32),
-            "record_id": np.asarray([str(r) for r in record_ids], dtype=str),
-            "user_id": np.asarray(["" if u is None else str(u) for u in (user_ids or [""] * m)], dtype=str),
-            "deleted": np.zeros(m, dtype=bool),
-        }
-        if self.role == "query":
-            arrays["batch"] = np.asarray([self.batch or ""] * m, dtype=str)
-        for name, values in arrays.items():
-            if len(values) != m:
-                raise BadInputError(f"{name}: {len(values)} values for {m} vectors")
-        for name, values in arrays.items():
-            self._pending.setdefault(name, []).append(values)
-        self._hash.update(feats.tobytes())
-        self.stop = stop
-        self._flush(final=False)
-
-    def _flush(self, *, final: bool) -> None:
-        """Write each array's buffered rows up to its last whole chunk boundary (``final``: all of them)."""
-        for name, parts in self._pending.items():
-            if not parts:
-                continue
-            arr = self.group[name]
-            lo = self._written.get(name, self.start)
-            chunk = int(arr.chunks[0])
-            hi = self.stop if final else (self.stop // chunk) * chunk
-            if hi <= lo:
-                continue
-            values = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            head, rest = values[:hi - lo], values[hi - lo:]
-            self._pending[name] = [rest] if len(rest) else []
-            if arr.shape[0] < hi:
-                arr.resize((hi,) + tuple(arr.shape[1:]))
-            # a partly filled tail chunk is read back and rewritten whole: a corrupt one is a StoreError
-            _read_chunks(self.store.path, self.role, name, lambda: arr.__setitem__(slice(lo, hi), head))
-            self._written[name] = hi
-            self.rows_written += int(len(head))
-            self.bytes_written += int(head.nbytes)
-
-    def commit(self, extra_attrs: dict | None = None) -> tuple[int, int]:
-        self._flush(final=True)
-        if self.store.n_rows(self.role) != self.start:
-            raise StoreError(f"{self.store.path}: {self.role} rows changed during the append (concurrent writer?)")
-        attrs: dict = {"n_rows": self.stop}
-        if self.role == "query" and self.batch is not None:
-            batches = dict(self.group.attrs.get("batches", {}))
-            batches[self.batch] = {"start": self.start, "stop": self.stop, "sha256": self._hash.hexdigest()}
-            attrs["batches"] = batches
-        if extra_attrs:
-            attrs.update(extra_attrs)
-        self.group.attrs.update(attrs)  # the commit point: one atomic zarr.json replace
-        return self.start, self.stop
-
-
 ARRAYS = ("features", "labels", "record_id", "user_id", "deleted")
 
 
@@ -462,6 +396,11 @@ def _check_arrays(path: Path, root: zarr.Group) -> None:
             except Exception as exc:  # noqa: BLE001 - truncated/garbled JSON, foreign metadata
                 raise StoreError(f"{path}: {group}/{name}/zarr.json is corrupt or truncated "
                                  f"({type(exc).__name__}); restore the store from a backup") from None
+
+
+def _open_root(path: Path, loc, mode: str) -> zarr.Group:
+    mode = "r" if mode == "r" else "r+"
+    return object_store.open_group(loc, mode) if loc is not None else zarr.open_group(str(path), mode=mode)
 
 
 def _read_chunks(path: Path, role: str, name: str, read):

@@ -165,8 +165,8 @@ def _one_line_check(report: AccountReport) -> None:
 
 def account_command(
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
-    store: Optional[Path] = typer.Option(None, "--store", envvar="INDKNN_STORE", show_envvar=False,
-                                         help="Feature store (else $INDKNN_STORE; optional): checks that the ledger belongs to it and reports its label names and rows not yet indexed."),
+    store: Optional[str] = typer.Option(None, "--store", envvar="INDKNN_STORE", show_envvar=False,
+                                         help="Feature store: a folder or an s3:// URL (else $INDKNN_STORE; optional): checks that the ledger belongs to it and reports its label names and rows not yet indexed."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of tables."),
     eps: Optional[float] = typer.Option(None, "--eps", help="Check: exit 4 when the ledger's guarantee ε (headline conversion, see --conversion) at δ is above E (cron)."),
     delta: Optional[float] = typer.Option(None, "--delta", help="δ for the guarantee and the --eps check (default: the ledger's δ)."),
@@ -198,7 +198,7 @@ def account_command(
     err = stderr_console()
     ledger_path = resolve_ledger(ledger)
     if verify:
-        result = run_library_call(lambda: verify_ledger(ledger_path, store_path=store))
+        result = run_library_call(lambda: verify_ledger(ledger_path, store_path=_store(store)))
         emit_json(result) if json_out else typer.echo("\n".join(verification_lines(result)))
         run_library_call(lambda: enforce_verified(result))
         return
@@ -218,7 +218,7 @@ def account_command(
             raise typer.Exit(code=EXIT_BUDGET_EXHAUSTED)
         return
     report = run_library_call(lambda: build_account_report(
-        ledger_path=ledger_path, store_path=store, delta=delta, conversion=conversion, eps=eps,
+        ledger_path=ledger_path, store_path=_store(store), delta=delta, conversion=conversion, eps=eps,
         min_active=min_active, record_id=record, user_id=user, plot_path=plot))
     d = report.data
     if (eps is not None or min_active is not None) and not json_out and record is None and user is None \
@@ -246,3 +246,10 @@ def account_command(
         err.print(escape(f"--min-active {chk['min_active']} check passed: {chk['records_active']} active "
                          f"(need {chk['required']})"))
     run_library_call(lambda: enforce_checks(report))
+
+
+def _store(store: Optional[str]):
+    """--store as given (a folder or an s3:// URL, mapped to its state folder), or None."""
+    from .common import resolve_store
+
+    return resolve_store(store) if store else None

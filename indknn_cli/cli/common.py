@@ -161,11 +161,12 @@ def deprecated_alias(value, old_value, *, new: str, old: str):
     return old_value
 
 
-def resolve_store(path: Path | None) -> Path:
-    """--store, else $INDKNN_STORE, else ./indknn-store.zarr."""
-    if path is not None:
-        return Path(path)
-    return Path(os.environ.get("INDKNN_STORE") or DEFAULT_STORE)
+def resolve_store(path: str | Path | None) -> Path:
+    """--store, else $INDKNN_STORE, else ./indknn-store.zarr. An ``s3://`` (fsspec) URL becomes its local
+    state folder (docs/OBJECT_STORAGE.md), which the library takes as the store's path."""
+    from ..object_store import local_path
+
+    return local_path(path if path is not None else (os.environ.get("INDKNN_STORE") or DEFAULT_STORE))
 
 
 def resolve_ledger(path: Path | None) -> Path:

@@ -38,7 +38,7 @@ def delete_command(
     user: Optional[List[str]] = typer.Option(None, "--user", help="User id: erase every record of this user (repeat for several)."),
     ids_file: Optional[str] = typer.Option(None, "--ids-file", help="File of record ids, one per line; - reads stdin (pipe a batch of erasure requests)."),
     users_file: Optional[str] = typer.Option(None, "--users-file", help="File of user ids, one per line; - reads stdin."),
-    store: Optional[Path] = typer.Option(None, "--store", help="Feature store (else $INDKNN_STORE, ./indknn-store.zarr)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Feature store: a folder or an s3:// URL (else $INDKNN_STORE, ./indknn-store.zarr)."),
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be erased; take no lock, write nothing."),
     strict: bool = typer.Option(False, "--strict", help="Unknown ids are an error (exit 2, nothing written); by default they are reported."),

@@ -13,6 +13,7 @@ from .common import deprecated_alias, emit_json, progress_bar, resolve_store, ru
 
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    from ..dask_embed import resolve_scheduler
     from ..embedding import embed_into_store
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)
@@ -20,7 +21,7 @@ def _load() -> None:
 
 def embed_command(
     input: str = typer.Argument(..., metavar="INPUT", help="CSV, Parquet or JSON lines file; a folder of images (one sub-folder per class); .npy/.npz vectors; or - for stdin."),
-    store: Optional[Path] = typer.Option(None, "--store", help="Feature store (else $INDKNN_STORE, else ./indknn-store.zarr). Created if missing (private/public)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Feature store: a folder or an s3:// URL (else $INDKNN_STORE, else ./indknn-store.zarr). Created if missing (private/public)."),
     role: str = typer.Option("private", "--role", help="private | query | public. Labels are required for private and public, ignored for queries."),
     extractor: Optional[str] = typer.Option(None, "--extractor", help="text | image | pixels | hog | vectors. Default: the store's own extractor, else text."),
     model: Optional[str] = typer.Option(None, "--model", help="text: all-MiniLM-L6-v2 (default, bundled) or a local model folder; image: ARCH:/path/ckpt.pt; pixels-28; hog-28; vectors: a tag naming the vector source."),
@@ -36,6 +37,7 @@ def embed_command(
     batch: Optional[str] = typer.Option(None, "--batch", hidden=True, help="Deprecated spelling of --batch-id."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     batch_size: int = typer.Option(256, "--batch-size", help="Rows read and embedded per batch (bounds memory)."),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="Dask scheduler address (tcp://HOST:8786; else $INDKNN_SCHEDULER, else in process): the rows are embedded on its workers, which write them into the store (a shared folder or an s3:// URL); the commit stays here. Unreachable: exit 1."),
 ) -> None:
     """Embed INPUT into the feature store. stdout: one JSON line (store, role, rows_added, rows_skipped, d, extractor)."""
     _load()
@@ -55,7 +57,7 @@ def embed_command(
                 text_column=text_column, label_column=label_column, id_column=id_column,
                 user_column=user_column, image_column=image_column, vector_column=vector_column,
                 if_exists=if_exists, batch=batch_id, label_names=names, device=device, batch_rows=batch_size,
-                progress=progress,
+                progress=progress, scheduler=resolve_scheduler(scheduler),
             )
 
     result = run_library_call(call)

@@ -23,7 +23,7 @@ def _load() -> None:
 
 
 def index_command(
-    store: Optional[Path] = typer.Option(None, "--store", help="Feature store (else the JSON line of `indknn embed` on stdin, $INDKNN_STORE, ./indknn-store.zarr)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Feature store: a folder or an s3:// URL (else the JSON line of `indknn embed` on stdin, $INDKNN_STORE, ./indknn-store.zarr)."),
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
     eps: Optional[float] = typer.Option(None, "--eps", help="Target ε of every record's guarantee."),
     delta: float = typer.Option(1e-5, "--delta", help="Target δ."),
@@ -62,7 +62,7 @@ def index_command(
         store_path = store
         if store_path is None:
             upstream = read_json_line_from_stdin()
-            store_path = Path(upstream["store"]) if upstream and "store" in upstream else resolve_store(None)
+            store_path = resolve_store(upstream["store"]) if upstream and "store" in upstream else resolve_store(None)
         params = None
         if planned_queries < 1:  # make_params would take 0 for "not given" and use 1000
             raise BadInputError(f"--planned-queries must be ≥ 1, got {planned_queries}")

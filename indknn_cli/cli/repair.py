@@ -20,7 +20,7 @@ def _load() -> None:
 
 
 def repair_command(
-    store: Optional[Path] = typer.Option(None, "--store", help="Feature store the ledger is bound to (else $INDKNN_STORE, ./indknn-store.zarr)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Feature store the ledger is bound to (else $INDKNN_STORE, ./indknn-store.zarr)."),
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what repair would quarantine and retire; write nothing."),
     lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),

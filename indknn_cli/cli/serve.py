@@ -67,7 +67,7 @@ def _batch_size_or_none(store_path: Path, name) -> Optional[int]:
 
 def serve_command(
     queries: str = typer.Argument(..., help="Query file/folder (embedded with the store's extractor), a stored query batch name, or - for the JSON line of `indknn embed --role query`."),
-    store: Optional[Path] = typer.Option(None, "--store", help="Feature store (else $INDKNN_STORE, ./indknn-store.zarr)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Feature store: a folder or an s3:// URL (else $INDKNN_STORE, ./indknn-store.zarr)."),
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
     batch_id: Optional[str] = typer.Option(None, "--batch-id", help="Idempotency key: re-running a batch id returns its released answers and charges nothing. Default: the query batch name (a hash of the query file)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write answers to this Parquet file instead of JSON lines on stdout."),
@@ -123,7 +123,7 @@ def serve_command(
         if queries == "-" and not upstream_line:
             upstream_line.append(read_json_line_from_stdin())
         upstream = upstream_line[0] if queries == "-" else None
-        sp = Path(upstream["store"]) if upstream and store is None and "store" in upstream else store_path
+        sp = resolve_store(upstream["store"]) if upstream and store is None and "store" in upstream else store_path
         check_min_margin(min_margin)  # before a query file is embedded (nothing written on bad input)
         _preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
                    max_memory=parse_size(max_memory), batch_id=batch_id, max_queries=max_queries)

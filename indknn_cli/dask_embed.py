@@ -1,0 +1,154 @@
+"""`indknn embed --scheduler ADDRESS`: the input's rows embedded on Dask workers (issue 19).
+
+The coordinator (embedding.py) reads the input, checks ids and labels, numbers the rows and writes every array
+but ``features`` as in process. The rows go to the workers in partitions of whole reader batches (each batch
+embedded in one call, exactly as in process, so the vectors are bit-identical); a worker embeds and
+normalises its partition (:func:`embedding.embed_rows`) and writes the store chunks lying wholly inside its
+rows itself, straight into the store (a shared folder or an ``s3://`` URL: ``store.remote``). The rows of the
+partly covered chunks at either end come back, and the coordinator writes those chunks once every worker is
+done, so that no chunk has two writers. All of it lands past the committed ``n_rows``; the commit (one
+attribute update) stays on the coordinator: a worker that fails, past Dask's retries, leaves the store as it
+was for every reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import numpy as np
+
+from .errors import IndknnError, SchedulerError
+from .store import GROUP_OF_ROLE, ExtractorInfo
+
+SCHEDULER_ENV = "INDKNN_SCHEDULER"
+CONNECT_TIMEOUT_S = 10
+_EXTRACTORS: dict = {}  # on a worker: (extractor info, device, d) -> extractor, loaded once per process
+
+
+def resolve_scheduler(address: str | None) -> str | None:
+    """``--scheduler``, else ``$INDKNN_SCHEDULER``, else None (embed in process)."""
+    return address or os.environ.get(SCHEDULER_ENV) or None
+
+
+def connect_client(address: str):
+    """A ``distributed.Client`` for ``address``; unreachable (or no ``distributed``): SchedulerError."""
+    try:
+        from distributed import Client
+    except ImportError:
+        raise SchedulerError("--scheduler needs Dask's distributed package: pip install 'indknn[dask]'") from None
+    try:
+        return Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise SchedulerError(f"cannot reach the Dask scheduler at {address} ({type(exc).__name__}: {exc}); "
+                             "nothing was written") from None
+
+
+def _target(store) -> dict:
+    """How a worker re-opens the store: its data URL and storage options, or its (shared) folder."""
+    if store.remote is not None:
+        return {"url": store.remote.url, "options": dict(store.remote.options)}
+    return {"path": str(store.path.resolve())}
+
+
+def _features(target: dict, role: str):
+    import zarr
+
+    if "url" in target:
+        root = zarr.open_group(target["url"], mode="r+", storage_options=target["options"] or None)
+    else:
+        root = zarr.open_group(target["path"], mode="r+")
+    return root[GROUP_OF_ROLE[role]]["features"]
+
+
+def embed_partition(target: dict, role: str, info: dict, device: str, dim: int, chunk: int, lo: int,
+                    groups: list, name: str, store_named: str):
+    """On a worker: embed ``groups`` (rows ``lo`` on), write the whole chunks inside them, return the rest
+    as ``[(first_row, float32 rows), ...]`` for the coordinator. Idempotent: a retried task writes the same."""
+    from .embedding import embed_rows
+    from .extractors import extractor_from_info
+
+    key = (tuple(sorted(info.items())), device, dim)
+    if key not in _EXTRACTORS:
+        _EXTRACTORS[key] = extractor_from_info(ExtractorInfo(**info), device=device, dim=dim)
+    ex = _EXTRACTORS[key]
+    block = np.concatenate([embed_rows(ex, items, rows, ids, name=name, dim=dim, store_named=store_named)
+                            for items, rows, ids in groups])
+    hi = lo + block.shape[0]
+    a, b = -(-lo // chunk) * chunk, (hi // chunk) * chunk  # whole chunks: [a, b)
+    if a >= b:
+        return [(lo, block)]
+    _features(target, role)[a:b] = block[a - lo:b - lo]
+    return [(lo, block[:a - lo]), (b, block[b - lo:])]
+
+
+class DaskFeatureWriter:
+    """The ``dist`` of embedding._embed_source: partitions out, edge rows back, written before the commit."""
+
+    def __init__(self, client, ex, *, device: str, partition_rows: int | None = None):
+        self.client, self.ex, self.device = client, ex, device
+        self.partition_rows = partition_rows
+        self.futures: list = []
+        self._groups: list = []
+        self._lo = self._rows = 0
+        self._store = self._role = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def connect(cls, address: str, ex, *, device: str = "auto") -> Iterator["DaskFeatureWriter"]:
+        client = connect_client(address)
+        try:
+            yield cls(client, ex, device=device)
+        finally:
+            client.close()
+
+    def dim_of(self, ex, items) -> int:
+        """The store's d for a new store: the extractor's, or a pass-through's first vector's."""
+        return int(ex.dim) if ex.dim else int(np.asarray(ex.embed(items[:1])).shape[1])
+
+    def submit(self, store, role: str, items, rows, ids, *, at: int, name: str) -> None:
+        """Queue one reader batch's kept rows (store rows ``at`` on; ``name``: the input, for messages);
+        send a partition when it is full."""
+        if self._store is None:
+            self._store, self._role, self._lo, self._name = store, role, at, name
+        items = items.tolist() if isinstance(items, np.ndarray) and items.dtype == object else items
+        self._groups.append((items, list(rows), list(ids)))
+        self._rows += len(rows)
+        if self._rows >= (self.partition_rows or store.chunk_rows):
+            self._send()
+
+    def _send(self) -> None:
+        if not self._groups:
+            return
+        st, lo, hi = self._store, self._lo, self._lo + self._rows
+        arr = st.group(self._role)["features"]
+        if arr.shape[0] < hi:  # grow the array before the worker writes (a metadata update)
+            arr.resize((hi, st.dim))
+        self.futures.append(self.client.submit(
+            embed_partition, _target(st), self._role, st.extractor.as_dict(), self.device, st.dim, st.chunk_rows,
+            lo, self._groups, self._name, st.where, pure=False))
+        self._groups, self._lo, self._rows = [], hi, 0
+
+    def finish(self, store, role: str) -> None:
+        """Send the last partition, wait for all, write the edge rows; raise the first failure."""
+        self._send()
+        try:
+            parts = [p for res in self.client.gather(self.futures) for p in res]
+        except IndknnError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a worker that died past Dask's retries, lost connection
+            raise SchedulerError(f"a Dask worker failed ({type(exc).__name__}: {exc}); nothing was committed, "
+                                 "the store is as it was") from None
+        finally:
+            self.client.cancel(self.futures)
+        arr = store.group(role)["features"]
+        run_lo, run = None, []
+        for lo, rows in sorted(((lo, r) for lo, r in parts if len(r)), key=lambda p: p[0]) + [(None, None)]:
+            if run and (lo is None or lo != run_lo + sum(len(r) for r in run)):
+                block = np.concatenate(run)
+                arr[run_lo:run_lo + len(block)] = block
+                run = []
+            if lo is not None:
+                run_lo = lo if not run else run_lo
+                run.append(rows)

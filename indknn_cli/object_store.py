@@ -1,0 +1,233 @@
+"""The feature store on object storage (``s3://bucket/prefix`` and other fsspec URLs); see docs/OBJECT_STORAGE.md.
+
+The vectors live in the bucket; everything that must be local and atomic lives in a *state folder* on the
+coordinator's disk, ``$INDKNN_STATE_DIR/stores/<slug>-<hash of the URL>`` (default
+``~/.local/state/indknn``): the store and index locks, the store<->ledger mark, the candidate index, and
+``remote.json``, which names the URL the user gave and the URL the data is at now. The rest of indknn
+treats the state folder as the store's path (``FeatureStore.path``); ``FeatureStore.remote`` (a
+:class:`RemoteLocation`: ``.url``, ``.options``, ``.name``) says where the data is, so that a Dask worker can
+re-open it (``zarr.open_group(store.remote.url, storage_options=store.remote.options)``).
+
+A compaction writes the renumbered copy under a new prefix (``<url>.compacted-<token>``) and commits by
+swapping the state folders (one local rename), then removes the old prefix. Writes to a versioned bucket are
+refused: an overwritten or deleted object keeps its old versions there, so erasure could not be physical.
+
+Options (``storage_options`` of fsspec) come from the caller, else from the environment:
+``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``) for an S3-compatible server, the usual
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN`` / ``AWS_PROFILE`` /
+``AWS_DEFAULT_REGION`` read by botocore, and ``INDKNN_STORAGE_OPTIONS``, a JSON object merged on top.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import BadInputError, StoreError
+
+STATE_ENV = "INDKNN_STATE_DIR"
+OPTIONS_ENV = "INDKNN_STORAGE_OPTIONS"
+POINTER = "remote.json"  # in a state folder: {"name": URL given, "url": URL of the data now}
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+_REGISTERED: dict[str, dict] = {}  # URL -> storage options given to open_store in this process
+
+
+@dataclass(frozen=True)
+class RemoteLocation:
+    """Where a remote store's data is: ``url`` (now; changes at a compaction), ``options`` (fsspec
+    storage_options, credentials included when given), ``name`` (the URL the user named the store by)."""
+
+    url: str
+    name: str
+    options: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+def is_url(path) -> bool:
+    """True for ``scheme://...`` other than ``file://`` (a plain local path is not a URL)."""
+    s = str(path)
+    return bool(_URL.match(s)) and not s.startswith("file://")
+
+
+def state_root() -> Path:
+    return Path(os.environ.get(STATE_ENV) or Path.home() / ".local" / "state" / "indknn").expanduser()
+
+
+def state_dir(url: str) -> Path:
+    """The local state folder of the store named by ``url`` (one per URL)."""
+    url = url.rstrip("/")
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", url.split("://", 1)[1])[-60:].strip("._") or "store"
+    return state_root() / "stores" / f"{slug}-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
+def storage_options(url: str, given: dict | None = None) -> dict:
+    """The fsspec options for ``url``: ``given``, else the ones registered by :func:`open_store`, else the
+    environment (``AWS_ENDPOINT_URL``..., ``INDKNN_STORAGE_OPTIONS``)."""
+    if given is not None:
+        return dict(given)
+    for name, opts in _REGISTERED.items():
+        if url == name or url.startswith(name + ".compacted-"):
+            return dict(opts)
+    opts: dict = {}
+    if url.startswith(("s3://", "s3a://")):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+    raw = os.environ.get(OPTIONS_ENV)
+    if raw:
+        try:
+            extra = json.loads(raw)
+        except ValueError:
+            raise BadInputError(f"${OPTIONS_ENV} is not a JSON object: {raw[:80]!r}") from None
+        if not isinstance(extra, dict):
+            raise BadInputError(f"${OPTIONS_ENV} must be a JSON object, got {type(extra).__name__}")
+        opts.update(extra)
+    return opts
+
+
+def local_path(path_or_url, *, storage_options: dict | None = None) -> Path:
+    """The path the rest of indknn uses for a store: a local path as it is; for a URL its state folder,
+    created with its ``remote.json`` on first use."""
+    if not is_url(path_or_url):
+        s = str(path_or_url)
+        return Path(s[len("file://"):] if s.startswith("file://") else s)
+    url = str(path_or_url).rstrip("/")
+    if storage_options is not None:
+        _REGISTERED[url] = dict(storage_options)
+    sd = state_dir(url)
+    if not (sd / POINTER).is_file():
+        sd.mkdir(parents=True, exist_ok=True)
+        write_pointer(sd, name=url, url=url)
+    return sd
+
+
+def write_pointer(folder: Path, *, name: str, url: str) -> None:
+    from .ledger import atomic_write_text
+
+    atomic_write_text(json.dumps({"name": name, "url": url}), folder / POINTER)
+
+
+def location(folder) -> RemoteLocation | None:
+    """The remote location of a state folder, or None for a local store folder."""
+    p = Path(folder) / POINTER
+    if not p.is_file():
+        return None
+    try:
+        meta = json.loads(p.read_text())
+        return RemoteLocation(url=meta["url"], name=meta["name"], options=storage_options(meta["url"]))
+    except (ValueError, KeyError, TypeError):
+        raise StoreError(f"{p}: the state folder's remote.json is corrupt; it names the store's URL "
+                         '({"name": URL, "url": URL})') from None
+
+
+def filesystem(loc: RemoteLocation):
+    """The fsspec filesystem of a location; a missing client package is a clear StoreError."""
+    import fsspec
+
+    try:
+        fs, _ = fsspec.core.url_to_fs(loc.url, **loc.options)
+    except ImportError as exc:
+        raise StoreError(f"{loc.name}: reading {loc.url.split('://')[0]}:// URLs needs an extra package "
+                         f"(pip install 'indknn[s3]'): {exc}") from None
+    return fs
+
+
+def exists(loc: RemoteLocation) -> bool:
+    """Whether a store's root metadata (zarr.json) is at the location."""
+    try:
+        return filesystem(loc).exists(loc.url + "/zarr.json")
+    except StoreError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - botocore/aiohttp errors: endpoint down, credentials
+        raise StoreError(f"{loc.name}: cannot reach the object store ({type(exc).__name__}: {exc})") from None
+
+
+def is_empty(loc: RemoteLocation) -> bool:
+    fs = filesystem(loc)
+    try:
+        return not fs.exists(loc.url) or not fs.ls(loc.url)
+    except FileNotFoundError:
+        return True
+
+
+def refuse_versioned(loc: RemoteLocation) -> None:
+    """Writes to a versioned S3 bucket are refused: old object versions would keep erased vectors."""
+    if not loc.url.startswith(("s3://", "s3a://")):
+        return
+    fs = filesystem(loc)
+    bucket = loc.url.split("://", 1)[1].split("/", 1)[0]
+    try:
+        status = fs.call_s3("get_bucket_versioning", Bucket=bucket).get("Status")
+    except Exception as exc:  # noqa: BLE001
+        raise StoreError(f"{loc.name}: cannot read the bucket's versioning state ({type(exc).__name__}: {exc}); "
+                         "indknn writes only to buckets it can check are unversioned") from None
+    if status in ("Enabled", "Suspended"):
+        raise StoreError(f"{loc.name}: bucket {bucket!r} has object versioning {status.lower()}; an overwritten "
+                         "or deleted chunk keeps its old versions there, so erased vectors could not be removed "
+                         "physically. Use an unversioned bucket (versioning never enabled) for the store")
+
+
+def open_group(loc: RemoteLocation, mode: str):
+    """The zarr root group at a remote location (``mode`` r, r+ or w-)."""
+    import zarr
+
+    try:
+        return zarr.open_group(loc.url, mode=mode, storage_options=loc.options or None)
+    except ImportError as exc:
+        raise StoreError(f"{loc.name}: needs an extra package (pip install 'indknn[s3]'): {exc}") from None
+
+
+def remove(folder) -> None:
+    """Remove a store folder or state folder; for a state folder also every object of its remote data."""
+    folder = Path(folder)
+    loc = location(folder) if folder.is_dir() else None
+    if loc is not None:
+        fs = filesystem(loc)
+        try:
+            fs.rm(loc.url, recursive=True)
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def pointer_only(folder) -> bool:
+    """A state folder whose remote location holds no store yet."""
+    loc = location(folder)
+    return loc is not None and not exists(loc)
+
+
+def new_generation(store, dest: Path) -> None:
+    """Make ``dest`` the state folder of a fresh data prefix for a compacted copy of remote ``store``."""
+    token = dest.name.rsplit("-", 1)[-1]
+    dest.mkdir(parents=True, exist_ok=False)
+    write_pointer(dest, name=store.remote.name, url=f"{store.remote.name}.compacted-{token}")
+
+
+def copy_group(store, dest: Path, group: str) -> None:
+    """Copy one group of ``store`` byte for byte into the store at ``dest`` (same kind: local or remote)."""
+    if store.remote is None:
+        shutil.rmtree(dest / group)
+        shutil.copytree(store.path / group, dest / group)
+        return
+    target = location(dest)
+    fs = filesystem(store.remote)
+    fs.rm(f"{target.url}/{group}", recursive=True)
+    src_root = fs._strip_protocol(store.remote.url)
+    dst_root = fs._strip_protocol(target.url)
+    for src in fs.find(f"{src_root}/{group}"):  # object by object: the copy's keys are exactly the source's
+        fs.copy(src, dst_root + src[len(src_root):])
+
+
+def open_store(path_or_url, *, mode: str = "r", storage_options: dict | None = None, **expect):
+    """Open a :class:`~indknn_cli.store.FeatureStore` at a local path or an fsspec URL (``s3://...``).
+
+    ``storage_options`` (fsspec) override the environment for this URL for the rest of the process.
+    ``expect``: ``expect_extractor=`` / ``expect_dim=`` as :meth:`FeatureStore.open` takes them.
+    """
+    from .store import FeatureStore
+
+    return FeatureStore.open(local_path(path_or_url, storage_options=storage_options), mode=mode, **expect)
