@@ -239,8 +239,9 @@ class DaskFinder:
         t0 = time.perf_counter()
         batch = self.stats["batches"]
         try:
-            qf = self.client.scatter(q, hash=False)
-            futures = [self.client.submit(score_range, self.spec, lo, hi, qf, retries=RETRIES, pure=False,
+            # The queries travel inside each task (not scattered): a task rescheduled after its worker died
+            # must not depend on data that lived only on that worker.
+            futures = [self.client.submit(score_range, self.spec, lo, hi, q, retries=RETRIES, pure=False,
                                           key=f"{TASK_PREFIX}-{self.spec.run}-{batch}-{i}")
                        for i, (lo, hi) in enumerate(self.ranges)]
             parts = self.client.gather(futures)

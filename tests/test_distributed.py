@@ -16,16 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indknn_cli import deletion, distributed
-from indknn_cli.engine import find_candidates, StoreSource
-from indknn_cli.errors import SchedulerError
-from indknn_cli.ledger import BudgetLedger
-from indknn_cli.serving import build_index, make_params, serve_queries
-from indknn_cli.store import ExtractorInfo, FeatureStore
-
-from .conftest import clustered
-
 pytest.importorskip("distributed")
+from distributed.diagnostics.plugin import WorkerPlugin  # noqa: E402
+
+from indknn_cli import deletion, distributed  # noqa: E402
+from indknn_cli.engine import find_candidates, StoreSource  # noqa: E402
+from indknn_cli.errors import SchedulerError  # noqa: E402
+from indknn_cli.ledger import BudgetLedger  # noqa: E402
+from indknn_cli.serving import build_index, make_params, serve_queries  # noqa: E402
+from indknn_cli.store import ExtractorInfo, FeatureStore  # noqa: E402
+
+from .conftest import clustered  # noqa: E402
 
 EXTRACTOR = ExtractorInfo("vectors", "none", "1")
 KIND_OPTS = {"flat": {}, "lsh": dict(tables=12, bits=3, index_seed=3), "ivf": dict(nlist=8, nprobe=3, index_seed=3)}
@@ -194,3 +195,82 @@ def test_cli_env_scheduler_answers_equal_in_process(tmp_path, scheduler):
         outs[name + "-spent"] = BudgetLedger.open(ledger_path).state.spent.tobytes()
     assert len(outs["here"]) == 40
     assert outs["dask"] == outs["here"] and outs["dask-spent"] == outs["here-spent"]
+
+
+class _KillOnce(WorkerPlugin):
+    """A worker plugin: the first candidate task to start kills its worker process (a real death, once:
+    the marker file says it happened); or, with ``sleep``, every candidate task starts that much later."""
+
+    name = "indknn-test-fault"
+
+    def __init__(self, marker: str, *, sleep: float = 0.0):
+        self.marker, self.sleep = marker, sleep
+
+    def transition(self, key, start, finish, **kwargs):
+        name = key if isinstance(key, str) else str(key)
+        if finish != "executing" or distributed.TASK_PREFIX not in name:
+            return
+        if self.sleep:
+            Path(self.marker).touch()
+            import time
+
+            time.sleep(self.sleep)
+            return
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        os._exit(17)
+
+
+def test_a_dying_worker_task_is_retried_and_answers_are_unchanged(tmp_path, scheduler):
+    (tmp_path / "here").mkdir()
+    (tmp_path / "dask").mkdir()
+    here = make_world(tmp_path / "here", "lsh")
+    want = serve_queries(store_path=here[0], ledger_path=here[1], query_batch="q1", seed=3, batch_size=20)
+    store_path, ledger_path = make_world(tmp_path / "dask", "lsh")
+    marker = tmp_path / "killed"
+    client = distributed.connect(scheduler)
+    try:
+        client.register_plugin(_KillOnce(str(marker)))
+        got = distributed.serve_queries(scheduler=scheduler, store_path=store_path, ledger_path=ledger_path,
+                                        query_batch="q1", seed=3, batch_size=20)
+        client.unregister_worker_plugin(_KillOnce.name)
+        client.wait_for_workers(2, timeout=60)  # the nanny restarts the killed worker for the next tests
+    finally:
+        client.close()
+    assert marker.exists()  # a worker really died under a task
+    assert got.answers == want.answers
+    assert BudgetLedger.open(ledger_path).state.spent.tobytes() == BudgetLedger.open(here[1]).state.spent.tobytes()
+
+
+@pytest.mark.slow
+def test_a_coordinator_killed_before_commit_releases_and_charges_nothing(tmp_path, scheduler):
+    """kill -9 of `serve-queries --scheduler` while its candidate tasks run: no answer printed, no charge."""
+    import signal
+    import time
+
+    store_path, ledger_path = make_world(tmp_path, "flat")
+    spent0 = BudgetLedger.open(ledger_path).state.spent.tobytes()
+    marker = tmp_path / "started"
+    client = distributed.connect(scheduler)
+    try:
+        client.register_plugin(_KillOnce(str(marker), sleep=4.0))
+        proc = subprocess.Popen([sys.executable, "-m", "indknn_cli", "serve-queries", "q1", "--store", str(store_path),
+                                 "--ledger", str(ledger_path), "--seed", "2", "--scheduler", scheduler],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), "the candidate tasks never started"
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        client.unregister_worker_plugin(_KillOnce.name)
+    finally:
+        client.close()
+    assert out == ""
+    led = BudgetLedger.open(ledger_path)  # verifies the hash chain
+    assert led.state.n_answers() == 0 and led.state.spent.tobytes() == spent0
+    again = serve_queries(store_path=store_path, ledger_path=ledger_path, query_batch="q1", seed=2)
+    assert again.newly_answered == 40
