@@ -7,6 +7,17 @@ and times `serving.serve_queries` (candidates, filter, ledger commits) with a
 fixed seed. Prints one JSON line per configuration: queries/s, mean released
 K, peak RSS of the process (ru_maxrss), and the fp32 matmul floor measured
 on the same machine.
+
+    indknn bench serve-speed --n 200000 --d 384 --scheduler local --workers 1,2,4
+
+With ``--scheduler`` (issue 19) the candidate phase runs on Dask (``local``: a
+LocalCluster of 1, 2, 4 worker processes, one thread each, started per count;
+else the address of a running scheduler): per (N, d) one line for the
+in-process run and one per worker count, from the same store and the same
+starting ledger (restored between runs), with queries/s, the ratio to the
+in-process run, the coordinator's share of the wall time (everything but
+waiting for the workers' triples), the triples' bytes per batch, and the
+measured per-chunk costs (read, score) behind docs/SCALING.md.
 """
 
 from __future__ import annotations
@@ -46,21 +57,25 @@ def matmul_floor(n, d, q=1024):
     return (time.perf_counter() - t) / 3 / q
 
 
+def make_store(tmp: Path, n, d, m, tau):
+    store = FeatureStore.create(tmp / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
+                                label_names=[str(i) for i in range(10)])
+    app = store.appender("private")
+    for lo in range(0, n, 50000):
+        x, y = clustered(min(50000, n - lo), d, 10, np.random.default_rng(lo))
+        app.write(x, labels=y, record_ids=[f"r{i}" for i in range(lo, lo + len(x))])
+    app.commit()
+    q, _ = clustered(m, d, 10, np.random.default_rng(10**9))
+    store.append("query", q, record_ids=[f"q{i}" for i in range(m)], batch="bench")
+    params = make_params(epsilon=1.0, delta=1e-5, tau=tau, sigma2=0.6, planned_queries=m)
+    build_index(store_path=tmp / "s.zarr", ledger_path=tmp / "L", params=params)
+    return store
+
+
 def run(n, d, m, tau, batch_size, device):
-    rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        store = FeatureStore.create(tmp / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
-                                    label_names=[str(i) for i in range(10)])
-        app = store.appender("private")
-        for lo in range(0, n, 50000):
-            x, y = clustered(min(50000, n - lo), d, 10, np.random.default_rng(lo))
-            app.write(x, labels=y, record_ids=[f"r{i}" for i in range(lo, lo + len(x))])
-        app.commit()
-        q, _ = clustered(m, d, 10, np.random.default_rng(10**9))
-        store.append("query", q, record_ids=[f"q{i}" for i in range(m)], batch="bench")
-        params = make_params(epsilon=1.0, delta=1e-5, tau=tau, sigma2=0.6, planned_queries=m)
-        build_index(store_path=tmp / "s.zarr", ledger_path=tmp / "L", params=params)
+        make_store(tmp, n, d, m, tau)
         t0 = time.perf_counter()
         res = serve_queries(store_path=tmp / "s.zarr", ledger_path=tmp / "L", query_batch="bench", seed=1,
                             batch_size=batch_size, device=device, reuse=False)
@@ -82,10 +97,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tau", type=float, default=0.5)
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--scheduler", default=None, help="local (a LocalCluster per worker count) or a scheduler address")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     a = ap.parse_args(argv)
     for d in a.d:
         for n in a.n:
-            print(json.dumps(run(n, d, a.queries, a.tau, a.batch_size, a.device)), flush=True)
+            if a.scheduler:
+                from .serve_dask import run_scheduled
+
+                for line in run_scheduled(n, d, a.queries, a.tau, a.batch_size, a.device, a.scheduler, a.workers,
+                                          make_store=make_store):
+                    print(json.dumps(line), flush=True)
+            else:
+                print(json.dumps(run(n, d, a.queries, a.tau, a.batch_size, a.device)), flush=True)
 
 
 if __name__ == "__main__":

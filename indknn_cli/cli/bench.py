@@ -228,14 +228,18 @@ def serve_speed_command(
     tau: float = typer.Option(0.5, "--tau", help="Cosine threshold τ of the synthetic clustered store."),
     batch_size: int = typer.Option(1024, "--batch-size", min=1, help="Queries scored and committed together."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="Candidate phase on Dask: local (a LocalCluster of worker processes per --workers count) or a scheduler ADDRESS; compared with the in-process run in the same run."),
+    workers: str = typer.Option("1,2,4", "--workers", help="Comma-separated worker counts for --scheduler local."),
 ) -> None:
     """Queries/s of serve-queries end to end (store read, exact flat candidates, filter, ledger commits; cosine,
-    reuse off) on a synthetic clustered store, for every N × d. stdout: one JSON line per configuration."""
+    reuse off) on a synthetic clustered store, for every N × d. stdout: one JSON line per configuration; with
+    --scheduler, the in-process run and one line per worker count (queries/s, ratio, coordinator's share)."""
     from ..benchmarks.serve_speed import main
 
     def call():
         return _module_main(main, _argv(n=list(_ints(n, "--n")), d=list(_ints(d, "--d")), queries=queries,
-                                        tau=tau, batch_size=batch_size, device=device))
+                                        tau=tau, batch_size=batch_size, device=device, scheduler=scheduler,
+                                        workers=list(_ints(workers, "--workers")) if scheduler else None))
 
     run_library_call(call)
 
