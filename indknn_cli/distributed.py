@@ -291,8 +291,11 @@ class DaskCandidates:
             kind, n = meta["kind"], int(meta["n_rows"])
             nprobe = int(meta["nprobe"]) if kind == "ivf" else None
         ranges = plan_ranges(n, store.chunk_rows, self.tasks_per_worker * self.workers())
+        # A worker keeps a range's rows in memory for the run's later batches when they fit in half of
+        # --max-memory (the in-process rule, per range: --max-memory bounds each worker process like the
+        # coordinator), else it re-reads them from the store for every batch.
         spec = RangeSpec(StoreLocation.of(store), store.uuid, uuid.uuid4().hex[:12], kind, p.kernel, float(p.tau),
-                         p.nu, nprobe, self.device, max(16 << 20, self.max_memory // 2 // max(1, len(ranges))))
+                         p.nu, nprobe, self.device, self.max_memory // 2)
         finder = DaskFinder(self.client, spec, ranges)
         self.finders.append(finder)
         return finder
