@@ -274,3 +274,18 @@ def test_a_coordinator_killed_before_commit_releases_and_charges_nothing(tmp_pat
     assert led.state.n_answers() == 0 and led.state.spent.tobytes() == spent0
     again = serve_queries(store_path=store_path, ledger_path=ledger_path, query_batch="q1", seed=2)
     assert again.newly_answered == 40
+
+
+@pytest.mark.slow
+def test_bench_serve_speed_on_a_local_cluster():
+    """`indknn bench serve-speed --scheduler local --workers 1,2` prints the in-process line and one per count."""
+    env = {k: v for k, v in os.environ.items() if k != "INDKNN_SCHEDULER"}
+    proc = subprocess.run([sys.executable, "-m", "indknn_cli", "bench", "serve-speed", "--n", "9000", "--d", "32",
+                           "--queries", "300", "--batch-size", "100", "--device", "cpu", "--scheduler", "local",
+                           "--workers", "1,2"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(x["mode"], x.get("workers")) for x in lines] == [("in-process", None), ("dask", 1), ("dask", 2)]
+    assert all(x["answers_identical"] for x in lines[1:])
+    assert all(0 < x["coordinator_share"] < 1 and x["queries_per_s"] > 0 for x in lines[1:])
+    assert lines[0]["per_chunk"]["score_chunk_s"] > 0
