@@ -16,6 +16,17 @@ same class centres, so each query has ~200 candidates at τ = 0.54 for N = 50,00
 
 Ratios are of CPU seconds (user + system, all threads), which a loaded machine disturbs less than wall
 time; the wall-time ratios are printed next to them. One JSON line per configuration.
+
+    indknn bench serve-speed --n 200000 --d 384 --scheduler local --workers 1,2,4
+
+With ``--scheduler`` (issue 19) the candidate phase runs on Dask (``local``: a
+LocalCluster of 1, 2, 4 worker processes, one thread each, started per count;
+else the address of a running scheduler): per (N, d) one line for the
+in-process run and one per worker count, from the same store and the same
+starting ledger (restored between runs), with queries/s, the ratio to the
+in-process run, the coordinator's share of the wall time (everything but
+waiting for the workers' triples), the triples' bytes per batch, and the
+measured per-chunk costs (read, score) behind docs/SCALING.md.
 """
 
 from __future__ import annotations
@@ -117,6 +128,23 @@ def time_serve_process(tmp: Path, *, batch_size, device):
     return time.perf_counter() - w0, _children_cpu() - c0
 
 
+def make_store(tmp: Path, n, d, m, tau):
+    """The synthetic store, queries (stored batch ``bench``) and ledger of ``run``, for the ``--scheduler`` runs."""
+    centres = class_centres(d)
+    store = FeatureStore.create(tmp / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
+                                label_names=[str(i) for i in range(CLASSES)])
+    app = store.appender("private")
+    for lo in range(0, n, 50000):
+        x, y = clustered(min(50000, n - lo), centres, np.random.default_rng(lo + 1))
+        app.write(x, labels=y, record_ids=[f"r{i}" for i in range(lo, lo + len(x))])
+    app.commit()
+    q, _ = clustered(m, centres, np.random.default_rng(10**9))
+    store.append("query", q, record_ids=[f"q{i}" for i in range(m)], batch="bench")
+    params = make_params(epsilon=1.0, delta=1e-5, tau=tau, sigma2=0.6, planned_queries=m)
+    build_index(store_path=tmp / "s.zarr", ledger_path=tmp / "L", params=params)
+    return store
+
+
 def run(n, d, m, tau, batch_size, device):
     centres = class_centres(d)
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,10 +199,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tau", type=float, default=0.54)
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--scheduler", default=None, help="local (a LocalCluster per worker count) or a scheduler address")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     a = ap.parse_args(argv)
     for d in a.d:
         for n in a.n:
-            print(json.dumps(run(n, d, a.queries, a.tau, a.batch_size, a.device)), flush=True)
+            if a.scheduler:
+                from .serve_dask import run_scheduled
+
+                for line in run_scheduled(n, d, a.queries, a.tau, a.batch_size, a.device, a.scheduler, a.workers,
+                                          make_store=make_store):
+                    print(json.dumps(line), flush=True)
+            else:
+                print(json.dumps(run(n, d, a.queries, a.tau, a.batch_size, a.device)), flush=True)
 
 
 if __name__ == "__main__":

@@ -229,15 +229,19 @@ def serve_speed_command(
     batch_size: int = typer.Option(1024, "--batch-size", min=1, help="Queries scored and committed together."),
     device: str = typer.Option("cpu", "--device", help="Device of the serve-queries process: auto, cpu or cuda "
                                "(the matmul, candidate and FAISS timings run on the CPU)."),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="Candidate phase on Dask: local (a LocalCluster of worker processes per --workers count) or a scheduler ADDRESS; compared with the in-process run in the same run."),
+    workers: str = typer.Option("1,2,4", "--workers", help="Comma-separated worker counts for --scheduler local."),
 ) -> None:
     """serve-queries against the bare fp32 matmul of the same products, and its candidate phase against FAISS
     range_search, in one run (CPU-second ratios serve_vs_matmul, candidates_vs_matmul, candidates_vs_faiss;
-    cosine, reuse off, synthetic clustered store). stdout: one JSON line per N × d."""
+    cosine, reuse off, synthetic clustered store). stdout: one JSON line per N × d. With --scheduler: the
+    in-process run and one line per worker count (queries/s, ratio, coordinator's share)."""
     from ..benchmarks.serve_speed import main
 
     def call():
         return _module_main(main, _argv(n=list(_ints(n, "--n")), d=list(_ints(d, "--d")), queries=queries,
-                                        tau=tau, batch_size=batch_size, device=device))
+                                        tau=tau, batch_size=batch_size, device=device, scheduler=scheduler,
+                                        workers=list(_ints(workers, "--workers")) if scheduler else None))
 
     run_library_call(call)
 

@@ -24,6 +24,7 @@ def _load() -> None:
                            write_answers_parquet)
     from ..ledger_integrity import check_binding, read_mark
     from ..store import FeatureStore
+    from ..distributed import resolve_scheduler, session as scheduler_session
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)
 
@@ -83,6 +84,8 @@ def serve_command(
     id_column: Optional[str] = typer.Option(None, "--id-column", help="Query id column of a raw query file (default: id when the file has such a column, else generated ids query-00000000; \"\" always generates). Answers carry these ids."),
     image_column: Optional[str] = typer.Option(None, "--image-column", help="Image path column of a raw query table (default: path; relative to the table's folder)."),
     vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed query vectors in Parquet / JSON lines (default: vector)."),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", envvar="INDKNN_SCHEDULER", help="Dask scheduler ADDRESS (tcp://host:8786): the candidate phase runs on its workers, which read the store from the same path; the filter and the ledger stay here. Answers are those of the in-process engine. Else $INDKNN_SCHEDULER; default: in process."),
+    scheduler_timeout: float = typer.Option(10.0, "--scheduler-timeout", envvar="INDKNN_SCHEDULER_TIMEOUT", help="Seconds to wait for the scheduler (unreachable: exit 1, nothing written)."),
 ) -> None:
     """Answer queries with Ind-KNN. stdout: one JSON line per answer (query id, label, released count K).
 
@@ -127,16 +130,20 @@ def serve_command(
         check_min_margin(min_margin)  # before a query file is embedded (nothing written on bad input)
         _preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
                    max_memory=parse_size(max_memory), batch_id=batch_id, max_queries=max_queries)
+        # The scheduler (--scheduler / $INDKNN_SCHEDULER) is reached before a query file is embedded.
+        with scheduler_session(resolve_scheduler(scheduler), connect_timeout=scheduler_timeout) as serve:
+            return answer(serve, sp, upstream)
+
+    def answer(serve, sp, upstream):
         opts = {k: v for k, v in dict(text_column=text_column, id_column=id_column, image_column=image_column,
                                        vector_column=vector_column).items() if v is not None}
         name = resolve_query_batch(store_path=sp, queries=queries, batch_id=batch_id, upstream=upstream,
                                    reader_options=opts, device=device)
         with progress_bar("answering", total=_batch_size_or_none(sp, name)) as update:
             bar[:] = [update]
-            return serve_queries(store_path=sp, ledger_path=ledger_path, query_batch=name, batch_id=batch_id,
-                                 seed=seed, batch_size=batch_size, device=device, reuse=not no_reuse,
-                                 max_memory=parse_size(max_memory), lock_timeout=lock_timeout, on_committed=emit,
-                                 max_queries=max_queries, min_margin=min_margin)
+            return serve(store_path=sp, ledger_path=ledger_path, query_batch=name, batch_id=batch_id, seed=seed,
+                         batch_size=batch_size, device=device, reuse=not no_reuse, max_memory=parse_size(max_memory),
+                         lock_timeout=lock_timeout, on_committed=emit, max_queries=max_queries, min_margin=min_margin)
 
     result = run_library_call(call)
     if out is not None:
