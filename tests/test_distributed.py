@@ -292,3 +292,21 @@ def test_bench_serve_speed_on_a_local_cluster():
     assert all(x["answers_identical"] for x in lines[1:])
     assert all(0 < x["coordinator_share"] < 1 and x["queries_per_s"] > 0 for x in lines[1:])
     assert lines[0]["per_chunk"]["score_chunk_s"] > 0
+
+
+def test_a_worker_that_cannot_see_the_store_is_a_scheduler_error(tmp_path):
+    """The task itself (as a worker runs it): another store, or none, at the coordinator's path → SchedulerError."""
+    store_path, _ = make_world(tmp_path, "flat")
+    store = FeatureStore.open(store_path)
+    q = store.read("query", "features", 0, 4)
+    spec = distributed.RangeSpec(distributed.StoreLocation.of(store), store.uuid, "run1", "flat", "cosine", 0.3, None)
+    qi, rows, kap = distributed.score_range(spec, 0, 64, q)
+    assert rows.size and (rows < 64).all() and (kap >= 0.3).all()
+    other = distributed.RangeSpec(spec.loc, "0" * 32, "run2", "flat", "cosine", 0.3, None)
+    with pytest.raises(SchedulerError, match="sees another store"):
+        distributed.score_range(other, 0, 64, q)
+    missing = distributed.RangeSpec(distributed.StoreLocation(str(tmp_path / "nowhere.zarr")), store.uuid, "run3",
+                                    "flat", "cosine", 0.3, None)
+    with pytest.raises(SchedulerError, match="cannot open the store"):
+        distributed.score_range(missing, 0, 64, q)
+    assert distributed.drop_run("run3") == 0 and not any(k[0] in ("run1", "run2") for k in distributed._PARTS)
