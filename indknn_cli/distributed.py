@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .engine import ArraySource, Candidates, find_candidates
-from .errors import ConcurrentChangeError, IndknnError, SchedulerError, StoreError
+from .errors import BadInputError, ConcurrentChangeError, IndknnError, SchedulerError, StoreError
 
 SCHEDULER_ENV = "INDKNN_SCHEDULER"
 CONNECT_TIMEOUT = 10.0
@@ -56,8 +56,8 @@ def connect(address: str, *, timeout: float = CONNECT_TIMEOUT):
         from distributed import Client
     except ImportError:
         raise SchedulerError("--scheduler needs Dask's distributed scheduler: pip install 'indknn[dask]'") from None
-    if not timeout > 0:
-        raise SchedulerError(f"the scheduler connect timeout must be positive, got {timeout!r}")
+    if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise BadInputError(f"--scheduler-timeout must be a positive number of seconds, got {timeout!r}")
     try:
         return Client(address, timeout=timeout, set_as_default=False)
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, ValueError (bad address), ...

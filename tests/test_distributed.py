@@ -21,7 +21,7 @@ from distributed.diagnostics.plugin import WorkerPlugin  # noqa: E402
 
 from indknn_cli import deletion, distributed  # noqa: E402
 from indknn_cli.engine import find_candidates, StoreSource  # noqa: E402
-from indknn_cli.errors import SchedulerError  # noqa: E402
+from indknn_cli.errors import BadInputError, SchedulerError  # noqa: E402
 from indknn_cli.ledger import BudgetLedger  # noqa: E402
 from indknn_cli.serving import build_index, make_params, serve_queries  # noqa: E402
 from indknn_cli.store import ExtractorInfo, FeatureStore  # noqa: E402
@@ -167,6 +167,8 @@ def test_unreachable_scheduler_is_exit_1_and_nothing_written(tmp_path):
     assert proc.stdout == ""
     assert "cannot reach the Dask scheduler" in proc.stderr and "Traceback" not in proc.stderr
     assert _tree(tmp_path) == before
+    with pytest.raises(BadInputError, match="--scheduler-timeout"):
+        distributed.connect(address, timeout=0)
 
 
 def test_cli_scheduler_option_answers_equal_in_process(tmp_path, scheduler):
