@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 import time
 import uuid
@@ -32,7 +33,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .engine import ArraySource, Candidates, find_candidates
-from .errors import ConcurrentChangeError, IndknnError, SchedulerError, StoreError
+from .errors import BadInputError, ConcurrentChangeError, IndknnError, SchedulerError, StoreError
 
 SCHEDULER_ENV = "INDKNN_SCHEDULER"
 CONNECT_TIMEOUT = 10.0
@@ -55,8 +56,8 @@ def connect(address: str, *, timeout: float = CONNECT_TIMEOUT):
         from distributed import Client
     except ImportError:
         raise SchedulerError("--scheduler needs Dask's distributed scheduler: pip install 'indknn[dask]'") from None
-    if not timeout > 0:
-        raise SchedulerError(f"the scheduler connect timeout must be positive, got {timeout!r}")
+    if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise BadInputError(f"--scheduler-timeout must be a positive number of seconds, got {timeout!r}")
     try:
         return Client(address, timeout=timeout, set_as_default=False)
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, ValueError (bad address), ...
@@ -141,11 +142,15 @@ def _index_group(store):
 
 def _range_scorer(spec: RangeSpec, lo: int, hi: int):
     """A callable ``queries → Candidates`` (global rows) over rows [lo, hi), as the in-process engine scores."""
-    store = open_worker_store(spec.loc)
+    where = f"{spec.loc.url or spec.loc.path} on worker {socket.gethostname()}"
+    try:
+        store = open_worker_store(spec.loc)
+    except StoreError as exc:
+        raise SchedulerError(f"{where}: the worker cannot open the store ({exc}); every worker must see the "
+                             "coordinator's store at the same path (a shared file system)") from None
     if store.uuid != spec.store_uuid:
-        raise ConcurrentChangeError(f"{spec.loc.url or spec.loc.path}: the worker sees another store (uuid "
-                                    f"{store.uuid}, the coordinator's is {spec.store_uuid}): not the same shared "
-                                    "path, or the store was replaced")
+        raise SchedulerError(f"{where}: the worker sees another store (uuid {store.uuid}, the coordinator's is "
+                             f"{spec.store_uuid}); every worker must see the coordinator's store at the same path")
     if spec.kind == "flat":
         source = _Offset(store, lo, hi, cache=(hi - lo) * store.dim * 4 <= spec.cache_bytes)
         return lambda q: find_candidates(q, source, kernel=spec.kernel, tau=spec.tau, nu=spec.nu, device=spec.device)

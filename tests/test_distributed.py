@@ -21,7 +21,7 @@ from distributed.diagnostics.plugin import WorkerPlugin  # noqa: E402
 
 from indknn_cli import deletion, distributed  # noqa: E402
 from indknn_cli.engine import find_candidates, StoreSource  # noqa: E402
-from indknn_cli.errors import SchedulerError  # noqa: E402
+from indknn_cli.errors import BadInputError, SchedulerError  # noqa: E402
 from indknn_cli.ledger import BudgetLedger  # noqa: E402
 from indknn_cli.serving import build_index, make_params, serve_queries  # noqa: E402
 from indknn_cli.store import ExtractorInfo, FeatureStore  # noqa: E402
@@ -61,6 +61,15 @@ def make_world(path: Path, kind: str, *, unit: str = "record") -> tuple[Path, Pa
     return store.path, path / "L"
 
 
+def twin_worlds(tmp_path: Path, kind: str, *, seed: int, batch_size: int):
+    """Two identical worlds: q1 served in process in the first; (its answers, its ledger, the second's paths)."""
+    (tmp_path / "here").mkdir()
+    (tmp_path / "dask").mkdir()
+    here = make_world(tmp_path / "here", kind)
+    want = serve_queries(store_path=here[0], ledger_path=here[1], query_batch="q1", seed=seed, batch_size=batch_size)
+    return want, here[1], *make_world(tmp_path / "dask", kind)
+
+
 def scenario(path: Path, kind: str, serve, *, unit: str = "record") -> dict:
     """serve q1; delete two records; add 60 records and a batch q2; serve q2. Everything released and kept."""
     store_path, ledger_path = make_world(path, kind, unit=unit)
@@ -81,7 +90,8 @@ def scenario(path: Path, kind: str, serve, *, unit: str = "record") -> dict:
     return {
         "answers": [(a["query_id"], a["label"], a["released_count"]) for a in first.answers + second.answers],
         "spent": st.spent.tobytes(), "times_selected": st.times_selected.tolist(), "deleted": st.deleted.tolist(),
-        "records": st.record_id.tolist(), "rows": st.row.tolist(), "retired": int((st.budget - st.spent < led.params.c1).sum()),
+        "records": st.record_id.tolist(), "rows": st.row.tolist(),
+        "retired": int((st.budget - st.spent < led.params.c1).sum()),
         "ledger_answers": {k: list(v) for k, v in st.answers.items()},
     }
 
@@ -157,6 +167,8 @@ def test_unreachable_scheduler_is_exit_1_and_nothing_written(tmp_path):
     assert proc.stdout == ""
     assert "cannot reach the Dask scheduler" in proc.stderr and "Traceback" not in proc.stderr
     assert _tree(tmp_path) == before
+    with pytest.raises(BadInputError, match="--scheduler-timeout"):
+        distributed.connect(address, timeout=0)
 
 
 def test_cli_scheduler_option_answers_equal_in_process(tmp_path, scheduler):
@@ -165,18 +177,14 @@ def test_cli_scheduler_option_answers_equal_in_process(tmp_path, scheduler):
 
     from indknn_cli.cli.app import app
 
-    (tmp_path / "here").mkdir()
-    (tmp_path / "dask").mkdir()
-    here = make_world(tmp_path / "here", "ivf")
-    want = serve_queries(store_path=here[0], ledger_path=here[1], query_batch="q1", seed=7, batch_size=10)
-    store_path, ledger_path = make_world(tmp_path / "dask", "ivf")
+    want, here_ledger, store_path, ledger_path = twin_worlds(tmp_path, "ivf", seed=7, batch_size=10)
     res = CliRunner().invoke(app, ["serve-queries", "q1", "--store", str(store_path), "--ledger", str(ledger_path),
                                    "--seed", "7", "--batch-size", "10", "--scheduler", scheduler])
     assert res.exit_code == 0, res.output
     got = [json.loads(line) for line in res.stdout.splitlines()]
     assert [(a["query_id"], a["label"], a["released_count"]) for a in got] == \
         [(a["query_id"], a["label"], a["released_count"]) for a in want.answers]
-    assert BudgetLedger.open(ledger_path).state.spent.tobytes() == BudgetLedger.open(here[1]).state.spent.tobytes()
+    assert BudgetLedger.open(ledger_path).state.spent.tobytes() == BudgetLedger.open(here_ledger).state.spent.tobytes()
 
 
 @pytest.mark.slow
@@ -224,12 +232,9 @@ class _KillOnce(WorkerPlugin):
         os._exit(17)
 
 
+@pytest.mark.slow  # a worker restart: ~15 s on the shared 2 cores
 def test_a_dying_worker_task_is_retried_and_answers_are_unchanged(tmp_path, scheduler):
-    (tmp_path / "here").mkdir()
-    (tmp_path / "dask").mkdir()
-    here = make_world(tmp_path / "here", "lsh")
-    want = serve_queries(store_path=here[0], ledger_path=here[1], query_batch="q1", seed=3, batch_size=20)
-    store_path, ledger_path = make_world(tmp_path / "dask", "lsh")
+    want, here_ledger, store_path, ledger_path = twin_worlds(tmp_path, "lsh", seed=3, batch_size=20)
     marker = tmp_path / "killed"
     client = distributed.connect(scheduler)
     try:
@@ -242,7 +247,7 @@ def test_a_dying_worker_task_is_retried_and_answers_are_unchanged(tmp_path, sche
         client.close()
     assert marker.exists()  # a worker really died under a task
     assert got.answers == want.answers
-    assert BudgetLedger.open(ledger_path).state.spent.tobytes() == BudgetLedger.open(here[1]).state.spent.tobytes()
+    assert BudgetLedger.open(ledger_path).state.spent.tobytes() == BudgetLedger.open(here_ledger).state.spent.tobytes()
 
 
 @pytest.mark.slow
@@ -289,3 +294,21 @@ def test_bench_serve_speed_on_a_local_cluster():
     assert all(x["answers_identical"] for x in lines[1:])
     assert all(0 < x["coordinator_share"] < 1 and x["queries_per_s"] > 0 for x in lines[1:])
     assert lines[0]["per_chunk"]["score_chunk_s"] > 0
+
+
+def test_a_worker_that_cannot_see_the_store_is_a_scheduler_error(tmp_path):
+    """The task itself (as a worker runs it): another store, or none, at the coordinator's path → SchedulerError."""
+    store_path, _ = make_world(tmp_path, "flat")
+    store = FeatureStore.open(store_path)
+    q = store.read("query", "features", 0, 4)
+    spec = distributed.RangeSpec(distributed.StoreLocation.of(store), store.uuid, "run1", "flat", "cosine", 0.3, None)
+    qi, rows, kap = distributed.score_range(spec, 0, 64, q)
+    assert rows.size and (rows < 64).all() and (kap >= 0.3).all()
+    other = distributed.RangeSpec(spec.loc, "0" * 32, "run2", "flat", "cosine", 0.3, None)
+    with pytest.raises(SchedulerError, match="sees another store"):
+        distributed.score_range(other, 0, 64, q)
+    missing = distributed.RangeSpec(distributed.StoreLocation(str(tmp_path / "nowhere.zarr")), store.uuid, "run3",
+                                    "flat", "cosine", 0.3, None)
+    with pytest.raises(SchedulerError, match="cannot open the store"):
+        distributed.score_range(missing, 0, 64, q)
+    assert distributed.drop_run("run3") == 0 and not any(k[0] in ("run1", "run2") for k in distributed._PARTS)
