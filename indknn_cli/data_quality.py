@@ -47,10 +47,7 @@ def embed_warnings(*, source: str, empty: int, labels: np.ndarray | None, label_
 
 def _max_kernel(rows: np.ndarray, private: np.ndarray, *, kernel: str, nu: float | None) -> np.ndarray:
     """Per row, the largest κ to any private vector (unit vectors: ‖x − q‖² = 2 − 2 x·q for the RBF kernel)."""
-    best = np.full(rows.shape[0], -np.inf)
-    for lo in range(0, private.shape[0], 65536):
-        best = np.maximum(best, (rows @ private[lo:lo + 65536].T).max(axis=1))
-    best = np.minimum(best.astype(np.float64), 1.0)
+    best = np.minimum((rows @ private.T).max(axis=1).astype(np.float64), 1.0)
     if kernel == "cosine":
         return best
     return np.exp(-(2.0 - 2.0 * best) / (nu * nu))

@@ -264,8 +264,9 @@ def test_shell_completion():
     res = invoke("-h")
     assert "--install-completion" in res.stdout and "--show-completion" in res.stdout
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("INDKNN_")}, "PYTHONPATH": str(ROOT)}
-    script = subprocess.run([sys.executable, "-m", "indknn_cli", "--show-completion", "bash"], capture_output=True,
-                            text=True, env={**env, "SHELL": "/bin/bash"}, timeout=600)
+    # run from bash, as a user would: typer detects the shell from the parent process
+    script = subprocess.run(["bash", "-c", f"'{sys.executable}' -m indknn_cli --show-completion; exit $?"],
+                            capture_output=True, text=True, env=env, timeout=600)
     assert script.returncode == 0 and "_INDKNN_COMPLETE=complete_bash" in script.stdout, script.stderr
     assert "complete -o default -F _indknn_completion indknn" in script.stdout
     for words, cword, expect in (("indknn ser", "1", {"serve-queries"}), ("indknn bench ye", "2", {"year"}),
