@@ -4,10 +4,11 @@ Two phases per batch of queries:
 
 1. *Candidates* (independent of budgets, SPEC §5): queries are scored against
    the private features streamed in row chunks with one fp32 matrix product
-   (torch, CPU or GPU; TF32 off). Pairs within a safety margin of the
-   threshold are kept and their kernel value recomputed exactly in float64 on
-   the CPU from the stored float32 vectors, so the candidate sets and weights
-   do not depend on the device or the batch size.
+   (FAISS range_search on the CPU, torch on a GPU; TF32 off). Pairs within a
+   safety margin of the threshold are kept and their kernel value recomputed
+   exactly in float64 on the CPU from the stored float32 vectors, in
+   cache-sized blocks, so the candidate sets and weights do not depend on the
+   device, the product's library or the batch size.
 2. *Filter* (SPEC §2), query by query in order over the sparse candidates:
    eligibility, noisy count, clipped kernel votes, Gaussian noise, argmax.
    Each query's noise comes from its own generator keyed by (run key, query
@@ -117,18 +118,29 @@ class StoreSource:
             self._cache = cache
 
 
-def _import_torch():
-    """torch, imported with ``OMP_WAIT_POLICY=PASSIVE`` unless the caller set a policy: OpenMP threads that
-    spin after each matrix product would otherwise hold a core while the float64 recompute and the filter run
-    on one thread (CPU seconds, and other processes on a shared machine, pay for the spinning)."""
+def _passive_openmp(module: str) -> None:
+    """``OMP_WAIT_POLICY=PASSIVE`` before torch or faiss loads its OpenMP runtime, unless the caller set a
+    policy: threads that spin after each matrix product would otherwise hold a core while the float64
+    recompute and the filter run on one thread (CPU seconds, and other processes on a shared machine, pay
+    for the spinning)."""
     import os
     import sys
 
-    if "torch" not in sys.modules:
+    if module not in sys.modules:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _import_torch():
+    _passive_openmp("torch")
     import torch
 
     return torch
+
+
+class _Cpu:
+    """``--device cpu`` without importing torch (the CPU screen is FAISS's)."""
+
+    type = "cpu"
 
 
 def _torch_device(device: str):
@@ -169,6 +181,25 @@ def _resident_blocks(source, dev) -> list | None:
     return source._on_device[key]
 
 
+def _screen_cpu(queries: np.ndarray, block: np.ndarray, screen: float) -> tuple[np.ndarray, np.ndarray]:
+    """(query, row) pairs of one chunk whose fp32 dot product exceeds ``screen``, on the CPU.
+
+    FAISS ``range_search`` over a flat inner-product index of the chunk: its blocked product and the
+    threshold test run in one pass, with no score matrix kept, and a CPU serve never imports torch (about
+    as fast as torch's product + ``nonzero`` here; the process start-up is shorter). Any fp32 summation
+    order is within the screening margin, and every screened pair's κ is then recomputed exactly, so the
+    candidates do not depend on this choice.
+    """
+    _passive_openmp("faiss")
+    import faiss
+
+    index = faiss.IndexFlatIP(block.shape[1])
+    index.add(np.ascontiguousarray(block, dtype=np.float32))
+    lims, _scores, ids = index.range_search(queries, float(screen))
+    qi = np.repeat(np.arange(queries.shape[0], dtype=np.int64), np.diff(lims).astype(np.int64))
+    return qi, ids.astype(np.int64, copy=False)
+
+
 class TooManyPairs(Exception):
     """Internal: a batch's candidate pairs would exceed the memory bound; split the batch."""
 
@@ -201,13 +232,16 @@ def find_candidates(
     value for query t (prediction reuse within a run). With ``max_pairs``, a
     batch of several queries whose candidates exceed it raises TooManyPairs.
     """
-    torch = _import_torch()
-
-    dev = _torch_device(device)
+    if device == "cpu":
+        dev, torch = _Cpu(), None
+    else:
+        torch = _import_torch()
+        dev = _torch_device(device)
     m, d = queries.shape
     thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
     screen = thr - screening_margin(d)
-    q_t = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(dev)
+    q_np = np.ascontiguousarray(queries, dtype=np.float32)
+    q_t = torch.from_numpy(q_np).to(dev) if dev.type != "cpu" else None
     parts_q: list[np.ndarray] = []
     parts_rows: list[np.ndarray] = []
     parts_kap: list[np.ndarray] = []
@@ -216,19 +250,21 @@ def find_candidates(
     blocks = ((start, None, x_t) for start, x_t in resident) if resident is not None else (
         (start, block, None) for start, block in source.chunks())
     for start, block, x_t in blocks:
-        if x_t is None:
-            if block.shape[0] == 0:
-                continue
-            x_t = torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev)
-        scores = q_t @ x_t.T
-        if screen > -1.0:
+        if x_t is None and block.shape[0] == 0:
+            continue
+        if screen <= -1.0:  # threshold below every possible dot product: all rows
+            k = block.shape[0] if x_t is None else x_t.shape[0]
+            qi, ri = np.repeat(np.arange(m), k), np.tile(np.arange(k), m)
+        elif dev.type == "cpu":
+            qi, ri = _screen_cpu(q_np, block, screen)
+        else:
+            if x_t is None:
+                x_t = torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev)
+            scores = q_t @ x_t.T
             qi, ri = torch.nonzero(scores >= screen, as_tuple=True)
             qi = qi.cpu().numpy()
             ri = ri.cpu().numpy()
-        else:  # threshold below every possible dot product: all rows
-            qi = np.repeat(np.arange(m), x_t.shape[0])
-            ri = np.tile(np.arange(x_t.shape[0]), m)
-        del scores
+            del scores
         if qi.size == 0:
             continue
         rows = ri.astype(np.int64) + start
