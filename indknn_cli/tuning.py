@@ -52,7 +52,8 @@ from .errors import BadInputError
 ORDERS = tuple(float(a) for a in np.concatenate([np.linspace(1.02, 8, 80), np.linspace(8.25, 64, 60),
                                                   np.geomspace(66, 1e5, 40)]))
 POISSON = math.inf
-from .tuning_grid import DEFAULT_SIGMA2S, DEFAULT_TAUS  # noqa: E402,F401 (re-exported)
+from .tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS,  # noqa: E402,F401
+                          DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
 TUNING_FORMAT = 1
 
 
@@ -219,6 +220,29 @@ class BaseRunData:
     shard: np.ndarray
     val_row: np.ndarray
     n_classes: int
+    _kappa: dict = field(default_factory=dict, repr=False)  # (kernel, nu) → per validation query (P rows, exact κ)
+
+    def shard_kappa(self, kernel: str, nu: float | None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each validation query's own-shard P rows and their exact κ (the engine's float64 ``exact_kernel``).
+
+        Computed once per kernel and reused by every run (a τ only thresholds it): O(N) memory in all.
+        """
+        key = (kernel, nu)
+        if key not in self._kappa:
+            from .engine import exact_kernel
+
+            out = []
+            order = np.argsort(self.shard, kind="stable")
+            bounds = np.searchsorted(self.shard[order], np.arange(self.val_row.size + 1))
+            for s, v in enumerate(self.val_row):
+                if v < 0:
+                    continue
+                rows = order[bounds[s]:bounds[s + 1]]
+                rows = np.sort(rows[rows != v])
+                q = np.repeat(self.features[v][None, :], rows.size, axis=0)
+                out.append((rows.astype(np.int64), exact_kernel(self.features[rows], q, kernel=kernel, nu=nu)))
+            self._kappa[key] = out
+        return self._kappa[key]
 
     @classmethod
     def build(cls, features, labels, record_ids, *, n_shards: int, seed_text: str, n_classes: int) -> "BaseRunData":
@@ -231,7 +255,7 @@ class BaseRunData:
 
 def base_run_correct(data: BaseRunData, *, params, run_key: int, device: str = "cpu") -> int:
     """Number of shards whose validation record is answered correctly (not noised; see :func:`base_run`)."""
-    from .engine import ArraySource, BudgetView, Candidates, answer_batch, find_candidates
+    from .engine import ArraySource, BudgetView, Candidates, answer_batch
 
     n = data.features.shape[0]
     vrows = data.val_row[data.val_row >= 0]
@@ -241,28 +265,31 @@ def base_run_correct(data: BaseRunData, *, params, run_key: int, device: str = "
     row_to_ledger[vrows] = -1  # validation records are never candidates
     source = ArraySource(data.features)
     q_shard = data.shard[vrows]
+    kappa = dict(zip(q_shard.tolist(), data.shard_kappa(params.kernel, params.nu)))
 
-    def finder(queries, *, row_mask):  # exact κ ≥ τ, then only the query's own shard (one query per P record)
-        c = find_candidates(queries, source, kernel=params.kernel, tau=params.tau, nu=params.nu, device=device,
-                            row_mask=row_mask)
+    def finder(queries, *, row_mask):  # exact κ ≥ τ among the query's own shard only (one query per P record)
         rows, kap = [], []
-        for t in range(queries.shape[0]):
-            keep = data.shard[c.rows[t]] == finder.shards[t]
-            rows.append(c.rows[t][keep]); kap.append(c.kappa[t][keep])
+        for s in finder.shards:
+            r, k = kappa[int(s)]
+            keep = (k >= params.tau) & row_mask[r]
+            rows.append(r[keep]); kap.append(k[keep])
         return Candidates(rows, kap)
 
     budgets = BudgetView(spent=np.zeros(n), budget=np.full(n, params.budget), deleted=np.zeros(n, bool),
                          times_selected=np.zeros(n, np.int64))
     correct = 0
-    step = 256
-    for lo in range(0, vrows.size, step):
-        hi = min(vrows.size, lo + step)
-        finder.shards = q_shard[lo:hi]
-        answers = answer_batch(data.features[vrows[lo:hi]], source=source, row_to_ledger=row_to_ledger,
-                               row_labels=data.labels, params=params, n_classes=data.n_classes, budgets=budgets,
-                               run_key=run_key, first_index=lo, reuse=None, device=device,
-                               candidate_finder=finder)
-        correct += int(sum(a.label == int(y) for a, y in zip(answers, data.labels[vrows[lo:hi]])))
+    # Noise keyed by the *shard* (query index = shard id), never by position: a record added to an empty shard
+    # must not shift the noise of the shards after it. Consecutive non-empty shards are answered together.
+    breaks = np.flatnonzero(np.diff(q_shard) != 1) + 1
+    for grp in np.split(np.arange(vrows.size), breaks):
+        for lo in range(0, grp.size, 256):
+            sel = grp[lo:lo + 256]
+            finder.shards = q_shard[sel]
+            answers = answer_batch(data.features[vrows[sel]], source=source, row_to_ledger=row_to_ledger,
+                                   row_labels=data.labels, params=params, n_classes=data.n_classes, budgets=budgets,
+                                   run_key=run_key, first_index=int(q_shard[sel[0]]), reuse=None, device=device,
+                                   candidate_finder=finder)
+            correct += int(sum(a.label == int(y) for a, y in zip(answers, data.labels[vrows[sel]])))
     assert np.all(budgets.spent <= budgets.budget), "filter overspent in a tuning run"
     return correct
 
@@ -322,6 +349,7 @@ def private_tune(
     """Accounted random search; returns (record, PrivacyParams for serving with B = B_serve, conversion rdp)."""
     from .accounting import check_range, default_sigma1
     from .ledger import PrivacyParams
+    from .tuning_emulate import emulated_correct
 
     check_range("epsilon", epsilon)
     check_range("delta", delta)
@@ -332,9 +360,9 @@ def private_tune(
     b_serve = serving_budget(epsilon=epsilon, delta=delta, rho_run=rho, mean_runs=mean_runs, shape=shape)
     if sigma1 is None:
         sigma1 = default_sigma1(planned_queries=planned_queries or 1000, budget=b_serve)
-    if 1.0 / (2.0 * sigma1 * sigma1) > rho:
-        raise BadInputError(f"sigma1={sigma1:g}: one count charge 1/(2σ1²) exceeds the per-run tuning budget "
-                            f"ρ={rho:.4g}; raise --sigma1 or --planned-queries, or the --tune-share")
+    if 1.0 / (2.0 * sigma1 * sigma1) > b_serve:
+        raise BadInputError(f"sigma1={sigma1:g}: one count charge 1/(2σ1²) exceeds the serving budget "
+                            f"B={b_serve:.4g}; raise --sigma1 or --planned-queries, or lower the --tune-share")
     seed_text = "entropy:" + str(_run_key(None, "tune")) if seed is None else f"seed:{seed}"
     data = BaseRunData.build(features, labels, record_ids, n_shards=n_val, seed_text=seed_text, n_classes=n_classes)
     master = np.random.default_rng(_run_key(seed, "tune:search"))
@@ -343,10 +371,13 @@ def private_tune(
     best, best_score = None, -math.inf
     for j, g in enumerate(picks):
         tau, s2 = grid[g]
-        p = PrivacyParams(epsilon=epsilon, delta=delta, conversion="rdp", budget=rho, kernel=kernel, tau=tau,
+        # The base run answers as serving will (per-record budget B_serve): its privacy comes from the score's
+        # noise alone (sensitivity 1 whatever each shard computes; module docstring), not from this budget.
+        p = PrivacyParams(epsilon=epsilon, delta=delta, conversion="rdp", budget=b_serve, kernel=kernel, tau=tau,
                           sigma1=sigma1, sigma2=s2, nu=nu, k_min=k_min, planned_queries=planned_queries).validate()
         key = _run_key(seed, f"tune:run:{j}")
-        score = base_run_correct(data, params=p, run_key=key, device=device) + score_noise(key, rho_run=rho)
+        score = emulated_correct(data, params=p, run_key=key, n_shards=n_val,
+                                 planned_queries=planned_queries or 1000) + score_noise(key, rho_run=rho)
         if score > best_score:
             best, best_score = j, score
     default_used = best is None  # Poisson K = 0: the public default (the grid's first point)
@@ -435,12 +466,12 @@ class TuneRequest:
     epsilon: float
     delta: float
     on: str = "private"            # private (accounted) | public (labelled public rows, free)
-    share: float = 0.2             # fraction of ε the search may cost (private)
-    mean_runs: float = 5.0
-    shape: float | str = 1.0       # η: 0 logarithmic, 1 geometric (default), "poisson"
+    share: float = DEFAULT_TUNE_SHARE       # fraction of ε the search may cost (private)
+    mean_runs: float = DEFAULT_TUNE_RUNS
+    shape: float | str = DEFAULT_TUNE_SHAPE  # η: 0 logarithmic (default), 1 geometric, "poisson"
     taus: tuple = DEFAULT_TAUS
     sigma2s: tuple = DEFAULT_SIGMA2S
-    n_val: int = 500               # S: validation queries (shards)
+    n_val: int = DEFAULT_TUNE_QUERIES        # S: validation queries (shards)
     seed: int | None = None        # experiments only; default OS entropy
     conversion: str = "rdp"        # public mode only (private tuning composes by RDP)
     kernel: str = "cosine"
@@ -488,13 +519,20 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
         return public_tune(features=store.read("public", "features"), labels=store.read("public", "labels"),
                            record_ids=store.read("public", "record_id"), n_classes=len(store.label_names),
                            params_for=params_for, grid=grid, seed=req.seed, device=req.device)
-    n = store.n_rows("private")
     keep = ~store.read("private", "deleted").astype(bool)
     keep[store.erase_pending_rows("private")] = False
     rows = np.flatnonzero(keep)
+    return private_tune_arrays(store.read("private", "features")[rows], store.read("private", "labels")[rows],
+                               store.read("private", "record_id")[rows], n_classes=len(store.label_names), req=req)
+
+
+def private_tune_arrays(features, labels, record_ids, *, n_classes: int, req: TuneRequest):
+    """``--tune private`` on in-memory rows (index and bench both call this): (record, serving params)."""
+    req.check()
+    nu = req.nu if req.nu is not None or req.kernel != "rbf" else math.exp(1.5)
     return private_tune(
-        features=store.read("private", "features")[rows], labels=store.read("private", "labels")[rows],
-        record_ids=store.read("private", "record_id")[rows], n_classes=len(store.label_names),
-        epsilon=req.epsilon, delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape, grid=grid,
-        n_val=min(req.n_val, max(1, n)), kernel=req.kernel, nu=nu, k_min=req.k_min, sigma1=req.sigma1,
-        planned_queries=req.planned_queries, seed=req.seed, device=req.device)
+        features=features, labels=labels, record_ids=record_ids, n_classes=n_classes, epsilon=req.epsilon,
+        delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape,
+        grid=check_grid(req.taus, req.sigma2s), n_val=min(req.n_val, max(1, len(record_ids))), kernel=req.kernel,
+        nu=nu, k_min=req.k_min, sigma1=req.sigma1, planned_queries=req.planned_queries, seed=req.seed,
+        device=req.device)

@@ -82,19 +82,34 @@ def _plt():
 
 
 STYLE = {"ind-knn": ("tab:red", "o"), "ind-knn+reuse": ("tab:orange", "s"), "private-knn": ("tab:blue", "^"),
-         "linear-noisysgd": ("tab:green", "D")}
+         "linear-noisysgd": ("tab:green", "D"), "ind-knn (tuned privately)": ("tab:purple", "v"),
+         "ind-knn (tuned non-privately)": ("tab:red", "o"), "ind-knn best grid point (oracle, B_serve)": ("tab:gray", "x"),
+         "answered, no reuse": ("tab:red", "o"), "answered, reuse": ("tab:orange", "s")}
 
 
 def plot_lines(path: Path, *, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str,
-               hlines: dict[str, float] | None = None, logx: bool = False, logy: bool = False) -> Path:
-    """One line per series {name: (x, y)}; ``hlines`` as dashed references (non-private accuracies)."""
+               hlines: dict[str, float] | None = None, logx: bool = False, logy: bool = False,
+               bands: dict[str, tuple[list, list]] | None = None,
+               hbands: dict[str, tuple[float, float]] | None = None) -> Path:
+    """One line per series {name: (x, y)}; ``hlines`` as dashed references (non-private accuracies).
+
+    ``bands`` {name: (low, high)} shades the spread of a series (min–max over query draws); ``hbands`` the same
+    for an ``hlines`` reference, so two references of nearly equal value still show their ranges.
+    """
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.0, 4.2), dpi=120)
     for name, (xs, ys) in series.items():
-        color, marker = STYLE.get(name.split(" ")[0], (None, "o"))
-        ax.plot(xs, ys, marker=marker, color=color, label=name)
+        color, marker = STYLE.get(name, STYLE.get(name.split(" ")[0], (None, "o")))
+        line, = ax.plot(xs, ys, marker=marker, color=color, label=name)
+        if bands and name in bands:
+            lo, hi = bands[name]
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+    linestyles = ("--", ":", "-.", (0, (5, 1)), (0, (1, 1)))
     for i, (name, y) in enumerate((hlines or {}).items()):
-        ax.axhline(y, linestyle="--", linewidth=1, color=f"C{(i + 5) % 10}", label=name)
+        color = f"C{(i + 5) % 10}"
+        ax.axhline(y, linestyle=linestyles[i % len(linestyles)], linewidth=1.2, color=color, label=name)
+        if hbands and name in hbands:
+            ax.axhspan(hbands[name][0], hbands[name][1], color=color, alpha=0.10, linewidth=0)
     if logx:
         ax.set_xscale("log")
     if logy:
