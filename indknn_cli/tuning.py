@@ -11,20 +11,20 @@ negative binomial / logarithmic / geometric number of runs, Theorem 6 for Poisso
 * public coin (a hash of the tuning seed and the record id, so a record's coin depends on itself only):
   every private record gets a shard s ∈ [0, S) and a rank u; in each shard the record with the smallest u is
   the shard's *validation record*, the others are its *P* records;
-* each validation record's vector is answered as a query by the serving engine
-  (:func:`indknn_cli.engine.answer_batch`) over **its own shard's P records only**, with per-record budget
-  B_tune = ρ, no prediction reuse, the ledger's kernel, σ1 and K_min;
-* score = number of correct answers + N(0, σ_s²), σ_s = 1/sqrt(2ρ).
+* each shard answers its validation record's vector as serving would at full scale, emulated from the shard's
+  own records and public figures only (:mod:`indknn_cli.tuning_emulate`: candidates κ ≥ τ among its P records
+  stand for S times as many, with the serving budget B_serve, σ1, K_min and the depletion of T planned queries);
+* score = number of shards answered correctly + N(0, σ_s²), σ_s = 1/sqrt(2ρ).
 
-Why shards (a deviation from the issue's single P/V split, on purpose): with one P answering all of V in
-sequence, a validation record's *query* spends P records' budgets and so changes later answers — the score
-would move by more than 1 when one validation record is added or removed. Here a P record belongs to one
-shard and is a candidate for one query only, so (i) a P record sees one filtered Ind-KNN query (≤ ρ by the
-filter; the score is post-processing of the answers and of the other records' labels) and (ii) adding or
-removing a record changes at most one shard's answer (it may replace its shard's validation record), so
-the count moves by at most 1 (Gaussian, ρ_score = 1/(2σ_s²) = ρ). Either way the run is (α, α·ρ)-RDP for
-every record: ``dp_accounting.ZCDpEvent(rho=ρ)``. The price: each validation query sees a database S times
-smaller than serving will (τ is chosen on that; docs/TUNING.md).
+Why this is (α, α·ρ)-RDP for every record: a record's coin puts it in one shard, and whatever a shard computes
+reads only that shard's records and noise keyed by the shard's index. Adding or removing one record therefore
+changes at most its own shard's answer (it may also replace the shard's validation record), so the count moves
+by at most 1 for any fixed noise, and the Gaussian noise on it gives ρ = 1/(2σ_s²) (Rényi divergence is jointly
+quasi-convex, so mixing over the shards' noise does not raise it): ``dp_accounting.ZCDpEvent(rho=ρ)``. The
+shard's own Ind-KNN answer needs no budget of its own for this; it uses B_serve because that is what serving
+will use. (:func:`base_run_correct` answers the shard over its P records with the engine instead, no emulation;
+kept for tests and comparison.) The price of shards: each shard is ~N/S records, so its answer is a noisy
+stand-in for the full-scale one, and S trades that against the score's resolution (docs/TUNING.md).
 
 **Selection**: K runs, K ~ truncated negative binomial (shape η ≥ 0, mean m) or Poisson (mean m; K = 0
 gives the public default θ); each run draws θ uniformly from the grid (data-independent); the θ with the

@@ -20,7 +20,7 @@ from ..serving import check_min_margin, make_params
 from .config import BenchConfig
 from .data import Dataset, Split
 from .experiments import PROTOCOL, dataset_info, majority_class, prepare, privacy_note, query_draws
-from .methods import run_indknn, tune_indknn
+from .methods import PrecomputedFinder, kernel_matrix, run_indknn, tune_indknn
 
 
 def _point(labels: np.ndarray, truth: np.ndarray, answered: np.ndarray) -> tuple[float, float]:
@@ -55,8 +55,10 @@ def min_margin_curve(ds: Dataset, split: Split, cfg: BenchConfig, *, epsilon: fl
     points = {(m, reuse): ([], []) for m in margins for reuse in (False, True)}
     for d, idx in enumerate(draws):
         truth = p.pool_y[idx]
+        kmat = kernel_matrix(p.pool_x[idx], p.priv_x)  # exact κ once per draw, for every run below
         run = run_indknn(p.priv_x, p.priv_y, p.pool_x[idx], params=params, n_classes=p.ds.n_classes, seed=cfg.seed,
-                         tag=f"margin:{epsilon}:{p.T}:{d}", device=cfg.device)
+                         tag=f"margin:{epsilon}:{p.T}:{d}", device=cfg.device,
+                         candidate_finder=PrecomputedFinder(kmat, params.tau))
         for m in margins:  # no reuse: post-processing of one run
             cov, acc = _point(run.labels, truth, run.margins >= m)
             points[(m, False)][0].append(cov)
@@ -64,7 +66,7 @@ def min_margin_curve(ds: Dataset, split: Split, cfg: BenchConfig, *, epsilon: fl
         for m in margins:  # reuse: abstentions change later reuse votes, so one run per M
             r = run_indknn(p.priv_x, p.priv_y, p.pool_x[idx], params=params, n_classes=p.ds.n_classes,
                            seed=cfg.seed, tag=f"margin-reuse:{epsilon}:{p.T}:{d}", reuse=True, device=cfg.device,
-                           min_margin=m)
+                           min_margin=m, candidate_finder=PrecomputedFinder(kmat, params.tau))
             cov, acc = _point(r.labels, truth, r.labels != ABSTAIN_LABEL)
             points[(m, True)][0].append(cov)
             points[(m, True)][1].append(acc)
