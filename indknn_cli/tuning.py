@@ -12,7 +12,7 @@ negative binomial / logarithmic / geometric number of runs, Theorem 6 for Poisso
   every private record gets a shard s ∈ [0, S) and a rank u; in each shard the record with the smallest u is
   the shard's *validation record*, the others are its *P* records;
 * each shard answers its validation record's vector as serving would at full scale, emulated from the shard's
-  own records and public figures only (:mod:`indknn_cli.tuning_emulate`: candidates κ ≥ τ among its P records
+  own records and public figures only (:mod:`indknn_cli.tuning_base`: candidates κ ≥ τ among its P records
   stand for S times as many, with the serving budget B_serve, σ1, K_min and the depletion of T planned queries);
 * score = number of shards answered correctly + N(0, σ_s²), σ_s = 1/sqrt(2ρ).
 
@@ -38,7 +38,6 @@ is ≤ the target, verified once more at the end.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -193,111 +192,9 @@ def draw_runs(*, mean_runs: float, shape: float, rng: np.random.Generator) -> in
             return k
 
 
-# -- public coins -----------------------------------------------------------------------------------------
-def _coin(seed_text: str, record_id: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"indknn-tune:{seed_text}:{record_id}".encode()).digest()[:8], "big")
-
-
-def shard_split(record_ids, *, n_shards: int, seed_text: str) -> tuple[np.ndarray, np.ndarray]:
-    """(shard of each record, validation row of each shard or −1): a record's coin depends on itself only."""
-    coins = np.array([_coin(seed_text, str(r)) for r in record_ids], dtype=np.uint64)
-    shard = (coins % np.uint64(n_shards)).astype(np.int64)
-    rank = coins // np.uint64(n_shards)
-    val_row = np.full(n_shards, -1, np.int64)
-    order = np.lexsort((np.asarray([str(r) for r in record_ids], dtype=object).astype(str), rank, shard))
-    first = np.r_[True, shard[order][1:] != shard[order][:-1]] if order.size else np.zeros(0, bool)
-    val_row[shard[order][first]] = order[first]
-    return shard, val_row
-
-
-# -- one base run -------------------------------------------------------------------------------------------
-@dataclass
-class BaseRunData:
-    """The private set as the base run sees it (features in memory: tuning is done once, at index time)."""
-
-    features: np.ndarray
-    labels: np.ndarray
-    shard: np.ndarray
-    val_row: np.ndarray
-    n_classes: int
-    _kappa: dict = field(default_factory=dict, repr=False)  # (kernel, nu) → per validation query (P rows, exact κ)
-
-    def shard_kappa(self, kernel: str, nu: float | None) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each validation query's own-shard P rows and their exact κ (the engine's float64 ``exact_kernel``).
-
-        Computed once per kernel and reused by every run (a τ only thresholds it): O(N) memory in all.
-        """
-        key = (kernel, nu)
-        if key not in self._kappa:
-            from .engine import exact_kernel
-
-            out = []
-            order = np.argsort(self.shard, kind="stable")
-            bounds = np.searchsorted(self.shard[order], np.arange(self.val_row.size + 1))
-            for s, v in enumerate(self.val_row):
-                if v < 0:
-                    continue
-                rows = order[bounds[s]:bounds[s + 1]]
-                rows = np.sort(rows[rows != v])
-                q = np.repeat(self.features[v][None, :], rows.size, axis=0)
-                out.append((rows.astype(np.int64), exact_kernel(self.features[rows], q, kernel=kernel, nu=nu)))
-            self._kappa[key] = out
-        return self._kappa[key]
-
-    @classmethod
-    def build(cls, features, labels, record_ids, *, n_shards: int, seed_text: str, n_classes: int) -> "BaseRunData":
-        if not (isinstance(n_shards, int) and 1 <= n_shards):
-            raise BadInputError(f"--tune-queries must be a positive integer, got {n_shards!r}")
-        shard, val_row = shard_split(record_ids, n_shards=n_shards, seed_text=seed_text)
-        return cls(np.ascontiguousarray(features, np.float32), np.asarray(labels, np.int64), shard, val_row,
-                   n_classes)
-
-
-def base_run_correct(data: BaseRunData, *, params, run_key: int, device: str = "cpu") -> int:
-    """Number of shards whose validation record is answered correctly (not noised; see :func:`base_run`)."""
-    from .engine import ArraySource, BudgetView, Candidates, answer_batch
-
-    n = data.features.shape[0]
-    vrows = data.val_row[data.val_row >= 0]
-    if vrows.size == 0:
-        return 0
-    row_to_ledger = np.arange(n, dtype=np.int64)
-    row_to_ledger[vrows] = -1  # validation records are never candidates
-    source = ArraySource(data.features)
-    q_shard = data.shard[vrows]
-    kappa = dict(zip(q_shard.tolist(), data.shard_kappa(params.kernel, params.nu)))
-
-    def finder(queries, *, row_mask):  # exact κ ≥ τ among the query's own shard only (one query per P record)
-        rows, kap = [], []
-        for s in finder.shards:
-            r, k = kappa[int(s)]
-            keep = (k >= params.tau) & row_mask[r]
-            rows.append(r[keep]); kap.append(k[keep])
-        return Candidates(rows, kap)
-
-    budgets = BudgetView(spent=np.zeros(n), budget=np.full(n, params.budget), deleted=np.zeros(n, bool),
-                         times_selected=np.zeros(n, np.int64))
-    correct = 0
-    # Noise keyed by the *shard* (query index = shard id), never by position: a record added to an empty shard
-    # must not shift the noise of the shards after it. Consecutive non-empty shards are answered together.
-    breaks = np.flatnonzero(np.diff(q_shard) != 1) + 1
-    for grp in np.split(np.arange(vrows.size), breaks):
-        for lo in range(0, grp.size, 256):
-            sel = grp[lo:lo + 256]
-            finder.shards = q_shard[sel]
-            answers = answer_batch(data.features[vrows[sel]], source=source, row_to_ledger=row_to_ledger,
-                                   row_labels=data.labels, params=params, n_classes=data.n_classes, budgets=budgets,
-                                   run_key=run_key, first_index=int(q_shard[sel[0]]), reuse=None, device=device,
-                                   candidate_finder=finder)
-            correct += int(sum(a.label == int(y) for a, y in zip(answers, data.labels[vrows[sel]])))
-    assert np.all(budgets.spent <= budgets.budget), "filter overspent in a tuning run"
-    return correct
-
-
-def score_noise(run_key: int, *, rho_run: float) -> float:
-    """N(0, σ_s²), σ_s = 1/sqrt(2ρ): the score's Gaussian noise (sensitivity 1), keyed by the run key."""
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy=run_key, spawn_key=(2**31,))))
-    return float(rng.standard_normal() / math.sqrt(2.0 * rho_run))
+# -- the base run (tuning_base.py) ------------------------------------------------------------------------
+from .tuning_base import (BaseRunData, _coin, base_run_correct, emulated_correct,  # noqa: E402,F401 (re-exported)
+                          score_noise, shard_split)
 
 
 # -- the search -----------------------------------------------------------------------------------------------
@@ -349,7 +246,6 @@ def private_tune(
     """Accounted random search; returns (record, PrivacyParams for serving with B = B_serve, conversion rdp)."""
     from .accounting import check_range, default_sigma1
     from .ledger import PrivacyParams
-    from .tuning_emulate import emulated_correct
 
     check_range("epsilon", epsilon)
     check_range("delta", delta)

@@ -141,7 +141,7 @@ def test_base_run_scores_track_accuracy(tune_store):
 def test_emulated_base_run_moves_by_at_most_one_when_a_record_leaves(tune_store, n_shards):
     """The score's sensitivity: removing any one record (P or validation) changes the count by at most 1."""
     from indknn_cli.ledger import PrivacyParams
-    from indknn_cli.tuning_emulate import emulated_correct
+    from indknn_cli.tuning_base import emulated_correct
 
     store = FeatureStore.open(tune_store.path, mode="r")
     x, y = store.read("private", "features"), store.read("private", "labels")
@@ -166,7 +166,7 @@ def test_emulated_base_run_moves_by_at_most_one_when_a_record_leaves(tune_store,
 def test_emulated_base_run_punishes_a_sigma2_that_runs_budgets_dry(tune_store):
     """At full scale a tiny σ2 spends each record within a few queries; the emulation sees it (one query would not)."""
     from indknn_cli.ledger import PrivacyParams
-    from indknn_cli.tuning_emulate import emulated_correct
+    from indknn_cli.tuning_base import emulated_correct
 
     store = FeatureStore.open(tune_store.path, mode="r")
     data = tuning.BaseRunData.build(store.read("private", "features"), store.read("private", "labels"),
