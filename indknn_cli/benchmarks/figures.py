@@ -43,16 +43,21 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
     if kind == "accuracy-vs-eps":
         rows = result["results"]
         series, bands = _series(rows, "epsilon", PRIVATE_METHODS + TUNED_METHODS)
+        if any(m in series for m in TUNED_METHODS):  # say which rows were tuned without privacy
+            from .experiments import TABLE_LABEL
+
+            series = {TABLE_LABEL.get(m, m): v for m, v in series.items()}
+            bands = {TABLE_LABEL.get(m, m): v for m, v in bands.items()}
         hl = {r["method"]: r["accuracy_median"] for r in rows if r["epsilon"] == math.inf}
         hb = {r["method"]: (r["accuracy_min"], r["accuracy_max"]) for r in rows if r["epsilon"] == math.inf}
         _majority(result, hl, hb)
         T = result["dataset"].get("queries_per_draw")
         c = result["config"]
         paths.append(plot_lines(out_dir / f"{stem}.png", series=series, hlines=hl, bands=bands, hbands=hb,
-                                xlabel=f"ε (δ = {c['delta']:g}; Ind-KNN {c['conversion'].upper()}, tuned privately "
-                                f"RDP; Private-kNN {c['pknn_accountant'].upper()}, NoisySGD "
+                                xlabel=f"total ε (δ={c['delta']:g}; Ind-KNN {c['conversion'].upper()}, tuned "
+                                f"privately RDP; P-kNN {c['pknn_accountant'].upper()}; SGD "
                                 f"{c['sgd_accountant'].upper()})",
-                                ylabel=f"median accuracy of {T} queries (band: min–max of draws)",
+                                ylabel=f"median accuracy, {T} queries (band: min–max)",
                                 title=f"Accuracy vs ε\n{_ds(result)}"))
     elif kind == "accuracy-vs-queries":
         series, bands = _series(result["results"], "queries", PRIVATE_METHODS)
