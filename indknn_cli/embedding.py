@@ -27,6 +27,9 @@ IF_EXISTS = ("error", "skip")
 BATCH_INPUTS_ATTR = "batch_inputs"  # queries group attr: {batch name: sha256 of the input bytes}
 
 ProgressFn = Callable[[int, "int | None"], None]
+#: ``embed --role test``: labelled query rows (a batch of the query group whose labels are kept for bench's
+#: scoring; serve-queries never reads query labels).
+TEST_ROLE = "test"
 
 
 @dataclass
@@ -53,7 +56,7 @@ class EmbedResult:
             "d": self.dim,
             "extractor": self.extractor.as_dict(),
         }
-        if self.role == "query":
+        if self.role in ("query", TEST_ROLE):
             out["batch"] = self.batch
         return out
 
@@ -136,18 +139,18 @@ def embed_into_store(
     ``store.write_lock()``. ``scheduler``: a Dask scheduler address; the rows are then embedded on its
     workers, which write them into chunk-aligned regions (:mod:`.dask_embed`); the commit stays here.
     """
-    if role not in ROLES:
-        raise BadInputError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+    if role not in ROLES + (TEST_ROLE,):
+        raise BadInputError(f"--role must be one of {', '.join(ROLES + (TEST_ROLE,))}, got {role!r}")
     if if_exists not in IF_EXISTS:
         raise BadInputError(f"--if-exists must be error or skip, got {if_exists!r}")
-    if batch is not None and role != "query":
-        raise BadInputError("--batch-id applies to --role query only")
+    if batch is not None and role not in ("query", TEST_ROLE):
+        raise BadInputError("--batch-id applies to --role query and --role test only")
     store_path = object_store.local_path(store_path)  # an s3:// URL: its local state folder
     store = None
     if _store_exists(store_path) or (object_store.location(store_path) is None and store_path.exists()
                                      and (store_path.is_file() or any(store_path.iterdir()))):
         store = FeatureStore.open(store_path, mode="a")  # refuses other format versions and foreign folders
-    elif role == "query":
+    elif role in ("query", TEST_ROLE):
         raise StoreError(f"{store_path}: no feature store here; queries go into an existing store "
                          f"(embed the private set first: indknn embed DATA --role private --store {store_path})")
     reader_opts = dict(text_column=text_column, label_column=label_column, id_column=id_column,
@@ -257,16 +260,21 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                   progress: ProgressFn | None, lock: bool, dist=None) -> EmbedResult:
     warnings: list[str] = []
 
-    # -- labels: known up front (a scan of the label column / the class folders)
-    use_labels = role != "query"
+    # -- labels: known up front (a scan of the label column / the class folders). --role test: query rows whose
+    # labels are stored for scoring (bench) and never read by serving (it reads the query vectors only).
+    test = role == TEST_ROLE
+    if test:
+        role = "query"
+    use_labels = role != "query" or test
     name_index: dict[str, int] = {}
     if label_names is not None:
         label_names = [str(n).strip() for n in label_names]
         if not label_names or any(not n for n in label_names) or len(set(label_names)) != len(label_names):
             raise BadInputError(f"--label-names must be distinct non-empty names, got {label_names}")
-    if role == "query":
+    if role == "query" and not test:
         if src.has_labels:
-            warnings.append(f"{src.name}: labels are ignored for queries (not stored)")
+            warnings.append(f"{src.name}: labels are ignored for queries (not stored; --role test keeps them "
+                            f"for bench's scoring)")
         names = store.label_names if store is not None else []
     else:
         if not src.has_labels:
@@ -296,7 +304,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
         start, stop, _ = st.query_batch(batch)
         recorded = dict(st.group("query").attrs.get(BATCH_INPUTS_ATTR, {})).get(batch)
         if recorded == input_sha:
-            return EmbedResult(store=st.where, role=role, rows_added=0, rows_skipped=stop - start,
+            return EmbedResult(store=st.where, role=TEST_ROLE if test else role, rows_added=0,
+                               rows_skipped=stop - start,
                                dim=st.dim, extractor=st.extractor, batch=batch, start=start, stop=stop,
                                warnings=warnings + [f"query batch {batch!r} is already in the store "
                                                     f"(same input); nothing added"])
@@ -305,7 +314,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
 
     if role == "query":
         input_sha = src.sha256()
-        batch = batch or "q-" + input_sha[:16]
+        batch = batch or ("test-" if test else "q-") + input_sha[:16]
         done = existing_batch(store)
         if done is not None:
             return done
@@ -420,7 +429,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
             elif pre_existing_dir:
                 store_path.mkdir(exist_ok=True)
         raise
-    return EmbedResult(store=named, role=role, rows_added=rows_added, rows_skipped=rows_skipped,
+    return EmbedResult(store=named, role=TEST_ROLE if test else role, rows_added=rows_added,
+                       rows_skipped=rows_skipped,
                        dim=int(store.dim), extractor=store.extractor, batch=batch, start=start, stop=stop,
                        created=created, warnings=warnings)
 

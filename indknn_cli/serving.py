@@ -568,6 +568,10 @@ def resolve_query_batch(
     extractor into the store's query group), or the name of a stored batch.
     """
     if queries == "-":
+        if upstream and upstream.get("role") == "test":
+            raise BadInputError(f"stdin: batch {upstream.get('batch')!r} was embedded with --role test (labelled test "
+                                f"rows for `indknn bench --test-store`), not to be served; give its name to serve it "
+                                f"anyway")
         if not upstream or upstream.get("role") != "query" or "batch" not in upstream:
             raise BadInputError("stdin: expected the JSON line of `indknn embed --role query`")
         return str(upstream["batch"])

@@ -11,20 +11,20 @@ negative binomial / logarithmic / geometric number of runs, Theorem 6 for Poisso
 * public coin (a hash of the tuning seed and the record id, so a record's coin depends on itself only):
   every private record gets a shard s ∈ [0, S) and a rank u; in each shard the record with the smallest u is
   the shard's *validation record*, the others are its *P* records;
-* each validation record's vector is answered as a query by the serving engine
-  (:func:`indknn_cli.engine.answer_batch`) over **its own shard's P records only**, with per-record budget
-  B_tune = ρ, no prediction reuse, the ledger's kernel, σ1 and K_min;
-* score = number of correct answers + N(0, σ_s²), σ_s = 1/sqrt(2ρ).
+* each shard answers its validation record's vector as serving would at full scale, emulated from the shard's
+  own records and public figures only (:mod:`indknn_cli.tuning_base`: candidates κ ≥ τ among its P records
+  stand for S times as many, with the serving budget B_serve, σ1, K_min and the depletion of T planned queries);
+* score = number of shards answered correctly + N(0, σ_s²), σ_s = 1/sqrt(2ρ).
 
-Why shards (a deviation from the issue's single P/V split, on purpose): with one P answering all of V in
-sequence, a validation record's *query* spends P records' budgets and so changes later answers — the score
-would move by more than 1 when one validation record is added or removed. Here a P record belongs to one
-shard and is a candidate for one query only, so (i) a P record sees one filtered Ind-KNN query (≤ ρ by the
-filter; the score is post-processing of the answers and of the other records' labels) and (ii) adding or
-removing a record changes at most one shard's answer (it may replace its shard's validation record), so
-the count moves by at most 1 (Gaussian, ρ_score = 1/(2σ_s²) = ρ). Either way the run is (α, α·ρ)-RDP for
-every record: ``dp_accounting.ZCDpEvent(rho=ρ)``. The price: each validation query sees a database S times
-smaller than serving will (τ is chosen on that; docs/TUNING.md).
+Why this is (α, α·ρ)-RDP for every record: a record's coin puts it in one shard, and whatever a shard computes
+reads only that shard's records and noise keyed by the shard's index. Adding or removing one record therefore
+changes at most its own shard's answer (it may also replace the shard's validation record), so the count moves
+by at most 1 for any fixed noise, and the Gaussian noise on it gives ρ = 1/(2σ_s²) (Rényi divergence is jointly
+quasi-convex, so mixing over the shards' noise does not raise it): ``dp_accounting.ZCDpEvent(rho=ρ)``. The
+shard's own Ind-KNN answer needs no budget of its own for this; it uses B_serve because that is what serving
+will use. (:func:`base_run_correct` answers the shard over its P records with the engine instead, no emulation;
+kept for tests and comparison.) The price of shards: each shard is ~N/S records, so its answer is a noisy
+stand-in for the full-scale one, and S trades that against the score's resolution (docs/TUNING.md).
 
 **Selection**: K runs, K ~ truncated negative binomial (shape η ≥ 0, mean m) or Poisson (mean m; K = 0
 gives the public default θ); each run draws θ uniformly from the grid (data-independent); the θ with the
@@ -38,7 +38,6 @@ is ≤ the target, verified once more at the end.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -52,7 +51,8 @@ from .errors import BadInputError
 ORDERS = tuple(float(a) for a in np.concatenate([np.linspace(1.02, 8, 80), np.linspace(8.25, 64, 60),
                                                   np.geomspace(66, 1e5, 40)]))
 POISSON = math.inf
-from .tuning_grid import DEFAULT_SIGMA2S, DEFAULT_TAUS  # noqa: E402,F401 (re-exported)
+from .tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS,  # noqa: E402,F401
+                          DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
 TUNING_FORMAT = 1
 
 
@@ -192,85 +192,9 @@ def draw_runs(*, mean_runs: float, shape: float, rng: np.random.Generator) -> in
             return k
 
 
-# -- public coins -----------------------------------------------------------------------------------------
-def _coin(seed_text: str, record_id: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"indknn-tune:{seed_text}:{record_id}".encode()).digest()[:8], "big")
-
-
-def shard_split(record_ids, *, n_shards: int, seed_text: str) -> tuple[np.ndarray, np.ndarray]:
-    """(shard of each record, validation row of each shard or −1): a record's coin depends on itself only."""
-    coins = np.array([_coin(seed_text, str(r)) for r in record_ids], dtype=np.uint64)
-    shard = (coins % np.uint64(n_shards)).astype(np.int64)
-    rank = coins // np.uint64(n_shards)
-    val_row = np.full(n_shards, -1, np.int64)
-    order = np.lexsort((np.asarray([str(r) for r in record_ids], dtype=object).astype(str), rank, shard))
-    first = np.r_[True, shard[order][1:] != shard[order][:-1]] if order.size else np.zeros(0, bool)
-    val_row[shard[order][first]] = order[first]
-    return shard, val_row
-
-
-# -- one base run -------------------------------------------------------------------------------------------
-@dataclass
-class BaseRunData:
-    """The private set as the base run sees it (features in memory: tuning is done once, at index time)."""
-
-    features: np.ndarray
-    labels: np.ndarray
-    shard: np.ndarray
-    val_row: np.ndarray
-    n_classes: int
-
-    @classmethod
-    def build(cls, features, labels, record_ids, *, n_shards: int, seed_text: str, n_classes: int) -> "BaseRunData":
-        if not (isinstance(n_shards, int) and 1 <= n_shards):
-            raise BadInputError(f"--tune-queries must be a positive integer, got {n_shards!r}")
-        shard, val_row = shard_split(record_ids, n_shards=n_shards, seed_text=seed_text)
-        return cls(np.ascontiguousarray(features, np.float32), np.asarray(labels, np.int64), shard, val_row,
-                   n_classes)
-
-
-def base_run_correct(data: BaseRunData, *, params, run_key: int, device: str = "cpu") -> int:
-    """Number of shards whose validation record is answered correctly (not noised; see :func:`base_run`)."""
-    from .engine import ArraySource, BudgetView, Candidates, answer_batch, find_candidates
-
-    n = data.features.shape[0]
-    vrows = data.val_row[data.val_row >= 0]
-    if vrows.size == 0:
-        return 0
-    row_to_ledger = np.arange(n, dtype=np.int64)
-    row_to_ledger[vrows] = -1  # validation records are never candidates
-    source = ArraySource(data.features)
-    q_shard = data.shard[vrows]
-
-    def finder(queries, *, row_mask):  # exact κ ≥ τ, then only the query's own shard (one query per P record)
-        c = find_candidates(queries, source, kernel=params.kernel, tau=params.tau, nu=params.nu, device=device,
-                            row_mask=row_mask)
-        rows, kap = [], []
-        for t in range(queries.shape[0]):
-            keep = data.shard[c.rows[t]] == finder.shards[t]
-            rows.append(c.rows[t][keep]); kap.append(c.kappa[t][keep])
-        return Candidates(rows, kap)
-
-    budgets = BudgetView(spent=np.zeros(n), budget=np.full(n, params.budget), deleted=np.zeros(n, bool),
-                         times_selected=np.zeros(n, np.int64))
-    correct = 0
-    step = 256
-    for lo in range(0, vrows.size, step):
-        hi = min(vrows.size, lo + step)
-        finder.shards = q_shard[lo:hi]
-        answers = answer_batch(data.features[vrows[lo:hi]], source=source, row_to_ledger=row_to_ledger,
-                               row_labels=data.labels, params=params, n_classes=data.n_classes, budgets=budgets,
-                               run_key=run_key, first_index=lo, reuse=None, device=device,
-                               candidate_finder=finder)
-        correct += int(sum(a.label == int(y) for a, y in zip(answers, data.labels[vrows[lo:hi]])))
-    assert np.all(budgets.spent <= budgets.budget), "filter overspent in a tuning run"
-    return correct
-
-
-def score_noise(run_key: int, *, rho_run: float) -> float:
-    """N(0, σ_s²), σ_s = 1/sqrt(2ρ): the score's Gaussian noise (sensitivity 1), keyed by the run key."""
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy=run_key, spawn_key=(2**31,))))
-    return float(rng.standard_normal() / math.sqrt(2.0 * rho_run))
+# -- the base run (tuning_base.py) ------------------------------------------------------------------------
+from .tuning_base import (BaseRunData, _coin, base_run_correct, emulated_correct,  # noqa: E402,F401 (re-exported)
+                          score_noise, shard_split)
 
 
 # -- the search -----------------------------------------------------------------------------------------------
@@ -332,9 +256,9 @@ def private_tune(
     b_serve = serving_budget(epsilon=epsilon, delta=delta, rho_run=rho, mean_runs=mean_runs, shape=shape)
     if sigma1 is None:
         sigma1 = default_sigma1(planned_queries=planned_queries or 1000, budget=b_serve)
-    if 1.0 / (2.0 * sigma1 * sigma1) > rho:
-        raise BadInputError(f"sigma1={sigma1:g}: one count charge 1/(2σ1²) exceeds the per-run tuning budget "
-                            f"ρ={rho:.4g}; raise --sigma1 or --planned-queries, or the --tune-share")
+    if 1.0 / (2.0 * sigma1 * sigma1) > b_serve:
+        raise BadInputError(f"sigma1={sigma1:g}: one count charge 1/(2σ1²) exceeds the serving budget "
+                            f"B={b_serve:.4g}; raise --sigma1 or --planned-queries, or lower the --tune-share")
     seed_text = "entropy:" + str(_run_key(None, "tune")) if seed is None else f"seed:{seed}"
     data = BaseRunData.build(features, labels, record_ids, n_shards=n_val, seed_text=seed_text, n_classes=n_classes)
     master = np.random.default_rng(_run_key(seed, "tune:search"))
@@ -343,10 +267,13 @@ def private_tune(
     best, best_score = None, -math.inf
     for j, g in enumerate(picks):
         tau, s2 = grid[g]
-        p = PrivacyParams(epsilon=epsilon, delta=delta, conversion="rdp", budget=rho, kernel=kernel, tau=tau,
+        # The base run answers as serving will (per-record budget B_serve): its privacy comes from the score's
+        # noise alone (sensitivity 1 whatever each shard computes; module docstring), not from this budget.
+        p = PrivacyParams(epsilon=epsilon, delta=delta, conversion="rdp", budget=b_serve, kernel=kernel, tau=tau,
                           sigma1=sigma1, sigma2=s2, nu=nu, k_min=k_min, planned_queries=planned_queries).validate()
         key = _run_key(seed, f"tune:run:{j}")
-        score = base_run_correct(data, params=p, run_key=key, device=device) + score_noise(key, rho_run=rho)
+        score = emulated_correct(data, params=p, run_key=key, n_shards=n_val,
+                                 planned_queries=planned_queries or 1000) + score_noise(key, rho_run=rho)
         if score > best_score:
             best, best_score = j, score
     default_used = best is None  # Poisson K = 0: the public default (the grid's first point)
@@ -435,12 +362,12 @@ class TuneRequest:
     epsilon: float
     delta: float
     on: str = "private"            # private (accounted) | public (labelled public rows, free)
-    share: float = 0.2             # fraction of ε the search may cost (private)
-    mean_runs: float = 5.0
-    shape: float | str = 1.0       # η: 0 logarithmic, 1 geometric (default), "poisson"
+    share: float = DEFAULT_TUNE_SHARE       # fraction of ε the search may cost (private)
+    mean_runs: float = DEFAULT_TUNE_RUNS
+    shape: float | str = DEFAULT_TUNE_SHAPE  # η: 0 logarithmic (default), 1 geometric, "poisson"
     taus: tuple = DEFAULT_TAUS
     sigma2s: tuple = DEFAULT_SIGMA2S
-    n_val: int = 500               # S: validation queries (shards)
+    n_val: int = DEFAULT_TUNE_QUERIES        # S: validation queries (shards)
     seed: int | None = None        # experiments only; default OS entropy
     conversion: str = "rdp"        # public mode only (private tuning composes by RDP)
     kernel: str = "cosine"
@@ -488,13 +415,20 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
         return public_tune(features=store.read("public", "features"), labels=store.read("public", "labels"),
                            record_ids=store.read("public", "record_id"), n_classes=len(store.label_names),
                            params_for=params_for, grid=grid, seed=req.seed, device=req.device)
-    n = store.n_rows("private")
     keep = ~store.read("private", "deleted").astype(bool)
     keep[store.erase_pending_rows("private")] = False
     rows = np.flatnonzero(keep)
+    return private_tune_arrays(store.read("private", "features")[rows], store.read("private", "labels")[rows],
+                               store.read("private", "record_id")[rows], n_classes=len(store.label_names), req=req)
+
+
+def private_tune_arrays(features, labels, record_ids, *, n_classes: int, req: TuneRequest):
+    """``--tune private`` on in-memory rows (index and bench both call this): (record, serving params)."""
+    req.check()
+    nu = req.nu if req.nu is not None or req.kernel != "rbf" else math.exp(1.5)
     return private_tune(
-        features=store.read("private", "features")[rows], labels=store.read("private", "labels")[rows],
-        record_ids=store.read("private", "record_id")[rows], n_classes=len(store.label_names),
-        epsilon=req.epsilon, delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape, grid=grid,
-        n_val=min(req.n_val, max(1, n)), kernel=req.kernel, nu=nu, k_min=req.k_min, sigma1=req.sigma1,
-        planned_queries=req.planned_queries, seed=req.seed, device=req.device)
+        features=features, labels=labels, record_ids=record_ids, n_classes=n_classes, epsilon=req.epsilon,
+        delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape,
+        grid=check_grid(req.taus, req.sigma2s), n_val=min(req.n_val, max(1, len(record_ids))), kernel=req.kernel,
+        nu=nu, k_min=req.k_min, sigma1=req.sigma1, planned_queries=req.planned_queries, seed=req.seed,
+        device=req.device)

@@ -26,6 +26,7 @@ cli = CliRunner()
 
 #: Grids small enough for a few seconds per experiment on 2 cores.
 TINY = dict(epsilons=(1.0,), draws=1, sigma2_grid=(0.5, 1.0), tau_offsets=(-0.1, 0.0), tune_draws=1,
+            tune_queries=40, tune_runs=3.0, tune_taus=(0.3, 0.6), tune_sigma2s=(0.5, 1.0), margins=(0.0, 1.0),
             pknn_rates=(0.5,), pknn_ks=(10,), sgd_lrs=(1.0,), sgd_epochs=1, sgd_accountant="rdp",
             query_grid=(20, 45), retrain_every=(15, 45), timing_repeats=1, speed_n=(300,), speed_d=(16,),
             speed_queries=16)
@@ -131,7 +132,8 @@ def _png(path: str) -> bool:
     return Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("experiment", ["accuracy-vs-eps", "accuracy-vs-queries", "retraining", "tune", "speed"])
+@pytest.mark.parametrize("experiment", ["accuracy-vs-eps", "accuracy-vs-queries", "retraining", "tune", "speed",
+                                        "min-margin"])
 def test_experiment_end_to_end_writes_json_and_png(labelled_store, tmp_path, experiment):
     out = tmp_path / "out"
     summary = bench_runner.run_bench(experiment, dataset=str(labelled_store.path), out_dir=out, quick=True, seed=5,
@@ -149,8 +151,15 @@ def test_experiment_end_to_end_writes_json_and_png(labelled_store, tmp_path, exp
             assert 0.0 <= r["accuracy_median"] <= 1.0
             if r["method"] in ("private-knn", "linear-noisysgd"):
                 assert r["accounted_epsilon"] <= r["epsilon"]
-            if r["method"].startswith("ind-knn") and r["epsilon"] != "inf":
+            if r["method"] in ("ind-knn", "ind-knn+reuse") and r["epsilon"] != "inf":
                 assert r["conversion"] == "gdp" and "Gaussian-DP" in r["privacy"]
+            if r["method"] == "ind-knn (tuned privately)":  # the search and serving composed into the same ε
+                assert r["conversion"] == "rdp" and r["epsilon_total"] <= r["epsilon"]
+                assert 0 < r["epsilon_tuning"] < r["epsilon"]
+        assert {"ind-knn (tuned privately)", "ind-knn best grid point (oracle, B_serve)"} <= methods
+        labels = [row[0] for row in summary["table"]["rows"]]
+        assert "ind-knn (tuned non-privately)" in labels and "ind-knn (tuned privately)" in labels
+        assert labels[-1] == "majority class (constant)" and summary["majority_class"]["label_name"] in "abc"
     if experiment == "retraining":
         rows = data["results"]
         assert [r["retrain_every"] for r in rows] == [15, 45]
@@ -158,6 +167,12 @@ def test_experiment_end_to_end_writes_json_and_png(labelled_store, tmp_path, exp
         assert all(r["indknn_epsilon_guarantee"] == 1.0 for r in rows)
     if experiment == "tune":
         assert "public or validation" in data["warning"] and "public rows" in data["data_used"]
+    if experiment == "min-margin":
+        rows = {(r["min_margin"], r["reuse"]): r for r in data["results"]}
+        assert rows[(0.0, False)]["coverage"]["median"] == 1.0  # M = 0 answers everything
+        for reuse in (False, True):
+            assert rows[(1.0, reuse)]["coverage"]["median"] <= rows[(0.0, reuse)]["coverage"]["median"]
+        assert summary["table"]["rows"][-1][0] == "majority class (constant)"
 
 
 def test_cli_bench_prints_table_on_stderr_and_one_json_line(labelled_store, tmp_path, monkeypatch):
@@ -228,3 +243,29 @@ def test_bench_tables_say_tuning_was_on_the_private_side(private_only_store, tmp
     said = "tuned on a validation split carved from the private side"
     assert said in summary["tuned_on"] and said in summary["table"]["note"]
     assert said in " ".join(res.stderr.split())  # the table note printed under the table
+
+
+# -- issue 18: the user's own labelled test rows ----------------------------------------------------------------
+def test_bench_scores_on_a_test_store_and_refuses_a_mismatched_one(private_only_store, tmp_path):
+    """--test-store: the store's `--role test` rows are the query pool; the private side keeps every record."""
+    x, y, _ = clustered(50, 16, 3, seed=11)
+    test = FeatureStore.create(tmp_path / "test.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=16,
+                               label_names=["a", "b", "c"], chunk_rows=64)
+    test.append("query", x, labels=y, record_ids=[f"t{i}" for i in range(50)], batch="test-1")
+    summary = bench_runner.run_bench("accuracy-vs-eps", dataset=str(private_only_store.path), out_dir=tmp_path / "o",
+                                     quick=True, seed=1, test_store=tmp_path / "test.zarr",
+                                     **{**TINY, "private_tuning": False})
+    data = json.loads(Path(summary["json"]).read_text())
+    assert data["dataset"]["split"]["query_pool"] == 50 and data["dataset"]["test_rows"] == 50
+    assert data["dataset"]["split"]["private"] == 300  # no private record was carved out as a query
+    assert summary["test_store"] == str(tmp_path / "test.zarr")
+    label = int(np.bincount(private_only_store.read("private", "labels")).argmax())
+    assert summary["majority_class"]["label"] == label  # the private side's most frequent label, scored on test
+    assert summary["majority_class"]["accuracy_median"] == pytest.approx(float(np.mean(y == label)))
+    other = FeatureStore.create(tmp_path / "other.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=16,
+                                label_names=["x", "y", "z"], chunk_rows=64)
+    other.append("query", x, labels=y, record_ids=[f"t{i}" for i in range(50)], batch="test-1")
+    res = cli.invoke(app, ["bench", "accuracy-vs-eps", "--dataset", str(private_only_store.path), "--quick",
+                           "--out", str(tmp_path / "o2"), "--test-store", str(tmp_path / "other.zarr")])
+    assert res.exit_code == 2 and res.stdout == "" and "label names" in res.stderr
+    assert not (tmp_path / "o2").exists()

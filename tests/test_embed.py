@@ -206,6 +206,31 @@ def test_query_role(vstore, tmp_path):
     assert res2.rows_added == 5 and FeatureStore.open(vstore).query_batch("day-2")[:2] == (5, 10)
 
 
+def test_test_role_keeps_labels_for_scoring_and_is_not_piped_to_serving(vstore, tmp_path):
+    """--role test: a labelled query batch (labels kept for bench's scoring); serve-queries refuses its JSON line."""
+    from indknn_cli.serving import resolve_query_batch
+
+    q = write_npz(tmp_path / "t.npz", rng_vectors(5, 6, 9), y=list("abcab"), ids=[f"t{i}" for i in range(5)])
+    res = embed_into_store(q, store_path=vstore, role="test")
+    assert res.role == "test" and res.batch.startswith("test-") and res.as_dict()["batch"] == res.batch
+    assert not res.warnings
+    s = FeatureStore.open(vstore)
+    assert s.read("query", "labels").tolist() == [0, 1, 2, 0, 1]
+    assert s.read("private", "labels").size == 20  # nothing joined the private set
+    with pytest.raises(BadInputError, match="role"):
+        resolve_query_batch(store_path=vstore, queries="-", batch_id=None, upstream=res.as_dict())
+    again = embed_into_store(q, store_path=vstore, role="test")
+    assert (again.rows_added, again.rows_skipped) == (0, 5)
+    bad = write_npz(tmp_path / "t2.npz", rng_vectors(2, 6, 9), y=["a", "zzz"])
+    before = snapshot(vstore)
+    with pytest.raises(BadInputError, match="unknown label"):
+        embed_into_store(bad, store_path=vstore, role="test")
+    nolab = write_npz(tmp_path / "t3.npz", rng_vectors(2, 6, 9))
+    with pytest.raises(BadInputError, match="label"):
+        embed_into_store(nolab, store_path=vstore, role="test")
+    assert snapshot(vstore) == before
+
+
 def test_query_role_needs_an_existing_store(tmp_path):
     q = write_npz(tmp_path / "q.npz", rng_vectors(2, 6))
     with pytest.raises(StoreError, match="no feature store here"):

@@ -137,6 +137,51 @@ def test_base_run_scores_track_accuracy(tune_store):
     assert good >= 30 and good > none + 10
 
 
+@pytest.mark.parametrize("n_shards", [7, 40, 900])  # 900 > records: empty shards must not shift other shards' noise
+def test_emulated_base_run_moves_by_at_most_one_when_a_record_leaves(tune_store, n_shards):
+    """The score's sensitivity: removing any one record (P or validation) changes the count by at most 1."""
+    from indknn_cli.ledger import PrivacyParams
+    from indknn_cli.tuning_base import emulated_correct
+
+    store = FeatureStore.open(tune_store.path, mode="r")
+    x, y = store.read("private", "features"), store.read("private", "labels")
+    ids = store.read("private", "record_id")
+    p = PrivacyParams(epsilon=2, delta=1e-5, conversion="rdp", budget=0.05, kernel="cosine", tau=0.3, sigma1=20.0,
+                      sigma2=0.3, nu=None, k_min=5.0, planned_queries=100).validate()
+
+    def score(keep):
+        data = tuning.BaseRunData.build(x[keep], y[keep], ids[keep], n_shards=n_shards, seed_text="seed:3",
+                                        n_classes=3)
+        return emulated_correct(data, params=p, run_key=11, n_shards=n_shards, planned_queries=100)
+
+    full = score(np.ones(len(ids), bool))
+    _, val = tuning.shard_split(ids, n_shards=n_shards, seed_text="seed:3")
+    leave = list(val[val >= 0][:6]) + [0, 1, 2, 299, 599]  # validation records and P records
+    for r in leave:
+        keep = np.ones(len(ids), bool)
+        keep[r] = False
+        assert abs(score(keep) - full) <= 1, r
+
+
+def test_emulated_base_run_punishes_a_sigma2_that_runs_budgets_dry(tune_store):
+    """At full scale a tiny σ2 spends each record within a few queries; the emulation sees it (one query would not)."""
+    from indknn_cli.ledger import PrivacyParams
+    from indknn_cli.tuning_base import emulated_correct
+
+    store = FeatureStore.open(tune_store.path, mode="r")
+    data = tuning.BaseRunData.build(store.read("private", "features"), store.read("private", "labels"),
+                                    store.read("private", "record_id"), n_shards=60, seed_text="seed:1", n_classes=3)
+
+    def correct(s2, budget):
+        p = PrivacyParams(epsilon=1, delta=1e-5, conversion="rdp", budget=budget, kernel="cosine", tau=0.3,
+                          sigma1=30.0, sigma2=s2, nu=None, k_min=10.0, planned_queries=300).validate()
+        return np.mean([emulated_correct(data, params=p, run_key=k, n_shards=60, planned_queries=300)
+                        for k in range(5)])
+
+    assert correct(0.02, 1.0) < correct(0.5, 1.0) - 10  # the budget is gone before most queries
+    assert correct(0.02, 1e4) >= correct(0.5, 1e4) - 2  # a budget that lasts: a small σ2 costs nothing
+
+
 def test_index_tune_records_the_choice_before_any_charge(tune_store, tmp_path):
     ledger_path = tmp_path / "ledger"
     res = build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())

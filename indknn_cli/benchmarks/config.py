@@ -25,6 +25,18 @@ class BenchConfig:
     sigma2_grid: tuple = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.3, 1.6)
     tau_offsets: tuple = (-0.15, -0.125, -0.1, -0.075, -0.05, -0.025, 0.0, 0.025, 0.05)
     tune_draws: int = 2
+    # Ind-KNN tuned privately (issue 18): `index --tune private` run by the library function it calls, at the same
+    # total ε as the other rows; None values take index --tune's defaults (tuning_grid.py)
+    private_tuning: bool = True
+    tune_share: float | None = None
+    tune_runs: float | None = None
+    tune_shape: float | str | None = None
+    tune_queries: int | None = None
+    tune_taus: tuple | None = None
+    tune_sigma2s: tuple | None = None
+    oracle_grid: bool = True             # also serve every grid point at B_serve (the best one is the yardstick)
+    # --min-margin curve (bench min-margin)
+    margins: tuple = (0.0, 0.5, 1.0, 2.0, 3.0)
     # Private-kNN tuning (supplementary Table 1, k scaled to this private-set size)
     pknn_rates: tuple = (0.02, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
     pknn_ks: tuple = (10, 25, 50, 100, 200, 400, 800, 1600)

@@ -9,7 +9,9 @@ Datasets
   the 10,000 test rows the query pool; HOG (default) or raw-pixel features from
   :mod:`indknn_cli.extractors` (public, data-independent), cached.
 * a feature store path: its labelled, non-deleted private rows (the store's
-  labelled query rows, when it has any, are the query pool).
+  labelled test rows, ``embed --role test``, when it has any, are the query pool).
+* ``--test-store STORE`` with any of these: STORE's labelled test rows are the
+  query pool instead (:func:`attach_test_store`); labels score answers only.
 
 Every feature vector is L2-normalised on its own (SPEC §8: per-vector only).
 
@@ -215,14 +217,12 @@ def load_store(path: Path) -> Dataset:
     if keep.sum() < 20:
         raise BadInputError(f"{path}: bench needs at least 20 labelled private records, found {int(keep.sum())}")
     x, y = x[keep], y[keep]
-    qx = store.read("query", "features")
-    qy = store.read("query", "labels").astype(np.int64)
-    qkeep = (~store.read("query", "deleted").astype(bool)) & (qy >= 0)
+    tx, ty = _test_rows(store)
     pool = public = None
-    if qkeep.sum() >= 10:
-        pool = np.arange(x.shape[0], x.shape[0] + int(qkeep.sum()))
-        x = np.concatenate([x, qx[qkeep]])
-        y = np.concatenate([y, qy[qkeep]])
+    if ty.size >= 10:  # labelled test rows (embed --role test): the query pool
+        pool = np.arange(x.shape[0], x.shape[0] + int(ty.size))
+        x = np.concatenate([x, tx])
+        y = np.concatenate([y, ty])
     px = store.read("public", "features")
     py = store.read("public", "labels").astype(np.int64)
     pkeep = (~store.read("public", "deleted").astype(bool)) & (py >= 0)
@@ -233,6 +233,54 @@ def load_store(path: Path) -> Dataset:
     e = store.extractor
     return Dataset(Path(path).name, normalize_rows(x).astype(np.float32), y, list(store.label_names),
                    extractor=f"{e.name}:{e.model}", source=str(path), fixed_query_pool=pool, public_rows=public)
+
+
+def _test_rows(store) -> tuple[np.ndarray, np.ndarray]:
+    """The labelled query rows of a store (``embed --role test`` batches), non-deleted."""
+    qx = store.read("query", "features")
+    qy = store.read("query", "labels").astype(np.int64)
+    keep = (~store.read("query", "deleted").astype(bool)) & (qy >= 0)
+    return qx[keep], qy[keep]
+
+
+def attach_test_store(ds: Dataset, path: Path) -> Dataset:
+    """Score on ``path``'s labelled test rows (``embed --role test``) instead of carving queries out of ``ds``.
+
+    The test rows become the query pool (their labels are used for scoring only; the engine never reads a
+    query's label); rows that were ``ds``'s own query pool (MNIST's test split, a store's test rows) are dropped.
+    The store must share ``ds``'s extractor model, dimension and label names.
+    """
+    from ..store import FeatureStore
+
+    path = Path(path)
+    if not path.exists():
+        raise BadInputError(f"--test-store {path}: no such feature store")
+    store = FeatureStore.open(path, mode="r")
+    e = store.extractor
+    model = lambda text: str(text).rsplit(":", 1)[-1].rsplit("/", 1)[-1]  # noqa: E731
+    if model(ds.extractor) != model(f"{e.name}:{e.model}") or store.dim != ds.x.shape[1]:
+        raise BadInputError(f"--test-store {path}: its vectors come from {e.name}:{e.model} (d={store.dim}), the "
+                            f"dataset's from {ds.extractor} (d={ds.x.shape[1]}); embed the test file with the same "
+                            f"extractor")
+    if list(store.label_names) != list(ds.label_names):
+        raise BadInputError(f"--test-store {path}: label names {list(store.label_names)} differ from the dataset's "
+                            f"{list(ds.label_names)}")
+    tx, ty = _test_rows(store)
+    if ty.size < 10:
+        raise BadInputError(f"--test-store {path}: bench needs at least 10 labelled test rows (indknn embed FILE "
+                            f"--role test --label-column ...), found {int(ty.size)}")
+    keep = np.ones(ds.x.shape[0], bool)
+    if ds.fixed_query_pool is not None:
+        keep[ds.fixed_query_pool] = False
+    old = np.flatnonzero(keep)
+    remap = np.full(ds.x.shape[0], -1, np.int64)
+    remap[old] = np.arange(old.size)
+    public = None if ds.public_rows is None else remap[ds.public_rows]
+    n = old.size
+    return Dataset(ds.name, np.concatenate([ds.x[old], normalize_rows(tx).astype(np.float32)]),
+                   np.concatenate([ds.y[old], ty]), ds.label_names, extractor=ds.extractor, source=ds.source,
+                   fixed_query_pool=np.arange(n, n + ty.size), public_rows=public,
+                   info={**ds.info, "test_store": str(path), "test_rows": int(ty.size)})
 
 
 def load_dataset(name: str, *, data_dir: Path | None = None, cache_dir: Path | None = None,

@@ -162,6 +162,7 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
                                    tau_offsets=cfg.tau_offsets, draws=cfg.tune_draws)
     timing["tune_indknn"] = time.perf_counter() - t0
     rows = []
+    kcache: dict = {}  # exact κ of each query draw, shared by the privately tuned and oracle rows of every ε
     for eps in cfg.epsilons:
         ch = tuning["indknn"]["chosen"][float(eps)]
         progress(f"ε={eps}: Ind-KNN τ={ch['tau']}, σ2={ch['sigma2']}; tuning Private-kNN and NoisySGD")
@@ -183,12 +184,30 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
         rows.append(_sgd_row(p, cfg, eps=eps, lr=ts["chosen"]["lr"], models=models, draws=draws))
         timing[f"report_eps{eps}"] = time.perf_counter() - t0
         progress("ε=%s: " % eps + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]))
+        if cfg.private_tuning:
+            from .private_tuning import private_rows
+
+            t0 = time.perf_counter()
+            rows += private_rows(p, cfg, eps=eps, draws=draws, progress=progress, kcache=kcache)
+            timing[f"private_tuning_eps{eps}"] = time.perf_counter() - t0
         partial(rows)
     rows += _nonprivate_rows(p, cfg, draws, tuning, progress)
     timing["total"] = time.perf_counter() - t_start
+    maj = majority_class(p, draws)
+    note = privacy_note(cfg, p.T) + (" Ind-KNN tuned privately: `index --tune private`'s search on the private "
+                                     "side, its RDP cost composed with serving into the same total ε (the other rows "
+                                     "are tuned non-privately on a validation split)." if cfg.private_tuning else "")
     return {"experiment": "accuracy-vs-eps", "dataset": dataset_info(p), "config": cfg.as_dict(),
-            "protocol": PROTOCOL, "results": rows, "tuning": tuning, "seconds": timing,
-            "table": eps_table(rows, cfg.epsilons, note=privacy_note(cfg, p.T))}
+            "protocol": PROTOCOL, "results": rows, "tuning": tuning, "seconds": timing, "majority_class": maj,
+            "table": eps_table(rows, cfg.epsilons, note=note, majority=maj)}
+
+
+def majority_class(p: Prepared, draws: list[np.ndarray]) -> dict:
+    """Always answering the private side's most frequent label: the floor every accuracy is read against."""
+    label = int(np.bincount(p.priv_y, minlength=p.ds.n_classes).argmax())
+    accs = [accuracy(np.full(idx.size, label), p.pool_y[idx]) for idx in draws]
+    return {"method": "majority class (constant)", "label": label, "label_name": p.ds.label_names[label],
+            **_summary(accs)}
 
 
 def privacy_note(cfg: BenchConfig, T: int) -> str:
@@ -197,16 +216,23 @@ def privacy_note(cfg: BenchConfig, T: int) -> str:
             f"{cfg.pknn_accountant.upper()}; Linear NoisySGD: Opacus {cfg.sgd_accountant.upper()} accountant.")
 
 
-def eps_table(rows: list[dict], epsilons, note: str = "") -> dict:
+#: How the table names the rows tuned non-privately when a privately tuned row stands next to them.
+TABLE_LABEL = {"ind-knn": "ind-knn (tuned non-privately)", "ind-knn+reuse": "ind-knn+reuse (tuned non-privately)"}
+
+
+def eps_table(rows: list[dict], epsilons, note: str = "", majority: dict | None = None) -> dict:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     cols = [f"ε={e:g}" for e in epsilons] + ["ε=∞"]
+    private = any(r["method"].endswith("(tuned privately)") for r in rows)
     out = []
     for m in methods:
         cells = []
         for e in list(epsilons) + [math.inf]:
             r = next((r for r in rows if r["method"] == m and r["epsilon"] == e), None)
             cells.append(None if r is None else round(r["accuracy_median"], 4))
-        out.append([m] + cells)
+        out.append([TABLE_LABEL.get(m, m) if private else m] + cells)
+    if majority is not None:
+        out.append([majority["method"]] + [round(majority["accuracy_median"], 4)] * (len(cols)))
     return {"title": "median accuracy", "columns": ["method"] + cols, "rows": out, "note": note}
 
 
@@ -241,14 +267,17 @@ def accuracy_vs_queries(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: fl
         progress(f"T={T}: " + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]))
         partial(rows)
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    maj = majority_class(p, query_draws(p.pool_x.shape[0], max(grid), cfg.draws, cfg.seed, tag="queries"))
     table = {"title": f"median accuracy at ε={epsilon:g}", "columns": ["method"] + [f"T={T}" for T in grid],
              "rows": [[m] + [round(next(r["accuracy_median"] for r in rows if r["method"] == m and r["queries"] == T),
-                                   4) for T in grid] for m in methods],
+                                   4) for T in grid] for m in methods]
+             + [[maj["method"]] + [round(maj["accuracy_median"], 4)] * len(grid)],
              "note": privacy_note(cfg, "varies")}
     return {"experiment": "accuracy-vs-queries", "dataset": dataset_info(p), "config": cfg.as_dict(),
             "epsilon": epsilon, "protocol": PROTOCOL + " Hyper-parameters (σ2, τ, γ, k, lr) are tuned once at "
             f"T={t_tune}; σ1 = sqrt(T/(6B)) and Private-kNN's noise are recalibrated for every T.",
             "results": rows, "tuning": {"indknn": ti, "private_knn": tp, "noisy_sgd": ts}, "table": table,
+            "majority_class": maj,
             "seconds": {"total": time.perf_counter() - t_start}}
 
 

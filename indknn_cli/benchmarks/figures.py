@@ -8,6 +8,7 @@ from pathlib import Path
 from .report import plot_grid, plot_lines
 
 PRIVATE_METHODS = ("ind-knn", "ind-knn+reuse", "private-knn", "linear-noisysgd")
+TUNED_METHODS = ("ind-knn (tuned privately)", "ind-knn best grid point (oracle, B_serve)")
 
 
 def _ds(result: dict) -> str:
@@ -15,14 +16,24 @@ def _ds(result: dict) -> str:
     return f"{d.get('name', '?')} ({d.get('extractor', '?')}, {d.get('split', {}).get('private', '?')} private)"
 
 
-def _band(name: str, rows: list[dict], x: str) -> dict:
-    """{name: (x, median, min, max)} over the query draws of ``rows`` (sorted by ``x``); {} when empty."""
-    rows = sorted(rows, key=lambda r: r[x])
-    if not rows:
-        return {}
-    return {name: ([r[x] for r in rows], [r["accuracy_median"] for r in rows],
-                   [r.get("accuracy_min", r["accuracy_median"]) for r in rows],
-                   [r.get("accuracy_max", r["accuracy_median"]) for r in rows])}
+def _series(rows: list[dict], x: str, methods) -> tuple[dict, dict]:
+    """{method: (xs, median accuracies)} and {method: (min, max)} over query draws, sorted by ``x``."""
+    series, bands = {}, {}
+    for m in methods:
+        pts = sorted((r[x], r["accuracy_median"], r["accuracy_min"], r["accuracy_max"]) for r in rows
+                     if r["method"] == m)
+        if pts:
+            series[m] = ([q[0] for q in pts], [q[1] for q in pts])
+            bands[m] = ([q[2] for q in pts], [q[3] for q in pts])
+    return series, bands
+
+
+def _majority(result: dict, hl: dict, hb: dict) -> None:
+    maj = result.get("majority_class")
+    if maj:
+        name = f"majority class ({maj['label_name']})"
+        hl[name] = maj["accuracy_median"]
+        hb[name] = (maj["accuracy_min"], maj["accuracy_max"])
 
 
 def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
@@ -31,26 +42,30 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
     paths: list[Path] = []
     if kind == "accuracy-vs-eps":
         rows = result["results"]
-        series = {}
-        for m in PRIVATE_METHODS:
-            series.update(_band(m, [r for r in rows if r["method"] == m], "epsilon"))
-        hl = {r["method"]: (r["accuracy_median"], r.get("accuracy_min", r["accuracy_median"]),
-                            r.get("accuracy_max", r["accuracy_median"])) for r in rows if r["epsilon"] == math.inf}
+        series, bands = _series(rows, "epsilon", PRIVATE_METHODS + TUNED_METHODS)
+        if any(m in series for m in TUNED_METHODS):  # say which rows were tuned without privacy
+            from .experiments import TABLE_LABEL
+
+            series = {TABLE_LABEL.get(m, m): v for m, v in series.items()}
+            bands = {TABLE_LABEL.get(m, m): v for m, v in bands.items()}
+        hl = {r["method"]: r["accuracy_median"] for r in rows if r["epsilon"] == math.inf}
+        hb = {r["method"]: (r["accuracy_min"], r["accuracy_max"]) for r in rows if r["epsilon"] == math.inf}
+        _majority(result, hl, hb)
         T = result["dataset"].get("queries_per_draw")
         c = result["config"]
-        paths.append(plot_lines(out_dir / f"{stem}.png", series=series, hlines=hl,
-                                xlabel=f"ε (δ = {c['delta']:g}; Ind-KNN {c['conversion'].upper()}, Private-kNN "
-                                f"{c['pknn_accountant'].upper()}, NoisySGD {c['sgd_accountant'].upper()})",
-                                ylabel=f"median accuracy of {T} queries (band: min–max over draws)",
+        paths.append(plot_lines(out_dir / f"{stem}.png", series=series, hlines=hl, bands=bands, hbands=hb,
+                                xlabel=f"total ε (δ={c['delta']:g}; Ind-KNN {c['conversion'].upper()}, tuned "
+                                f"privately RDP; P-kNN {c['pknn_accountant'].upper()}; SGD "
+                                f"{c['sgd_accountant'].upper()})",
+                                ylabel=f"median accuracy, {T} queries (band: min–max)",
                                 title=f"Accuracy vs ε\n{_ds(result)}"))
     elif kind == "accuracy-vs-queries":
-        rows = result["results"]
-        series = {}
-        for m in PRIVATE_METHODS:
-            series.update(_band(m, [r for r in rows if r["method"] == m], "queries"))
-        paths.append(plot_lines(out_dir / f"{stem}.png", series=series, xlabel="number of queries T",
-                                ylabel="median accuracy (band: min–max over draws)", logx=True,
-                                title=f"Accuracy vs T at ε={result['epsilon']:g}\n{_ds(result)}"))
+        series, bands = _series(result["results"], "queries", PRIVATE_METHODS)
+        hl, hb = {}, {}
+        _majority(result, hl, hb)
+        paths.append(plot_lines(out_dir / f"{stem}.png", series=series, bands=bands, hlines=hl, hbands=hb,
+                                xlabel="number of queries T", ylabel="median accuracy (band: min–max of draws)",
+                                logx=True, title=f"Accuracy vs T at ε={result['epsilon']:g}\n{_ds(result)}"))
     elif kind == "retraining":
         rows = result["results"]
         qs = [r["retrain_every"] for r in rows]
@@ -77,6 +92,10 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
             s[1].append(r["queries_per_second"])
         paths.append(plot_lines(out_dir / f"{stem}.png", series=series, xlabel="private records N",
                                 ylabel="queries / s", logx=True, logy=True, title="Engine throughput (synthetic)"))
+    elif kind == "min-margin":
+        from .abstain import plot
+
+        paths += plot(result, out_dir, stem)
     elif kind == "tune":
         res = result["result"]
         s1 = res["stage1"]["sweep"]

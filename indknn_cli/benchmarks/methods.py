@@ -33,11 +33,13 @@ class IndKnnRun:
     seconds: float
     active_after: int
     checkpoints: list = field(default_factory=list)   # (queries answered, median realised spent)
+    margins: np.ndarray | None = None                 # noisy (top-1 − top-2) / (σ2·sqrt(K_t)) per query
 
 
 def run_indknn(private_x: np.ndarray, private_y: np.ndarray, queries: np.ndarray, *, params, n_classes: int,
                seed: int, tag: str, reuse: bool = False, batch_size: int = 256, device: str = "cpu",
-               candidate_finder=None, segment: int | None = None, on_segment=None) -> IndKnnRun:
+               candidate_finder=None, segment: int | None = None, on_segment=None,
+               min_margin: float | None = None) -> IndKnnRun:
     """Answer ``queries`` in order with a fresh budget state (one query draw).
 
     The run key is ``run_key_for(seed, tag)`` — what ``serve-queries --seed``
@@ -53,7 +55,7 @@ def run_indknn(private_x: np.ndarray, private_y: np.ndarray, queries: np.ndarray
     labels = np.asarray(private_y, dtype=np.int64)
     pool = ReusePool.empty(private_x.shape[1]) if reuse else None
     key = run_key_for(seed, tag)
-    out, counts = [], []
+    out, counts, margins = [], [], []
     t0 = time.perf_counter()
     m = queries.shape[0]
     seg = segment or max(m, 1)
@@ -63,14 +65,16 @@ def run_indknn(private_x: np.ndarray, private_y: np.ndarray, queries: np.ndarray
             hi = min(s_hi, lo + batch_size)
             ans = answer_batch(queries[lo:hi], source=source, row_to_ledger=row_to_ledger, row_labels=labels,
                                params=params, n_classes=n_classes, budgets=budgets, run_key=key, first_index=lo,
-                               reuse=pool, device=device, candidate_finder=candidate_finder)
+                               reuse=pool, device=device, candidate_finder=candidate_finder, min_margin=min_margin)
             out.extend(a.label for a in ans)
             counts.extend(a.released_count for a in ans)
+            margins.extend(a.margin for a in ans)
         if segment is not None and on_segment is not None:
             on_segment(budgets, s_hi)
     seconds = time.perf_counter() - t0
     active = int(((~budgets.deleted) & (np.nextafter(budgets.spent + params.c1, np.inf) <= budgets.budget)).sum())
-    return IndKnnRun(np.asarray(out, np.int64), np.asarray(counts), budgets.spent, params.budget, seconds, active)
+    return IndKnnRun(np.asarray(out, np.int64), np.asarray(counts), budgets.spent, params.budget, seconds, active,
+                     margins=np.asarray(margins, np.float64))
 
 
 class PrecomputedFinder:

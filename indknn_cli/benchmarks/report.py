@@ -82,39 +82,47 @@ def _plt():
 
 
 STYLE = {"ind-knn": ("tab:red", "o"), "ind-knn+reuse": ("tab:orange", "s"), "private-knn": ("tab:blue", "^"),
-         "linear-noisysgd": ("tab:green", "D")}
+         "linear-noisysgd": ("tab:green", "D"), "ind-knn (tuned privately)": ("tab:purple", "v"),
+         "ind-knn (tuned non-privately)": ("tab:red", "o"), "ind-knn best grid point (oracle, B_serve)": ("tab:gray", "x"),
+         "answered, no reuse": ("tab:red", "o"), "answered, reuse": ("tab:orange", "s")}
 
 
 def plot_lines(path: Path, *, series: dict[str, tuple], xlabel: str, ylabel: str, title: str,
-               hlines: dict[str, float | tuple] | None = None, logx: bool = False, logy: bool = False) -> Path:
-    """One line per series {name: (x, y)} or {name: (x, y, low, high)}: with low/high, the spread over query
-    draws is a shaded band. ``hlines`` {name: y or (y, low, high)}: non-private references, each in its own
-    colour and dash pattern, its value in the legend and its spread as a band, so that two close references
-    can be told apart."""
+               hlines: dict[str, float | tuple] | None = None, logx: bool = False, logy: bool = False,
+               bands: dict[str, tuple[list, list]] | None = None,
+               hbands: dict[str, tuple[float, float]] | None = None) -> Path:
+    """One line per series {name: (x, y)} or {name: (x, y, low, high)}; ``hlines`` {name: y or (y, low, high)}
+    as references (non-private accuracies), each in its own colour and dash pattern.
+
+    The spread over query draws (min–max) is a shaded band: from a series' own low/high, or ``bands``
+    {name: (low, high)}; for a reference from its tuple or ``hbands`` {name: (low, high)}, so two references
+    of nearly equal value still show their ranges.
+    """
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.0, 4.2), dpi=120)
     for name, values in series.items():
         xs, ys = values[0], values[1]
-        color, marker = STYLE.get(name.split(" ")[0], (None, "o"))
+        band = (values[2], values[3]) if len(values) == 4 else (bands or {}).get(name)
+        color, marker = STYLE.get(name, STYLE.get(name.split(" ")[0], (None, "o")))
         line, = ax.plot(xs, ys, marker=marker, color=color, label=name)
-        if len(values) == 4:
-            ax.fill_between(xs, values[2], values[3], color=line.get_color(), alpha=0.15, linewidth=0)
-    dashes = ("--", ":", "-.", (0, (5, 1, 1, 1)))
+        if band is not None:
+            ax.fill_between(xs, band[0], band[1], color=line.get_color(), alpha=0.15, linewidth=0)
+    linestyles = ("--", ":", "-.", (0, (5, 1)), (0, (1, 1)))
     for i, (name, ref) in enumerate((hlines or {}).items()):
-        y, band = (ref[0], ref[1:]) if isinstance(ref, tuple) else (ref, ())
+        y, band = (ref[0], tuple(ref[1:3])) if isinstance(ref, tuple) else (ref, (hbands or {}).get(name))
         color = f"C{(i + 5) % 10}"
-        ax.axhline(y, linestyle=dashes[i % len(dashes)], linewidth=1.2, color=color, label=f"{name} ({y:.3f})")
-        if len(band) == 2 and band[1] > band[0]:
+        ax.axhline(y, linestyle=linestyles[i % len(linestyles)], linewidth=1.2, color=color, label=f"{name} ({y:.3f})")
+        if band and len(band) == 2 and band[1] > band[0]:
             ax.axhspan(band[0], band[1], color=color, alpha=0.10, linewidth=0)
     if logx:
         ax.set_xscale("log")
     if logy:
         ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from typing import Callable
 from ..errors import BadInputError, PrivacyRefusedError
 from . import experiments
 from .config import BenchConfig
-from .data import load_dataset, make_split
+from .data import attach_test_store, load_dataset, make_split
 from .figures import make_plots
 from .report import environment, write_json
 
@@ -23,7 +23,7 @@ SEEDING = {
     "private_knn": "numpy SeedSequence(seed, spawn_key=(crc32('pknn:<ε>:<T>:<draw>'),)) for subsamples and noise",
     "linear_noisysgd": "torch.Generator(seed·1000 + draw) for Poisson batches, (… + 1) for Opacus noise",
 }
-EXPERIMENTS = ("accuracy-vs-eps", "accuracy-vs-queries", "retraining", "speed", "tune")
+EXPERIMENTS = ("accuracy-vs-eps", "accuracy-vs-queries", "retraining", "speed", "tune", "min-margin")
 TUNED_ON_PRIVATE = ("Each method was tuned on a validation split carved from the private side: tuning reads "
                     "private records without accounting (the papers' protocol); a deployment tunes on public data.")
 TUNED_ON_PUBLIC = "Each method was tuned on a validation split of the store's labelled public rows."
@@ -47,7 +47,7 @@ def _stem(experiment: str, dataset: str | None) -> str:
 def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Path | None = None,
               cache_dir: Path | None = None, out_dir: Path = Path("bench_out"), quick: bool = False, seed: int = 0,
               features: str = "hog", n_queries: int | None = None, n_private: int | None = None,
-              epsilon: float = 1.0, unaccounted_private_tuning: bool = False,
+              epsilon: float = 1.0, unaccounted_private_tuning: bool = False, test_store: Path | None = None,
               progress: Callable[[str], None] = lambda s: None, **overrides) -> dict:
     """Run one experiment and write ``<out>/<experiment>_<dataset>.json`` and its PNG plots.
 
@@ -76,6 +76,9 @@ def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Pat
         progress(f"loading {dataset} (features are computed once and cached block by block)")
         ds = load_dataset(dataset, data_dir=data_dir, cache_dir=cache_dir, features=features, device=cfg.device,
                           progress=progress)
+        if test_store is not None:
+            ds = attach_test_store(ds, Path(test_store))
+            progress(f"scoring on the {ds.info['test_rows']} labelled test rows of {test_store}")
         split = make_split(ds, seed=seed, n_queries=n_queries, n_private=n_private,
                            max_private=cfg.max_private)
         is_store = dataset not in ("ag_news", "mnist")
@@ -90,13 +93,17 @@ def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Pat
             elif experiment == "retraining":
                 result = experiments.retraining(ds, split, cfg, epsilon=epsilon, progress=progress,
                                                 partial=partial)
+            elif experiment == "min-margin":
+                from .abstain import min_margin_curve
+
+                result = min_margin_curve(ds, split, cfg, epsilon=epsilon, progress=progress)
             else:
                 result = experiments.tune(ds, split, cfg, progress=progress)
         except ValueError as exc:  # sizes that do not fit the data
             if isinstance(exc, BadInputError):
                 raise
             raise BadInputError(str(exc)) from None
-    if experiment in ("accuracy-vs-eps", "accuracy-vs-queries", "retraining"):
+    if experiment in ("accuracy-vs-eps", "accuracy-vs-queries", "retraining", "min-margin"):
         result["tuned_on"] = TUNED_ON_PUBLIC if ds.public_rows is not None else TUNED_ON_PRIVATE
         result["table"]["note"] = (result["table"].get("note", "") + " " + result["tuned_on"]).strip()
     if experiment == "tune" and is_store and ds.public_rows is None:
@@ -113,7 +120,9 @@ def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Pat
     summary = {"experiment": experiment, "dataset": dataset if experiment != "speed" else "synthetic",
                "quick": quick, "seed": seed, "json": str(path), "plots": [str(p) for p in plots],
                "table": result["table"], "seconds": round(seconds, 1)}
-    for key in ("tuned_on", "unaccounted_private_tuning"):
+    if test_store is not None:
+        summary["test_store"] = str(test_store)
+    for key in ("tuned_on", "unaccounted_private_tuning", "majority_class"):
         if key in result:
             summary[key] = result[key]
     if experiment == "tune":

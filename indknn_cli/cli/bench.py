@@ -37,6 +37,9 @@ QUERIES = typer.Option(None, "--queries", help="Queries per draw T (default min(
 N_QUERIES = typer.Option(None, "--n-queries", help="Size of the query pool split off the data.")
 N_PRIVATE = typer.Option(None, "--n-private", help="Keep a seeded random subset of this many private records "
                          "(default: all; --quick caps at 20,000).")
+TEST_STORE = typer.Option(None, "--test-store", help="Score on this store's labelled test rows (`indknn embed "
+                          "FILE --role test --label-column ...`) instead of queries carved out of the data; their "
+                          "labels score answers only. Same extractor and label names as --dataset.")
 PKNN_ACC = typer.Option("pld", "--pknn-accountant", help="Private-kNN accountant: pld or rdp (dp-accounting).")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda for the engine and the feature extractor.")
 
@@ -89,10 +92,11 @@ def _run(experiment: str, parsed=lambda: {}, **kw) -> None:
 
 
 def _common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, draws, queries, n_queries,
-            pknn_accountant, device, n_private=None) -> dict:
+            pknn_accountant, device, n_private=None, test_store=None) -> dict:
     return dict(quick=quick, out_dir=out, dataset=dataset, data_dir=data_dir, cache_dir=cache, seed=seed,
                 features=features, conversion=conversion, delta=delta, draws=draws, queries=queries,
-                n_queries=n_queries, n_private=n_private, pknn_accountant=pknn_accountant, device=device)
+                n_queries=n_queries, n_private=n_private, pknn_accountant=pknn_accountant, device=device,
+                test_store=test_store)
 
 
 @bench_app.command("accuracy-vs-eps")
@@ -103,12 +107,23 @@ def accuracy_vs_eps(
     cache: Optional[Path] = CACHE, seed: int = SEED, features: str = FEATURES, conversion: str = CONVERSION,
     delta: float = DELTA, draws: Optional[int] = DRAWS, queries: Optional[int] = QUERIES,
     n_queries: Optional[int] = N_QUERIES, n_private: Optional[int] = N_PRIVATE, pknn_accountant: str = PKNN_ACC,
-    device: str = DEVICE,
+    device: str = DEVICE, test_store: Optional[Path] = TEST_STORE,
+    private_tuning: bool = typer.Option(True, "--private-tuning/--no-private-tuning", help="Add the row 'ind-knn "
+                                        "(tuned privately)': index --tune private's search and serving composed into "
+                                        "the same total ε (RDP), re-tuned for every query draw."),
+    oracle: bool = typer.Option(True, "--oracle/--no-oracle", help="Also serve every point of the tuning grid at "
+                                "the tuned ledger's B_serve and report the best (a yardstick, not a method)."),
+    tune_share: Optional[float] = typer.Option(None, "--tune-share", help="As index --tune-share (default: index's)."),
+    tune_runs: Optional[float] = typer.Option(None, "--tune-runs", help="As index --tune-runs (default: index's)."),
+    tune_queries: Optional[int] = typer.Option(None, "--tune-queries", help="As index --tune-queries (default: "
+                                               "index's)."),
 ) -> None:
-    """Median accuracy over query draws per ε for every method, each tuned on a validation split (paper Fig. 1a, 2)."""
-    _run("accuracy-vs-eps", lambda: dict(epsilons=_floats(eps, "--eps")),
+    """Median accuracy over query draws per ε for every method, each tuned on a validation split (paper Fig. 1a, 2),
+    next to Ind-KNN tuned privately at the same total ε, and the majority-class floor."""
+    _run("accuracy-vs-eps", lambda: dict(epsilons=_floats(eps, "--eps")), private_tuning=private_tuning,
+         oracle_grid=oracle, tune_share=tune_share, tune_runs=tune_runs, tune_queries=tune_queries,
          **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, draws, queries,
-                   n_queries, pknn_accountant, device, n_private))
+                   n_queries, pknn_accountant, device, n_private, test_store))
 
 
 @bench_app.command("accuracy-vs-queries")
@@ -120,11 +135,12 @@ def accuracy_vs_queries(
     cache: Optional[Path] = CACHE, seed: int = SEED, features: str = FEATURES, conversion: str = CONVERSION,
     delta: float = DELTA, draws: Optional[int] = DRAWS, n_queries: Optional[int] = N_QUERIES,
     n_private: Optional[int] = N_PRIVATE, pknn_accountant: str = PKNN_ACC, device: str = DEVICE,
+    test_store: Optional[Path] = TEST_STORE,
 ) -> None:
     """Accuracy as the number of queries T grows at fixed ε, with and without prediction reuse (paper Fig. 1b)."""
     _run("accuracy-vs-queries", lambda: dict(query_grid=_ints(query_grid, "--query-grid")), epsilon=eps,
          **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, draws, None,
-                   n_queries, pknn_accountant, device, n_private))
+                   n_queries, pknn_accountant, device, n_private, test_store))
 
 
 @bench_app.command("retraining")
@@ -143,6 +159,23 @@ def retraining(
          deletions_per_change=deletions,
          **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, None, queries,
                    n_queries, "pld", device, n_private))
+
+
+@bench_app.command("min-margin")
+def min_margin(
+    eps: float = typer.Option(1.0, "--eps", help="The fixed ε of Ind-KNN."),
+    margins: Optional[str] = typer.Option(None, "--margins", help="Comma-separated M of serve-queries --min-margin "
+                                          "(default 0,0.5,1,2,3)."),
+    quick: bool = QUICK, out: Path = OUT, dataset: str = DATASET, data_dir: Optional[Path] = DATA_DIR,
+    cache: Optional[Path] = CACHE, seed: int = SEED, features: str = FEATURES, conversion: str = CONVERSION,
+    delta: float = DELTA, draws: Optional[int] = DRAWS, queries: Optional[int] = QUERIES,
+    n_queries: Optional[int] = N_QUERIES, n_private: Optional[int] = N_PRIVATE, device: str = DEVICE,
+    test_store: Optional[Path] = TEST_STORE,
+) -> None:
+    """Coverage and accuracy on answered queries of serve-queries --min-margin M, with and without reuse."""
+    _run("min-margin", lambda: dict(margins=_floats(margins, "--margins")), epsilon=eps,
+         **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, draws, queries,
+                   n_queries, "pld", device, n_private, test_store))
 
 
 @bench_app.command("speed")

@@ -22,7 +22,7 @@ def _load() -> None:
 def embed_command(
     input: str = typer.Argument(..., metavar="INPUT", help="CSV, Parquet or JSON lines file; a folder of images (one sub-folder per class); .npy/.npz vectors; or - for stdin."),
     store: Optional[str] = typer.Option(None, "--store", help="Feature store: a folder or an s3:// URL (else $INDKNN_STORE, else ./indknn-store.zarr). Created if missing (private/public)."),
-    role: str = typer.Option("private", "--role", help="private | query | public. Labels are required for private and public, ignored for queries."),
+    role: str = typer.Option("private", "--role", help="private | query | public | test. Labels are required for private, public and test, ignored for queries. test: a labelled query batch (default name test-<sha256>) whose labels are kept for `indknn bench --test-store` scoring only; serve-queries never reads them and refuses the piped line of a test batch."),
     extractor: Optional[str] = typer.Option(None, "--extractor", help="text | image | pixels | hog | vectors. Default: the store's own extractor, else text."),
     model: Optional[str] = typer.Option(None, "--model", help="text: all-MiniLM-L6-v2 (default, bundled) or a local model folder; image: ARCH:/path/ckpt.pt; pixels-28; hog-28; vectors: a tag naming the vector source."),
     text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column (default: text); a comma list such as title,description is joined with '. '."),
@@ -33,7 +33,7 @@ def embed_command(
     vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed vectors in Parquet / JSON lines (default: vector; .npz: x)."),
     label_names: Optional[str] = typer.Option(None, "--label-names", help="Comma-separated label names fixed at store creation (default: the sorted distinct labels of the input)."),
     if_exists: str = typer.Option("error", "--if-exists", help="error | skip: what to do with a record id that is already in the store."),
-    batch_id: Optional[str] = typer.Option(None, "--batch-id", help="Name of the stored query batch (--role query; default q-<sha256 of the input>): give it to serve-queries as QUERIES. Re-running the same input is a no-op."),
+    batch_id: Optional[str] = typer.Option(None, "--batch-id", help="Name of the stored query batch (--role query or test; default q-<sha256 of the input>, test-<sha256> for test): give it to serve-queries as QUERIES. Re-running the same input is a no-op."),
     batch: Optional[str] = typer.Option(None, "--batch", hidden=True, help="Deprecated spelling of --batch-id."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     batch_size: int = typer.Option(256, "--batch-size", help="Rows read and embedded per batch (bounds memory)."),

@@ -9,7 +9,8 @@ import typer
 from rich.markup import escape
 
 from ..errors import BadInputError
-from ..tuning_grid import DEFAULT_SIGMA2S, DEFAULT_TAUS
+from ..tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS,
+                           DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
 from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store,
                      run_library_call, stderr_console)
 
@@ -47,12 +48,12 @@ def index_command(
     max_records_per_user: Optional[int] = typer.Option(None, "--max-records-per-user", help="user unit: only a user's k most similar records (largest κ) count per query (default: all)."),
     user_for_missing: str = typer.Option("refuse", "--user-for-missing", help="user unit: rows without a user id are refused (refuse, default) or each is its own user (record)."),
     tune: Optional[str] = typer.Option(None, "--tune", help="Choose τ and σ2 when creating the ledger (docs/TUNING.md): private = random search on the private records, its cost composed into the ε target by RDP and recorded in the ledger; public = on the store's labelled public rows, free. --tau/--sigma2 are then ignored."),
-    tune_share: float = typer.Option(0.2, "--tune-share", help="--tune private: fraction of --eps the search may cost (RDP, at --delta)."),
-    tune_runs: float = typer.Option(5.0, "--tune-runs", help="--tune private: mean number of runs K."),
-    tune_shape: str = typer.Option("1", "--tune-shape", help="--tune private: distribution of K: η ≥ 0 of the truncated negative binomial (0 logarithmic, 1 geometric) or 'poisson'."),
+    tune_share: float = typer.Option(DEFAULT_TUNE_SHARE, "--tune-share", help="--tune private: fraction of --eps the search may cost (RDP, at --delta)."),
+    tune_runs: float = typer.Option(DEFAULT_TUNE_RUNS, "--tune-runs", help="--tune private: mean number of runs K."),
+    tune_shape: str = typer.Option(f"{DEFAULT_TUNE_SHAPE:g}", "--tune-shape", help="--tune private: distribution of K: η ≥ 0 of the truncated negative binomial (0 logarithmic, the default; 1 geometric) or 'poisson'."),
     tune_taus: str = typer.Option(",".join(map(str, DEFAULT_TAUS)), "--tune-taus", help="Comma-separated τ grid."),
     tune_sigma2s: str = typer.Option(",".join(map(str, DEFAULT_SIGMA2S)), "--tune-sigma2s", help="Comma-separated σ2 grid."),
-    tune_queries: int = typer.Option(500, "--tune-queries", help="--tune private: validation queries S per run (the private set is split in S shards by a public coin)."),
+    tune_queries: int = typer.Option(DEFAULT_TUNE_QUERIES, "--tune-queries", help="--tune private: validation queries S per run (the private set is split in S shards by a public coin)."),
     tune_seed: Optional[int] = typer.Option(None, "--tune-seed", help="Experiments only: fixed seed of the tuning's coins and noise (recorded). Default: OS entropy."),
 ) -> None:
     """Create the ledger with B calibrated from (ε, δ); re-running adds new records, keeping spent budgets."""

@@ -1,0 +1,40 @@
+"""The privately tuned rows of `indknn bench accuracy-vs-eps` alone, for one ε (without the baselines' tuning).
+
+Calls ``indknn_cli.benchmarks.private_tuning.private_rows`` — what `bench accuracy-vs-eps` calls for each ε —
+on the same split, query draws and seed, and prints the privately tuned row, the best grid point at B_serve
+and the whole grid. Used for the README's figures when the full command could not finish on a loaded machine:
+
+    INDKNN_DATA=../shared/data python bench/private_tuning_rows.py 1.0 5
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from indknn_cli.benchmarks import private_tuning
+from indknn_cli.benchmarks.config import BenchConfig
+from indknn_cli.benchmarks.data import load_dataset, make_split
+from indknn_cli.benchmarks.experiments import majority_class, prepare, query_draws
+
+
+def main(argv: list[str]) -> None:
+    eps, n_draws, seed = float(argv[0]), int(argv[1]) if len(argv) > 1 else 5, int(argv[2]) if len(argv) > 2 else 0
+    ds = load_dataset("ag_news")
+    cfg = BenchConfig.make(quick=False, seed=seed, epsilons=(eps,), draws=n_draws)
+    p = prepare(ds, make_split(ds, seed=seed), cfg)
+    draws = query_draws(p.pool_x.shape[0], p.T, n_draws, seed)
+    t0 = time.perf_counter()
+    rows = private_tuning.private_rows(p, cfg, eps=eps, draws=draws, progress=lambda s: print(s, flush=True))
+    for r in rows:
+        print(r["method"], round(r["accuracy_median"], 4), "min", round(r["accuracy_min"], 4), "max",
+              round(r["accuracy_max"], 4), "B_serve", r["hyper"]["budget_B_serve"],
+              "ε_total", r.get("epsilon_total"), "ε_tuning", r.get("epsilon_tuning"))
+    for g in rows[-1].get("grid_accuracy", []):
+        print("grid", g["tau"], g["sigma2"], round(g["accuracy_median"], 4))
+    print("majority class", majority_class(p, draws)["accuracy_median"])
+    print(f"{time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
