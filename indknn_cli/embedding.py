@@ -312,8 +312,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
     total = src.count() if progress is not None else None
     created = False
     pre_existing_dir = store_path.is_dir() and store is None
-    named = (object_store.location(store_path) or store_path)
-    named = getattr(named, "name", str(named))  # what the JSON line says: the URL of a remote store
+    loc = object_store.location(store_path)
+    named = loc.name if loc is not None else str(store_path)  # what the JSON line says: a remote store's URL
     try:
         with contextlib.ExitStack() as stack:
             existing: set[str] = set()
