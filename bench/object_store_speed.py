@@ -58,7 +58,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=20000)
     ap.add_argument("--text-rows", type=int, default=2000)
     ap.add_argument("--out", default=str(ROOT / "docs" / "img" / "object_store_speed.png"))
+    ap.add_argument("--parts", default="workflow,text", help="workflow, text, or both (comma list)")
+    ap.add_argument("--merge", help="a JSON lines file of an earlier run: its rows of the parts not run here are "
+                    "drawn too")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     from s3_server import moto_server, new_bucket
 
     tmp = Path(tempfile.mkdtemp(prefix="indknn-os-bench-"))
@@ -68,9 +72,22 @@ def main() -> None:
     np.savez(tmp / "priv.npz", x=x, y=rng.integers(0, 4, args.rows), ids=np.array([f"r{i:06d}" for i in range(args.rows)]))
     np.savez(tmp / "q.npz", x=rng.standard_normal((100, 384)).astype(np.float32))
     out: list = []
-    workflow(str(tmp / "local.zarr"), tmp, "local folder", out)
-    with moto_server() as endpoint:
-        workflow(f"s3://{new_bucket(endpoint)}/store", tmp, "s3 (moto, 127.0.0.1)", out)
+    if args.merge:
+        kept = {"workflow": lambda r: r["what"] != "embed text", "text": lambda r: r["what"] == "embed text"}
+        with open(args.merge) as f:
+            old = [json.loads(line) for line in f if '"what"' in line]
+        out += [r for r in old if any(kept[p](r) for p in kept if p not in parts)]
+    if "workflow" in parts:
+        workflow(str(tmp / "local.zarr"), tmp, "local folder", out)
+        with moto_server() as endpoint:
+            workflow(f"s3://{new_bucket(endpoint)}/store", tmp, "s3 (moto, 127.0.0.1)", out)
+    if "text" in parts:
+        text(args, tmp, out)
+    print(json.dumps({"uptime": os.popen("uptime").read().strip()}), flush=True)
+    draw(out, args.out)
+
+
+def text(args, tmp: Path, out: list) -> None:
 
     with open(ROOT / "sample_data" / "ag_news_private.csv") as f:
         rows = list(csv.DictReader(f))[:args.text_rows]
@@ -93,8 +110,6 @@ def main() -> None:
                              batch_rows=10, scheduler=c.scheduler_address)  # loads the model on every worker
             _timed(out, "embed text", f"{n} Dask worker{'s' if n > 1 else ''}", lambda: embed_into_store(
                 tmp / "t.csv", store_path=tmp / f"t{n}.zarr", extractor="text", scheduler=c.scheduler_address))
-    print(json.dumps({"uptime": os.popen("uptime").read().strip()}), flush=True)
-    draw(out, args.out)
 
 
 def draw(out: list, path: str) -> None:
