@@ -83,8 +83,9 @@ def main() -> None:
             workflow(f"s3://{new_bucket(endpoint)}/store", tmp, "s3 (moto, 127.0.0.1)", out)
     if "text" in parts:
         text(args, tmp, out)
-    print(json.dumps({"uptime": os.popen("uptime").read().strip()}), flush=True)
-    draw(out, args.out)
+    uptime = os.popen("uptime").read().strip()
+    print(json.dumps({"uptime": uptime}), flush=True)
+    draw(out, args.out, note="uptime at the end: " + uptime)
 
 
 def text(args, tmp: Path, out: list) -> None:
@@ -112,7 +113,7 @@ def text(args, tmp: Path, out: list) -> None:
                 tmp / "t.csv", store_path=tmp / f"t{n}.zarr", extractor="text", scheduler=c.scheduler_address))
 
 
-def draw(out: list, path: str) -> None:
+def draw(out: list, path: str, note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,6 +133,8 @@ def draw(out: list, path: str) -> None:
     b.bar([r["where"] for r in text], [r["seconds"] for r in text], color="tab:green")
     b.set_ylabel("seconds")
     b.set_title("embed (text model): in process vs Dask workers")
+    if note:
+        fig.suptitle(note, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
