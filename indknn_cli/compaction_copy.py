@@ -29,8 +29,10 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
     attrs.update(store_uuid=new_uuid, compactions=history)
     new.root.attrs.update(attrs)
 
-    src, dst = store.group("private"), new.group("private")
     names = ("features", "labels", "record_id", "user_id", "deleted")
+    # each array opened once (on object storage an open is two requests)
+    src_group, dst_group = store.group("private"), new.group("private")
+    src, dst = {name: src_group[name] for name in names}, {name: dst_group[name] for name in names}
     m = int(keep.size)
     for name in names:
         dst[name].resize((m,) + tuple(dst[name].shape[1:]))
@@ -60,9 +62,9 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
         buffered += sel.size
         flush(False)
     flush(True)
-    group_attrs = {k: v for k, v in dict(src.attrs).items() if k != PENDING_ATTR}
+    group_attrs = {k: v for k, v in dict(src_group.attrs).items() if k != PENDING_ATTR}
     group_attrs["n_rows"] = m
-    dst.attrs.update(group_attrs)
+    dst_group.attrs.update(group_attrs)
     for role in ("public", "query"):  # untouched: copied byte for byte (query rows keep their numbers)
         g = GROUP_OF_ROLE[role]
         object_store.copy_group(store, dest, g)

@@ -35,6 +35,7 @@ class Appender:
         self.rows_written = 0
         self.bytes_written = 0
         self.external_features = False
+        self._arrays: dict = {}
 
     def write(self, features: np.ndarray | None, *, labels: np.ndarray | None = None,
               record_ids: Sequence[str], user_ids: Sequence[str] | None = None) -> None:
@@ -78,7 +79,9 @@ class Appender:
         for name, parts in self._pending.items():
             if not parts:
                 continue
-            arr = self.group[name]
+            if name not in self._arrays:  # opened once: on object storage each open is two requests
+                self._arrays[name] = self.group[name]
+            arr = self._arrays[name]
             lo = self._written.get(name, self.start)
             chunk = int(arr.chunks[0])
             hi = self.stop if final else (self.stop // chunk) * chunk
