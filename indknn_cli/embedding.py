@@ -144,7 +144,7 @@ def embed_into_store(
     if if_exists not in IF_EXISTS:
         raise BadInputError(f"--if-exists must be error or skip, got {if_exists!r}")
     if batch is not None and role not in ("query", TEST_ROLE):
-        raise BadInputError("--batch-id applies to --role query and --role test only")
+        raise BadInputError("--batch-id applies to --role query only (or --role test)")
     store_path = object_store.local_path(store_path)  # an s3:// URL: its local state folder
     store = None
     if _store_exists(store_path) or (object_store.location(store_path) is None and store_path.exists()

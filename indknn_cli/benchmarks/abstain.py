@@ -113,6 +113,6 @@ def plot(result: dict, out_dir, stem: str) -> list:
                        hlines={f"majority class ({maj['label_name']})": maj["accuracy_median"]},
                        hbands={f"majority class ({maj['label_name']})": (maj["accuracy_min"], maj["accuracy_max"])},
                        xlabel=f"coverage (share of queries answered), M ∈ {{{margins}}} right to left",
-                       ylabel="accuracy on answered queries (band: min–max of draws)",
+                       ylabel="accuracy on answered queries (band: min–max over draws)",
                        title=f"serve-queries --min-margin at ε={result['epsilon']:g}\n{d['name']} "
                              f"({d['extractor']}, {d['split']['private']} private)")]

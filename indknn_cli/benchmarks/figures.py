@@ -57,14 +57,14 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
                                 xlabel=f"total ε (δ={c['delta']:g}; Ind-KNN {c['conversion'].upper()}, tuned "
                                 f"privately RDP; P-kNN {c['pknn_accountant'].upper()}; SGD "
                                 f"{c['sgd_accountant'].upper()})",
-                                ylabel=f"median accuracy, {T} queries (band: min–max)",
+                                ylabel=f"median accuracy, {T} queries (band: min–max over draws)",
                                 title=f"Accuracy vs ε\n{_ds(result)}"))
     elif kind == "accuracy-vs-queries":
         series, bands = _series(result["results"], "queries", PRIVATE_METHODS)
         hl, hb = {}, {}
         _majority(result, hl, hb)
         paths.append(plot_lines(out_dir / f"{stem}.png", series=series, bands=bands, hlines=hl, hbands=hb,
-                                xlabel="number of queries T", ylabel="median accuracy (band: min–max of draws)",
+                                xlabel="number of queries T", ylabel="median accuracy (band: min–max over draws)",
                                 logx=True, title=f"Accuracy vs T at ε={result['epsilon']:g}\n{_ds(result)}"))
     elif kind == "retraining":
         rows = result["results"]

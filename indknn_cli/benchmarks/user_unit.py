@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
             ax.fill_between([r["epsilon"] for r in sel], [min(r["accuracies"]) for r in sel],
                             [max(r["accuracies"]) for r in sel], color=line.get_color(), alpha=0.15, linewidth=0)
         ax.set_xlabel("ε (gdp, δ = %g; per record or per user)" % a.delta)
-        ax.set_ylabel("accuracy (median of %d draws; band: min–max)" % a.draws)
+        ax.set_ylabel("accuracy (median of %d draws; band: min–max over draws)" % a.draws)
         ax.set_title("AG News, users of 1–%d records" % a.max_records)
         ax.legend()
         fig.tight_layout()
