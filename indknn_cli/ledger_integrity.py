@@ -446,6 +446,23 @@ def _bind(store_path, ledger, ledger_path, lock_timeout: float, *, locked_store=
         _fsync_path(Path(store_path))
 
 
+def recorded_store(ledger_path) -> tuple[Path | None, str | None, str]:
+    """The store the ledger records (path, uuid) from its current snapshot's metadata, without replaying it,
+    and a note. ``account`` without ``--store`` checks the binding and the high-water mark against it when
+    it is reachable (the audit's D3); the path is None (and the note says why) when it is not."""
+    import pyarrow.parquet as pq
+
+    try:
+        gen = int(json.loads((Path(ledger_path) / "CURRENT").read_text())["generation"])
+        meta = json.loads((pq.read_schema(Path(ledger_path) / f"snapshot-{gen:06d}.parquet").metadata or {})[b"indknn"])
+        path, uuid_ = Path(str(meta["store_path"])), str(meta["store_uuid"])
+    except Exception:  # noqa: BLE001 - the full open reports a damaged ledger
+        return None, None, "unchecked against the store: the ledger does not name one"
+    if not (path / "zarr.json").is_file():
+        return None, uuid_, f"unchecked against the store: none at the recorded {path}"
+    return path, uuid_, f"checked against the store at the recorded {path}"
+
+
 # -- `indknn account --verify` ------------------------------------------------------------------
 def verify_ledger(ledger_path, *, store_path=None) -> dict:
     """Walk the chain and every check above; return what was verified (``verified`` False and ``error``

@@ -146,3 +146,20 @@ def test_d4_a_batch_refused_by_max_queries_is_not_embedded(tmp_path):
     after = json.loads((tmp_path / "s.zarr" / "queries" / "zarr.json").read_text())["attributes"]
     assert after == before and after["n_rows"] == 40
     _ok(_serve(tmp_path, "q2.npz", "b2", "--max-queries", "80"))  # fits exactly: answered
+
+
+# -- D3 -------------------------------------------------------------------------------------------------
+def test_d3_account_without_store_checks_the_recorded_store_or_says_it_did_not(tmp_path):
+    _world(tmp_path)
+    _ok(_serve(tmp_path, "q1.npz", "b1"))
+    shutil.copytree(tmp_path / "L", tmp_path / "Lbak")
+    _ok(_serve(tmp_path, "q2.npz", "b2"))
+    shutil.rmtree(tmp_path / "L")
+    (tmp_path / "Lbak").rename(tmp_path / "L")  # rolled back
+    r = _cli(tmp_path, "account", "--ledger", "L", "--json")
+    assert r.returncode == 1 and "rolled back" in " ".join(r.stderr.split()), (r.returncode, r.stderr)
+    assert _cli(tmp_path, "account", "--ledger", "L", "--record", "r0", "--json").returncode == 1
+    (tmp_path / "s.zarr").rename(tmp_path / "elsewhere.zarr")  # the recorded store is out of reach
+    r = _ok(_cli(tmp_path, "account", "--ledger", "L", "--json"))
+    assert "unchecked against the store" in " ".join(r.stderr.split())
+    assert json.loads(r.stdout)["store_check"]["checked"] is False
