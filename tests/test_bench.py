@@ -151,6 +151,10 @@ def test_experiment_end_to_end_writes_json_and_png(labelled_store, tmp_path, exp
                 assert r["accounted_epsilon"] <= r["epsilon"]
             if r["method"].startswith("ind-knn") and r["epsilon"] != "inf":
                 assert r["conversion"] == "gdp" and "Gaussian-DP" in r["privacy"]
+            if r["method"] in ("ind-knn", "ind-knn+reuse", "private-knn", "linear-noisysgd"):  # audit D6
+                assert r["unit"] == "record" and r["adjacency"] == "add/remove one record", r
+                assert r["conversion"] and "add/remove one record" in r["privacy"], r
+        assert "add/remove one record" in data["table"]["note"]
     if experiment == "retraining":
         rows = data["results"]
         assert [r["retrain_every"] for r in rows] == [15, 45]
@@ -173,6 +177,8 @@ def test_cli_bench_prints_table_on_stderr_and_one_json_line(labelled_store, tmp_
     summary = json.loads(lines[0])
     assert summary["table"]["columns"] == ["method", "ε=1", "ε=2", "ε=∞"] and summary["seed"] == 2
     assert "median accuracy" in res.stderr and "ind-knn" in res.stderr
+    # audit D6: every printed ε names conversion, unit and adjacency
+    assert "add/remove one record" in " ".join(res.stderr.split()) and "per record" in summary["table"]["note"]
     assert Path(summary["json"]).is_file()
 
 
