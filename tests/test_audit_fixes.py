@@ -163,3 +163,18 @@ def test_d3_account_without_store_checks_the_recorded_store_or_says_it_did_not(t
     r = _ok(_cli(tmp_path, "account", "--ledger", "L", "--json"))
     assert "unchecked against the store" in " ".join(r.stderr.split())
     assert json.loads(r.stdout)["store_check"]["checked"] is False
+
+
+# -- a refused index leaves no ledger folder ---------------------------------------------------------------
+def test_a_refused_index_leaves_no_half_created_ledger_folder(tmp_path):
+    _priv(tmp_path / "priv.npz")
+    _ok(_cli(tmp_path, "embed", "priv.npz", "--store", "s.zarr", "--role", "private", "--extractor", "vectors", "-q"))
+    before = json.loads((tmp_path / "s.zarr" / "zarr.json").read_text())
+    # refused inside the ledger lock (the lock creates the folder): no public rows to tune on
+    r = _cli(tmp_path, "index", "--store", "s.zarr", "--ledger", "sub/L", "--eps", "1", "--tune", "public", "-q")
+    assert r.returncode == 2 and "no public rows" in r.stderr, r.stderr
+    assert not (tmp_path / "sub").exists() and json.loads((tmp_path / "s.zarr" / "zarr.json").read_text()) == before
+    # refused before the lock: a parameter out of range
+    r = _cli(tmp_path, "index", "--store", "s.zarr", "--ledger", "L", "--eps", "1e308", "-q")
+    assert r.returncode == 2 and not (tmp_path / "L").exists()
+    assert not (tmp_path / "s.zarr" / "ledger-mark.json").exists()
