@@ -49,7 +49,7 @@ def _queries(path: Path, n: int, seed: int) -> None:
     np.savez(path, x=x.astype(np.float32), ids=np.array([f"q{seed}-{i}" for i in range(n)]))
 
 
-def _world(tmp: Path, *, users: bool = False) -> None:
+def _world(tmp: Path, *, users: bool = False, unit: str = "record") -> None:
     """s.zarr + ledger L (ε = 60: records are selected many times before they retire)."""
     _priv(tmp / "priv.npz")
     for k in (1, 2, 3):
@@ -57,7 +57,7 @@ def _world(tmp: Path, *, users: bool = False) -> None:
     emb = _ok(_cli(tmp, "embed", "priv.npz", "--store", "s.zarr", "--role", "private", "--extractor", "vectors",
                    "-q", *(["--user-column", "users"] if users else [])))
     _ok(_cli(tmp, "index", "--ledger", "L", "--eps", "60", "--tau", "0.5", "--sigma2", "0.5",
-             "--planned-queries", "1000", "-q", stdin=emb.stdout))
+             "--planned-queries", "1000", "--privacy-unit", unit, "-q", stdin=emb.stdout))
 
 
 def _serve(tmp: Path, q: str, batch: str, *extra: str, store: str = "s.zarr", ledger: str = "L"):
@@ -112,8 +112,9 @@ def test_d1_index_records_the_binding_in_two_places(tmp_path):
 
 
 # -- D2 -------------------------------------------------------------------------------------------------
-def test_d2_an_id_readded_after_a_pending_erasure_joins_its_old_spent_and_serving_goes_on(tmp_path):
-    _world(tmp_path, users=True)
+@pytest.mark.parametrize("unit", ["record", "user"])
+def test_d2_an_id_readded_after_a_pending_erasure_joins_its_old_spent_and_serving_goes_on(tmp_path, unit):
+    _world(tmp_path, users=True, unit=unit)
     _ok(_serve(tmp_path, "q1.npz", "b1"))
     spent0 = json.loads(_ok(_cli(tmp_path, "account", "--ledger", "L", "--record", "r5", "--json")).stdout)["spent"]
     assert spent0 > 0
