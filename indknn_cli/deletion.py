@@ -240,7 +240,7 @@ def delete_records(
                 ledger = _recover(store, ledger_path)
                 if ledger is not None:  # one store, one ledger; a rolled-back ledger is refused (ledger_integrity)
                     try:
-                        integrity.attach(store, ledger, ledger_path, bind=False)
+                        integrity.attach(store, ledger, ledger_path, bind=True, locked_store=store)
                     except LedgerIntegrityError as exc:  # damaged or rolled back: never blocks an erasure
                         raise _LedgerUnreadable(exc) from None
             except _LedgerUnreadable as exc:
@@ -446,6 +446,20 @@ def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _P
     if rows.size:
         _set_pending(store, np.empty(0, np.int64))  # 5. done
     return written
+
+
+def roll_forward_pending(store_path, ledger: BudgetLedger, *, lock_timeout: float = 60.0) -> int:
+    """Serving and `index`: finish an erasure recorded while the ledger was unreadable, before anything else.
+
+    The caller holds the ledger lock and the ledger-writer lock; the store lock is taken here (the same
+    order as `delete`). The pending rows get their tombstones first, so a record id re-added since then
+    joins its old spent (no refund) instead of being refused as "already active" (the audit's D2).
+    """
+    if FeatureStore.open(store_path, mode="r").erase_pending_rows("private").size == 0:
+        return 0
+    store = FeatureStore.open(store_path, mode="a")
+    with store.write_lock(timeout=lock_timeout):
+        return complete_pending(store, ledger)
 
 
 def complete_pending(store: FeatureStore, ledger: BudgetLedger | None) -> int:

@@ -447,7 +447,8 @@ class BudgetLedger:
         except FileNotFoundError:
             raise
         except Exception as exc:
-            raise LedgerError(f"{snap_path}: corrupt or truncated Parquet ({type(exc).__name__})") from None
+            raise LedgerIntegrityError(f"{snap_path}: corrupt or truncated Parquet ({type(exc).__name__}); "
+                                       "`indknn repair` brings the ledger back without refund") from None
         raw_meta = (snap.schema.metadata or {}).get(b"indknn")
         if raw_meta is None:
             raise LedgerError(f"{snap_path}: not an indknn ledger snapshot (no metadata)")
@@ -512,7 +513,8 @@ class BudgetLedger:
         except FileNotFoundError:
             raise
         except Exception as exc:
-            raise LedgerError(f"{event_path}: corrupt or truncated event ({type(exc).__name__})") from None
+            raise LedgerIntegrityError(f"{event_path}: corrupt or truncated event ({type(exc).__name__}); "
+                                       "`indknn repair` brings the ledger back without refund") from None
         if info.get("format_version") != FORMAT_VERSION:
             raise LedgerError(f"{event_path}: event format_version {info.get('format_version')!r}")
         if info.get("ledger_uuid") != self.meta["ledger_uuid"]:

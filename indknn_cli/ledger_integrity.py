@@ -245,11 +245,49 @@ def _bound_elsewhere(store, binding: dict, ledger_path, what: str) -> LedgerErro
     )
 
 
+#: Second trace of the binding, in the private group's attributes (written by :func:`_bind`, copied by a
+#: store compaction): removing the root attribute and the mark leaves this one, so a new ledger is refused.
+TRACE_ATTR = "ledger_bound"
+
+
+def binding_trace(store) -> dict | None:
+    try:
+        t = dict(store.group("private").attrs).get(TRACE_ATTR)
+    except KeyError:
+        return None
+    return t if isinstance(t, dict) else None
+
+
 def refuse_second_ledger(store, ledger_path) -> None:
-    """Before creating a ledger: a store bound to a ledger gets no other (exit 2, names the bound ledger)."""
+    """Before creating a ledger: a store bound to a ledger gets no other (exit 2, names the bound ledger).
+
+    A store without the root binding that still shows it was bound (the high-water mark file, or the
+    binding's trace in the private group) had its binding removed: refused too (D1 of the privacy audit).
+    """
     b = binding_of(store)
     if b is not None:
         raise _bound_elsewhere(store, b, ledger_path, "holds no ledger, and no new one is created for it")
+    trace = binding_trace(store)
+    if trace is not None or mark_path(store.path).exists():
+        raise LedgerError(
+            f"{store.path}: this store was bound to a ledger"
+            f"{' (uuid ' + str(trace.get('ledger_uuid')) + ')' if trace else ''} but its binding is gone "
+            f"(the root attribute {BINDING_ATTR!r} was removed or edited); {ledger_path} is not created. One store, "
+            "one ledger: a new ledger would give every record a fresh budget. Use the bound ledger; a new budget "
+            "for the same people needs a new store")
+
+
+def bound_era(ledger) -> bool:
+    """Whether the ledger was written by an indknn that binds store and ledger: its snapshot or one of its
+    events is hash-chained (chaining and binding came together). Such a ledger is bound to its store by
+    the first index or serve that writes it, so it never legitimately meets an unbound store again — unless
+    it was never written at all (a ledger just created: no event, no record)."""
+    chained_events = len(ledger.event_sha256) - ledger.unchained_events
+    return snapshot_is_chained(ledger.meta) or chained_events > 0
+
+
+def _never_written(ledger) -> bool:
+    return head_seq(ledger) == 0 and len(ledger.state) == 0
 
 
 def read_mark(store_path) -> dict | None:
@@ -365,37 +403,64 @@ def check_binding(store, ledger, ledger_path, *, mark=_UNREAD) -> dict:
     b = binding_of(store)
     if b is not None and b.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
         raise _bound_elsewhere(store, b, ledger_path, f"is another ledger ({ledger.meta['ledger_uuid']})")
+    if b is None and bound_era(ledger) and not _never_written(ledger):
+        raise LedgerIntegrityError(
+            f"{store.path}: the store carries no binding to a ledger, but {ledger_path} (uuid "
+            f"{ledger.meta['ledger_uuid']}) was written bound to a store (its events are hash-chained): the store's "
+            f"binding attribute {BINDING_ATTR!r} was removed, or this is another copy of the store; a rollback "
+            "could not be detected: refusing")
     mark = check_mark(store.path, ledger, required=b is not None, mark=mark)
     return {"bound": b is not None, "binding": b, "mark": mark}
 
 
-def attach(store, ledger, ledger_path, *, bind: bool, lock_timeout: float = 60.0) -> None:
+def attach(store, ledger, ledger_path, *, bind: bool, lock_timeout: float = 60.0, locked_store=None) -> None:
     """Check the binding and the mark; bind an unbound store (``bind``); keep the mark current from now on.
 
     The caller holds the ledger lock (and, when ``bind`` is False, may hold the store lock).
     """
     check_binding(store, ledger, ledger_path)
-    if bind and binding_of(store) is None:
-        _bind(store.path, ledger, ledger_path, lock_timeout)
+    if bind and (binding_of(store) is None or binding_trace(store) is None):
+        _bind(store.path, ledger, ledger_path, lock_timeout, locked_store=locked_store)
     ledger.mark_path = mark_path(store.path)
 
 
-def _bind(store_path, ledger, ledger_path, lock_timeout: float) -> None:
+def _bind(store_path, ledger, ledger_path, lock_timeout: float, *, locked_store=None) -> None:
+    """Bind the store (root attribute, mark, and the trace in the private group). ``locked_store``: the
+    caller's own store object, opened for writing with its write lock held (delete)."""
     from .store import FeatureStore, _fsync_path
 
-    st = FeatureStore.open(store_path, mode="a")
-    with st.write_lock(timeout=lock_timeout):
+    st = locked_store if locked_store is not None else FeatureStore.open(store_path, mode="a")
+    with (contextlib.nullcontext() if locked_store is not None else st.write_lock(timeout=lock_timeout)):
         b = binding_of(st)
-        if b is not None:  # bound by another process while we waited
-            if b.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
-                raise _bound_elsewhere(st, b, ledger_path, f"is another ledger ({ledger.meta['ledger_uuid']})")
-            return
-        write_mark(mark_path(store_path), ledger)  # first: a bound store always has a mark
-        st.root.attrs.update({BINDING_ATTR: {
-            "ledger_uuid": ledger.meta["ledger_uuid"], "ledger_path": str(Path(ledger_path).resolve()),
-            "bound_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}})
-        _fsync_path(Path(store_path) / "zarr.json")
+        if b is not None and b.get("ledger_uuid") != ledger.meta["ledger_uuid"]:  # bound by another process
+            raise _bound_elsewhere(st, b, ledger_path, f"is another ledger ({ledger.meta['ledger_uuid']})")
+        if b is None:
+            write_mark(mark_path(store_path), ledger)  # first: a bound store always has a mark
+            b = {"ledger_uuid": ledger.meta["ledger_uuid"], "ledger_path": str(Path(ledger_path).resolve()),
+                 "bound_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            st.root.attrs.update({BINDING_ATTR: b})
+            _fsync_path(Path(store_path) / "zarr.json")
+        if binding_trace(st) is None:  # also for stores bound before the trace existed
+            st.group("private").attrs.update({TRACE_ATTR: dict(b)})
+            _fsync_path(Path(store_path) / "private" / "zarr.json")
         _fsync_path(Path(store_path))
+
+
+def recorded_store(ledger_path) -> tuple[Path | None, str | None, str]:
+    """The store the ledger records (path, uuid) from its current snapshot's metadata, without replaying it,
+    and a note. ``account`` without ``--store`` checks the binding and the high-water mark against it when
+    it is reachable (the audit's D3); the path is None (and the note says why) when it is not."""
+    import pyarrow.parquet as pq
+
+    try:
+        gen = int(json.loads((Path(ledger_path) / "CURRENT").read_text())["generation"])
+        meta = json.loads((pq.read_schema(Path(ledger_path) / f"snapshot-{gen:06d}.parquet").metadata or {})[b"indknn"])
+        path, uuid_ = Path(str(meta["store_path"])), str(meta["store_uuid"])
+    except Exception:  # noqa: BLE001 - the full open reports a damaged ledger
+        return None, None, "unchecked against the store: the ledger does not name one"
+    if not (path / "zarr.json").is_file():
+        return None, uuid_, f"unchecked against the store: none at the recorded {path}"
+    return path, uuid_, f"checked against the store at the recorded {path}"
 
 
 # -- `indknn account --verify` ------------------------------------------------------------------

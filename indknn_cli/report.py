@@ -334,15 +334,29 @@ def build_account_report(
 
     store_uuid = None
     store = None
+    store_check = None
     if store_path is not None:
         from .store import FeatureStore
 
         store = FeatureStore.open(store_path, mode="r")
         store_uuid = store.uuid
         mark = integrity.read_mark(store.path)  # before the ledger (no lock held): see ledger_integrity
+    else:  # the store the ledger records, when it is reachable (a rolled-back ledger is caught there too)
+        checked, checked_uuid, note = integrity.recorded_store(ledger_path)
+        if checked is not None:
+            from .store import FeatureStore
+
+            checked_store = FeatureStore.open(checked, mode="r")
+            if checked_store.uuid != checked_uuid:
+                checked, note = None, f"unchecked against the store: {checked} is another store now"
+            else:
+                mark = integrity.read_mark(checked_store.path)
+        store_check = {"checked": checked is not None, "note": note}
     ledger = open_ledger_readonly(ledger_path, store_uuid=store_uuid)
     if store is not None:  # one store, one ledger; a ledger behind the store's high-water mark is refused
         integrity.check_binding(store, ledger, ledger_path, mark=mark)
+    elif store_check["checked"]:
+        integrity.check_binding(checked_store, ledger, ledger_path, mark=mark)
     params = ledger.params
     s = ledger.state
     n = len(s)
@@ -424,6 +438,8 @@ def build_account_report(
         "history": _by_batch(points),
     }
     failures: list[tuple[type, str]] = []
+    if store_check is not None:
+        data["store_check"] = store_check
     if store is not None:
         n_rows = store.n_rows("private")
         row_map = ledger.store_row_map(n_rows)

@@ -225,6 +225,7 @@ def build_index(
                                          store_path=str(Path(store_path).resolve()), tuning=record)
             integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
             created = True
+        _roll_forward_pending(store_path, ledger, lock_timeout)
         n_priv = store.n_rows("private")
         moves = ledger.user_moves([str(r) for r in store.read("private", "record_id")],
                                   [str(u or "") for u in store.read("private", "user_id")]) if n_priv else []
@@ -243,6 +244,13 @@ def build_index(
                        records_added=added, created=created, params=ledger.params, kind=plan.kind,
                        extra={"index": index_info, **({"warnings": warnings} if warnings else {})},
                        tuning=ledger.meta.get("tuning"))
+
+
+def _roll_forward_pending(store_path, ledger: BudgetLedger, lock_timeout: float) -> None:
+    """Tombstones of an erasure recorded while the ledger was unreadable, written first (deletion.py)."""
+    from .deletion import roll_forward_pending
+
+    roll_forward_pending(store_path, ledger, lock_timeout=lock_timeout)
 
 
 def _unit_checks(store: FeatureStore, params: PrivacyParams | None) -> list[str]:
@@ -358,6 +366,7 @@ def serve_queries(
         q_start, q_stop, q_sha = store.query_batch(query_batch)
         ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
         integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
+        _roll_forward_pending(store_path, ledger, lock_timeout)
         params = ledger.params
         done = ledger.answers_for(batch_id)
         done_rows = set(done["query_row"])
@@ -585,3 +594,35 @@ def resolve_query_batch(
     if queries in store.batches():
         return queries
     raise BadInputError(f"{queries}: no such file, folder or stored query batch in {store_path}")
+
+
+def check_allowance_before_embedding(*, store: FeatureStore, ledger: BudgetLedger, queries: str | os.PathLike,
+                                     batch_id: str | None, max_queries, reader_options: dict | None = None) -> None:
+    """``--max-queries`` with a query FILE: refuse (exit 3) before the file is embedded into the store.
+
+    The number of rows of the input is public (the query-sender sent them), and so is the number of
+    queries answered; the batch is refused whole when its new queries do not all fit (the same rule as
+    :func:`serve_queries`): nothing is embedded, answered or charged.
+    """
+    allowance = gate.allowance(answered=queries_answered(ledger), planned_queries=ledger.params.planned_queries,
+                               max_queries=gate.parse_max_queries(max_queries))
+    if allowance is None:
+        return
+    from .extractors import input_kind_of
+    from .readers import open_source
+
+    src = open_source(queries, extractor_kind=input_kind_of(store.extractor.name) or "vector",
+                      **(reader_options or {}))
+    try:
+        name = batch_id or "q-" + src.sha256()[:16]
+        if name in store.batches():  # embedded before: its stored rows
+            start, stop, _ = store.query_batch(name)
+            n = stop - start
+        else:
+            n = src.count()
+            if n is None:
+                n = sum(len(rb) for rb in src.batches(labels=False))
+    finally:
+        src.close()
+    done = len(set(ledger.answers_for(name)["query_row"]))
+    gate.check(allowance, new_queries=n - done)

@@ -156,10 +156,15 @@ def test_experiment_end_to_end_writes_json_and_png(labelled_store, tmp_path, exp
             if r["method"] == "ind-knn (tuned privately)":  # the search and serving composed into the same ε
                 assert r["conversion"] == "rdp" and r["epsilon_total"] <= r["epsilon"]
                 assert 0 < r["epsilon_tuning"] < r["epsilon"]
+            if r["method"] in ("ind-knn", "ind-knn+reuse", "private-knn", "linear-noisysgd",
+                               "ind-knn (tuned privately)"):  # audit D6
+                assert r["unit"] == "record" and r["adjacency"] == "add/remove one record", r
+                assert r["conversion"] and "add/remove one record" in r["privacy"], r
         assert {"ind-knn (tuned privately)", "ind-knn best grid point (oracle, B_serve)"} <= methods
         labels = [row[0] for row in summary["table"]["rows"]]
         assert "ind-knn (tuned non-privately)" in labels and "ind-knn (tuned privately)" in labels
         assert labels[-1] == "majority class (constant)" and summary["majority_class"]["label_name"] in "abc"
+        assert "add/remove one record" in data["table"]["note"]
     if experiment == "retraining":
         rows = data["results"]
         assert [r["retrain_every"] for r in rows] == [15, 45]
@@ -188,6 +193,8 @@ def test_cli_bench_prints_table_on_stderr_and_one_json_line(labelled_store, tmp_
     summary = json.loads(lines[0])
     assert summary["table"]["columns"] == ["method", "ε=1", "ε=2", "ε=∞"] and summary["seed"] == 2
     assert "median accuracy" in res.stderr and "ind-knn" in res.stderr
+    # audit D6: every printed ε names conversion, unit and adjacency
+    assert "add/remove one record" in " ".join(res.stderr.split()) and "per record" in summary["table"]["note"]
     assert Path(summary["json"]).is_file()
 
 

@@ -456,8 +456,10 @@ def test_crash_during_delete_is_finished_by_the_next_delete(vector_store, tmp_pa
     serve_queries(store_path=vector_store.path, ledger_path=lp, query_batch="after", seed=2)
     selected = _ledger(lp).state.times_selected[t]
     assert selected == 0  # flagged in the store = never a candidate again, even before the ledger commit
+    # index and serve-queries finish the pending erasure first (tombstones written; the audit's D2)
+    assert not FeatureStore.open(vector_store.path).group("private").attrs.get("erase_pending")
     res = delete_records(store_path=vector_store.path, ledger_path=lp, record_ids=["r0001"])
-    assert res.pending_completed == 1
+    assert res.pending_completed == 0
     led = _ledger(lp)
     assert led.state.deleted[t] and led.state.times_selected[t] == selected
     assert not any(vec.tobytes() in b for _, b in _all_bytes(vector_store.path / "private"))
@@ -487,8 +489,9 @@ def test_storage_failure_after_the_request_is_recorded_says_so(vector_store, tmp
     _queries_at(vector_store, vec, "after")
     serve_queries(store_path=vector_store.path, ledger_path=lp, query_batch="after", seed=2)
     assert _ledger(lp).state.times_selected[t] == 0
+    assert _ledger(lp).state.deleted[t]  # serve-queries finished the recorded erasure first (the audit's D2)
     res = delete_records(store_path=vector_store.path, ledger_path=lp, compact=False, record_ids=["r0001"])
-    assert res.pending_completed == 1
+    assert res.pending_completed == 0
     assert _ledger(lp).state.deleted[t]
     assert not any(vec.tobytes() in b for _, b in _all_bytes(vector_store.path / "private"))
 

@@ -78,6 +78,12 @@ def dataset_info(p: Prepared) -> dict:
             "split_seed": p.split.seed, "queries_per_draw": p.T, **p.ds.info}
 
 
+#: Every ε the benchmarks print: unit and adjacency (SPEC §8; the audit's D6). All methods here are record-level
+#: under add/remove of one record (Ind-KNN's record unit, dp-accounting's and Opacus's default relation).
+UNIT = {"unit": "record", "adjacency": "add/remove one record"}
+UNIT_TEXT = "per record, adjacency add/remove one record (under replace-one the Gaussian-DP μ doubles)"
+
+
 def _indknn_row(p: Prepared, cfg: BenchConfig, *, eps: float, tau: float, sigma2: float, T: int,
                 draws: list[np.ndarray], reuse: bool, tag: str) -> dict:
     params = make_params(epsilon=eps, delta=cfg.delta, conversion=cfg.conversion, tau=tau, sigma2=sigma2,
@@ -91,7 +97,8 @@ def _indknn_row(p: Prepared, cfg: BenchConfig, *, eps: float, tau: float, sigma2
         med_sel.append(float(np.median(run.released_counts)))
         active.append(run.active_after)
     return {"method": "ind-knn+reuse" if reuse else "ind-knn", "epsilon": eps, "delta": cfg.delta,
-            "privacy": f"ε by {accounting.CONVERSION_LABEL[cfg.conversion]}", "conversion": cfg.conversion,
+            "privacy": f"ε by {accounting.CONVERSION_LABEL[cfg.conversion]}, {UNIT_TEXT}", "conversion": cfg.conversion,
+            **UNIT,
             "hyper": {"tau": tau, "sigma2": sigma2, "sigma1": params.sigma1, "budget_B": params.budget,
                       "k_min": params.k_min, "planned_queries": T, "kernel": params.kernel},
             "median_released_count": float(np.median(med_sel)), "active_records_after": active,
@@ -108,7 +115,8 @@ def _pknn_row(p: Prepared, cfg: BenchConfig, *, eps: float, rate: float, k: int,
         pred = model.predict(p.pool_x[idx], features=p.priv_x, labels=p.priv_y, n_classes=p.ds.n_classes, rng=rng)
         accs.append(accuracy(pred, p.pool_y[idx]))
     return {"method": "private-knn", "epsilon": eps, "delta": cfg.delta,
-            "privacy": f"ε by dp-accounting {cfg.pknn_accountant.upper()} (T-fold Poisson-subsampled Gaussian)",
+            "privacy": f"ε by dp-accounting {cfg.pknn_accountant.upper()} (T-fold Poisson-subsampled Gaussian), "
+                       f"{UNIT_TEXT}", "conversion": f"dp-accounting {cfg.pknn_accountant}", **UNIT,
             "accounted_epsilon": model.accounted_epsilon(), "hyper": model.as_dict(),
             "seconds_per_query": (time.perf_counter() - t0) / (len(draws) * T), "seed": cfg.seed, **_summary(accs)}
 
@@ -122,7 +130,8 @@ def _sgd_models(p: Prepared, cfg: BenchConfig, *, eps: float | None, lr: float, 
 def _sgd_row(p: Prepared, cfg: BenchConfig, *, eps: float, lr: float, models: list, draws: list) -> dict:
     accs = [accuracy(m.model.predict(p.pool_x[idx]), p.pool_y[idx]) for m, idx in zip(models, draws)]
     return {"method": "linear-noisysgd", "epsilon": eps, "delta": cfg.delta,
-            "privacy": f"ε by Opacus {cfg.sgd_accountant.upper()} accountant",
+            "privacy": f"ε by Opacus {cfg.sgd_accountant.upper()} accountant, {UNIT_TEXT}",
+            "conversion": f"opacus {cfg.sgd_accountant}", **UNIT,
             "accounted_epsilon": max(m.epsilon for m in models), "hyper": {**models[0].as_dict(), "lr": lr},
             "train_seconds": float(np.median([m.seconds for m in models])), "seed": cfg.seed, **_summary(accs)}
 
@@ -213,7 +222,8 @@ def majority_class(p: Prepared, draws: list[np.ndarray]) -> dict:
 def privacy_note(cfg: BenchConfig, T: int) -> str:
     return (f"δ={cfg.delta:g}, T={T} queries per draw, median of {cfg.draws} draws. ε of Ind-KNN: "
             f"{accounting.CONVERSION_LABEL[cfg.conversion]}; Private-kNN: dp-accounting "
-            f"{cfg.pknn_accountant.upper()}; Linear NoisySGD: Opacus {cfg.sgd_accountant.upper()} accountant.")
+            f"{cfg.pknn_accountant.upper()}; Linear NoisySGD: Opacus {cfg.sgd_accountant.upper()} accountant. "
+            f"Every ε: {UNIT_TEXT}.")
 
 
 #: How the table names the rows tuned non-privately when a privately tuned row stands next to them.
@@ -347,7 +357,7 @@ def retraining(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: float = 1.0
                        f"{r['noisysgd_seconds_per_query']:.2e}", f"{r['noisysgd_epsilon_total']:.3f}"]
                       for r in rows],
              "note": f"* realised individual loss (descriptive, not a guarantee) of records selected at least once, "
-                     f"{accounting.CONVERSION_LABEL[cfg.conversion]}"}
+                     f"{accounting.CONVERSION_LABEL[cfg.conversion]}; every ε {UNIT_TEXT}"}
     return {"experiment": "retraining", "dataset": dataset_info(p), "config": cfg.as_dict(), "epsilon": epsilon,
             "protocol": PROTOCOL + " NoisySGD's amortised time = (trainings × median measured training time + "
             "prediction time) / T; its ε composes all trainings (Opacus accountant). Ind-KNN's time includes its "

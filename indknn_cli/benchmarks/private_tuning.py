@@ -19,7 +19,7 @@ import numpy as np
 from .. import tuning
 from ..ledger import PrivacyParams
 from .config import BenchConfig
-from .experiments import _summary
+from .experiments import UNIT, UNIT_TEXT, _summary
 from .methods import PrecomputedFinder, accuracy, kernel_matrix, run_indknn
 
 PRIVATE = "ind-knn (tuned privately)"
@@ -67,7 +67,7 @@ def private_rows(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray], pr
     first = records[0]
     row = {"method": PRIVATE, "epsilon": float(eps), "delta": cfg.delta, "conversion": "rdp",
            "privacy": ("total ε by RDP: the search (dp-accounting RepeatAndSelectDpEvent) composed with serving's "
-                       "α·B_serve"),
+                       f"α·B_serve; {UNIT_TEXT}"), **UNIT,
            "hyper": {"chosen": [{"tau": t, "sigma2": s} for t, s in chosen], "budget_B_serve": first["budget_serve"],
                      "rho_run": first["rho_run"], "mean_runs": first["mean_runs"], "shape": first["shape"],
                      "share": first["share"], "validation_queries": first["validation_queries"],
@@ -95,7 +95,8 @@ def oracle_row(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray], para
         table.append({"tau": float(tau), "sigma2": float(s2), **_summary(accs)})
     best = max(table, key=lambda g: g["accuracy_median"])
     return {"method": ORACLE, "epsilon": float(eps), "delta": cfg.delta, "conversion": "rdp",
-            "privacy": "not a method: the tuning grid served at B_serve, best median chosen on the reported queries",
+            "privacy": "not a method: the tuning grid served at B_serve, best median chosen on the reported queries; "
+                       + UNIT_TEXT, **UNIT,
             "hyper": {"tau": best["tau"], "sigma2": best["sigma2"], "budget_B_serve": params.budget},
             "grid_accuracy": table, "seed": cfg.seed,
             **{k: best[k] for k in ("accuracy_median", "accuracies", "accuracy_min", "accuracy_max")}}

@@ -221,6 +221,9 @@ def account_command(
         ledger_path=ledger_path, store_path=_store(store), delta=delta, conversion=conversion, eps=eps,
         min_active=min_active, record_id=record, user_id=user, plot_path=plot))
     d = report.data
+    check = d.get("store_check") if isinstance(d, dict) else None
+    if check is not None and not check["checked"]:  # D3: the ledger could not be checked against its store
+        err.print(escape(check["note"]))
     if (eps is not None or min_active is not None) and not json_out and record is None and user is None \
             and plot is None and (verbosity() == 0 or not sys.stdout.isatty()):
         _one_line_check(report)  # cron: one line on stderr, no tables

@@ -20,7 +20,7 @@ def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
     from ..ledger import BudgetLedger
     from .. import gate
-    from ..serving import (check_batch_id_before_embedding, check_min_margin, queries_answered, resolve_query_batch, serve_queries,
+    from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, queries_answered, resolve_query_batch, serve_queries,
                            write_answers_parquet)
     from ..ledger_integrity import check_binding, read_mark
     from ..store import FeatureStore
@@ -30,7 +30,7 @@ def _load() -> None:
 
 
 def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Optional[Path], batch_size: int,
-               max_memory: int, batch_id: Optional[str], max_queries) -> None:
+               max_memory: int, batch_id: Optional[str], max_queries, reader_options: dict) -> None:
     """Refusals that need no answer, before anything is written: a query FILE is embedded into the store
     before the library call, and the library's ledger lock would create a missing ledger folder."""
     if batch_size < 1:
@@ -51,10 +51,8 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
         # Refusals that would come after the embed, checked before it (nothing written): a reused
         # --batch-id, and a public allowance that is already used up.
         check_batch_id_before_embedding(store=store, ledger=led, batch_id=batch_id)
-        allowance = gate.allowance(answered=queries_answered(led), planned_queries=led.params.planned_queries,
-                                   max_queries=max_queries)
-        if allowance is not None and allowance.left == 0 and not (batch_id and led.answers_for(batch_id)["query_row"]):
-            gate.check(allowance, new_queries=1)
+        check_allowance_before_embedding(store=store, ledger=led, queries=queries, batch_id=batch_id,
+                                         max_queries=max_queries, reader_options=reader_options)
 
 
 def _batch_size_or_none(store_path: Path, name) -> Optional[int]:
@@ -78,7 +76,7 @@ def serve_command(
     no_reuse: bool = typer.Option(False, "--no-reuse", help="Switch off prediction reuse (SPEC §4)."),
     max_memory: str = typer.Option("2G", "--max-memory", help="Memory bound for cached features and scores: bytes, or a number with K, M, G or T (powers of 1024; KiB/KB read the same), e.g. 512M or 2G; at least 16M."),
     lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
-    max_queries: Optional[str] = typer.Option(None, "--max-queries", envvar="INDKNN_MAX_QUERIES", help="Public gate for cron: refuse the batch (exit 3, nothing answered or charged) when the queries answered through this ledger plus this batch's would pass N; 'planned' = the ledger's --planned-queries. Reads public figures only. Else $INDKNN_MAX_QUERIES; default: no gate."),
+    max_queries: Optional[str] = typer.Option(None, "--max-queries", envvar="INDKNN_MAX_QUERIES", help="Public gate for cron: refuse the whole batch (exit 3, nothing embedded, answered or charged) when the queries answered through this ledger plus this batch's would pass N; 'planned' = the ledger's --planned-queries. Reads public figures only. Else $INDKNN_MAX_QUERIES; default: no gate."),
     min_margin: Optional[float] = typer.Option(None, "--min-margin", help="Abstain (label -1, label_name \"abstain\") when the noisy top-1 minus top-2 vote is below M·σ2·sqrt(K_t): post-processing of the released noise, so charges are unchanged. Abstentions give no reuse vote."),
     text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column of a raw query file (default: text)."),
     id_column: Optional[str] = typer.Option(None, "--id-column", help="Query id column of a raw query file (default: id when the file has such a column, else generated ids query-00000000; \"\" always generates). Answers carry these ids."),
@@ -129,14 +127,18 @@ def serve_command(
         sp = resolve_store(upstream["store"]) if upstream and store is None and "store" in upstream else store_path
         check_min_margin(min_margin)  # before a query file is embedded (nothing written on bad input)
         _preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
-                   max_memory=parse_size(max_memory), batch_id=batch_id, max_queries=max_queries)
+                   max_memory=parse_size(max_memory), batch_id=batch_id, max_queries=max_queries,
+                   reader_options=_reader_options())
         # The scheduler (--scheduler / $INDKNN_SCHEDULER) is reached before a query file is embedded.
         with scheduler_session(resolve_scheduler(scheduler), connect_timeout=scheduler_timeout) as serve:
             return answer(serve, sp, upstream)
 
-    def answer(serve, sp, upstream):
-        opts = {k: v for k, v in dict(text_column=text_column, id_column=id_column, image_column=image_column,
+    def _reader_options() -> dict:
+        return {k: v for k, v in dict(text_column=text_column, id_column=id_column, image_column=image_column,
                                        vector_column=vector_column).items() if v is not None}
+
+    def answer(serve, sp, upstream):
+        opts = _reader_options()
         name = resolve_query_batch(store_path=sp, queries=queries, batch_id=batch_id, upstream=upstream,
                                    reader_options=opts, device=device)
         with progress_bar("answering", total=_batch_size_or_none(sp, name)) as update:
