@@ -17,8 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from ..distributed import DaskCandidates, connect
 from ..engine import ArraySource, find_candidates
 from ..ledger_integrity import MARK_NAME
@@ -70,7 +68,7 @@ def run_scheduled(n, d, m, tau, batch_size, device, scheduler, workers, *, make_
     """Yield one JSON-able dict for the in-process run and one per worker count."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        store = make_store(tmp, n, d, m, tau)
+        store, _x, _q = make_store(tmp, n, d, m, tau)
         sp, lp = tmp / "s.zarr", tmp / "L"
         shutil.copytree(lp, tmp / "L.pristine")
         mark = (sp / MARK_NAME).read_bytes()

@@ -129,40 +129,29 @@ def time_serve_process(tmp: Path, *, batch_size, device):
 
 
 def make_store(tmp: Path, n, d, m, tau):
-    """The synthetic store, queries (stored batch ``bench``) and ledger of ``run``, for the ``--scheduler`` runs."""
+    """The synthetic store (private rows, queries as the stored batch ``bench``) and its ledger in ``tmp``:
+    (store, private matrix, query matrix)."""
     centres = class_centres(d)
     store = FeatureStore.create(tmp / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
                                 label_names=[str(i) for i in range(CLASSES)])
     app = store.appender("private")
+    parts = []
     for lo in range(0, n, 50000):
         x, y = clustered(min(50000, n - lo), centres, np.random.default_rng(lo + 1))
         app.write(x, labels=y, record_ids=[f"r{i}" for i in range(lo, lo + len(x))])
+        parts.append(x)
     app.commit()
     q, _ = clustered(m, centres, np.random.default_rng(10**9))
     store.append("query", q, record_ids=[f"q{i}" for i in range(m)], batch="bench")
     params = make_params(epsilon=1.0, delta=1e-5, tau=tau, sigma2=0.6, planned_queries=m)
     build_index(store_path=tmp / "s.zarr", ledger_path=tmp / "L", params=params)
-    return store
+    return store, np.concatenate(parts), q
 
 
 def run(n, d, m, tau, batch_size, device):
-    centres = class_centres(d)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        store = FeatureStore.create(tmp / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
-                                    label_names=[str(i) for i in range(CLASSES)])
-        app = store.appender("private")
-        parts = []
-        for lo in range(0, n, 50000):
-            x, y = clustered(min(50000, n - lo), centres, np.random.default_rng(lo + 1))
-            app.write(x, labels=y, record_ids=[f"r{i}" for i in range(lo, lo + len(x))])
-            parts.append(x)
-        app.commit()
-        x = np.concatenate(parts)
-        q, _ = clustered(m, centres, np.random.default_rng(10**9))
-        store.append("query", q, record_ids=[f"q{i}" for i in range(m)], batch="bench")
-        params = make_params(epsilon=1.0, delta=1e-5, tau=tau, sigma2=0.6, planned_queries=m)
-        build_index(store_path=tmp / "s.zarr", ledger_path=tmp / "L", params=params)
+        store, x, q = make_store(tmp, n, d, m, tau)
         mm = time_matmul(x, q, batch_size)
         cand, pairs = time_candidates(x, q, batch_size, tau=tau, chunk_rows=store.chunk_rows)
         fa, faiss_pairs = time_faiss(x, q, batch_size, tau=tau)
