@@ -276,3 +276,38 @@ def test_bench_scores_on_a_test_store_and_refuses_a_mismatched_one(private_only_
                            "--out", str(tmp_path / "o2"), "--test-store", str(tmp_path / "other.zarr")])
     assert res.exit_code == 2 and res.stdout == "" and "label names" in res.stderr
     assert not (tmp_path / "o2").exists()
+
+
+def test_cli_bench_shows_a_bar_with_step_counts_on_a_terminal_and_lines_off_it(labelled_store, tmp_path,
+                                                                                 monkeypatch):
+    """Issue 20: bench progress is a rich bar on a terminal (the phase as label, ε steps counted), one line
+    per step off a terminal, nothing under --quiet."""
+    import io
+
+    from rich.console import Console
+
+    from indknn_cli.cli import bench as bench_cli
+    from indknn_cli.cli import common
+
+    make = BenchConfig.make.__func__
+    monkeypatch.setattr(BenchConfig, "make", classmethod(
+        lambda cls, *, quick, seed=0, **kw: make(cls, quick=quick, seed=seed, **{**kw, **{
+            k: v for k, v in TINY.items() if k != "epsilons"}})))
+    args = ["bench", "accuracy-vs-eps", "--dataset", str(labelled_store.path), "--quick", "--eps", "1,2"]
+    buf = io.StringIO()
+    term = Console(file=buf, force_terminal=True, width=120, highlight=False)
+    monkeypatch.setattr(common, "stderr_console", lambda **kw: term)
+    monkeypatch.setattr(bench_cli, "stderr_console", lambda **kw: term)
+    res = cli.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, buf.getvalue()
+    text = buf.getvalue()
+    assert "2/2" in text and "0:00:" in text and "ε=2" in text, text  # the bar (M/N, elapsed) at the last ε
+    assert "· tuning" not in text  # no per-step lines on a terminal
+    monkeypatch.undo()
+    monkeypatch.setattr(BenchConfig, "make", classmethod(
+        lambda cls, *, quick, seed=0, **kw: make(cls, quick=quick, seed=seed, **{**kw, **{
+            k: v for k, v in TINY.items() if k != "epsilons"}})))
+    res = cli.invoke(app, [*args, "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0 and "0:00:" not in res.stderr and "· tuning Ind-KNN" in res.stderr
+    res = cli.invoke(app, [*args, "--out", str(tmp_path / "c"), "--quiet"])
+    assert res.exit_code == 0 and "tuning" not in res.stderr and len(res.stdout.strip().splitlines()) == 1

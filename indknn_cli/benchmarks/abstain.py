@@ -18,6 +18,7 @@ import numpy as np
 from ..engine import ABSTAIN_LABEL
 from ..serving import check_min_margin, make_params
 from .config import BenchConfig
+from .progress import say
 from .data import Dataset, Split
 from .experiments import PROTOCOL, dataset_info, majority_class, prepare, privacy_note, query_draws
 from .methods import PrecomputedFinder, kernel_matrix, run_indknn, tune_indknn
@@ -70,7 +71,7 @@ def min_margin_curve(ds: Dataset, split: Split, cfg: BenchConfig, *, epsilon: fl
             cov, acc = _point(r.labels, truth, r.labels != ABSTAIN_LABEL)
             points[(m, True)][0].append(cov)
             points[(m, True)][1].append(acc)
-        progress(f"draw {d + 1}/{len(draws)} served")
+        say(progress, f"draw {d + 1}/{len(draws)} served", done=d + 1, total=len(draws))
     rows = []
     for (m, reuse), (covs, accs) in points.items():
         rows.append({"min_margin": m, "reuse": reuse, "coverage": _stats(covs), "accuracy_answered": _stats(accs)})

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import BadInputError
 from ..store import normalize_rows
+from .progress import say
 
 BUILTIN = ("ag_news", "mnist")
 AG_NEWS_LABELS = ["World", "Sports", "Business", "Sci/Tech"]
@@ -138,7 +139,8 @@ def _cached(cache_dir: Path, key: str, n: int, embed_rows: Callable[[int, int], 
             _save_atomic(part, arr)
             computed += 1
         blocks.append(arr)
-        progress(f"features: {hi}/{n} rows ({'from the partial cache' if computed == 0 else 'cached'})")
+        say(progress, f"features: {hi}/{n} rows ({'from the partial cache' if computed == 0 else 'cached'})",
+            done=hi, total=n)
     x = np.concatenate(blocks) if blocks else np.zeros((0, 0), np.float32)
     _save_atomic(path, x)
     shutil.rmtree(parts, ignore_errors=True)

@@ -21,6 +21,7 @@ from ..baselines import PrivateKNN, knn_predict, opacus_epsilon, train_linear_no
 from ..serving import make_params
 from ..wording import count
 from .config import BenchConfig
+from .progress import say
 from .data import Dataset, Split, synthetic_dataset
 from .methods import (ValData, accuracy, kernel_matrix, nonprivate_indknn, run_indknn, tune_indknn, tune_knn,
                       tune_logreg, tune_noisy_sgd, tune_private_knn, tune_tau_stage1)
@@ -172,9 +173,10 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
     timing["tune_indknn"] = time.perf_counter() - t0
     rows = []
     kcache: dict = {}  # exact κ of each query draw, shared by the privately tuned and oracle rows of every ε
-    for eps in cfg.epsilons:
+    for i_eps, eps in enumerate(cfg.epsilons):
         ch = tuning["indknn"]["chosen"][float(eps)]
-        progress(f"ε={eps}: Ind-KNN τ={ch['tau']}, σ2={ch['sigma2']}; tuning Private-kNN and NoisySGD")
+        say(progress, f"ε={eps}: Ind-KNN τ={ch['tau']}, σ2={ch['sigma2']}; tuning Private-kNN and NoisySGD",
+            done=i_eps, total=len(cfg.epsilons))
         t0 = time.perf_counter()
         tp = tune_private_knn(p.val, epsilon=eps, delta=cfg.delta, queries=p.T, seed=cfg.seed,
                               rates=cfg.pknn_rates, ks=cfg.pknn_ks, accountant=cfg.pknn_accountant)
@@ -192,7 +194,8 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
         models = _sgd_models(p, cfg, eps=eps, lr=ts["chosen"]["lr"], n=len(draws))
         rows.append(_sgd_row(p, cfg, eps=eps, lr=ts["chosen"]["lr"], models=models, draws=draws))
         timing[f"report_eps{eps}"] = time.perf_counter() - t0
-        progress("ε=%s: " % eps + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]))
+        say(progress, "ε=%s: " % eps + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]),
+            done=i_eps + 1, total=len(cfg.epsilons))
         if cfg.private_tuning:
             from .private_tuning import private_rows
 
@@ -265,7 +268,7 @@ def accuracy_vs_queries(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: fl
     ch = ti["chosen"][float(epsilon)]
     models = _sgd_models(p, cfg, eps=epsilon, lr=ts["chosen"]["lr"], n=cfg.draws)
     rows = []
-    for T in grid:
+    for i_t, T in enumerate(grid):
         draws = query_draws(p.pool_x.shape[0], T, cfg.draws, cfg.seed, tag="queries")
         for reuse in (False, True):
             rows.append({"queries": T, **_indknn_row(p, cfg, eps=epsilon, tau=ch["tau"], sigma2=ch["sigma2"], T=T,
@@ -274,7 +277,8 @@ def accuracy_vs_queries(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: fl
                                                k=tp["chosen"]["k"], T=T, draws=draws)})
         rows.append({"queries": T, **_sgd_row(p, cfg, eps=epsilon, lr=ts["chosen"]["lr"], models=models,
                                               draws=draws)})
-        progress(f"T={T}: " + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]))
+        say(progress, f"T={T}: " + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]),
+            done=i_t + 1, total=len(grid))
         partial(rows)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     maj = majority_class(p, query_draws(p.pool_x.shape[0], max(grid), cfg.draws, cfg.seed, tag="queries"))

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..wording import count
-from .common import deprecated_alias, emit_json, run_library_call, stderr_console
+from .common import deprecated_alias, emit_json, progress_bar, run_library_call, stderr_console, verbosity
 
 bench_app = typer.Typer(
     help=(
@@ -68,13 +68,32 @@ def _cell(v) -> str:
     return str(v)
 
 
+class _Progress:
+    """Bench progress on stderr: on a terminal a rich bar (the phase's message as its label, its step count
+    when the experiment knows one); off a terminal one line per message (nothing under --quiet)."""
+
+    def __init__(self, err, update):
+        self.err, self.update = err, update
+        self.bar = err.is_terminal and verbosity() > 0
+
+    def __call__(self, message: str) -> None:
+        if self.bar:
+            text = message if len(message) <= 60 else message[:59] + "…"
+            self.update(description=text)
+        else:
+            self.err.print(f"[dim]·[/] {escape(message)}")
+
+    def step(self, done: int, total: int | None) -> None:
+        self.update(completed=done, total=total)
+
+
 def _run(experiment: str, parsed=lambda: {}, **kw) -> None:
     """``parsed()`` turns the list options into values inside the error mapping (bad input → exit 2)."""
     err = stderr_console()
     from ..benchmarks.runner import run_bench
 
-    summary = run_library_call(lambda: run_bench(experiment, progress=lambda s: err.print(f"[dim]·[/] {escape(s)}"),
-                                                 **kw, **parsed()))
+    with progress_bar(experiment) as update:
+        summary = run_library_call(lambda: run_bench(experiment, progress=_Progress(err, update), **kw, **parsed()))
     t = summary["table"]
     table = Table(title=escape(f"{experiment} — {summary['dataset']} — {t['title']}"), title_justify="left")
     for i, c in enumerate(t["columns"]):
