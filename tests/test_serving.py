@@ -169,10 +169,11 @@ def test_all_records_retired_still_answers_every_query_from_noise(tmp_path):
     q = np.repeat(x[:1], 1, axis=0)
     p = make_params(epsilon=0.5, delta=1e-5, tau=0.01, sigma2=0.5, sigma1=8.0, k_min=1)
     build_index(store_path=store.path, ledger_path=tmp_path / "L", params=p)
-    for i in range(120):
-        store.append("query", q, record_ids=[f"q{i}"], batch=f"b{i}")
-        res = serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch=f"b{i}", reuse=False)
-        assert res.newly_answered == 1 and len(res.answers) == 1
+    # 120 queries in one batch (the filter charges them one after another, as 120 one-query batches would)
+    store.append("query", np.repeat(q, 120, axis=0), record_ids=[f"q{i}" for i in range(120)], batch="b")
+    res = serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch="b", reuse=False,
+                        batch_size=16)
+    assert res.newly_answered == 120 and len(res.answers) == 120
     led = BudgetLedger.open(tmp_path / "L")
     assert not led.state.active_mask(led.params.c1).any()  # every record retired ...
     assert (led.state.spent <= led.params.budget).all()
