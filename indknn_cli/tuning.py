@@ -423,12 +423,16 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
 
 
 def private_tune_arrays(features, labels, record_ids, *, n_classes: int, req: TuneRequest):
-    """``--tune private`` on in-memory rows (index and bench both call this): (record, serving params)."""
+    """``--tune private`` on in-memory rows (index and bench both call this): (record, serving params).
+
+    The number of shards S is the public ``req.n_val``, never clamped to the number of records: an S that
+    depends on N re-deals every record's shard when one record joins, and the score's sensitivity is then
+    not 1 (AUDIT_FINDINGS_2.md P1). With fewer records than S, some shards are empty and score nothing."""
     req.check()
     nu = req.nu if req.nu is not None or req.kernel != "rbf" else math.exp(1.5)
     return private_tune(
         features=features, labels=labels, record_ids=record_ids, n_classes=n_classes, epsilon=req.epsilon,
         delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape,
-        grid=check_grid(req.taus, req.sigma2s), n_val=min(req.n_val, max(1, len(record_ids))), kernel=req.kernel,
+        grid=check_grid(req.taus, req.sigma2s), n_val=req.n_val, kernel=req.kernel,
         nu=nu, k_min=req.k_min, sigma1=req.sigma1, planned_queries=req.planned_queries, seed=req.seed,
         device=req.device)
