@@ -41,3 +41,58 @@ def test_private_tuning_score_moves_by_at_most_one_when_a_record_joins_a_small_s
     assert len(d) == len(d1) and d  # the same (data-independent) runs
     assert {s for s, _ in d} == {s for s, _ in d1} == {200}, "the number of shards must be the public --tune-queries"
     assert max(abs(a - b) for (_, a), (_, b) in zip(d, d1)) <= 1
+
+
+# -- P2: one object-storage store, one state folder (its locks and ledger mark), whatever the URL's spelling -------
+def _s3_store(tmp_path, endpoint):
+    from indknn_cli.embedding import embed_into_store
+
+    from .s3_server import new_bucket
+
+    bucket = new_bucket(endpoint)
+    x, y, _ = clustered(40, 8, 3, seed=1)
+    np.savez(tmp_path / "priv.npz", x=x, y=y, ids=np.array([f"r{i:04d}" for i in range(40)]))
+    embed_into_store(tmp_path / "priv.npz", store_path=f"s3://{bucket}/stores/s1", extractor="vectors")
+    return bucket
+
+
+def test_store_url_spellings_share_one_state_folder_and_one_write_lock(tmp_path, monkeypatch):
+    """s3a:// and a trailing slash name the same objects as s3://bucket/prefix. Each spelling got its own state
+    folder, so its own store write lock: two writers (an embed and a delete) could then write the same chunks at
+    once (an append's uncommitted rows overwritten by the other's, an erasure racing an append)."""
+    import pytest
+
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from indknn_cli import object_store
+    from indknn_cli.errors import LockTimeoutError
+
+    from .s3_server import moto_server
+
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "state"))
+    with moto_server() as endpoint:
+        bucket = _s3_store(tmp_path, endpoint)
+        a = object_store.open_store(f"s3://{bucket}/stores/s1", mode="a")
+        for alias in (f"s3a://{bucket}/stores/s1", f"s3://{bucket}/stores/s1/", f"S3://{bucket}/stores/s1"):
+            b = object_store.open_store(alias, mode="a")
+            assert b.uuid == a.uuid  # the same data
+            assert b.path == a.path, alias  # hence the same state folder: locks, ledger mark, candidate index
+            with a.write_lock(timeout=5):
+                with pytest.raises(LockTimeoutError):
+                    with b.write_lock(timeout=0.3):
+                        pass
+
+
+def test_state_folder_made_under_an_alias_spelling_moves_to_the_merged_one(tmp_path, monkeypatch):
+    """A state folder made before the spellings were merged (with its ledger mark) is moved, not forgotten:
+    a forgotten mark would refuse the bound ledger (or, worse, leave two folders)."""
+    from indknn_cli import object_store
+
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "state"))
+    old = object_store._legacy_state_dir("s3a://bkt/p")
+    old.mkdir(parents=True)
+    object_store.write_pointer(old, name="s3a://bkt/p", url="s3a://bkt/p")
+    (old / "ledger-mark.json").write_text("{}")
+    new = object_store.local_path("s3a://bkt/p/")
+    assert new == object_store.state_dir("s3://bkt/p") == object_store.local_path("s3://bkt/p")
+    assert (new / "ledger-mark.json").is_file() and not old.exists()
