@@ -96,3 +96,62 @@ def test_state_folder_made_under_an_alias_spelling_moves_to_the_merged_one(tmp_p
     new = object_store.local_path("s3a://bkt/p/")
     assert new == object_store.state_dir("s3://bkt/p") == object_store.local_path("s3://bkt/p")
     assert (new / "ledger-mark.json").is_file() and not old.exists()
+
+
+# -- P3: the Dask candidate phase keeps serving's --max-memory bound on a batch's candidate pairs ----------------
+def _dense_world(path, n=3000, m=64):
+    """Every private record is a candidate of every query (a tight cluster, low τ): m·n pairs per batch."""
+    from indknn_cli.serving import build_index, make_params
+    from indknn_cli.store import ExtractorInfo, FeatureStore, normalize_rows
+
+    rng = np.random.default_rng(0)
+    centre = rng.standard_normal(8)
+    x = normalize_rows(centre + 0.05 * rng.standard_normal((n, 8))).astype(np.float32)
+    store = FeatureStore.create(path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                                label_names=["a", "b"], chunk_rows=512)
+    store.append("private", x, labels=(np.arange(n) % 2).astype(np.int32), record_ids=[f"r{i:05d}" for i in range(n)])
+    q = normalize_rows(centre + 0.05 * rng.standard_normal((m, 8))).astype(np.float32)
+    store.append("query", q, record_ids=[f"q{i:03d}" for i in range(m)], batch="q1")
+    build_index(store_path=store.path, ledger_path=path / "L",
+                params=make_params(epsilon=1.0, delta=1e-5, tau=0.2, sigma2=0.5, planned_queries=100))
+    return store.path, path / "L", q
+
+
+def test_dask_candidate_phase_splits_a_batch_past_the_pair_bound(tmp_path):
+    """In process, a batch whose candidate pairs would pass the --max-memory bound is answered in halves; the
+    Dask finder returned every triple of the batch (192,000 here, bound 174,762 at --max-memory 16M), so the
+    memory a run needs — and whether a worker or the coordinator is killed, i.e. the exit code and the number of
+    answers — grew with a private quantity (records within τ of the queries)."""
+    import pytest
+
+    pytest.importorskip("distributed")
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    from indknn_cli import distributed as dist
+    from indknn_cli.engine import TooManyPairs
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.serving import serve_queries
+    from indknn_cli.store import FeatureStore
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    sp, lp, q = _dense_world(tmp_path / "a")
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1, dashboard_address=None,
+                      silence_logs=logging.ERROR) as cluster, Client(cluster, set_as_default=False) as client:
+        store, ledger = FeatureStore.open(sp), BudgetLedger.open(lp)
+        finder = dist.DaskCandidates(client, device="cpu", max_memory=16 << 20).factory(store, ledger)
+        with pytest.raises(TooManyPairs):
+            finder(q, row_mask=np.ones(store.n_rows("private"), bool))
+        one = finder(q[:1], row_mask=np.ones(store.n_rows("private"), bool))  # one query: never split
+        assert one.rows[0].size == 3000
+        # serving answers the halves: the same answers and ledger as in process
+        got = dist.serve_queries(scheduler=cluster.scheduler_address, store_path=sp, ledger_path=lp,
+                                 query_batch="q1", seed=2, max_memory=16 << 20, device="cpu")
+    sp2, lp2, _ = _dense_world(tmp_path / "b")
+    want = serve_queries(store_path=sp2, ledger_path=lp2, query_batch="q1", seed=2, max_memory=16 << 20,
+                         device="cpu")
+    assert [(a["label"], a["released_count"]) for a in got.answers] == \
+        [(a["label"], a["released_count"]) for a in want.answers]
+    assert BudgetLedger.open(lp).state.spent.tobytes() == BudgetLedger.open(lp2).state.spent.tobytes()
