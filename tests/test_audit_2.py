@@ -155,3 +155,49 @@ def test_dask_candidate_phase_splits_a_batch_past_the_pair_bound(tmp_path):
     assert [(a["label"], a["released_count"]) for a in got.answers] == \
         [(a["label"], a["released_count"]) for a in want.answers]
     assert BudgetLedger.open(lp).state.spent.tobytes() == BudgetLedger.open(lp2).state.spent.tobytes()
+
+
+# -- P5: every exact figure `account` prints says it is operator-only; every ε line names unit and adjacency ------
+def _served_ledger(tmp_path):
+    from indknn_cli.serving import build_index, make_params, serve_queries
+    from indknn_cli.store import ExtractorInfo, FeatureStore
+
+    x, y, _ = clustered(100, 8, 3, seed=1)
+    s = FeatureStore.create(tmp_path / "st.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                            label_names=["a", "b", "c"], chunk_rows=64)
+    s.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(100)])
+    q, _, _ = clustered(10, 8, 3, seed=2)
+    s.append("query", q, record_ids=[f"q{i}" for i in range(10)], batch="q1")
+    build_index(store_path=s.path, ledger_path=tmp_path / "led",
+                params=make_params(epsilon=1, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=100))
+    serve_queries(store_path=s.path, ledger_path=tmp_path / "led", query_batch="q1", seed=1)
+    return s.path, tmp_path / "led"
+
+
+def test_account_labels_its_exact_figures_operator_only_and_eps_checks_name_unit_and_adjacency(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from indknn_cli.cli.app import app
+
+    sp, lp = _served_ledger(tmp_path)
+    runner = CliRunner()
+    env = {"INDKNN_WIDTH": "200"}
+    res = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp)], env=env)
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    # the note comes before the first exact figure (the Records table)
+    assert "OPERATOR ONLY" in out and out.index("OPERATOR ONLY") < out.index("Records")
+    d = json.loads(runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--json"],
+                                 env=env).stdout)
+    assert "operator-only" in d["operator_only"] and "records_active" in d["operator_only"]
+    res = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--eps", "5", "--min-active", "1"],
+                        env=env)
+    assert res.exit_code == 0, res.output
+    for line in res.stderr.splitlines():
+        if "--eps 5 check" in line:
+            assert "add/remove one record" in line, line
+        if "--min-active 1 check" in line:
+            assert "operator-only" in line, line
+    assert "--eps 5 check" in res.stderr and "--min-active 1 check" in res.stderr
