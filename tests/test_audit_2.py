@@ -201,3 +201,45 @@ def test_account_labels_its_exact_figures_operator_only_and_eps_checks_name_unit
         if "--min-active 1 check" in line:
             assert "operator-only" in line, line
     assert "--eps 5 check" in res.stderr and "--min-active 1 check" in res.stderr
+
+
+# -- P4: repair after a rollback must not refund an id added, charged and erased in the removed events ------------
+def test_repair_after_a_rollback_keeps_an_erased_id_from_coming_back_fresh(tmp_path):
+    """An id added, charged and erased in events that a rollback removed was in none of repair's sources (the
+    kept ledger, the store — erasure blanks the id —, readable quarantined events): re-embedded, it started at
+    spent 0 after having spent B (SPEC §8: repair may retire, never refund; a returning id keeps its spent)."""
+    from indknn_cli.deletion import delete_records
+    from indknn_cli.errors import LedgerError
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.ledger_repair import repair_ledger
+    from indknn_cli.serving import build_index, make_params, serve_queries
+    from indknn_cli.store import ExtractorInfo, FeatureStore
+
+    import pytest
+
+    x, y, _ = clustered(60, 8, 3, seed=1)
+    s = FeatureStore.create(tmp_path / "st.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                            label_names=["a", "b", "c"], chunk_rows=64)
+    s.append("private", x[:50], labels=y[:50], record_ids=[f"r{i}" for i in range(50)])
+    q = np.repeat(x[55:56], 10, axis=0)  # every query is rX's own vector: rX is charged
+    s.append("query", q, record_ids=[f"q{i}" for i in range(10)], batch="q1")
+    led = tmp_path / "led"
+    build_index(store_path=s.path, ledger_path=led,
+                params=make_params(epsilon=1, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=100))
+    kept = set((led / "events").glob("*.parquet"))
+    FeatureStore.open(s.path, mode="a").append("private", x[55:56], labels=y[55:56], record_ids=["rX"])
+    serve_queries(store_path=s.path, ledger_path=led, query_batch="q1", seed=1)
+    st = BudgetLedger.open(led).state
+    spent_before = float(st.spent[list(st.record_id).index("rX")])
+    assert spent_before > 0
+    delete_records(store_path=s.path, ledger_path=led, record_ids=["rX"])
+    for p in set((led / "events").glob("*.parquet")) - kept:  # the rollback: add rX, serve, delete rX
+        p.unlink()
+    with pytest.raises(LedgerError):
+        serve_queries(store_path=s.path, ledger_path=led, query_batch="q1", seed=2)
+    assert repair_ledger(ledger_path=led, store_path=s.path).repaired
+    FeatureStore.open(s.path, mode="a").append("private", x[55:56], labels=y[55:56], record_ids=["rX"])  # rX returns
+    build_index(store_path=s.path, ledger_path=led, params=None)
+    ledger = BudgetLedger.open(led)
+    st = ledger.state
+    assert float(st.spent[list(st.record_id).index("rX")]) >= spent_before
