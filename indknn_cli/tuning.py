@@ -282,7 +282,7 @@ def private_tune(
         mode="private", chosen_tau=tau, chosen_sigma2=s2, grid=[list(g) for g in grid],
         seed=None if seed is None else str(seed), runs_drawn=k, thetas_tried=[list(grid[g]) for g in picks],
         chosen_run=best, chosen_noisy_score=None if best is None else float(best_score),
-        validation_queries=int((data.val_row >= 0).sum()), rho_run=rho, mean_runs=float(mean_runs), shape=shape,
+        validation_queries=int(n_val), rho_run=rho, mean_runs=float(mean_runs), shape=shape,  # S: public
         share=float(share), epsilon_tuning=tuning_epsilon(rho_run=rho, mean_runs=mean_runs, shape=shape, delta=delta),
         budget_serve=b_serve,
         epsilon_total=composed_epsilon(rho_run=rho, mean_runs=mean_runs, shape=shape, budget_serve=b_serve,

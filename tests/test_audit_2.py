@@ -243,3 +243,14 @@ def test_repair_after_a_rollback_keeps_an_erased_id_from_coming_back_fresh(tmp_p
     ledger = BudgetLedger.open(led)
     st = ledger.state
     assert float(st.spent[list(st.record_id).index("rX")]) >= spent_before
+
+
+def test_private_tuning_records_the_public_shard_count_not_a_count_of_private_records(monkeypatch):
+    """docs/TUNING.md: `validation_queries` is S. It was the number of non-empty shards, an exact statistic of
+    the private records (≈ N when N < S) printed by `index` and `account` without an operator-only label."""
+    x, y, _ = clustered(60, 16, 3, seed=5)
+    ids = np.array([f"r{i:04d}" for i in range(60)], dtype=object)
+    req = tuning.TuneRequest(epsilon=2.0, delta=1e-5, seed=3, taus=(0.2,), sigma2s=(0.5,), n_val=200, mean_runs=2.0,
+                             share=0.3, planned_queries=50)
+    rec, _ = tuning.private_tune_arrays(x, y, ids, n_classes=3, req=req)
+    assert rec.validation_queries == 200
