@@ -254,3 +254,23 @@ def test_private_tuning_records_the_public_shard_count_not_a_count_of_private_re
                              share=0.3, planned_queries=50)
     rec, _ = tuning.private_tune_arrays(x, y, ids, n_classes=3, req=req)
     assert rec.validation_queries == 200
+
+
+def test_index_output_labels_its_exact_record_counts_operator_only(tmp_path):
+    """`index` prints the exact number of private records (records, records_added) on stdout: an exact figure of
+    the private data, printed without the operator-only note (SPEC §8: say so wherever printed)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from indknn_cli.cli.app import app
+    from indknn_cli.store import ExtractorInfo, FeatureStore
+
+    x, y, _ = clustered(50, 8, 3, seed=1)
+    s = FeatureStore.create(tmp_path / "st.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                            label_names=["a", "b", "c"], chunk_rows=64)
+    s.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(50)])
+    res = CliRunner().invoke(app, ["index", "--store", str(s.path), "--ledger", str(tmp_path / "L"), "--eps", "1"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout.strip().splitlines()[-1])
+    assert d["records"] == 50 and "operator-only" in d["operator_only"] and "records" in d["operator_only"]
