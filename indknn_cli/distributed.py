@@ -260,11 +260,15 @@ class DaskFinder:
     #: wait_seconds: submitting the tasks and waiting for their triples; merge_seconds: merging and masking them
     stats: dict = field(default_factory=lambda: {"batches": 0, "tasks": 0, "wait_seconds": 0.0, "merge_seconds": 0.0,
                                                  "pairs": 0, "result_bytes": 0})
+    #: calls so far: each call's tasks get keys of their own (a batch split after TooManyPairs is scored again
+    #: with other queries while the first call's futures may still be held; a reused key would return their result)
+    calls: int = 0
 
     def __call__(self, queries: np.ndarray, row_mask: np.ndarray | None = None) -> Candidates:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         t0 = time.perf_counter()
-        batch = self.stats["batches"]
+        batch = self.calls
+        self.calls += 1
         try:
             # The queries travel inside each task (not scattered): a task rescheduled after its worker died
             # must not depend on data that lived only on that worker.

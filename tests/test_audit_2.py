@@ -146,9 +146,20 @@ def test_dask_candidate_phase_splits_a_batch_past_the_pair_bound(tmp_path):
             finder(q, row_mask=np.ones(store.n_rows("private"), bool))
         one = finder(q[:1], row_mask=np.ones(store.n_rows("private"), bool))  # one query: never split
         assert one.rows[0].size == 3000
-        # serving answers the halves: the same answers and ledger as in process
-        got = dist.serve_queries(scheduler=cluster.scheduler_address, store_path=sp, ledger_path=lp,
-                                 query_batch="q1", seed=2, max_memory=16 << 20, device="cpu")
+        # serving answers the halves: the same answers and ledger as in process; every task has a key of its own
+        # (a split batch re-scored under its first call's keys would get that call's triples back)
+        keys: list = []
+        submit = client.submit
+
+        def spy(*a, **kw):
+            keys.append(kw.get("key"))
+            return submit(*a, **kw)
+
+        client.submit = spy
+        got = serve_queries(store_path=sp, ledger_path=lp, query_batch="q1", seed=2, max_memory=16 << 20,
+                            device="cpu", candidate_finder_factory=dist.DaskCandidates(
+                                client, device="cpu", max_memory=16 << 20).factory)
+        assert len(keys) == len(set(keys)) > 2
     sp2, lp2, _ = _dense_world(tmp_path / "b")
     want = serve_queries(store_path=sp2, ledger_path=lp2, query_batch="q1", seed=2, max_memory=16 << 20,
                          device="cpu")
