@@ -93,8 +93,9 @@ def storage_options(url: str, given: dict | None = None) -> dict:
     environment (``AWS_ENDPOINT_URL``..., ``INDKNN_STORAGE_OPTIONS``)."""
     if given is not None:
         return dict(given)
+    key = canonical_url(url) if is_url(url) else url  # a pointer written under an alias spelling
     for name, opts in _REGISTERED.items():
-        if url == name or url.startswith(name + ".compacted-"):
+        if key == name or key.startswith(name + ".compacted-"):
             return dict(opts)
     opts: dict = {}
     if url.startswith(("s3://", "s3a://")):
