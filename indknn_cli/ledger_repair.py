@@ -201,6 +201,12 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     for rid, uid in _ids_in_lost_events([quarantine / p.name for p in moved]):
         if rid not in index_of and rid not in live_ids:
             lost_tombs.append(add(rid, uid, -1))
+    # Ids the store erased that the kept ledger does not know: added and erased in events that are gone (a
+    # rollback removes them; no quarantined file names them). The erasure blanked them in the store, its log
+    # kept them (FeatureStore.erased_ids): tombstoned at B like the others.
+    for rid, uid in store.erased_ids():
+        if rid not in index_of and rid not in live_ids:
+            lost_tombs.append(add(rid, uid, -1))
     tomb = np.concatenate([tomb, np.asarray(lost_tombs, np.int64)]).astype(np.int64)
     index_rid = dict(zip(add_li, add_rid))
     if not dry_run:

@@ -57,9 +57,33 @@ def state_root() -> Path:
     return Path(os.environ.get(STATE_ENV) or Path.home() / ".local" / "state" / "indknn").expanduser()
 
 
+#: Schemes that name the same objects as ``s3://`` (fsspec maps them to s3fs).
+_S3_ALIASES = ("s3a", "s3n")
+
+
+def canonical_url(url: str) -> str:
+    """One spelling per store: the scheme lower-cased (``s3a://``/``s3n://`` → ``s3://``), no trailing slash.
+
+    Every spelling of one bucket/prefix must reach one state folder: its store write lock, ledger-writer
+    lock and high-water mark live there, and two folders for one store would let two writers change the same
+    chunks at once (AUDIT_FINDINGS_2.md P2). Only spellings that name the same objects are merged (a doubled
+    slash inside the key is another key on S3 and is kept)."""
+    scheme, rest = str(url).split("://", 1)
+    scheme = scheme.lower()
+    if scheme in _S3_ALIASES:
+        scheme = "s3"
+    return f"{scheme}://{rest}".rstrip("/")
+
+
 def state_dir(url: str) -> Path:
-    """The local state folder of the store named by ``url`` (one per URL)."""
-    url = url.rstrip("/")
+    """The local state folder of the store named by ``url`` (one per store, whatever the URL's spelling)."""
+    url = canonical_url(url)
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", url.split("://", 1)[1])[-60:].strip("._") or "store"
+    return state_root() / "stores" / f"{slug}-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
+def _legacy_state_dir(url: str) -> Path:
+    """The state folder a URL spelling had before :func:`canonical_url` (kept for a one-time move)."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", url.split("://", 1)[1])[-60:].strip("._") or "store"
     return state_root() / "stores" / f"{slug}-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
 
@@ -69,8 +93,9 @@ def storage_options(url: str, given: dict | None = None) -> dict:
     environment (``AWS_ENDPOINT_URL``..., ``INDKNN_STORAGE_OPTIONS``)."""
     if given is not None:
         return dict(given)
+    key = canonical_url(url) if is_url(url) else url  # a pointer written under an alias spelling
     for name, opts in _REGISTERED.items():
-        if url == name or url.startswith(name + ".compacted-"):
+        if key == name or key.startswith(name + ".compacted-"):
             return dict(opts)
     opts: dict = {}
     if url.startswith(("s3://", "s3a://")):
@@ -95,10 +120,15 @@ def local_path(path_or_url, *, storage_options: dict | None = None) -> Path:
     if not is_url(path_or_url):
         s = str(path_or_url)
         return Path(s[len("file://"):] if s.startswith("file://") else s)
-    url = str(path_or_url).rstrip("/")
+    given = str(path_or_url).rstrip("/")
+    url = canonical_url(given)
     if storage_options is not None:
         _REGISTERED[url] = dict(storage_options)
     sd = state_dir(url)
+    if given != url and not sd.exists():  # a state folder made under this spelling before it was merged
+        legacy = _legacy_state_dir(given)
+        if (legacy / POINTER).is_file():
+            legacy.rename(sd)
     if not (sd / POINTER).is_file():
         sd.mkdir(parents=True, exist_ok=True)
         write_pointer(sd, name=url, url=url)

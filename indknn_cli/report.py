@@ -61,6 +61,12 @@ USER_SCOPE = ("the guarantee is per user (the ledger's privacy unit), for neighb
 USER_UNIT_NOTE = ("per user: the filter charges this user as one unit (SPEC §9); every record of the user carries "
                   "the user's spent, and the realised ε below is the user's")
 
+#: What the exact figures of a full report are (SPEC §8): printed by `account` before them, and in its JSON.
+OPERATOR_ONLY_NOTE = ("operator-only: records, records_active, records_retired, records_deleted, answers_by_label, "
+                      "answers_at_k_min, spent_*, realised_epsilon and history are exact statistics of the private "
+                      "data, for the data holder only; they must never drive what query-senders see (whether to "
+                      "serve, what is released): gate serving on `account --queries-left` instead")
+
 
 def unit_figures(privacy_unit: str) -> dict:
     """unit, adjacency and scope for a ledger's privacy unit (every printed ε names them, SPEC §8)."""
@@ -428,6 +434,7 @@ def build_account_report(
         "queries_answered": total_answers,
         "batches": len(s.batches),
         "answers_by_label": by_label,
+        "operator_only": OPERATOR_ONLY_NOTE,
         # operator-only: answers released at the K_min clamp (noise-only answers are likely there)
         "answers_at_k_min": data_quality.clamp_share(s.answer_column("released_count", np.float64), params.k_min),
         "spent_min": spent_q["min"], "spent_median": spent_q["median"], "spent_p90": spent_q["p90"],

@@ -347,7 +347,49 @@ class FeatureStore:
         chunks rewritten (uncompressed). The caller holds :meth:`write_lock`.
         """
         rows = self._check_rows(role, rows)
+        if role == "private" and rows.size:
+            self._log_erased_ids(rows)
         return sum(self._overwrite_rows(role, name, rows, value) for name, value in self.ERASED.items())
+
+    #: Ids of erased private rows, one JSON line each, appended (fsync'd) *before* the row is overwritten: the
+    #: erasure blanks the id in the store, and a ledger rolled back past the erasure's tombstone would otherwise
+    #: hold no trace of an id added and erased in the lost events; `repair` tombstones these at B so a
+    #: returning id never starts afresh (SPEC §8; AUDIT_FINDINGS_2.md P4). Ids only, never vectors or labels.
+    ERASED_IDS_NAME = "erased-ids.jsonl"
+
+    def _log_erased_ids(self, rows: np.ndarray) -> None:
+        import json
+
+        rids = self.read("private", "record_id")[rows]
+        uids = self.read("private", "user_id")[rows]
+        lines = "".join(json.dumps({"record_id": str(r), "user_id": str(u or "")}) + "\n"
+                        for r, u in zip(rids, uids) if str(r))
+        if not lines:
+            return
+        path = self.path / self.ERASED_IDS_NAME
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(self.path)
+
+    def erased_ids(self) -> list[tuple[str, str]]:
+        """(record id, user id) of every private row erased since the log existed (see ERASED_IDS_NAME)."""
+        import json
+
+        path = self.path / self.ERASED_IDS_NAME
+        out = []
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return out
+        for line in text.splitlines():
+            try:
+                d = json.loads(line)
+                out.append((str(d["record_id"]), str(d.get("user_id") or "")))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line torn by a crash mid-append: its erasure had not started
+        return out
 
     def mark_deleted(self, role: str, rows: np.ndarray) -> int:
         """Set ``deleted`` only (no data touched), fsync'd: the first step of a deletion."""

@@ -282,7 +282,7 @@ def private_tune(
         mode="private", chosen_tau=tau, chosen_sigma2=s2, grid=[list(g) for g in grid],
         seed=None if seed is None else str(seed), runs_drawn=k, thetas_tried=[list(grid[g]) for g in picks],
         chosen_run=best, chosen_noisy_score=None if best is None else float(best_score),
-        validation_queries=int((data.val_row >= 0).sum()), rho_run=rho, mean_runs=float(mean_runs), shape=shape,
+        validation_queries=int(n_val), rho_run=rho, mean_runs=float(mean_runs), shape=shape,  # S: public
         share=float(share), epsilon_tuning=tuning_epsilon(rho_run=rho, mean_runs=mean_runs, shape=shape, delta=delta),
         budget_serve=b_serve,
         epsilon_total=composed_epsilon(rho_run=rho, mean_runs=mean_runs, shape=shape, budget_serve=b_serve,
@@ -423,12 +423,16 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
 
 
 def private_tune_arrays(features, labels, record_ids, *, n_classes: int, req: TuneRequest):
-    """``--tune private`` on in-memory rows (index and bench both call this): (record, serving params)."""
+    """``--tune private`` on in-memory rows (index and bench both call this): (record, serving params).
+
+    The number of shards S is the public ``req.n_val``, never clamped to the number of records: an S that
+    depends on N re-deals every record's shard when one record joins, and the score's sensitivity is then
+    not 1 (AUDIT_FINDINGS_2.md P1). With fewer records than S, some shards are empty and score nothing."""
     req.check()
     nu = req.nu if req.nu is not None or req.kernel != "rbf" else math.exp(1.5)
     return private_tune(
         features=features, labels=labels, record_ids=record_ids, n_classes=n_classes, epsilon=req.epsilon,
         delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape,
-        grid=check_grid(req.taus, req.sigma2s), n_val=min(req.n_val, max(1, len(record_ids))), kernel=req.kernel,
+        grid=check_grid(req.taus, req.sigma2s), n_val=req.n_val, kernel=req.kernel,
         nu=nu, k_min=req.k_min, sigma1=req.sigma1, planned_queries=req.planned_queries, seed=req.seed,
         device=req.device)

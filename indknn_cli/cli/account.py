@@ -104,6 +104,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
         out.print(escape(u["user_level"]))
     if not full:
         return
+    out.print(escape(f"[OPERATOR ONLY] {d['operator_only']}"))
     out.print("[bold]Records[/]")
     r = Table()
     for col in ("records", "active", "retired", "deleted", "queries answered", "batches"):
@@ -152,7 +153,8 @@ def _one_line_check(report: AccountReport) -> None:
     chk = d.get("check_eps")
     if chk is not None:
         parts.append(f"--eps {chk['eps']:g} check {'passed' if chk['passed'] else 'FAILED'}: guarantee "
-                     f"ε({chk['conversion']}) = {_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}")
+                     f"ε({chk['conversion']}) = {_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}, "
+                     f"{d['adjacency']}")
     chk = d.get("check_min_active")
     if chk is not None:
         parts.append(f"--min-active {chk['min_active']} check {'passed' if chk['passed'] else 'FAILED'}: "
@@ -240,14 +242,14 @@ def account_command(
     if chk is not None:
         over = chk["records_realised_above_eps"]
         verdict = "passed" if chk["passed"] else "FAILED"
-        err.print(f"--eps {chk['eps']:g} check {verdict}: guarantee ε({chk['conversion']}) = "
-                  f"{_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}")
+        err.print(escape(f"--eps {chk['eps']:g} check {verdict}: guarantee ε({chk['conversion']}) = "
+                         f"{_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}, {d['adjacency']}"))
         err.print(escape(f"{over} {'record' if over == 1 else 'records'}' realised loss ε({chk['conversion']}) "
                          f"is above {chk['eps']:g} (informational: {REALISED_LABEL})"))
     chk = d.get("check_min_active")
     if chk is not None and chk["passed"]:
         err.print(escape(f"--min-active {chk['min_active']} check passed: {chk['records_active']} active "
-                         f"(need {chk['required']})"))
+                         f"(need {chk['required']}; operator-only figure)"))
     run_library_call(lambda: enforce_checks(report))
 
 

@@ -104,7 +104,12 @@ def index_command(
             f"σ2={tuned['chosen_sigma2']:g} (validation accuracy {tuned['public_accuracy']:.3f})"))
     for w in result.extra.get("warnings", []):
         stderr_console().print(f"[yellow]warning:[/] {escape(w)}")
-    emit_json(result.as_dict())
+    # SPEC §8: `records`/`records_added` (and a tuning record's figures) are exact figures of the private data
+    emit_json({**result.as_dict(), "operator_only": OPERATOR_ONLY_NOTE})
+
+
+OPERATOR_ONLY_NOTE = ("operator-only: records and records_added are exact counts of the private records (and "
+                      "warnings name private figures); for the data holder, never for query-senders")
 
 
 def _floats(text: str, flag: str) -> tuple:
