@@ -29,37 +29,23 @@ from .user_unit import UserBudgetView, user_keys
 DEFAULT_MAX_MEMORY = 2 << 30
 #: Fold events into a new snapshot (issue 21: a daily cron's open cost stays flat). Every open reads the
 #: snapshot and replays the events after it; an event costs a file read, a hash and a vectorised update
-#: (a few ms at any N), a compaction rewrites the snapshot and the answers file. So compact once the events
-#: weigh as much as the snapshot (their bytes plus AUTO_COMPACT_FILE_COST per file, at least
-#: AUTO_COMPACT_MIN_EVENTS of them), and always past AUTO_COMPACT_EVENTS (16: a daily cron replays at most
-#: 16 events, each a read, a hash and a parse of ~0.1 MB at N = 5,000): replay stays a bounded fraction of
-#: reading the snapshot, and compaction's cost is spread over the events it folds.
+#: (a few ms at any N), a compaction rewrites the snapshot and the answers file. A serve run compacts at its
+#: end once AUTO_COMPACT_EVENTS (16) serve events follow the snapshot: a daily cron replays at most ~16
+#: events. The count of serve events is public (one per committed part: the queries and --batch-size
+#: decide it), so whether a run compacts (its time, and its exit code should the compaction fail) does not
+#: depend on the private data; an earlier rule that also weighed the events' bytes did (their charge rows
+#: are the records charged: audit 2, P7).
 AUTO_COMPACT_EVENTS = 16
-AUTO_COMPACT_MIN_EVENTS = 8
-AUTO_COMPACT_FILE_COST = 32 << 10
-
-
-def _size(p: Path) -> int:
-    try:
-        return p.stat().st_size
-    except OSError:
-        return 0
 
 
 def _needs_compaction(ledger: BudgetLedger) -> bool:
-    """Whether a serve run should fold the ledger's events now; ``INDKNN_AUTO_COMPACT=0`` never (every event
-    file kept for an audit of the event log; `delete --compact` still folds them)."""
+    """Whether a serve run should fold the ledger's events now: at least AUTO_COMPACT_EVENTS serve events
+    after the snapshot (public figures only). ``INDKNN_AUTO_COMPACT=0`` never (every event file kept for an
+    audit of the event log; `delete --compact` still folds them)."""
     if os.environ.get("INDKNN_AUTO_COMPACT", "").strip().lower() in ("0", "off", "no", "false"):
         return False
-    files = ledger._event_files()
-    if len(files) > AUTO_COMPACT_EVENTS:
-        return True
-    if len(files) < AUTO_COMPACT_MIN_EVENTS:
-        return False
-    events = sum(_size(p) + AUTO_COMPACT_FILE_COST for _, p in files)
-    g = ledger.generation
-    snapshot = _size(ledger.path / f"snapshot-{g:06d}.parquet") + _size(ledger.path / f"answers-{g:06d}.parquet")
-    return events >= snapshot
+    serves = sum(1 for _, p in ledger._event_files() if p.name.split("-")[1].split(".")[0] == "serve")
+    return serves >= AUTO_COMPACT_EVENTS
 
 
 # -- index -------------------------------------------------------------------

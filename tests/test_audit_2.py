@@ -285,3 +285,35 @@ def test_index_output_labels_its_exact_record_counts_operator_only(tmp_path):
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout.strip().splitlines()[-1])
     assert d["records"] == 50 and "operator-only" in d["operator_only"] and "records" in d["operator_only"]
+
+
+def test_auto_compaction_depends_on_the_number_of_serve_events_only(tmp_path, monkeypatch):
+    """Audit 2, P7: whether a serve run compacts the ledger at its end (its time, and its exit code should the
+    compaction fail) must not depend on how many records were charged. Two ledgers, one store each, served
+    the same number of parts: in one every query charges records (τ low), in the other none (τ high). Before
+    the fix the bytes of the charge rows decided it (the charged world compacted at 9 events, the other not)."""
+    from indknn_cli import serving
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.serving import build_index, make_params, serve_queries
+    from indknn_cli.store import ExtractorInfo, FeatureStore
+
+    monkeypatch.delenv("INDKNN_AUTO_COMPACT", raising=False)
+    n = 40000  # a snapshot heavier than 9 uncharged events, lighter than 9 events charging every record
+    x, y, _ = clustered(n, 16, 3, seed=4)
+    generations = {}
+    for name, tau in (("charged", 0.01), ("none", 0.9999)):
+        store = FeatureStore.create(tmp_path / f"{name}.zarr", extractor=ExtractorInfo("vectors", "none", "1"),
+                                    dim=16, label_names=["a", "b", "c"])
+        store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(n)])
+        q, _, _ = clustered(9 * 4, 16, 3, seed=5)
+        store.append("query", q, record_ids=[f"q{i}" for i in range(36)], batch="b")
+        lp = tmp_path / f"{name}-L"
+        build_index(store_path=store.path, ledger_path=lp,
+                    params=make_params(epsilon=50.0, delta=1e-5, tau=tau, sigma2=0.5, planned_queries=36))
+        serve_queries(store_path=store.path, ledger_path=lp, query_batch="b", batch_size=4, reuse=False, seed=1)
+        led = BudgetLedger.open(lp)
+        generations[name] = (led.generation, len(led._event_files()))
+        charged = int((led.state.spent > 0).sum())
+        assert (charged > 0) == (name == "charged")
+    assert generations["charged"] == generations["none"], generations
+    assert serving.AUTO_COMPACT_EVENTS > 9 and generations["none"][1] >= 9  # 9 parts: no compaction yet

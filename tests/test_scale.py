@@ -33,10 +33,8 @@ def _store(path):
     return store
 
 
-def _run_year(tmp_path, name, monkeypatch, *, events, min_events, file_cost, delete_after=None):
+def _run_year(tmp_path, name, monkeypatch, *, events, delete_after=None):
     monkeypatch.setattr(serving, "AUTO_COMPACT_EVENTS", events)
-    monkeypatch.setattr(serving, "AUTO_COMPACT_MIN_EVENTS", min_events)
-    monkeypatch.setattr(serving, "AUTO_COMPACT_FILE_COST", file_cost)
     store = _store(tmp_path / f"{name}.zarr")
     lp = tmp_path / f"{name}-ledger"
     build_index(store_path=store.path, ledger_path=lp,
@@ -61,8 +59,8 @@ def _same_state(a, b, *, skip=("seq", "time")):
 
 
 def test_auto_compaction_keeps_answers_charges_and_chain(tmp_path, monkeypatch):
-    _, never, ans_never = _run_year(tmp_path, "never", monkeypatch, events=10**9, min_events=10**9, file_cost=0)
-    _, often, ans_often = _run_year(tmp_path, "often", monkeypatch, events=2, min_events=2, file_cost=1 << 30)
+    _, never, ans_never = _run_year(tmp_path, "never", monkeypatch, events=10**9)
+    _, often, ans_often = _run_year(tmp_path, "often", monkeypatch, events=2)
     assert ans_never == ans_often  # bit-identical answers (seeded)
     a, b = BudgetLedger.open(never), BudgetLedger.open(often)
     assert len(a._event_files()) == 3 * DAYS and b.generation > 2 and len(b._event_files()) <= 2
@@ -73,7 +71,7 @@ def test_auto_compaction_keeps_answers_charges_and_chain(tmp_path, monkeypatch):
 
 
 def test_compacted_and_cached_history_equal_full_replay(tmp_path, monkeypatch):
-    store, lp, _ = _run_year(tmp_path, "full", monkeypatch, events=10**9, min_events=10**9, file_cost=0)
+    store, lp, _ = _run_year(tmp_path, "full", monkeypatch, events=10**9)
     full = BudgetLedger.open(lp)
     assert len(full._event_files()) == 3 * DAYS
     # replaying without the figures each serve event recorded (state_after): recomputed from the state
@@ -141,7 +139,7 @@ def test_cached_realised_epsilons_equal_converting_every_point(conversion):
 
 
 def test_answers_read_lazily_match_lists(tmp_path, monkeypatch):
-    store, lp, _ = _run_year(tmp_path, "lazy", monkeypatch, events=3, min_events=3, file_cost=1 << 30)
+    store, lp, _ = _run_year(tmp_path, "lazy", monkeypatch, events=3)
     led = BudgetLedger.open(lp)
     assert led.state._answers_base is not None  # the snapshot's answers stay an Arrow table
     n = led.state.n_answers()
