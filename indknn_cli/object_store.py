@@ -203,8 +203,8 @@ def versioned_erasure_note(loc: RemoteLocation, status: str) -> str:
     bucket = loc.url.split("://", 1)[1].split("/", 1)[0]
     return (f"incomplete: bucket {bucket!r} has object versioning {status.lower()}; the erasure is recorded (tombstones, "
             f"never served again) and the current chunks of {loc.url} are overwritten, but their earlier versions "
-            "still hold the erased vectors: delete the noncurrent versions under that prefix (and switch "
-            "versioning off for the store's bucket)")
+            "still hold the erased vectors: delete the noncurrent versions under that prefix, and move the "
+            "store to a bucket that was never versioned (versioning can only be suspended, and writes stay refused)")
 
 
 def refuse_versioned(loc: RemoteLocation) -> None:
