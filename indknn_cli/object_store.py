@@ -125,10 +125,13 @@ def local_path(path_or_url, *, storage_options: dict | None = None) -> Path:
     if storage_options is not None:
         _REGISTERED[url] = dict(storage_options)
     sd = state_dir(url)
-    if given != url and not sd.exists():  # a state folder made under this spelling before it was merged
-        legacy = _legacy_state_dir(given)
-        if (legacy / POINTER).is_file():
-            legacy.rename(sd)
+    if not sd.exists():  # a state folder made under another spelling before the spellings were merged
+        rest = url.split("://", 1)[1]
+        spellings = [given] + ([f"{alias}://{rest}" for alias in _S3_ALIASES] if url.startswith("s3://") else [])
+        for legacy in dict.fromkeys(_legacy_state_dir(g) for g in spellings if g != url):
+            if (legacy / POINTER).is_file():
+                legacy.rename(sd)
+                break
     if not (sd / POINTER).is_file():
         sd.mkdir(parents=True, exist_ok=True)
         write_pointer(sd, name=url, url=url)

@@ -96,6 +96,12 @@ def test_state_folder_made_under_an_alias_spelling_moves_to_the_merged_one(tmp_p
     new = object_store.local_path("s3a://bkt/p/")
     assert new == object_store.state_dir("s3://bkt/p") == object_store.local_path("s3://bkt/p")
     assert (new / "ledger-mark.json").is_file() and not old.exists()
+    # and when the merged spelling is the one given now
+    old2 = object_store._legacy_state_dir("s3a://bkt/q")
+    old2.mkdir(parents=True)
+    object_store.write_pointer(old2, name="s3a://bkt/q", url="s3a://bkt/q")
+    (old2 / "ledger-mark.json").write_text("{}")
+    assert (object_store.local_path("s3://bkt/q") / "ledger-mark.json").is_file() and not old2.exists()
 
 
 # -- P3: the Dask candidate phase keeps serving's --max-memory bound on a batch's candidate pairs ----------------
