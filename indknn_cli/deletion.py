@@ -151,6 +151,9 @@ class DeleteResult:
     compaction: dict | None = None
     ledger_unreadable: str | None = None     # the ledger could not be read: vectors erased, tombstones pending
     tombstones_pending: int = 0
+    #: "incomplete: ..." when the store's bucket is versioned: the erasure is recorded and the current chunks
+    #: overwritten, but earlier object versions keep the vectors (the CLI exits 1)
+    physical_erasure: str | None = None
 
 
     def as_dict(self) -> dict:
@@ -165,6 +168,8 @@ class DeleteResult:
         if self.ledger_unreadable is not None:
             out["ledger_unreadable"] = self.ledger_unreadable
             out["tombstones_pending"] = self.tombstones_pending
+        if self.physical_erasure is not None:
+            out["physical_erasure"] = self.physical_erasure
         return out
 
 
@@ -234,7 +239,13 @@ def delete_records(
 
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
         _recover_store_folder(store_path)
-        store = FeatureStore.open(store_path, mode="a")
+        # A bucket versioned after the store was made never blocks an erasure (AUDIT_FINDINGS_2.md P9): the
+        # request is recorded and the current chunks overwritten; what the old versions keep is reported.
+        store = FeatureStore.open(store_path, mode="a", allow_versioned=True)
+        status = object_store.versioning(store.remote) if store.remote is not None else None
+        note = None if status is None else object_store.versioned_erasure_note(store.remote, status)
+        if note is not None and not (record_ids or user_ids):  # --compact alone: refused as any other write
+            object_store.refuse_versioned(store.remote)
         with integrity.writer_lock(store_path, timeout=lock_timeout), store.write_lock(timeout=lock_timeout):
             try:
                 ledger = _recover(store, ledger_path)
@@ -246,8 +257,10 @@ def delete_records(
             except _LedgerUnreadable as exc:
                 if not (record_ids or user_ids):  # --compact alone needs the ledger: refused, nothing written
                     raise exc.error from None
-                return _erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact,
-                                             reason=str(exc.error))
+                res = _erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact,
+                                            reason=str(exc.error))
+                res.physical_erasure = note
+                return res
             pending = complete_pending(store, ledger)
             plan = _plan(store, ledger, record_ids, user_ids)
             _enforce_strict(plan, strict)
@@ -256,7 +269,7 @@ def delete_records(
     return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
                         users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
                         record_ids=plan.record_ids, bytes_rewritten=written, dry_run=False,
-                        pending_completed=pending, compaction=compaction)
+                        pending_completed=pending, compaction=compaction, physical_erasure=note)
 
 
 class _LedgerUnreadable(Exception):

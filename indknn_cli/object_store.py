@@ -125,10 +125,13 @@ def local_path(path_or_url, *, storage_options: dict | None = None) -> Path:
     if storage_options is not None:
         _REGISTERED[url] = dict(storage_options)
     sd = state_dir(url)
-    if given != url and not sd.exists():  # a state folder made under this spelling before it was merged
-        legacy = _legacy_state_dir(given)
-        if (legacy / POINTER).is_file():
-            legacy.rename(sd)
+    if not sd.exists():  # a state folder made under another spelling before the spellings were merged
+        rest = url.split("://", 1)[1]
+        spellings = [given] + ([f"{alias}://{rest}" for alias in _S3_ALIASES] if url.startswith("s3://") else [])
+        for legacy in dict.fromkeys(_legacy_state_dir(g) for g in spellings if g != url):
+            if (legacy / POINTER).is_file():
+                legacy.rename(sd)
+                break
     if not (sd / POINTER).is_file():
         sd.mkdir(parents=True, exist_ok=True)
         write_pointer(sd, name=url, url=url)
@@ -182,6 +185,29 @@ def is_empty(loc: RemoteLocation) -> bool:
         return not fs.exists(loc.url) or not fs.ls(loc.url)
     except FileNotFoundError:
         return True
+
+
+def versioning(loc: RemoteLocation) -> str | None:
+    """The bucket's versioning state ("Enabled", "Suspended") or None (never enabled, or not S3)."""
+    if not loc.url.startswith(("s3://", "s3a://")):
+        return None
+    fs = filesystem(loc)
+    bucket = loc.url.split("://", 1)[1].split("/", 1)[0]
+    try:
+        status = fs.call_s3("get_bucket_versioning", Bucket=bucket).get("Status")
+    except Exception as exc:  # noqa: BLE001
+        raise StoreError(f"{loc.name}: cannot read the bucket's versioning state ({type(exc).__name__}: {exc}); "
+                         "indknn writes only to buckets it can check are unversioned") from None
+    return status if status in ("Enabled", "Suspended") else None
+
+
+def versioned_erasure_note(loc: RemoteLocation, status: str) -> str:
+    """What an erasure in a versioned bucket leaves behind (delete reports it, exit 1)."""
+    bucket = loc.url.split("://", 1)[1].split("/", 1)[0]
+    return (f"incomplete: bucket {bucket!r} has object versioning {status.lower()}; the erasure is recorded (tombstones, "
+            f"never served again) and the current chunks of {loc.url} are overwritten, but their earlier versions "
+            "still hold the erased vectors: delete the noncurrent versions under that prefix, and move the "
+            "store to a bucket that was never versioned (versioning can only be suspended, and writes stay refused)")
 
 
 def refuse_versioned(loc: RemoteLocation) -> None:

@@ -172,14 +172,17 @@ class FeatureStore:
         mode: str = "r",
         expect_extractor: ExtractorInfo | None = None,
         expect_dim: int | None = None,
+        allow_versioned: bool = False,
     ) -> "FeatureStore":
+        """``allow_versioned``: an erasure (``delete``) is not refused in a bucket that became versioned; it
+        records the erasure and reports what the old versions keep (``object_store.versioned_erasure_note``)."""
         path = object_store.local_path(path)
         loc = object_store.location(path)
         if loc is not None:
             if not object_store.exists(loc):
                 raise StoreError(f"{loc.name}: not an indknn feature store (no zarr.json at {loc.url}); create one "
                                  "with `indknn embed`")
-            if mode != "r":
+            if mode != "r" and not allow_versioned:
                 object_store.refuse_versioned(loc)
         elif not (path / "zarr.json").is_file():
             raise StoreError(f"{path}: not an indknn feature store (no zarr.json); create one with `indknn embed`")

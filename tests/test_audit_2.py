@@ -96,6 +96,12 @@ def test_state_folder_made_under_an_alias_spelling_moves_to_the_merged_one(tmp_p
     new = object_store.local_path("s3a://bkt/p/")
     assert new == object_store.state_dir("s3://bkt/p") == object_store.local_path("s3://bkt/p")
     assert (new / "ledger-mark.json").is_file() and not old.exists()
+    # and when the merged spelling is the one given now
+    old2 = object_store._legacy_state_dir("s3a://bkt/q")
+    old2.mkdir(parents=True)
+    object_store.write_pointer(old2, name="s3a://bkt/q", url="s3a://bkt/q")
+    (old2 / "ledger-mark.json").write_text("{}")
+    assert (object_store.local_path("s3://bkt/q") / "ledger-mark.json").is_file() and not old2.exists()
 
 
 # -- P3: the Dask candidate phase keeps serving's --max-memory bound on a batch's candidate pairs ----------------
@@ -317,3 +323,51 @@ def test_auto_compaction_depends_on_the_number_of_serve_events_only(tmp_path, mo
         assert (charged > 0) == (name == "charged")
     assert generations["charged"] == generations["none"], generations
     assert serving.AUTO_COMPACT_EVENTS > 9 and generations["none"][1] >= 9  # 9 parts: no compaction yet
+
+
+# -- P9: a bucket versioned after the store was made must not block an erasure -----------------------------------
+def test_erasure_in_a_bucket_versioned_later_is_recorded_and_reported_incomplete(tmp_path, monkeypatch):
+    """Writes to a versioned bucket are refused (old versions would keep erased vectors). When versioning is
+    switched on after the store was made, `delete` was refused whole: the record stayed live in the ledger and
+    `serve-queries` (a read-only open, no versioning check) went on selecting it. The erasure must still be
+    recorded (tombstone, never served again, current versions overwritten), and the incomplete physical erasure
+    reported (exit 1, naming the bucket)."""
+    import json
+
+    import boto3
+    import pytest
+
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from typer.testing import CliRunner
+
+    from indknn_cli.cli.app import app
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.serving import build_index, make_params
+
+    from .s3_server import _creds, moto_server, raw_objects
+
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "state"))
+    with moto_server() as endpoint:
+        bucket = _s3_store(tmp_path, endpoint)
+        url = f"s3://{bucket}/stores/s1"
+        build_index(store_path=url, ledger_path=tmp_path / "L",
+                    params=make_params(epsilon=1, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=10))
+        boto3.client("s3", endpoint_url=endpoint, **_creds()).put_bucket_versioning(
+            Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+        from indknn_cli import object_store
+
+        victim = object_store.open_store(url).read("private", "features")[3].tobytes()
+        res = CliRunner().invoke(app, ["delete", "--store", url, "--ledger", str(tmp_path / "L"), "--record", "r0003"])
+        assert res.exit_code == 1, res.output
+        assert "versioning" in res.stderr and bucket in res.stderr
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        assert out["records_erased"] == 1 and "incomplete" in out["physical_erasure"]
+        st = BudgetLedger.open(tmp_path / "L").state
+        assert st.deleted[list(st.record_id).index("r0003")]  # tombstoned: never selected again
+        s3 = boto3.client("s3", endpoint_url=endpoint, **_creds())
+        bodies = [s3.get_object(Bucket=bucket, Key=v["Key"], VersionId=v["VersionId"])["Body"].read()
+                  for page in s3.get_paginator("list_object_versions").paginate(Bucket=bucket)
+                  for v in page.get("Versions", [])]
+        assert any(victim in body for body in bodies)  # what the report says: an old version keeps it
+        assert not any(victim in body for body in raw_objects(endpoint, bucket).values() if body)  # current: gone

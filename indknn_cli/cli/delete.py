@@ -80,3 +80,6 @@ def delete_command(
     if dry_run:
         err.print("dry run: nothing was written", soft_wrap=True)
     emit_json(result.as_dict())
+    if result.physical_erasure is not None:  # recorded, but the bucket's old versions keep the vectors
+        err.print(f"[bold red]Error:[/] physical erasure {escape(result.physical_erasure)}", soft_wrap=True)
+        raise typer.Exit(1)
