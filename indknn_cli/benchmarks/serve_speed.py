@@ -175,7 +175,10 @@ def run(n, d, m, tau, batch_size, device):
            "serve_vs_matmul_wall": round(serve_wall / mm.wall, 3),
            "candidates_vs_faiss_wall": round(cand.wall / fa.wall, 3) if fa is not None else None,
            "serve_queries_per_s": round(m / serve_wall, 1),
-           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+           # the serve-queries subprocess (the largest child) and this bench process (it holds the matrix,
+           # FAISS's copy and a batch's dense products, none of which serving needs)
+           "serve_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+           "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
            "torch_threads": torch.get_num_threads(), "load_average": [round(v, 2) for v in os.getloadavg()]}
     return out
 
