@@ -45,22 +45,58 @@ def exact_kernel(x: np.ndarray, q: np.ndarray, *, kernel: str, nu: float | None)
     return np.exp(-(diff * diff).sum(axis=1) / (nu * nu))
 
 
-#: Pairs per block of the float64 recompute: the rows gathered for a block (512 × d × 4 bytes each side,
-#: and their float64 products) stay in cache; 32,768-pair blocks cost ~8× more in memory traffic.
-EXACT_PAIR_BLOCK = 512
+#: Pairs per block of the float64 recompute: a block's float64 products (128 × d × 8 bytes, 786 KB at
+#: d = 768) stay in the core's cache between the product and the reduction (512-pair blocks spill).
+EXACT_PAIR_BLOCK = 128
 
 
 def exact_kernel_pairs(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndarray, *, kernel: str,
                        nu: float | None, block: int = EXACT_PAIR_BLOCK) -> np.ndarray:
     """κ(x[xi[p]], q[qi[p]]) for every pair p, bit-identical to ``exact_kernel(x[xi], q[qi])``.
 
-    Each value is one row's reduction, independent of the other rows, so computing the pairs in
-    cache-sized blocks changes no bit (tests/test_engine.py checks it on near-τ data).
+    Each value is one row's reduction (numpy's, over the d float64 products of that pair, as in
+    :func:`exact_kernel`), independent of the other rows, so the order and grouping of the pairs change no
+    bit. The pairs are taken in row order (``xi`` non-decreasing: the CPU screen gives them so; otherwise a
+    stable sort): each row of ``x`` is read once and repeated for its pairs, the queries are cast to
+    float64 once and gathered, and the products of about ``block`` pairs at a time are formed in place and
+    reduced while in cache. tests/test_engine.py pins the values against the per-pair path on near-τ data.
     """
-    out = np.empty(xi.size, dtype=np.float64)
-    for lo in range(0, xi.size, block):
-        hi = min(xi.size, lo + block)
-        out[lo:hi] = exact_kernel(x[xi[lo:hi]], q[qi[lo:hi]], kernel=kernel, nu=nu)
+    n = xi.size
+    out = np.empty(n, dtype=np.float64)
+    if n == 0:
+        return out
+    xi = np.asarray(xi, dtype=np.int64)
+    qi = np.asarray(qi, dtype=np.int64)
+    order = None
+    if n > 1 and not bool((xi[1:] >= xi[:-1]).all()):
+        order = np.argsort(xi, kind="stable")
+        xi, qi = xi[order], qi[order]
+    q64 = np.asarray(q, dtype=np.float64)
+    r0 = int(xi[0])
+    counts = np.bincount(xi - r0)  # pairs per row r0, r0 + 1, …
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    # Row ranges [a, b) holding about ``block`` pairs each (a row with more pairs is one range by itself).
+    cuts = np.unique(np.concatenate([np.searchsorted(starts, np.arange(0, n, block), side="right") - 1,
+                                     [counts.size]]))
+    kap = np.empty(n, dtype=np.float64)
+    for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+        lo, hi = int(starts[a]), int(ends[b - 1])
+        if hi == lo:
+            continue
+        g = q64.take(qi[lo:hi], axis=0)  # float64 copies of the queries, overwritten in place
+        rows = np.repeat(x[r0 + a:r0 + b], counts[a:b], axis=0)
+        if kernel == "cosine":
+            np.multiply(rows, g, out=g)
+        else:
+            np.subtract(rows, g, out=g)
+            np.multiply(g, g, out=g)
+        g.sum(axis=1, out=kap[lo:hi])
+    if kernel != "cosine":
+        kap = np.exp(-kap / (nu * nu))
+    if order is None:
+        return kap
+    out[order] = kap
     return out
 
 
@@ -168,23 +204,30 @@ def _resident_blocks(source, dev) -> list | None:
     return source._on_device[key]
 
 
-def _screen_cpu(queries: np.ndarray, block: np.ndarray, screen: float) -> tuple[np.ndarray, np.ndarray]:
-    """(query, row) pairs of one chunk whose fp32 dot product exceeds ``screen``, on the CPU.
-
-    FAISS ``range_search`` over a flat inner-product index of the chunk: its blocked product and the
-    threshold test run in one pass, with no score matrix kept, and a CPU serve never imports torch (about
-    as fast as torch's product + ``nonzero`` here; the process start-up is shorter). Any fp32 summation
-    order is within the screening margin, and every screened pair's κ is then recomputed exactly, so the
-    candidates do not depend on this choice.
-    """
+def _query_index(queries: np.ndarray):
+    """A FAISS flat inner-product index of a batch's queries (built once per batch, searched per chunk)."""
     _passive_openmp("faiss")
     import faiss
 
-    index = faiss.IndexFlatIP(block.shape[1])
-    index.add(np.ascontiguousarray(block, dtype=np.float32))
-    lims, _scores, ids = index.range_search(queries, float(screen))
-    qi = np.repeat(np.arange(queries.shape[0], dtype=np.int64), np.diff(lims).astype(np.int64))
-    return qi, ids.astype(np.int64, copy=False)
+    index = faiss.IndexFlatIP(queries.shape[1])
+    index.add(queries)
+    return index
+
+
+def _screen_cpu(query_index, block: np.ndarray, screen: float) -> tuple[np.ndarray, np.ndarray]:
+    """(query, row) pairs of one chunk whose fp32 dot product exceeds ``screen``, on the CPU, in row order.
+
+    FAISS ``range_search`` of the chunk's rows against the flat inner-product index of the batch's
+    queries: its blocked product and the threshold test run in one pass, with no score matrix kept, and a
+    CPU serve never imports torch. Searching the rows against the queries (not the other way round) costs
+    fewer CPU seconds here (larger products per block; no index of the chunk copied per batch) and gives the
+    pairs grouped by row, the order the exact recompute reads them in. Any fp32 summation order is within
+    the screening margin, and every screened pair's κ is then recomputed exactly, so the candidates do not
+    depend on this choice.
+    """
+    lims, _scores, ids = query_index.range_search(np.ascontiguousarray(block, dtype=np.float32), float(screen))
+    ri = np.repeat(np.arange(block.shape[0], dtype=np.int64), np.diff(lims).astype(np.int64))
+    return ids.astype(np.int64, copy=False), ri
 
 
 class TooManyPairs(Exception):
@@ -229,6 +272,8 @@ def find_candidates(
     screen = thr - screening_margin(d)
     q_np = np.ascontiguousarray(queries, dtype=np.float32)
     q_t = torch.from_numpy(q_np).to(dev) if dev.type != "cpu" else None
+    q_index = _query_index(q_np) if dev.type == "cpu" and screen > -1.0 else None
+    q64 = np.asarray(queries, dtype=np.float64)  # cast once per batch (exact), gathered per pair by the recompute
     parts_q: list[np.ndarray] = []
     parts_rows: list[np.ndarray] = []
     parts_kap: list[np.ndarray] = []
@@ -241,9 +286,9 @@ def find_candidates(
             continue
         if screen <= -1.0:  # threshold below every possible dot product: all rows
             k = block.shape[0] if x_t is None else x_t.shape[0]
-            qi, ri = np.repeat(np.arange(m), k), np.tile(np.arange(k), m)
+            qi, ri = np.tile(np.arange(m), k), np.repeat(np.arange(k), m)  # in row order
         elif dev.type == "cpu":
-            qi, ri = _screen_cpu(q_np, block, screen)
+            qi, ri = _screen_cpu(q_index, block, screen)
         else:
             if x_t is None:
                 x_t = torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev)
@@ -264,7 +309,7 @@ def find_candidates(
         if block is None:  # resident on the device: one gather of the rows this chunk needs
             uniq, ri = np.unique(ri, return_inverse=True)
             block = x_t[torch.from_numpy(uniq).to(dev)].cpu().numpy()
-        kap = exact_kernel_pairs(block, ri, queries, qi, kernel=kernel, nu=nu, block=max_pairs_block)
+        kap = exact_kernel_pairs(block, ri, q64, qi, kernel=kernel, nu=nu, block=max_pairs_block)
         ok = kap >= tau
         qi, rows, kap = qi[ok], rows[ok], kap[ok]
         if qi.size == 0:
