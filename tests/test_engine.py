@@ -171,10 +171,71 @@ def test_blocked_exact_candidates_equal_the_old_per_pair_path_near_tau(kernel, t
         k = exact_kernel(X, np.repeat(q[None, :], len(X), axis=0), kernel=kernel, nu=nu)
         below += int(((k < tau) & (k > tau - 1e-5)).sum())
     assert below > 200
-    for chunk, batch, block in ((37, 24, 512), (1000, 7, 3), (4096, 1, 512)):
+    for chunk, batch, block in ((37, 24, 512), (1000, 7, 3), (4096, 1, 512), (333, 5, 1), (4096, 24, 128)):
         for lo in range(0, len(Q), batch):
             c = find_candidates(Q[lo:lo + batch], ArraySource(X, rows=chunk), kernel=kernel, tau=tau, nu=nu,
                                 device="cpu", row_mask=mask, max_pairs_block=block)
             for t in range(len(c.rows)):
                 assert c.rows[t].tolist() == ref_rows[lo + t].tolist()
                 assert c.kappa[t].tolist() == ref_kap[lo + t].tolist()  # bit-identical float64
+
+
+def _old_exact_kernel_pairs(x, xi, q, qi, *, kernel, nu, block=512):
+    """The library's recompute before it read the pairs in row order: each block of pairs gathers both rows
+    (kept here as the reference the row-ordered path must equal bit for bit)."""
+    out = np.empty(xi.size, dtype=np.float64)
+    for lo in range(0, xi.size, block):
+        hi = min(xi.size, lo + block)
+        out[lo:hi] = exact_kernel(x[xi[lo:hi]], q[qi[lo:hi]], kernel=kernel, nu=nu)
+    return out
+
+
+@pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.54, None), ("rbf", 0.6, 1.3)])
+@pytest.mark.parametrize("d", [96, 97, 768])
+def test_row_ordered_recompute_equals_the_per_pair_gather_bit_for_bit(kernel, tau, nu, d):
+    """exact_kernel_pairs (rows read once in row order, queries cast once and gathered, products reduced
+    in place) gives every pair the κ of the per-pair gather path, bit for bit: pairs in row order (the CPU
+    screen's), in query order and shuffled (the GPU screen's, sorted inside), a row with more pairs than a
+    block, repeated pairs, any block size; near-τ rows so that the last bits decide κ ≥ τ."""
+    from indknn_cli.engine import exact_kernel_pairs
+
+    rng = np.random.default_rng(d)
+    Q = normalize_rows(rng.standard_normal((40, d))).astype(np.float32)
+    thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
+    X = np.concatenate([_near_tau_rows(Q[t].astype(np.float64), thr, 15, rng) for t in range(40)]
+                       + [normalize_rows(rng.standard_normal((200, d))).astype(np.float32)])
+    near = np.arange(600)  # row 15t + j lies within ~1e-6 of the threshold for query t
+    xi = np.concatenate([near, rng.integers(0, len(X), 3000), np.full(300, 7), np.arange(len(X))])
+    qi = np.concatenate([near // 15, rng.integers(0, len(Q), 3000), rng.integers(0, len(Q), 300),
+                         np.arange(len(X)) % len(Q)])
+    want = _old_exact_kernel_pairs(X, xi, Q, qi, kernel=kernel, nu=nu)
+    assert ((want >= tau) & (want < tau + 1e-5)).sum() > 200 and ((want < tau) & (want > tau - 1e-5)).sum() > 200
+    by_row = np.argsort(xi, kind="stable")
+    by_query = np.lexsort((xi, qi))
+    shuffled = rng.permutation(xi.size)
+    for order in (by_row, by_query, shuffled):
+        for block in (1, 7, 128, 512, 100000):
+            for q in (Q, Q.astype(np.float64)):  # the engine passes the batch cast once to float64
+                got = exact_kernel_pairs(X, xi[order], q, qi[order], kernel=kernel, nu=nu, block=block)
+                assert got.tolist() == want[order].tolist()
+    assert exact_kernel_pairs(X, xi[:0], Q, qi[:0], kernel=kernel, nu=nu).size == 0
+
+
+def test_every_row_a_candidate_path_keeps_exact_kappa():
+    """A threshold below every dot product (RBF with a wide ν) screens in every (query, row) pair, in row
+    order; κ is still the per-pair exact value, whatever the chunk and batch."""
+    from indknn_cli.engine import find_candidates
+
+    rng = np.random.default_rng(5)
+    X = normalize_rows(rng.standard_normal((90, 33))).astype(np.float32)
+    Q = normalize_rows(rng.standard_normal((11, 33))).astype(np.float32)
+    assert dot_threshold(kernel="rbf", tau=0.3, nu=3.0) < -1.0
+    ref_rows, ref_kap = _old_exact_candidates(X, Q, kernel="rbf", tau=0.3, nu=3.0, row_mask=np.ones(90, bool))
+    assert all(r.size == 90 for r in ref_rows)
+    for chunk, batch in ((90, 11), (17, 4), (1, 1)):
+        for lo in range(0, len(Q), batch):
+            c = find_candidates(Q[lo:lo + batch], ArraySource(X, rows=chunk), kernel="rbf", tau=0.3, nu=3.0,
+                                device="cpu")
+            for t in range(len(c.rows)):
+                assert c.rows[t].tolist() == ref_rows[lo + t].tolist()
+                assert c.kappa[t].tolist() == ref_kap[lo + t].tolist()

@@ -130,7 +130,8 @@ def time_serve_process(tmp: Path, *, batch_size, device):
 
 def make_store(tmp: Path, n, d, m, tau):
     """The synthetic store (private rows, queries as the stored batch ``bench``) and its ledger in ``tmp``:
-    (store, private matrix, query matrix)."""
+    (store, private matrix, query matrix), the matrices as the store holds them (float32: the matmul, the
+    candidate phase and FAISS are timed on the serve's own data type, not on the float64 generator output)."""
     centres = class_centres(d)
     store = FeatureStore.create(tmp / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
                                 label_names=[str(i) for i in range(CLASSES)])
@@ -145,7 +146,7 @@ def make_store(tmp: Path, n, d, m, tau):
     store.append("query", q, record_ids=[f"q{i}" for i in range(m)], batch="bench")
     params = make_params(epsilon=1.0, delta=1e-5, tau=tau, sigma2=0.6, planned_queries=m)
     build_index(store_path=tmp / "s.zarr", ledger_path=tmp / "L", params=params)
-    return store, np.concatenate(parts), q
+    return store, np.concatenate(parts).astype(np.float32), q.astype(np.float32)
 
 
 def run(n, d, m, tau, batch_size, device):

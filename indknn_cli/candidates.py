@@ -1,0 +1,331 @@
+"""The candidate phase of the Ind-KNN engine (SPEC §5): rows with κ(x, q) ≥ τ per query, κ exact in float64.
+
+Queries are scored against the private features streamed in row chunks with one fp32 matrix product
+(FAISS ``range_search`` on the CPU, torch on a GPU; TF32 off). Pairs within a safety margin of the
+threshold are kept and their kernel value recomputed exactly in float64 on the CPU from the stored float32
+vectors (:func:`exact_kernel`, one numpy per-row reduction per pair), so the candidate sets and weights do
+not depend on the device, the product's library, the chunking or the batch size. The budget-dependent
+filter that reads these candidates is :mod:`indknn_cli.engine`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import numpy as np
+
+
+#: fp32 screening margin on a dot product of unit vectors: |fl(x·q) − x·q| ≤ d·u (u = 2^-24).
+def screening_margin(dim: int) -> float:
+    return max(1e-4, 4.0 * dim * 2.0**-24)
+
+
+def dot_threshold(*, kernel: str, tau: float, nu: float | None) -> float:
+    """The dot-product level s with κ ≥ τ ⟺ x·q ≥ s for unit vectors.
+
+    RBF: ‖x − q‖² = 2 − 2 x·q, so exp(−‖x−q‖²/ν²) ≥ τ ⟺ x·q ≥ 1 + ν² ln(τ) / 2.
+    """
+    if kernel == "cosine":
+        return tau
+    return 1.0 + (nu * nu) * math.log(tau) / 2.0
+
+
+def exact_kernel(x: np.ndarray, q: np.ndarray, *, kernel: str, nu: float | None) -> np.ndarray:
+    """κ of row pairs in float64 (row i of x with row i of q). Deterministic per row.
+
+    Cosine: the products of the float64-cast values (exact for float32 inputs) summed by numpy's
+    per-row reduction; RBF: exp(−Σ(x − q)²/ν²) likewise. The ufuncs cast inside their loops
+    (``dtype=float64``), which gives the same values as casting the operands first, without the copies.
+    """
+    if kernel == "cosine":
+        return np.multiply(x, q, dtype=np.float64).sum(axis=1)
+    diff = np.subtract(x, q, dtype=np.float64)
+    return np.exp(-(diff * diff).sum(axis=1) / (nu * nu))
+
+
+#: Pairs per block of the float64 recompute: a block's float64 products (128 × d × 8 bytes, 786 KB at
+#: d = 768) are reduced while still in cache; 128 measured fastest of 32–512 at d = 768 (README, issue 21).
+EXACT_PAIR_BLOCK = 128
+
+
+def exact_kernel_pairs(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndarray, *, kernel: str,
+                       nu: float | None, block: int = EXACT_PAIR_BLOCK) -> np.ndarray:
+    """κ(x[xi[p]], q[qi[p]]) for every pair p, bit-identical to ``exact_kernel(x[xi], q[qi])``.
+
+    Each value is one row's reduction (numpy's, over the d float64 products of that pair, as in
+    :func:`exact_kernel`), independent of the other rows, so the order and grouping of the pairs change no
+    bit. The pairs are taken in row order (``xi`` non-decreasing: the CPU screen gives them so; otherwise a
+    stable sort): each row of ``x`` is read once and repeated for its pairs, the queries are cast to
+    float64 once and gathered, and the products of about ``block`` pairs at a time are formed in place and
+    reduced while in cache. tests/test_engine.py pins the values against the per-pair path on near-τ data.
+    """
+    n = xi.size
+    out = np.empty(n, dtype=np.float64)
+    if n == 0:
+        return out
+    xi = np.asarray(xi, dtype=np.int64)
+    qi = np.asarray(qi, dtype=np.int64)
+    order = None
+    if n > 1 and not bool((xi[1:] >= xi[:-1]).all()):
+        order = np.argsort(xi, kind="stable")
+        xi, qi = xi[order], qi[order]
+    q64 = np.asarray(q, dtype=np.float64)
+    r0 = int(xi[0])
+    counts = np.bincount(xi - r0)  # pairs per row r0, r0 + 1, …
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    # Row ranges [a, b) holding about ``block`` pairs each (a row with more pairs is one range by itself).
+    cuts = np.unique(np.concatenate([np.searchsorted(starts, np.arange(0, n, block), side="right") - 1,
+                                     [counts.size]]))
+    kap = np.empty(n, dtype=np.float64)
+    for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+        lo, hi = int(starts[a]), int(ends[b - 1])
+        if hi == lo:
+            continue
+        g = q64.take(qi[lo:hi], axis=0)  # float64 copies of the queries, overwritten in place
+        rows = np.repeat(x[r0 + a:r0 + b], counts[a:b], axis=0)
+        if kernel == "cosine":
+            np.multiply(rows, g, out=g)
+        else:
+            np.subtract(rows, g, out=g)
+            np.multiply(g, g, out=g)
+        g.sum(axis=1, out=kap[lo:hi])
+    if kernel != "cosine":
+        kap = np.exp(-kap / (nu * nu))
+    if order is None:
+        return kap
+    out[order] = kap
+    return out
+
+
+class ChunkSource(Protocol):
+    def chunks(self) -> Iterator[tuple[int, np.ndarray]]: ...
+
+
+@dataclass
+class ArraySource:
+    """Private features already in memory (tests, small stores, cached stores)."""
+
+    features: np.ndarray
+    rows: int = 8192
+
+    def chunks(self) -> Iterator[tuple[int, np.ndarray]]:
+        for start in range(0, self.features.shape[0], self.rows):
+            yield start, self.features[start:start + self.rows]
+
+
+@dataclass
+class StoreSource:
+    """Private features streamed from the Zarr store; cached when under the memory cap."""
+
+    store: object
+    role: str = "private"
+    cache_bytes: int = 1 << 30
+    _cache: list | None = None
+    _on_device: dict = field(default_factory=dict)  # device → [(start, tensor)] resident for the run, or None
+
+    def chunks(self) -> Iterator[tuple[int, np.ndarray]]:
+        if self._cache is not None:
+            yield from self._cache
+            return
+        n = self.store.n_rows(self.role)
+        fits = n * self.store.dim * 4 <= self.cache_bytes
+        cache = [] if fits else None
+        for start, block in self.store.iter_chunks(self.role):
+            if cache is not None:
+                cache.append((start, block))
+            yield start, block
+        if cache is not None:
+            self._cache = cache
+
+
+def _passive_openmp(module: str) -> None:
+    """``OMP_WAIT_POLICY=PASSIVE`` before torch or faiss loads its OpenMP runtime, unless the caller set a
+    policy: threads that spin after each matrix product would otherwise hold a core while the float64
+    recompute and the filter run on one thread (CPU seconds, and other processes on a shared machine, pay
+    for the spinning)."""
+    import os
+    import sys
+
+    if module not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _import_torch():
+    _passive_openmp("torch")
+    import torch
+
+    return torch
+
+
+class _Cpu:
+    """``--device cpu`` without importing torch (the CPU screen is FAISS's)."""
+
+    type = "cpu"
+
+
+def _torch_device(device: str):
+    torch = _import_torch()
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        from .errors import BadInputError
+
+        raise BadInputError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def _resident_blocks(source, dev) -> list | None:
+    """A store's feature chunks kept on the GPU for the whole run, when they fit in half its free memory.
+
+    The first batch copies them once; later batches skip the Zarr read and the host-to-device copy.
+    Only for ``StoreSource`` (the store cannot change while serve-queries holds its locks). The values
+    are the same float32 numbers, so candidates and answers are unchanged (tests/test_cuda.py).
+    """
+    if dev.type != "cuda" or not isinstance(source, StoreSource):
+        return None
+    key = str(dev)
+    if key not in source._on_device:
+        import torch
+
+        need = source.store.n_rows(source.role) * source.store.dim * 4
+        free, _total = torch.cuda.mem_get_info(dev)
+        blocks = None
+        if need <= free // 2:
+            blocks = [(start, torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev))
+                      for start, block in source.chunks() if block.shape[0]]
+            source._cache = None  # the host copy is never read again this run
+        source._on_device[key] = blocks
+    return source._on_device[key]
+
+
+def _query_index(queries: np.ndarray):
+    """A FAISS flat inner-product index of a batch's queries (built once per batch, searched per chunk)."""
+    _passive_openmp("faiss")
+    import faiss
+
+    index = faiss.IndexFlatIP(queries.shape[1])
+    index.add(queries)
+    return index
+
+
+def _screen_cpu(query_index, block: np.ndarray, screen: float) -> tuple[np.ndarray, np.ndarray]:
+    """(query, row) pairs of one chunk whose fp32 dot product exceeds ``screen``, on the CPU, in row order.
+
+    FAISS ``range_search`` of the chunk's rows against the flat inner-product index of the batch's
+    queries: its blocked product and the threshold test run in one pass, with no score matrix kept, and a
+    CPU serve never imports torch. Searching the rows against the queries (not the queries against an index
+    of each chunk) costs fewer CPU seconds here (larger products per block; no copy of the chunk into an
+    index per batch) and gives the pairs grouped by row, the order the exact recompute reads them in. Any fp32 summation order is within
+    the screening margin, and every screened pair's κ is then recomputed exactly, so the candidates do not
+    depend on this choice.
+    """
+    lims, _scores, ids = query_index.range_search(np.ascontiguousarray(block, dtype=np.float32), float(screen))
+    ri = np.repeat(np.arange(block.shape[0], dtype=np.int64), np.diff(lims).astype(np.int64))
+    return ids.astype(np.int64, copy=False), ri
+
+
+class TooManyPairs(Exception):
+    """Internal: a batch's candidate pairs would exceed the memory bound; split the batch."""
+
+
+@dataclass
+class Candidates:
+    """Sparse candidate lists of a batch of queries: rows and exact κ per query."""
+
+    rows: list[np.ndarray]
+    kappa: list[np.ndarray]
+
+
+def find_candidates(
+    queries: np.ndarray,
+    source: ChunkSource,
+    *,
+    kernel: str,
+    tau: float,
+    nu: float | None,
+    device: str = "auto",
+    row_mask: np.ndarray | None = None,
+    max_pairs_block: int = EXACT_PAIR_BLOCK,
+    strictly_before: np.ndarray | None = None,
+    max_pairs: int | None = None,
+) -> Candidates:
+    """Rows with κ(x_row, q) ≥ τ for each query, κ recomputed exactly in float64.
+
+    ``row_mask`` (bool per source row) drops rows that may never be candidates
+    (deleted, not in the ledger); ``strictly_before[t]`` keeps only rows < that
+    value for query t (prediction reuse within a run). With ``max_pairs``, a
+    batch of several queries whose candidates exceed it raises TooManyPairs.
+    """
+    if device == "cpu":
+        dev, torch = _Cpu(), None
+    else:
+        torch = _import_torch()
+        dev = _torch_device(device)
+    m, d = queries.shape
+    thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
+    screen = thr - screening_margin(d)
+    q_np = np.ascontiguousarray(queries, dtype=np.float32)
+    q_t = torch.from_numpy(q_np).to(dev) if dev.type != "cpu" else None
+    q_index = _query_index(q_np) if dev.type == "cpu" and screen > -1.0 else None
+    q64 = np.asarray(queries, dtype=np.float64)  # cast once per batch (exact), gathered per pair by the recompute
+    parts_q: list[np.ndarray] = []
+    parts_rows: list[np.ndarray] = []
+    parts_kap: list[np.ndarray] = []
+    total_pairs = 0
+    resident = _resident_blocks(source, dev)
+    blocks = ((start, None, x_t) for start, x_t in resident) if resident is not None else (
+        (start, block, None) for start, block in source.chunks())
+    for start, block, x_t in blocks:
+        if x_t is None and block.shape[0] == 0:
+            continue
+        if screen <= -1.0:  # threshold below every possible dot product: all rows
+            k = block.shape[0] if x_t is None else x_t.shape[0]
+            qi, ri = np.tile(np.arange(m), k), np.repeat(np.arange(k), m)  # in row order
+        elif dev.type == "cpu":
+            qi, ri = _screen_cpu(q_index, block, screen)
+        else:
+            if x_t is None:
+                x_t = torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev)
+            scores = q_t @ x_t.T
+            qi, ri = torch.nonzero(scores >= screen, as_tuple=True)
+            qi = qi.cpu().numpy()
+            ri = ri.cpu().numpy()
+            del scores
+        if qi.size == 0:
+            continue
+        rows = ri.astype(np.int64) + start
+        keep = np.ones(rows.size, dtype=bool)
+        if row_mask is not None:
+            keep &= row_mask[rows]
+        if strictly_before is not None:
+            keep &= rows < strictly_before[qi]
+        qi, ri, rows = qi[keep], ri[keep], rows[keep]
+        if block is None:  # resident on the device: one gather of the rows this chunk needs
+            uniq, ri = np.unique(ri, return_inverse=True)
+            block = x_t[torch.from_numpy(uniq).to(dev)].cpu().numpy()
+        kap = exact_kernel_pairs(block, ri, q64, qi, kernel=kernel, nu=nu, block=max_pairs_block)
+        ok = kap >= tau
+        qi, rows, kap = qi[ok], rows[ok], kap[ok]
+        if qi.size == 0:
+            continue
+        total_pairs += qi.size
+        if max_pairs is not None and m > 1 and total_pairs > max_pairs:
+            raise TooManyPairs()
+        parts_q.append(qi); parts_rows.append(rows); parts_kap.append(kap)
+    # One sort per batch: by query, then by row (a (query, row) pair occurs once).
+    qi = np.concatenate(parts_q) if parts_q else np.empty(0, np.int64)
+    rows = np.concatenate(parts_rows) if parts_rows else np.empty(0, np.int64)
+    kap = np.concatenate(parts_kap) if parts_kap else np.empty(0, np.float64)
+    order = np.lexsort((rows, qi))
+    qi, rows, kap = qi[order], rows[order], kap[order]
+    bounds = np.searchsorted(qi, np.arange(m + 1))
+    return Candidates([rows[bounds[t]:bounds[t + 1]] for t in range(m)],
+                      [kap[bounds[t]:bounds[t + 1]] for t in range(m)])
+
+
