@@ -194,6 +194,47 @@ def atomic_write_parquet(table: pa.Table, path: Path) -> str:
     return integrity.sha256_bytes(data)
 
 
+#: Rows per row group of an answers file written by :func:`atomic_write_parquet_tables`.
+ANSWERS_ROW_GROUP_ROWS = 1 << 17
+
+
+def atomic_write_parquet_tables(tables, schema: pa.Schema, path: Path, *,
+                                row_group_rows: int = ANSWERS_ROW_GROUP_ROWS) -> str:
+    """:func:`atomic_write_parquet` for a table given in parts (``tables``, each of ``schema``): row groups of
+    about ``row_group_rows`` rows are appended to the temporary file one by one, so memory holds one row group,
+    never the whole table or file (issue 21: a run of 2,000,000 answers ends with a compaction). The sha256 is
+    read back from the written file before the rename."""
+    import hashlib
+
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with pq.ParquetWriter(tmp, schema) as writer:
+            pending, rows = [], 0
+            for t in tables:
+                if t.num_rows:
+                    pending.append(t)
+                    rows += t.num_rows
+                if rows >= row_group_rows:
+                    writer.write_table(pa.concat_tables(pending).combine_chunks())
+                    pending, rows = [], 0
+            if pending:
+                writer.write_table(pa.concat_tables(pending).combine_chunks())
+        h = hashlib.sha256()
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        _fault("event-written-tmp")
+        os.replace(tmp, path)
+    except OSError as exc:  # ENOSPC, EROFS, EACCES, EDQUOT, ...: nothing was renamed into place
+        raise _storage_error(path, exc) from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+    return h.hexdigest()
+
+
 def atomic_write_text(text: str, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -340,6 +381,12 @@ class LedgerState:
         out = np.where(self.deleted, "deleted", "retired").astype(object)
         out[self.active_mask(c1)] = "active"
         return out
+
+    def answer_tables(self):
+        """The answers as a sequence of tables of ANSWER_SCHEMA (the snapshot's, then one per event since)."""
+        if self._answers_base is not None:
+            yield self._answers_base.select(ANSWER_SCHEMA.names).cast(ANSWER_SCHEMA)
+        yield from self._answers_parts
 
     def answers_table(self) -> pa.Table:
         new = self._new_answers()
@@ -746,7 +793,8 @@ class BudgetLedger:
     def _write_snapshot(self, generation: int, *, publish: bool = True) -> None:
         s = self.state
         c1 = self.params.c1 if "params" in self.meta else 0.0
-        answers_sha = atomic_write_parquet(s.answers_table(), self.path / f"answers-{generation:06d}.parquet")
+        answers_sha = atomic_write_parquet_tables(s.answer_tables(), ANSWER_SCHEMA,
+                                                  self.path / f"answers-{generation:06d}.parquet")
         meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
                     batches=s.batches, history=s.history[-100000:],
                     **integrity.snapshot_chain_fields(self, answers_sha))
