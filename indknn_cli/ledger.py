@@ -194,6 +194,47 @@ def atomic_write_parquet(table: pa.Table, path: Path) -> str:
     return integrity.sha256_bytes(data)
 
 
+#: Rows per row group of an answers file written by :func:`atomic_write_parquet_tables`.
+ANSWERS_ROW_GROUP_ROWS = 1 << 17
+
+
+def atomic_write_parquet_tables(tables, schema: pa.Schema, path: Path, *,
+                                row_group_rows: int = ANSWERS_ROW_GROUP_ROWS) -> str:
+    """:func:`atomic_write_parquet` for a table given in parts (``tables``, each of ``schema``): row groups of
+    about ``row_group_rows`` rows are appended to the temporary file one by one, so memory holds one row group,
+    never the whole table or file (issue 21: a run of 2,000,000 answers ends with a compaction). The sha256 is
+    read back from the written file before the rename."""
+    import hashlib
+
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with pq.ParquetWriter(tmp, schema) as writer:
+            pending, rows = [], 0
+            for t in tables:
+                if t.num_rows:
+                    pending.append(t)
+                    rows += t.num_rows
+                if rows >= row_group_rows:
+                    writer.write_table(pa.concat_tables(pending).combine_chunks())
+                    pending, rows = [], 0
+            if pending:
+                writer.write_table(pa.concat_tables(pending).combine_chunks())
+        h = hashlib.sha256()
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        _fault("event-written-tmp")
+        os.replace(tmp, path)
+    except OSError as exc:  # ENOSPC, EROFS, EACCES, EDQUOT, ...: nothing was renamed into place
+        raise _storage_error(path, exc) from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+    return h.hexdigest()
+
+
 def atomic_write_text(text: str, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -240,10 +281,11 @@ class LedgerState:
     last_change: np.ndarray
     batches: list[str] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
-    # Answers released: the snapshot's (ledger_history.LazyAnswers: an Arrow table parsed on first use, never
-    # turned into Python objects unless someone asks for ``answers``) plus those of the events since, as lists.
+    # Answers released: the snapshot's (ledger_history.LazyAnswers: an Arrow table parsed on first use) plus one
+    # Arrow table per event replayed or committed since. No Python object per answer unless someone asks for
+    # ``answers`` (issue 21: a 2,000,000-query run holds its answers as Arrow columns, ~100 bytes each).
     _answers_src: ledger_history.LazyAnswers | None = field(default=None, repr=False)
-    _answers_new: dict[str, list] = field(default_factory=lambda: {n: [] for n in ANSWER_SCHEMA.names}, repr=False)
+    _answers_parts: list = field(default_factory=list, repr=False)
     _batch_set: set | None = field(default=None, repr=False)
 
     @property
@@ -256,52 +298,64 @@ class LedgerState:
 
     @property
     def answers(self) -> dict[str, list]:
-        """Every answer released, column → list (materialised on first use; prefer the methods below)."""
-        if self._answers_base is not None:
-            base = self._answers_base
-            self._answers_new = {n: base.column(n).to_pylist() + self._answers_new[n] for n in ANSWER_SCHEMA.names}
-            self._answers_base = None
-        return self._answers_new
+        """Every answer released, column → list (a new dict of Python objects each time: prefer the methods
+        below)."""
+        return self.answers_table().to_pydict()
 
     @answers.setter
     def answers(self, value: dict[str, list]) -> None:
-        self._answers_base = None
-        self._answers_new = value
+        self._answers_src = None
+        self._answers_parts = [pa.table({n: pa.array(value[n], type=ANSWER_SCHEMA.field(n).type)
+                                         for n in ANSWER_SCHEMA.names}, schema=ANSWER_SCHEMA)]
 
     def set_answers_table(self, table: pa.Table) -> None:
         self._answers_base = table if table.num_rows else None
-        self._answers_new = {n: [] for n in ANSWER_SCHEMA.names}
+        self._answers_parts = []
 
     def extend_answers(self, table: pa.Table) -> None:
-        for n in ANSWER_SCHEMA.names:
-            self._answers_new[n].extend(table.column(n).to_pylist())
+        """Keep an event's answer rows (their own buffers, ANSWER_SCHEMA columns, no event metadata)."""
+        if table.num_rows:
+            part = table.select(ANSWER_SCHEMA.names).replace_schema_metadata(None).cast(ANSWER_SCHEMA)
+            self._answers_parts.append(part)
+
+    def _new_answers(self) -> pa.Table:
+        """The answers of the events since the snapshot, one table (ANSWER_SCHEMA)."""
+        if not self._answers_parts:
+            return ANSWER_SCHEMA.empty_table()
+        return pa.concat_tables(self._answers_parts)
 
     def n_answers(self) -> int:
         base = 0 if self._answers_src is None else self._answers_src.num_rows
-        return base + len(self._answers_new["query_index"])
+        return base + sum(t.num_rows for t in self._answers_parts)
 
     def answer_column(self, name: str, dtype=None) -> np.ndarray:
-        """One answers column as an array (Arrow → NumPy for the snapshot part, no per-value Python objects)."""
+        """One answers column as an array (Arrow → NumPy, no per-value Python objects)."""
         parts = []
         if self._answers_base is not None:
-            col = self._answers_base.column(name)
-            parts.append(np.asarray(col.to_numpy(zero_copy_only=False), dtype=dtype))
-        parts.append(np.asarray(self._answers_new[name], dtype=dtype))
+            parts.append(np.asarray(self._answers_base.column(name).to_numpy(zero_copy_only=False), dtype=dtype))
+        parts += [np.asarray(t.column(name).to_numpy(zero_copy_only=False), dtype=dtype)
+                  for t in self._answers_parts]
+        if not parts:
+            return np.asarray([], dtype=dtype)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    def answers_for(self, batch_id: str) -> dict[str, list]:
-        out: dict[str, list] = {n: [] for n in ANSWER_SCHEMA.names}
-        if self._answers_base is not None:
-            import pyarrow.compute as pc
+    def answers_table_for(self, batch_id: str) -> pa.Table:
+        """The answers released under ``batch_id`` (ANSWER_SCHEMA), in ledger order."""
+        import pyarrow.compute as pc
 
-            sub = self._answers_base.filter(pc.equal(self._answers_base.column("batch_id"), batch_id))
-            for n in ANSWER_SCHEMA.names:
-                out[n] = sub.column(n).to_pylist()
-        a = self._answers_new
-        keep = [i for i, b in enumerate(a["batch_id"]) if b == batch_id]
-        for n in ANSWER_SCHEMA.names:
-            out[n].extend(a[n][i] for i in keep)
-        return out
+        tables = []
+        if self._answers_base is not None:
+            base = self._answers_base.select(ANSWER_SCHEMA.names).cast(ANSWER_SCHEMA)
+            tables.append(base.filter(pc.equal(base.column("batch_id"), batch_id)))
+        if self._answers_parts:
+            new = self._new_answers()
+            tables.append(new.filter(pc.equal(new.column("batch_id"), batch_id)))
+        if not tables:
+            return ANSWER_SCHEMA.empty_table()
+        return pa.concat_tables(tables)
+
+    def answers_for(self, batch_id: str) -> dict[str, list]:
+        return self.answers_table_for(batch_id).to_pydict()
 
     def add_batch(self, batch_id) -> None:
         if self._batch_set is None or len(self._batch_set) != len(self.batches):
@@ -328,11 +382,16 @@ class LedgerState:
         out[self.active_mask(c1)] = "active"
         return out
 
+    def answer_tables(self):
+        """The answers as a sequence of tables of ANSWER_SCHEMA (the snapshot's, then one per event since)."""
+        if self._answers_base is not None:
+            yield self._answers_base.select(ANSWER_SCHEMA.names).cast(ANSWER_SCHEMA)
+        yield from self._answers_parts
+
     def answers_table(self) -> pa.Table:
-        new = pa.table({n: pa.array(self._answers_new[n], type=ANSWER_SCHEMA.field(n).type)
-                        for n in ANSWER_SCHEMA.names})
+        new = self._new_answers()
         if self._answers_base is None:
-            return new
+            return new.combine_chunks()
         base = self._answers_base.select(ANSWER_SCHEMA.names).cast(new.schema)
         return pa.concat_tables([base, new]).combine_chunks()
 
@@ -734,7 +793,8 @@ class BudgetLedger:
     def _write_snapshot(self, generation: int, *, publish: bool = True) -> None:
         s = self.state
         c1 = self.params.c1 if "params" in self.meta else 0.0
-        answers_sha = atomic_write_parquet(s.answers_table(), self.path / f"answers-{generation:06d}.parquet")
+        answers_sha = atomic_write_parquet_tables(s.answer_tables(), ANSWER_SCHEMA,
+                                                  self.path / f"answers-{generation:06d}.parquet")
         meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
                     batches=s.batches, history=s.history[-100000:],
                     **integrity.snapshot_chain_fields(self, answers_sha))

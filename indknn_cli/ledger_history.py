@@ -128,18 +128,17 @@ class LazyAnswers:
 
 def answer_label_counts(state) -> dict[str, int]:
     """Answers released per label name, in first-seen order, without a Python object per answer: the
-    snapshot's answers are counted by Arrow from their one column (value_counts keeps the order of first
-    appearance), the answers of the events replayed since in Python."""
+    snapshot's answers and those of each event replayed since are counted by Arrow from their one column
+    (value_counts keeps the order of first appearance; merged in ledger order)."""
+    import pyarrow.compute as pc
+
     counts: dict[str, int] = {}
     src = state._answers_src
-    if src is not None:
-        import pyarrow.compute as pc
-
-        vc = pc.value_counts(src.column("label_name"))
+    columns = ([src.column("label_name")] if src is not None else []) + \
+        [t.column("label_name") for t in state._answers_parts]
+    for col in columns:
+        vc = pc.value_counts(col)
         for name, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
             if name is not None:
                 counts[name] = counts.get(name, 0) + int(n)
-    for name in state._answers_new["label_name"]:
-        if name is not None:
-            counts[name] = counts.get(name, 0) + 1
     return counts

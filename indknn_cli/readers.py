@@ -587,6 +587,25 @@ class NumpySource(Source):
                 raise BadInputError(f"{display}: array {nm} has shape {arr.shape}, expected ({n},)")
         self._count = n
 
+    def _drop_pages(self, rows_read: int) -> None:
+        """A memory-mapped .npy read front to back: hand the pages of rows already copied back to the page
+        cache (madvise DONTNEED on a read-only file mapping), so that the file's pages do not pile up in this
+        process's resident memory (issue 21: a 2,000,000-row query file in one run). Every ``1 << 24`` bytes."""
+        mm = getattr(self.x, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not self.x.flags.c_contiguous:
+            return
+        import mmap
+
+        start = self.x.offset - self.x.offset % mmap.ALLOCATIONGRANULARITY  # where numpy's mapping begins
+        end = self.x.offset - start + rows_read * self.x.strides[0]
+        end -= end % mmap.PAGESIZE
+        if end - getattr(self, "_dropped", 0) >= (1 << 24):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, 0, end)
+            except (OSError, ValueError, AttributeError):  # not supported here: the pages stay mapped
+                return
+            self._dropped = end
+
     def _require(self, name: str, what: str) -> None:
         if name not in self.columns:
             raise BadInputError(f"{self.name}: {what} array {name!r} not found; arrays present: "
@@ -617,6 +636,7 @@ class NumpySource(Source):
         n = self.x.shape[0]
         for lo in range(0, n, self.batch_rows):
             hi = min(n, lo + self.batch_rows)
+            self._drop_pages(lo)  # the rows before this batch were handed out (and read) already
             yield RecordBatch(
                 items=np.asarray(self.x[lo:hi], dtype=np.float64),
                 labels=(None if not labels or self.labels_arr is None

@@ -7,14 +7,12 @@ import math
 import numbers
 import os
 import secrets
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import accounting, data_quality, gate, indexes
 from . import ledger_integrity as integrity
@@ -269,7 +267,9 @@ def _differs(a: PrivacyParams, b: PrivacyParams) -> bool:
 @dataclass
 class ServeResult:
     batch_id: str
-    answers: list[dict]
+    #: The batch's released answers in query order, or None when the caller streamed them through
+    #: ``on_committed`` and asked not to keep them (``keep_answers=False``: memory O(one part), issue 21).
+    answers: list[dict] | None
     newly_answered: int
     already_answered: int
     seed: int | None
@@ -287,19 +287,25 @@ def run_key_for(seed: int | None, batch_id: str) -> int:
     return int.from_bytes(digest[:16], "big")
 
 
-def _answer_rows(ledger_answers: dict) -> list[dict]:
+def _answer_rows(table: pa.Table) -> list[dict]:
+    """Ledger answer rows (ANSWER_SCHEMA) as the released answers: dicts in the order of the table."""
+    cols = {n: table.column(n).to_pylist() for n in
+            ("batch_id", "query_index", "query_id", "label", "label_name", "released_count", "seed")}
     rows = []
-    for i in range(len(ledger_answers["query_index"])):
-        row = {
-            "batch_id": ledger_answers["batch_id"][i], "query_index": ledger_answers["query_index"][i],
-            "query_id": ledger_answers["query_id"][i], "label": ledger_answers["label"][i],
-            "label_name": ledger_answers["label_name"][i],
-            "released_count": ledger_answers["released_count"][i],
-        }
-        if ledger_answers["seed"][i] is not None:
-            row["seed"] = int(ledger_answers["seed"][i])
+    for i in range(table.num_rows):
+        row = {k: cols[k][i] for k in ("batch_id", "query_index", "query_id", "label", "label_name",
+                                         "released_count")}
+        if cols["seed"][i] is not None:
+            row["seed"] = int(cols["seed"][i])
         rows.append(row)
-    return sorted(rows, key=lambda r: r["query_index"])
+    return rows
+
+
+def _done_parts(done: pa.Table, size: int):
+    """The answers already released under a batch id, sorted by query index, in lists of ``size``."""
+    done = done.sort_by("query_index")
+    for lo in range(0, done.num_rows, size):
+        yield _answer_rows(done.slice(lo, size))
 
 
 def serve_queries(
@@ -319,6 +325,7 @@ def serve_queries(
     candidate_finder_factory: Callable | None = None,
     max_queries: int | str | None = None,
     min_margin: float | None = None,
+    keep_answers: bool = True,
 ) -> ServeResult:
     """Answer the stored query batch ``query_batch``; each part is charged and committed before release.
 
@@ -333,6 +340,10 @@ def serve_queries(
     T or ``"planned"`` (the ledger's --planned-queries); it refuses the whole
     batch (QueryAllowanceError, exit 3) before anything is charged when the
     queries answered so far plus this batch's new ones would pass T.
+
+    ``keep_answers=False``: the answers reach the caller only through ``on_committed`` (one part at a time,
+    answers released before under this batch id in parts of ``batch_size`` first) and ``ServeResult.answers``
+    is None: the run holds O(batch_size) answers as Python objects, whatever the batch's size.
     """
     max_queries = gate.parse_max_queries(max_queries)
     min_margin = check_min_margin(min_margin)
@@ -354,19 +365,26 @@ def serve_queries(
         integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
         _roll_forward_pending(store_path, ledger, lock_timeout)
         params = ledger.params
-        done = ledger.answers_for(batch_id)
-        done_rows = set(done["query_row"])
+        done = ledger.state.answers_table_for(batch_id)
+        done_rows = np.unique(done.column("query_row").to_numpy())
         _check_batch_id(batch_id, done_rows, q_start, q_stop)
         n_queries = q_stop - q_start
-        already = len(done_rows)
+        already = int(done_rows.size)
         todo_start = q_start + already
         allowance = gate.allowance(answered=queries_answered(ledger), planned_queries=params.planned_queries,
                                    max_queries=max_queries)
-        if todo_start >= q_stop:
-            rows = _answer_rows(done)
+        released: list[dict] | None = [] if keep_answers else None
+
+        def release(rows: list[dict]) -> None:
+            if released is not None:
+                released.extend(rows)
             if on_committed is not None:
                 on_committed(rows)
-            return ServeResult(batch_id, rows, 0, already, seed, queries_answered(ledger), allowance)
+
+        if todo_start >= q_stop:
+            for rows in _done_parts(done, batch_size):
+                release(rows)
+            return ServeResult(batch_id, released, 0, already, seed, queries_answered(ledger), allowance)
         gate.check(allowance, new_queries=q_stop - todo_start)  # public figures only, before any charge
         sync_ledger(ledger, store)
         state = ledger.state
@@ -396,14 +414,16 @@ def serve_queries(
                   else indexes.load_candidate_finder(store, ledger))
         run_key = run_key_for(seed, batch_id)
         seed_str = None if seed is None else str(seed)
-        query_ids = store.read("query", "record_id", q_start, q_stop)
-        part = len({p for p in done["part"]})
-        released = _answer_rows(done)
-        if released and on_committed is not None:
-            on_committed(released)
+        import pyarrow.compute as pc
+
+        part = int(pc.count_distinct(done.column("part")).as_py()) if done.num_rows else 0
+        for rows in _done_parts(done, batch_size):
+            release(rows)
+        del done
         for lo in range(todo_start, q_stop, batch_size):
             hi = min(q_stop, lo + batch_size)
             queries = store.read("query", "features", lo, hi)
+            query_ids = store.read("query", "record_id", lo, hi)  # per part: never the whole batch's ids
             budgets.reset_part()
             answers = answer_batch(
                 queries, source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
@@ -423,7 +443,7 @@ def serve_queries(
                 "batch_id": [None] * n_ch + [batch_id] * n_ans,
                 "part": [None] * n_ch + [part] * n_ans,
                 "query_index": [None] * n_ch + list(range(lo - q_start, hi - q_start)),
-                "query_id": [None] * n_ch + [str(x) for x in query_ids[lo - q_start:hi - q_start]],
+                "query_id": [None] * n_ch + [str(x) for x in query_ids],
                 "query_row": [None] * n_ch + list(range(lo, hi)),
                 "label": [None] * n_ch + labels,
                 "label_name": [None] * n_ch + [label_name(store, x) for x in labels],
@@ -443,9 +463,7 @@ def serve_queries(
                 "label": labels[j], "label_name": label_name(store, labels[j]),
                 "released_count": answers[j].released_count, **({"seed": seed} if seed is not None else {}),
             } for j in range(n_ans)]
-            released.extend(new_rows)
-            if on_committed is not None:
-                on_committed(new_rows)
+            release(new_rows)
             if on_progress is not None:
                 on_progress(hi - q_start, n_queries)
         if _needs_compaction(ledger):
@@ -471,8 +489,9 @@ def label_name(store: FeatureStore, label: int) -> str:
     return ABSTAIN_NAME if label == ABSTAIN_LABEL else store.label_names[label]
 
 
-def _check_batch_id(batch_id: str, done_rows: set, q_start: int, q_stop: int) -> None:
-    if done_rows and not done_rows <= set(range(q_start, q_stop)):
+def _check_batch_id(batch_id: str, done_rows: np.ndarray, q_start: int, q_stop: int) -> None:
+    """``done_rows``: the store rows of the answers already released under ``batch_id``."""
+    if done_rows.size and (int(done_rows.min()) < q_start or int(done_rows.max()) >= q_stop):
         raise BadInputError(f"batch id {batch_id!r} was already used for other queries; pick a new --batch-id")
 
 
@@ -485,8 +504,8 @@ def check_batch_id_before_embedding(*, store: FeatureStore, ledger: BudgetLedger
     """
     if not batch_id:
         return
-    done_rows = set(ledger.answers_for(batch_id)["query_row"])
-    if not done_rows:
+    done_rows = np.asarray(ledger.state.answers_table_for(batch_id).column("query_row").to_numpy(), np.int64)
+    if not done_rows.size:
         return
     if batch_id not in store.batches():
         raise BadInputError(f"batch id {batch_id!r} was already used for other queries; pick a new --batch-id")
@@ -519,37 +538,6 @@ def _reuse_pool(store: FeatureStore, ledger: BudgetLedger) -> ReusePool:
     lo, hi = int(rows.min()), int(rows.max()) + 1
     block = store.read("query", "features", lo, hi)
     return ReusePool(block[rows - lo].astype(np.float32), labels)
-
-
-def write_answers_parquet(rows: list[dict], path: str | os.PathLike) -> None:
-    """Write released answers atomically (tmp → fsync → rename)."""
-    from .ledger import atomic_write_parquet
-
-    table = pa.table({
-        "batch_id": pa.array([r["batch_id"] for r in rows], pa.string()),
-        "query_index": pa.array([r["query_index"] for r in rows], pa.int64()),
-        "query_id": pa.array([r["query_id"] for r in rows], pa.string()),
-        "label": pa.array([r["label"] for r in rows], pa.int32()),
-        "label_name": pa.array([r["label_name"] for r in rows], pa.string()),
-        "released_count": pa.array([r["released_count"] for r in rows], pa.float64()),
-        "seed": pa.array([None if r.get("seed") is None else int(r["seed"]) for r in rows], pa.int64()),
-    })
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise BadInputError(f"--out: folder {path.parent} does not exist")
-    atomic_write_parquet(table, path)
-
-
-def read_answers_parquet(path: str | os.PathLike) -> pa.Table:
-    """An answers file of ``serve-queries --out``; ``seed`` is int64 as in the JSON lines (files written before
-    it was, with a string ``seed``, are read to the same type)."""
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path)
-    i = table.schema.get_field_index("seed")
-    if i >= 0 and table.schema.field(i).type != pa.int64():
-        table = table.set_column(i, "seed", table.column(i).cast(pa.int64()))
-    return table
 
 
 def resolve_query_batch(
@@ -610,5 +598,5 @@ def check_allowance_before_embedding(*, store: FeatureStore, ledger: BudgetLedge
                 n = sum(len(rb) for rb in src.batches(labels=False))
     finally:
         src.close()
-    done = len(set(ledger.answers_for(name)["query_row"]))
+    done = int(np.unique(ledger.state.answers_table_for(name).column("query_row").to_numpy()).size)
     gate.check(allowance, new_queries=n - done)

@@ -89,7 +89,7 @@ def test_seed_is_an_integer_in_parquet_as_in_json_lines(vector_store, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from indknn_cli.serving import read_answers_parquet
+    from indknn_cli.answers_out import read_answers_parquet
 
     s, led = vector_store.path, tmp_path / "L"
     assert invoke("index", "--store", s, "--ledger", led, "--eps", "1", "--tau", "0.5").exit_code == 0

@@ -335,6 +335,37 @@ def append_command(
     run_library_call(lambda: _module_main(main, _argv(rows=rows, d=d)))
 
 
+@bench_app.command("stream")
+def stream_command(
+    queries: int = typer.Option(2_000_000, "--queries", min=1, help="Queries in the one query file (the issue's "
+                                "2,000,000; about 20 min per run on 2 cores: try 200000 first)."),
+    n: int = typer.Option(10_000, "--n", min=1, help="Private records N of the synthetic clustered store."),
+    d: int = typer.Option(64, "--d", min=2, help="Dimension of the synthetic vectors."),
+    tau: float = typer.Option(0.5, "--tau", help="Cosine threshold τ."),
+    batch_size: int = typer.Option(1024, "--batch-size", min=1, help="serve-queries --batch-size of both runs."),
+    fmt: str = typer.Option("npy", "--format", help="Query file format: npy or parquet (a list column 'vector')."),
+    device: str = typer.Option("cpu", "--device", help="serve-queries --device of both runs."),
+    reuse: bool = typer.Option(False, "--reuse/--no-reuse", help="Serve with prediction reuse on (quadratic in "
+                               "the run's queries)."),
+    keep: Optional[Path] = typer.Option(None, "--keep", help="Build everything in this new folder and keep it "
+                                        "(default: a temporary folder, removed)."),
+) -> None:
+    """A query file served in one `serve-queries` process (streamed: embedded, then answered) against the same
+    queries already stored: peak RSS of each process (target ≤ 2 GB streamed) and the ratio of their wall times
+    (target ≤ 1.3), answers and ledgers compared. stdout: one JSON line. Fixed seed: for measurement only."""
+    from ..benchmarks.stream import main
+
+    def call():
+        if fmt not in ("npy", "parquet"):
+            from ..errors import BadInputError
+
+            raise BadInputError(f"--format must be npy or parquet, got {fmt!r}")
+        return _module_main(main, _argv(queries=queries, n=n, d=d, tau=tau, batch_size=batch_size, format=fmt,
+                                        device=device, keep=keep) + (["--reuse"] if reuse else []))
+
+    run_library_call(call)
+
+
 @bench_app.command("startup")
 def startup_command(
     repeat: int = typer.Option(5, "--repeat", min=1, help="Runs of each command; the best wall time (seconds) "

@@ -96,6 +96,13 @@ def emit_json(obj: dict) -> None:
     sys.stdout.flush()
 
 
+def emit_json_lines(objs: list[dict]) -> None:
+    """JSON lines as :func:`emit_json` writes them, in one write and one flush (a part of answers at a time)."""
+    if objs:
+        sys.stdout.write("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objs))
+        sys.stdout.flush()
+
+
 def run_library_call(fn: Callable[[], T]) -> T:
     """Run a library call; map typed errors to a message on stderr and the documented exit code.
 

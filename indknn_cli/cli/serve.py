@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from ..errors import BadInputError, ConcurrentChangeError, LedgerError
 from ..wording import count
-from .common import (check_lock_timeout, emit_json, parse_size, read_json_line_from_stdin, resolve_ledger,
+from .common import (check_lock_timeout, emit_json_lines, parse_size, read_json_line_from_stdin, resolve_ledger,
                      resolve_store, run_library_call, stderr_console)
 from .common import progress_bar
 
@@ -20,8 +20,8 @@ def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
     from ..ledger import BudgetLedger
     from .. import gate
-    from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, queries_answered, resolve_query_batch, serve_queries,
-                           write_answers_parquet)
+    from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, queries_answered, resolve_query_batch, serve_queries)
+    from ..answers_out import AnswersWriter
     from ..ledger_integrity import check_binding, read_mark
     from ..store import FeatureStore
     from ..distributed import resolve_scheduler, session as scheduler_session
@@ -99,12 +99,15 @@ def serve_command(
 
     bar: list = []  # the progress bar's update function (a no-op off a terminal), set once the batch is known
 
-    def emit(rows):
+    sink: list = []  # the --out writer of the current attempt
+
+    def emit(rows):  # called once per committed part: its answers go out now, nothing is kept
         if bar:
             bar[0](advance=len(rows))
-        if out is None:
-            for r in rows:
-                emit_json(r)
+        if sink:
+            sink[0].write(rows)
+        else:
+            emit_json_lines(rows)
 
     upstream_line: list = []
 
@@ -141,15 +144,18 @@ def serve_command(
         opts = _reader_options()
         name = resolve_query_batch(store_path=sp, queries=queries, batch_id=batch_id, upstream=upstream,
                                    reader_options=opts, device=device)
-        with progress_bar("answering", total=_batch_size_or_none(sp, name)) as update:
+        # --out: answers appended as each part commits to a hidden temporary file, renamed onto --out when the
+        # run ends (answers_out.py); a failed run leaves --out as it was. Answers held: one part's.
+        with progress_bar("answering", total=_batch_size_or_none(sp, name)) as update, \
+                (AnswersWriter(out) if out is not None else contextlib.nullcontext()) as writer:
             bar[:] = [update]
+            sink[:] = [writer] if writer is not None else []
             return serve(store_path=sp, ledger_path=ledger_path, query_batch=name, batch_id=batch_id, seed=seed,
                          batch_size=batch_size, device=device, reuse=not no_reuse, max_memory=parse_size(max_memory),
-                         lock_timeout=lock_timeout, on_committed=emit, max_queries=max_queries, min_margin=min_margin)
+                         lock_timeout=lock_timeout, on_committed=emit, max_queries=max_queries, min_margin=min_margin,
+                         keep_answers=False)
 
     result = run_library_call(call)
-    if out is not None:
-        run_library_call(lambda: write_answers_parquet(result.answers, out))
     if result.already_answered and not result.newly_answered:
         err.print(escape(f"batch {result.batch_id!r} was already answered: returned its "
                          f"{count(result.already_answered, 'released answer')}; nothing charged, no new noise"))

@@ -1,0 +1,134 @@
+"""`serve-queries --out FILE.parquet`: the released answers written as they commit, published atomically.
+
+Rows are appended to a hidden temporary file next to ``FILE`` (a Parquet row group per
+:data:`ROW_GROUP_ROWS` answers, so memory stays O(one row group) whatever the batch's size, issue 21),
+then fsync → rename → fsync of the folder when the run ends: ``FILE`` is either absent (or its previous
+version, untouched) or complete. A failed run removes the temporary file; a process killed outright
+leaves it behind under its hidden name (``.FILE.tmp-XXXXXXXX``), never under ``FILE``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import BadInputError
+
+#: Answers per row group of the --out file (rows are buffered until then; the last group holds the rest).
+ROW_GROUP_ROWS = 1 << 16
+
+SCHEMA = pa.schema([
+    ("batch_id", pa.string()), ("query_index", pa.int64()), ("query_id", pa.string()), ("label", pa.int32()),
+    ("label_name", pa.string()), ("released_count", pa.float64()), ("seed", pa.int64()),
+])
+
+
+def rows_table(rows: list[dict]) -> pa.Table:
+    """Released answers (the dicts of ``serve_queries``' ``on_committed``) as a table of :data:`SCHEMA`."""
+    return pa.table({
+        "batch_id": pa.array([r["batch_id"] for r in rows], pa.string()),
+        "query_index": pa.array([r["query_index"] for r in rows], pa.int64()),
+        "query_id": pa.array([r["query_id"] for r in rows], pa.string()),
+        "label": pa.array([r["label"] for r in rows], pa.int32()),
+        "label_name": pa.array([r["label_name"] for r in rows], pa.string()),
+        "released_count": pa.array([r["released_count"] for r in rows], pa.float64()),
+        "seed": pa.array([None if r.get("seed") is None else int(r["seed"]) for r in rows], pa.int64()),
+    }, schema=SCHEMA)
+
+
+class AnswersWriter:
+    """Append released answers to ``path`` (via a temporary file); :meth:`commit` publishes it, :meth:`abort`
+    removes the temporary file. As a context manager: commit on a normal exit, abort on an exception."""
+
+    def __init__(self, path: str | os.PathLike, *, row_group_rows: int | None = None):
+        self.path = Path(path)
+        if self.path.parent and not self.path.parent.is_dir():
+            raise BadInputError(f"--out: folder {self.path.parent} does not exist")
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.row_group_rows = int(row_group_rows or ROW_GROUP_ROWS)
+        self.rows = 0
+        self._pending: list[dict] = []
+        self._writer: pq.ParquetWriter | None = None
+        self._done = False
+
+    def write(self, rows: list[dict]) -> None:
+        self._pending.extend(rows)
+        self.rows += len(rows)
+        while len(self._pending) >= self.row_group_rows:
+            self._flush(self._pending[:self.row_group_rows])
+            del self._pending[:self.row_group_rows]
+
+    def _flush(self, rows: list[dict]) -> None:
+        from .ledger import _storage_error
+
+        try:
+            if self._writer is None:
+                self._writer = pq.ParquetWriter(self.tmp, SCHEMA)
+            self._writer.write_table(rows_table(rows))
+        except OSError as exc:
+            raise _storage_error(self.path, exc) from None
+
+    def commit(self) -> None:
+        """Write what is buffered, close, fsync and rename into place (the file's one commit point)."""
+        from .ledger import _fsync_dir, _storage_error
+
+        if self._done:
+            return
+        try:
+            if self._pending or self._writer is None:  # an empty batch still gets its (empty) file
+                self._flush(self._pending)
+                self._pending = []
+            self._writer.close()
+            self._writer = None
+            with open(self.tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            self.abort()
+            raise _storage_error(self.path, exc) from None
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        _fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        """Drop the temporary file; ``path`` is left as it was."""
+        self._done = True
+        self._pending = []
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - the file is removed anyway
+                pass
+            self._writer = None
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "AnswersWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def write_answers_parquet(rows: list[dict], path: str | os.PathLike) -> None:
+    """Write released answers atomically (tmp → fsync → rename)."""
+    with AnswersWriter(path) as out:
+        out.write(rows)
+
+
+def read_answers_parquet(path: str | os.PathLike) -> pa.Table:
+    """An answers file of ``serve-queries --out``; ``seed`` is int64 as in the JSON lines (files written before
+    it was, with a string ``seed``, are read to the same type)."""
+    table = pq.read_table(path)
+    i = table.schema.get_field_index("seed")
+    if i >= 0 and table.schema.field(i).type != pa.int64():
+        table = table.set_column(i, "seed", table.column(i).cast(pa.int64()))
+    return table
