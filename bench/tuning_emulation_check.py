@@ -3,7 +3,8 @@
     INDKNN_DATA=../shared/data python bench/tuning_emulation_check.py EPS [DRAWS [KEYS [SEED]]]
 
 For the total ε given: B_serve as ``index --tune private`` computes it, then for every (τ, σ2) of the default grid
-the mean fraction of shards the emulation answers correctly (no score noise; KEYS run keys × DRAWS tuning seeds)
+the mean fraction of shards the search's emulation answers correctly ("emulated": ``emulated_correct``) and the
+mean chance of the alternative ("expected": ``emulated_expected``) (no score noise; KEYS run keys × DRAWS seeds)
 and the median serving accuracy at B_serve over DRAWS query draws of `bench accuracy-vs-eps`'s split. A search
 that tracks serving ranks the grid points in the same order (Spearman ρ printed). See docs/TUNING.md.
 ``INDKNN_SERVING_CACHE=FILE`` keeps the serving accuracies (they do not depend on the emulation) between runs.
@@ -40,11 +41,13 @@ def main(argv: list[str]) -> None:
         json.dump(cache, open(cache_file, "w"))
     print(f"ε={eps} B_serve={t['budget_serve']:.4g} σ_s={t['score_noise_std']:.1f} shards={t['shards']} "
           f"(draws={n_draws}, keys={keys}, seed={seed})")
-    print("   τ    σ2   emulated (sd)    serving")
+    print("   τ    σ2   emulated (sd)   expected   serving")
     for r in t["rows"]:
-        print(f"{r['tau']:5.2f} {r['sigma2']:5.2f}   {r['emulated']:.3f} ({r['emulated_sd']:.3f})   {r['serving']:.3f}")
-    print(f"Spearman(emulated, serving) = {t['spearman']:.2f}; serving at the emulation's best "
-          f"{t['serving_of_emulated_best']:.3f} vs best {t['serving_best']:.3f}; {time.perf_counter() - t0:.0f} s")
+        print(f"{r['tau']:5.2f} {r['sigma2']:5.2f}   {r['emulated']:.3f} ({r['emulated_sd']:.3f})    {r['expected']:.3f}     "
+              f"{r['serving']:.3f}")
+    print(f"Spearman with serving: emulated (the search's) {t['spearman']:.2f}, expected {t['spearman_expected']:.2f}; "
+          f"serving at their best point {t['serving_of_emulated_best']:.3f} / {t['serving_of_expected_best']:.3f}, "
+          f"best {t['serving_best']:.3f}; {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":

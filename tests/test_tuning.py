@@ -407,3 +407,25 @@ def test_cli_min_margin(tune_store, tmp_path):
     res = runner.invoke(app, ["serve-queries", "q1", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l"),
                               "--batch-id", "other", "--min-margin", "-1"])
     assert res.exit_code == 2 and "min-margin" in res.stderr
+
+
+def test_emulation_check_prints_both_emulations_beside_serving():
+    """The diagnostic (bench/tuning_emulation_check.py): one row per grid point, fractions in [0, 1], serving reused."""
+    from types import SimpleNamespace
+
+    from indknn_cli.benchmarks.config import BenchConfig
+    from indknn_cli.benchmarks.emulation_check import emulation_table
+
+    x, y, _ = clustered(400, 16, 3, seed=5)
+    q, qy, _ = clustered(40, 16, 3, seed=6)
+    p = SimpleNamespace(split=SimpleNamespace(private=np.arange(400)), priv_x=x, priv_y=y, pool_x=q, pool_y=qy,
+                        ds=SimpleNamespace(n_classes=3), T=20)
+    cfg = BenchConfig.make(quick=False, seed=0, draws=2)
+    cfg.tune_taus, cfg.tune_sigma2s, cfg.tune_queries = (0.3, 0.6), (0.5, 1.0), 40
+    draws = [np.arange(20), np.arange(20, 40)]
+    t = emulation_table(p, cfg, eps=2.0, draws=draws, keys=1)
+    assert [(r["tau"], r["sigma2"]) for r in t["rows"]] == [(0.3, 0.5), (0.3, 1.0), (0.6, 0.5), (0.6, 1.0)]
+    for r in t["rows"]:
+        assert 0 <= r["emulated"] <= 1 and 0 <= r["expected"] <= 1 and 0 <= r["serving"] <= 1
+    again = emulation_table(p, cfg, eps=2.0, draws=draws, keys=1, serving=t["serving"])
+    assert again["rows"] == t["rows"]
