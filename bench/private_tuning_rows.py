@@ -4,7 +4,9 @@ Calls ``indknn_cli.benchmarks.private_tuning.private_rows`` — what `bench accu
 on the same split, query draws and seed, and prints the privately tuned row, the best grid point at B_serve
 and the whole grid. Used for the README's figures when the full command could not finish on a loaded machine:
 
-    INDKNN_DATA=../shared/data python bench/private_tuning_rows.py 1.0 5
+    INDKNN_DATA=../shared/data python bench/private_tuning_rows.py 1.0 5 [SEED] [--no-oracle]
+
+``--no-oracle`` skips serving every grid point (the yardstick), which is most of the run's time.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from indknn_cli.benchmarks.experiments import majority_class, prepare, query_dra
 
 
 def main(argv: list[str]) -> None:
+    oracle = "--no-oracle" not in argv
+    argv = [a for a in argv if a != "--no-oracle"]
     eps, n_draws, seed = float(argv[0]), int(argv[1]) if len(argv) > 1 else 5, int(argv[2]) if len(argv) > 2 else 0
     ds = load_dataset("ag_news")
     cfg = BenchConfig.make(quick=False, seed=seed, epsilons=(eps,), draws=n_draws)
+    cfg.oracle_grid = oracle
     p = prepare(ds, make_split(ds, seed=seed), cfg)
     draws = query_draws(p.pool_x.shape[0], p.T, n_draws, seed)
     t0 = time.perf_counter()

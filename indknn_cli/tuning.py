@@ -14,15 +14,18 @@ negative binomial / logarithmic / geometric number of runs, Theorem 6 for Poisso
 * each shard answers its validation record's vector as serving would at full scale, emulated from the shard's
   own records and public figures only (:mod:`indknn_cli.tuning_base`: candidates κ ≥ τ among its P records
   stand for S times as many, with the serving budget B_serve, σ1, K_min and the depletion of T planned queries);
-* score = number of shards answered correctly + N(0, σ_s²), σ_s = 1/sqrt(2ρ).
+* score = number of shards answered correctly (:func:`indknn_cli.tuning_base.emulated_correct`) + N(0, σ_s²),
+  σ_s = 1/sqrt(2ρ). (:func:`~indknn_cli.tuning_base.emulated_expected`, a sum of per-shard chances in [0, 1]
+  with serving's vote noise modelled, ranks the grid closer to serving but did not choose better; it is kept
+  for ``bench/tuning_emulation_check.py``, docs/TUNING.md.)
 
 Why this is (α, α·ρ)-RDP for every record: a record's coin puts it in one shard, and whatever a shard computes
 reads only that shard's records and noise keyed by the shard's index. Adding or removing one record therefore
-changes at most its own shard's answer (it may also replace the shard's validation record), so the count moves
-by at most 1 for any fixed noise, and the Gaussian noise on it gives ρ = 1/(2σ_s²) (Rényi divergence is jointly
-quasi-convex, so mixing over the shards' noise does not raise it): ``dp_accounting.ZCDpEvent(rho=ρ)``. The
-shard's own Ind-KNN answer needs no budget of its own for this; it uses B_serve because that is what serving
-will use. (:func:`base_run_correct` answers the shard over its P records with the engine instead, no emulation;
+changes at most its own shard's term (it may also replace the shard's validation record); each term lies in
+[0, 1], so the score moves by at most 1 for any fixed noise, and the Gaussian noise on it gives ρ = 1/(2σ_s²)
+(Rényi divergence is jointly quasi-convex, so mixing over the shards' noise does not raise it):
+``dp_accounting.ZCDpEvent(rho=ρ)``. The shard's own Ind-KNN answer needs no budget of its own for this; it
+uses B_serve because that is what serving will use. (:func:`base_run_correct` answers the shard over its P records with the engine instead, no emulation;
 kept for tests and comparison.) The price of shards: each shard is ~N/S records, so its answer is a noisy
 stand-in for the full-scale one, and S trades that against the score's resolution (docs/TUNING.md).
 
@@ -194,7 +197,7 @@ def draw_runs(*, mean_runs: float, shape: float, rng: np.random.Generator) -> in
 
 # -- the base run (tuning_base.py) ------------------------------------------------------------------------
 from .tuning_base import (BaseRunData, _coin, base_run_correct, emulated_correct,  # noqa: E402,F401 (re-exported)
-                          score_noise, shard_split)
+                          emulated_expected, flip_probability, score_noise, shard_split)
 
 
 # -- the search -----------------------------------------------------------------------------------------------

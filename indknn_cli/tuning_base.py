@@ -46,6 +46,10 @@ def shard_split(record_ids, *, n_shards: int, seed_text: str) -> tuple[np.ndarra
     return shard, val_row
 
 
+#: At most this many records of a shard estimate how often a record is selected (their pairs; memory m² a shard).
+PAIR_MEMBERS = 64
+
+
 # -- one base run -------------------------------------------------------------------------------------------
 @dataclass
 class BaseRunData:
@@ -77,6 +81,23 @@ class BaseRunData:
                 rows = np.sort(rows[rows != v])
                 q = np.repeat(self.features[v][None, :], rows.size, axis=0)
                 out.append((rows.astype(np.int64), exact_kernel(self.features[rows], q, kernel=kernel, nu=nu)))
+            self._kappa[key] = out
+        return self._kappa[key]
+
+    def shard_pairs(self, kernel: str, nu: float | None) -> list[np.ndarray]:
+        """Per validation query, the exact κ between every two of its shard's first :data:`PAIR_MEMBERS` records
+        (the validation record, then the P rows in :meth:`shard_kappa`'s order). Reads only that shard's records."""
+        key = ("pairs", kernel, nu)
+        if key not in self._kappa:
+            from .engine import exact_kernel
+
+            out = []
+            for v, (rows, _) in zip(self.val_row[self.val_row >= 0], self.shard_kappa(kernel, nu)):
+                members = np.r_[v, rows][:PAIR_MEMBERS]
+                m = members.size
+                ii, jj = np.repeat(np.arange(m), m), np.tile(np.arange(m), m)
+                out.append(exact_kernel(self.features[members[ii]], self.features[members[jj]], kernel=kernel,
+                                        nu=nu).reshape(m, m))
             self._kappa[key] = out
         return self._kappa[key]
 
@@ -165,3 +186,78 @@ def emulated_correct(data, *, params, run_key: int, n_shards: int, planned_queri
         votes += s2 * np.sqrt(k_hat) * rng.standard_normal(data.n_classes)
         correct += int(int(np.argmax(votes)) == int(data.labels[v]))
     return correct
+
+
+# -- the emulated answer with serving's vote noise at full scale ---------------------------------------------
+#: Positions of the shard's query among the T planned queries: midpoints of this many equal slices of [0, 1].
+POSITIONS = 16
+
+
+def flip_probability(a, n_classes: int):
+    """Chance that N(0, σ2²K) vote noise moves the argmax off the noiseless answer, for a margin share Δπ
+    uniform on [0, 1] (no prior knowledge of how mixed the neighbourhood is): ``a`` = W / (σ2·sqrt(2K)) with W
+    the total vote weight. Two classes: ∫₀¹ Φ̄(a·x) dx = Φ̄(a) + (φ(0) − φ(a))/a (½ at a = 0); scaled by
+    2(n−1)/n so that no votes leave 1/n of the answers right."""
+    from scipy.special import ndtr
+
+    a = np.asarray(a, np.float64)
+    phi0 = 1.0 / math.sqrt(2.0 * math.pi)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f2 = np.where(a > 1e-12, ndtr(-a) + (phi0 - phi0 * np.exp(-0.5 * a * a)) / a, 0.5)
+    return f2 * (2.0 * (n_classes - 1) / n_classes)
+
+
+def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_queries: int) -> float:
+    """Sum over shards of the chance that serving at full scale answers the shard's validation record right.
+
+    As in :func:`emulated_correct`, the query's count is K̂ = max(S·|C_s| + σ1·z, K_min) and its candidates have
+    been selected u·T·p times before it, each time paying c1 + κ̄²/(2σ2²K_rec); but the selection rate p is the
+    share of *all the shard's pairs* within τ and K_rec = max(S·|P_s|·p, K_min) (the count of the queries that
+    select such a record), not the query's own c/|P_s|: that estimate from one or two candidates is so noisy
+    that the budget's death threshold turned its noise into depletion serving does not have. With w_i the
+    candidates' clipped weights, the *noiseless* full-scale answer is the argmax of S·Σ w_i e_{y_i}. Serving adds N(0, σ2²K) per class, and that noise is what the shard cannot show: its own
+    vote margin is a sample of one or two records, far wider than serving's margin relative to its noise. So
+    the noise enters through :func:`flip_probability` of a = S·Σw_i / (σ2·sqrt(2K̂)) (serving's signal to noise
+    for a neighbourhood of that size and weight, the margin share taken uniform), and the shard's term is
+    (1 − f) when the noiseless answer is right and f/(n−1) when it is wrong (1/n with no candidate). The query's
+    position u is averaged over :data:`POSITIONS` slices instead of drawn.
+
+    Each term lies in [0, 1] and reads only the shard's records and public figures (S, T, B, σ1, σ2, τ, K_min),
+    so the sum moves by at most 1 when one record is added or removed (docs/TUNING.md "Why one run costs ρ").
+    """
+    from .engine import noise_generator
+
+    vrows = data.val_row[data.val_row >= 0]
+    if vrows.size == 0:
+        return 0.0
+    S, T, B = float(n_shards), float(planned_queries), float(params.budget)
+    c1 = 1.0 / (2.0 * params.sigma1 * params.sigma1)
+    s2, n_cls = float(params.sigma2), int(data.n_classes)
+    u = (np.arange(POSITIONS) + 0.5) / POSITIONS
+    total = 0.0
+    pairs = data.shard_pairs(params.kernel, params.nu)
+    for j, (v, s, (rows, kap)) in enumerate(zip(vrows, data.shard[vrows], data.shard_kappa(params.kernel, params.nu))):
+        rng = noise_generator(run_key, int(s))  # keyed by the shard, as the engine keys by query index
+        sel = kap >= params.tau
+        c = int(sel.sum())
+        if c == 0:
+            total += 1.0 / n_cls
+            continue
+        k = kap[sel]
+        k_hat = np.maximum(S * c + params.sigma1 * rng.standard_normal(POSITIONS), params.k_min)
+        # How often a record is selected over the T queries: the share p of the shard's pairs within τ (its
+        # m(m−1) ordered pairs, not only the query's m − 1, whose noise the death threshold would turn into
+        # spurious depletion), and the count of the queries that select it, K_rec = max(S·|P_s|·p, K_min).
+        near = pairs[j] >= params.tau
+        m = near.shape[0]
+        p_rec = float(near.sum() - np.trace(near)) / max(m * (m - 1), 1)
+        k_rec = max(S * rows.size * p_rec, params.k_min)
+        spent = u * T * p_rec * (c1 + float(np.mean(k * k)) / (2.0 * s2 * s2 * k_rec))
+        r = np.maximum(0.0, B - spent)
+        w = np.minimum(k[None, :], s2 * np.sqrt(2.0 * k_hat * r)[:, None])  # [positions, candidates]
+        onehot = np.eye(n_cls)[data.labels[rows[sel]]]
+        votes = w @ onehot
+        right = np.argmax(votes, axis=1) == int(data.labels[v])
+        f = flip_probability(S * w.sum(axis=1) / (s2 * np.sqrt(2.0 * k_hat)), n_cls)
+        total += float(np.mean(np.where(right, 1.0 - f, f / (n_cls - 1))))
+    return total
