@@ -228,6 +228,8 @@ def answer_batch(
 
 def _candidates(queries, source, params, device, row_to_ledger, candidate_finder, max_pairs) -> Candidates:
     if candidate_finder is not None:
+        if getattr(candidate_finder, "accepts_max_pairs", False):  # the LSH/IVF finders: same bound as flat
+            return candidate_finder(queries, row_mask=row_to_ledger >= 0, max_pairs=max_pairs)
         return candidate_finder(queries, row_mask=row_to_ledger >= 0)
     return find_candidates(queries, source, kernel=params.kernel, tau=params.tau, nu=params.nu, device=device,
                            row_mask=row_to_ledger >= 0, max_pairs=max_pairs)

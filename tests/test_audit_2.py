@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from indknn_cli import tuning
 
@@ -371,3 +372,41 @@ def test_erasure_in_a_bucket_versioned_later_is_recorded_and_reported_incomplete
                   for v in page.get("Versions", [])]
         assert any(victim in body for body in bodies)  # what the report says: an old version keeps it
         assert not any(victim in body for body in raw_objects(endpoint, bucket).values() if body)  # current: gone
+
+
+@pytest.mark.parametrize("kind", ["lsh", "ivf"])
+def test_lsh_and_ivf_finders_honour_the_pair_bound_in_process(tmp_path, kind, monkeypatch):
+    """Audit 2, P3 in process: the LSH/IVF finders were called without serving's pair bound (--max-memory), so
+    the memory of a batch — whether the process is killed, i.e. the exit code and the number of answers — grew
+    with the number of private records near the queries. Now they stop past the bound and serving answers the
+    halves: the same answers and ledger as a run whose bound is never reached."""
+    from indknn_cli.engine import TooManyPairs
+    from indknn_cli.indexes.common import _FinderBase
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.serving import build_index, serve_queries
+
+    raised = []
+    real = _FinderBase._check_pairs
+
+    def spy(m, screened, max_pairs):
+        try:
+            real(m, screened, max_pairs)
+        except TooManyPairs:
+            raised.append((m, screened))
+            raise
+
+    monkeypatch.setattr(_FinderBase, "_check_pairs", staticmethod(spy))
+    runs = {}
+    for name, mem in (("small", 16 << 20), ("large", 1 << 30)):
+        (tmp_path / name).mkdir()
+        sp, lp, _ = _dense_world(tmp_path / name)
+        opts = dict(nlist=4, nprobe=4) if kind == "ivf" else dict(bits=2, tables=2)
+        build_index(store_path=sp, ledger_path=lp, params=None, kind=kind, **opts)
+        res = serve_queries(store_path=sp, ledger_path=lp, query_batch="q1", seed=2, max_memory=mem, device="cpu")
+        runs[name] = ([(a["label"], a["released_count"]) for a in res.answers],
+                      BudgetLedger.open(lp).state.spent.tobytes())
+        if name == "small":
+            assert raised and all(s > 174762 for _, s in raised), raised  # the bound was hit and split
+            n_small = len(raised)
+    assert len(raised) == n_small  # the large bound was never reached
+    assert runs["small"] == runs["large"]

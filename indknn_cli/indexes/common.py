@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..engine import EXACT_PAIR_BLOCK, Candidates, dot_threshold, exact_kernel, screening_margin
+from ..engine import EXACT_PAIR_BLOCK, Candidates, TooManyPairs, dot_threshold, exact_kernel, screening_margin
 from ..store import FeatureStore
 
 INDEX_GROUP = "index"
@@ -145,6 +145,16 @@ def _collect(m: int, qi: np.ndarray, rows: np.ndarray, kap: np.ndarray) -> Candi
 
 class _FinderBase:
     kind = "?"
+    #: engine._candidates passes serving's pair bound (from --max-memory) to finders that take it
+    accepts_max_pairs = True
+
+    @staticmethod
+    def _check_pairs(m: int, screened: int, max_pairs: int | None) -> None:
+        """Past the bound, stop before the exact pass materialises the pairs: the caller answers the batch's
+        halves (same answers, SPEC §5). Otherwise running out of memory, hence the exit code and the number
+        of answers, would depend on how many private records lie near the queries (AUDIT_FINDINGS_2.md P3)."""
+        if max_pairs is not None and m > 1 and screened > max_pairs:
+            raise TooManyPairs()
 
     def __init__(self, *, kernel: str, tau: float, nu: float | None, dim: int):
         self.kernel, self.tau, self.nu = kernel, float(tau), nu

@@ -273,7 +273,8 @@ class IvfFinder(_FinderBase):
         self.index, self.xs, self.order, self.offsets = index, sorted_x, order, offsets
         self.nprobe = min(int(nprobe), index.nlist)
 
-    def __call__(self, queries: np.ndarray, row_mask: np.ndarray | None = None) -> Candidates:
+    def __call__(self, queries: np.ndarray, row_mask: np.ndarray | None = None,
+                 max_pairs: int | None = None) -> Candidates:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         m = q.shape[0]
         probe = self.index.probe(q, self.nprobe)
@@ -297,4 +298,5 @@ class IvfFinder(_FinderBase):
             keep = _allowed(row_mask, rows)
             qi, pos, rows = qi[keep], pos[keep], rows[keep]
         self.last = {"screened_pairs": int(qi.size), "lists_scanned": int(len(np.unique(li)))}
+        self._check_pairs(m, qi.size, max_pairs)
         return self._exact(m, q, qi, rows, self.xs, pos)

@@ -96,7 +96,8 @@ class LshFinder(_FinderBase):
         cost = gather_rows * d * 4 * COST_PER_BYTE_GATHER + macs * d * COST_PER_MAC + calls * COST_PER_CALL
         return plans, cost
 
-    def __call__(self, queries: np.ndarray, row_mask: np.ndarray | None = None) -> Candidates:
+    def __call__(self, queries: np.ndarray, row_mask: np.ndarray | None = None,
+                 max_pairs: int | None = None) -> Candidates:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         m, (n, d) = q.shape[0], self.x.shape
         qcodes = self.index.codes(q)
@@ -115,6 +116,7 @@ class LshFinder(_FinderBase):
         keep = self.live[rows] & _allowed(row_mask, rows)
         qi, rows = qi[keep], rows[keep]
         self.last["screened_pairs"] = int(qi.size)
+        self._check_pairs(m, qi.size, max_pairs)
         return self._exact(m, q, qi, rows, self.x, rows)
 
     def _scan(self, q, qcodes):
