@@ -306,6 +306,7 @@ def test_account_shows_the_tuning_share(tune_store, tmp_path):
     res = runner.invoke(app, ["account", "--ledger", str(ledger_path)], env={"INDKNN_WIDTH": "200"})
     assert res.exit_code == 0, res.output
     assert "of which tuning" in res.stdout and "rdp" in res.stdout
+    assert "operator only" in " ".join(res.stdout.split())  # the run count K is not covered (audit 2, P6)
     res = runner.invoke(app, ["account", "--ledger", str(ledger_path), "--eps", "2", "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["check_eps"]["passed"]
 
@@ -336,6 +337,7 @@ def test_cli_index_tune(tune_store, tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["conversion"] == "rdp" and out["tuning"]["mode"] == "private" and out["epsilon"] <= 2.0
     assert "tuned privately" in res.stderr and "RDP" in res.stderr
+    assert "operator-only" in " ".join(res.stderr.split())  # the run count K (audit 2, P6)
     res = runner.invoke(app, ["index", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l2"),
                               "--eps", "2", "--tune", "private", "--conversion", "gdp"])
     assert res.exit_code == 2 and "rdp" in res.stderr

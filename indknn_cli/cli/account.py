@@ -76,7 +76,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     t = d.get("tuning")
     if t is not None:  # index --tune private: the headline composes the search with serving (RDP)
         out.print(escape(f"of which tuning (τ={t['chosen']['tau']:g}, σ2={t['chosen']['sigma2']:g}, "
-                         f"{t['runs_drawn']} runs): ε(rdp) = {_f(t['epsilon_tuning'], '.4g')} alone; serving "
+                         f"{t['runs_drawn']} runs, a figure for the operator only): ε(rdp) = {_f(t['epsilon_tuning'], '.4g')} alone; serving "
                          f"alone ε(rdp) = {_f(t['epsilon_serving_alone'], '.4g')}; composed by RDP = "
                          f"{_f(t['epsilon_total'], '.6g')} at δ = {d['delta']:g}, {d['adjacency']} (gdp: not "
                          "applicable to the composition)"))

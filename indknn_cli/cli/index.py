@@ -96,7 +96,8 @@ def index_command(
     if tuned.get("mode") == "private" and result.created:
         stderr_console().print(escape(
             f"tuned privately: τ={tuned['chosen_tau']:g}, σ2={tuned['chosen_sigma2']:g} after {tuned['runs_drawn']} "
-            f"runs; the search costs ε={tuned['epsilon_tuning']:.4g} of the total ε={tuned['epsilon_total']:.4g} "
+            f"runs (the run count is operator-only: the guarantee covers the chosen τ, σ2 and its noisy score); "
+            f"the search costs ε={tuned['epsilon_tuning']:.4g} of the total ε={tuned['epsilon_total']:.4g} "
             f"at δ={delta:g} (RDP, record unit, add/remove one record); serving B={result.params.budget:.6g}"))
     elif tuned.get("mode") == "public" and result.created:
         stderr_console().print(escape(
