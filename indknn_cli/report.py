@@ -65,7 +65,9 @@ USER_UNIT_NOTE = ("per user: the filter charges this user as one unit (SPEC §9)
 OPERATOR_ONLY_NOTE = ("operator-only: records, records_active, records_retired, records_deleted, answers_by_label, "
                       "answers_at_k_min, spent_*, realised_epsilon and history are exact statistics of the private "
                       "data, for the data holder only; they must never drive what query-senders see (whether to "
-                      "serve, what is released): gate serving on `account --queries-left` instead")
+                      "serve, what is released): gate serving on `account --queries-left` instead; "
+                      "tuning.runs_drawn, thetas_tried and chosen_run are not covered by the tuning guarantee "
+                      "(it covers the chosen τ, σ2 and its noisy score)")
 
 
 def unit_figures(privacy_unit: str) -> dict:

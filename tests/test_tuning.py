@@ -309,6 +309,7 @@ def test_account_shows_the_tuning_share(tune_store, tmp_path):
     assert "operator only" in " ".join(res.stdout.split())  # the run count K is not covered (audit 2, P6)
     res = runner.invoke(app, ["account", "--ledger", str(ledger_path), "--eps", "2", "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["check_eps"]["passed"]
+    assert "runs_drawn" in json.loads(res.stdout)["operator_only"]  # audit 2, P6
 
 
 def test_public_tuning_is_free(tmp_path):
@@ -336,6 +337,7 @@ def test_cli_index_tune(tune_store, tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["conversion"] == "rdp" and out["tuning"]["mode"] == "private" and out["epsilon"] <= 2.0
+    assert "runs_drawn" in out["operator_only"]  # audit 2, P6: the JSON says so too
     assert "tuned privately" in res.stderr and "RDP" in res.stderr
     assert "operator-only" in " ".join(res.stderr.split())  # the run count K (audit 2, P6)
     res = runner.invoke(app, ["index", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l2"),

@@ -110,7 +110,9 @@ def index_command(
 
 
 OPERATOR_ONLY_NOTE = ("operator-only: records and records_added are exact counts of the private records (and "
-                      "warnings name private figures); for the data holder, never for query-senders")
+                      "warnings name private figures); tuning.runs_drawn, thetas_tried and chosen_run are not "
+                      "covered by the tuning guarantee (it covers the chosen τ, σ2 and its noisy score); for the "
+                      "data holder, never for query-senders")
 
 
 def _floats(text: str, flag: str) -> tuple:
