@@ -187,14 +187,16 @@ def is_empty(loc: RemoteLocation) -> bool:
         return True
 
 
+def _bucket(loc: RemoteLocation) -> str:
+    return loc.url.split("://", 1)[1].split("/", 1)[0]
+
+
 def versioning(loc: RemoteLocation) -> str | None:
     """The bucket's versioning state ("Enabled", "Suspended") or None (never enabled, or not S3)."""
     if not loc.url.startswith(("s3://", "s3a://")):
         return None
-    fs = filesystem(loc)
-    bucket = loc.url.split("://", 1)[1].split("/", 1)[0]
     try:
-        status = fs.call_s3("get_bucket_versioning", Bucket=bucket).get("Status")
+        status = filesystem(loc).call_s3("get_bucket_versioning", Bucket=_bucket(loc)).get("Status")
     except Exception as exc:  # noqa: BLE001
         raise StoreError(f"{loc.name}: cannot read the bucket's versioning state ({type(exc).__name__}: {exc}); "
                          "indknn writes only to buckets it can check are unversioned") from None
@@ -203,28 +205,20 @@ def versioning(loc: RemoteLocation) -> str | None:
 
 def versioned_erasure_note(loc: RemoteLocation, status: str) -> str:
     """What an erasure in a versioned bucket leaves behind (delete reports it, exit 1)."""
-    bucket = loc.url.split("://", 1)[1].split("/", 1)[0]
-    return (f"incomplete: bucket {bucket!r} has object versioning {status.lower()}; the erasure is recorded (tombstones, "
-            f"never served again) and the current chunks of {loc.url} are overwritten, but their earlier versions "
-            "still hold the erased vectors: delete the noncurrent versions under that prefix, and move the "
-            "store to a bucket that was never versioned (versioning can only be suspended, and writes stay refused)")
+    return (f"incomplete: bucket {_bucket(loc)!r} has object versioning {status.lower()}; the erasure is recorded "
+            f"(tombstones, never served again) and the current chunks of {loc.url} are overwritten, but their "
+            "earlier versions still hold the erased vectors: delete the noncurrent versions under that prefix, and "
+            "move the store to a bucket that was never versioned (versioning can only be suspended, and writes "
+            "stay refused)")
 
 
 def refuse_versioned(loc: RemoteLocation) -> None:
     """Writes to a versioned S3 bucket are refused: old object versions would keep erased vectors."""
-    if not loc.url.startswith(("s3://", "s3a://")):
-        return
-    fs = filesystem(loc)
-    bucket = loc.url.split("://", 1)[1].split("/", 1)[0]
-    try:
-        status = fs.call_s3("get_bucket_versioning", Bucket=bucket).get("Status")
-    except Exception as exc:  # noqa: BLE001
-        raise StoreError(f"{loc.name}: cannot read the bucket's versioning state ({type(exc).__name__}: {exc}); "
-                         "indknn writes only to buckets it can check are unversioned") from None
-    if status in ("Enabled", "Suspended"):
-        raise StoreError(f"{loc.name}: bucket {bucket!r} has object versioning {status.lower()}; an overwritten "
-                         "or deleted chunk keeps its old versions there, so erased vectors could not be removed "
-                         "physically. Use an unversioned bucket (versioning never enabled) for the store")
+    status = versioning(loc)
+    if status is not None:
+        raise StoreError(f"{loc.name}: bucket {_bucket(loc)!r} has object versioning {status.lower()}; an "
+                         "overwritten or deleted chunk keeps its old versions there, so erased vectors could not be "
+                         "removed physically. Use an unversioned bucket (versioning never enabled) for the store")
 
 
 def open_group(loc: RemoteLocation, mode: str):
