@@ -172,18 +172,16 @@ def _storage_error(path: Path, exc: OSError) -> StorageError:
     return err
 
 
-def atomic_write_parquet(table: pa.Table, path: Path) -> str:
-    """temp name → fsync → rename → fsync directory. Returns the sha256 of the file's bytes (hash chain)."""
+def _atomic_replace(path: Path, write_tmp, *, fault: str | None = None):
+    """The one commit protocol of every ledger file: ``write_tmp(tmp)`` writes and fsyncs a temporary file
+    beside ``path`` (its return value is returned), then rename → fsync directory. A refused write (disk full,
+    read-only, ...) is a StorageError naming ``path``, and the temporary file is removed: nothing was renamed
+    into place, the previous state is kept."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    data = memoryview(sink.getvalue())
     try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fault("event-written-tmp")
+        out = write_tmp(tmp)
+        if fault is not None:
+            _fault(fault)
         os.replace(tmp, path)
     except OSError as exc:  # ENOSPC, EROFS, EACCES, EDQUOT, ...: nothing was renamed into place
         raise _storage_error(path, exc) from None
@@ -191,6 +189,22 @@ def atomic_write_parquet(table: pa.Table, path: Path) -> str:
         if tmp.exists():
             tmp.unlink()
     _fsync_dir(path.parent)
+    return out
+
+
+def _write_synced(tmp: Path, data, mode: str = "wb") -> None:
+    with open(tmp, mode) as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def atomic_write_parquet(table: pa.Table, path: Path) -> str:
+    """temp name → fsync → rename → fsync directory. Returns the sha256 of the file's bytes (hash chain)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    data = memoryview(sink.getvalue())
+    _atomic_replace(path, lambda tmp: _write_synced(tmp, data), fault="event-written-tmp")
     return integrity.sha256_bytes(data)
 
 
@@ -206,8 +220,7 @@ def atomic_write_parquet_tables(tables, schema: pa.Schema, path: Path, *,
     read back from the written file before the rename."""
     import hashlib
 
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
+    def write(tmp: Path) -> str:
         with pq.ParquetWriter(tmp, schema) as writer:
             pending, rows = [], 0
             for t in tables:
@@ -224,31 +237,13 @@ def atomic_write_parquet_tables(tables, schema: pa.Schema, path: Path, *,
             os.fsync(fh.fileno())
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
-        _fault("event-written-tmp")
-        os.replace(tmp, path)
-    except OSError as exc:  # ENOSPC, EROFS, EACCES, EDQUOT, ...: nothing was renamed into place
-        raise _storage_error(path, exc) from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
-    return h.hexdigest()
+        return h.hexdigest()
+
+    return _atomic_replace(path, write, fault="event-written-tmp")
 
 
 def atomic_write_text(text: str, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise _storage_error(path, exc) from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
+    _atomic_replace(path, lambda tmp: _write_synced(tmp, text, "w"))
 
 
 def unpublished_store_uuids(path: Path, generation: int) -> dict[str, int]:
