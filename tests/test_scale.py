@@ -209,3 +209,34 @@ def test_help_imports_no_heavy_library():
     heavy = [x for x in out.stderr.splitlines() if x.startswith("HEAVY=")][-1][len("HEAVY="):]
     assert not {"torch", "zarr", "scipy", "pyarrow", "numpy"} & set(heavy.split(",")), heavy
     assert "Usage" in out.stdout
+
+
+def test_bench_small_serve_runs_real_processes_on_fresh_copies(monkeypatch, tmp_path):
+    """`bench startup`'s small serve times a real serve-queries process (each repeat on a fresh copy: a re-run
+    of the same batch would only replay) and a real bare numpy+torch product process; it fails loudly if
+    either fails."""
+    import os
+    from pathlib import Path
+
+    from indknn_cli.benchmarks import startup
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]) + os.pathsep
+                       + os.environ.get("PYTHONPATH", ""))
+    calls = []
+    real_best = startup._best
+
+    def spy(cmd, repeat, before=None):
+        calls.append(cmd)
+        return real_best(cmd, repeat, before=before)
+
+    monkeypatch.setattr(startup, "_best", spy)
+    r = startup.small_serve(n=300, d=8, m=7, repeat=2)
+    assert r["n"] == 300 and r["queries"] == 7
+    assert r["serve_s"] > 0 and r["bare_numpy_torch_product_s"] > 0
+    assert r["serve_vs_bare_product_process"] == round(r["serve_s"] / r["bare_numpy_torch_product_s"], 2)
+    assert "serve-queries" in calls[0] and "import torch" in calls[1][2]
+    monkeypatch.setattr(startup, "BARE_PRODUCT", "raise SystemExit(3)")
+    import pytest
+
+    with pytest.raises(RuntimeError, match="exit 3"):
+        startup.small_serve(n=300, d=8, m=7, repeat=1)

@@ -1,10 +1,18 @@
-"""Fixed cost of a process: `indknn --help` against a bare `python -c pass` (issue 21: lazy imports).
+"""Fixed cost of a process (issue 21: lazy imports; cron serves small batches often).
 
     indknn bench startup --repeat 5
 
 Runs each command ``--repeat`` times in a fresh interpreter (the same Python) and
-prints the best wall time of each, their ratio, and which heavy libraries
-`indknn --help` imported (none of torch, zarr, scipy, pyarrow, numpy expected).
+prints the best wall time of each and their ratios:
+
+- ``indknn --help`` against a bare ``python -c pass`` (target ≤ 0.3 s), and which
+  heavy libraries `--help` imported (none of torch, zarr, scipy, pyarrow, numpy expected);
+- a whole ``indknn serve-queries`` process answering ``--small-queries`` (100) stored
+  queries from ``--small-n`` (10,000) private rows of d = ``--small-d`` (384; default
+  device, reuse off, fixed seed), each run on a fresh copy of the same store and
+  ledger, against a bare Python process that imports numpy and torch, loads the
+  same private vectors and queries from ``.npy`` files and forms the same fp32
+  product (target ≤ 3×).
 """
 
 from __future__ import annotations
@@ -12,9 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 HEAVY = ("torch", "zarr", "scipy", "pyarrow", "numpy", "pandas", "sklearn")
 
@@ -25,13 +36,61 @@ HELP_PROBE = (
 )
 
 
-def _best(cmd: list[str], repeat: int) -> float:
+BARE_PRODUCT = (
+    "import sys\nimport numpy as np\nimport torch\n"
+    "x = torch.from_numpy(np.load(sys.argv[1]))\nq = torch.from_numpy(np.load(sys.argv[2]))\n"
+    "s = q @ x.T\nassert s.shape == (q.shape[0], x.shape[0])\n"
+)
+
+
+def _best(cmd: list[str], repeat: int, before=None) -> float:
+    """Best wall seconds of ``repeat`` runs of ``cmd``; ``before()`` (untimed) runs ahead of each."""
     best = float("inf")
     for _ in range(repeat):
+        if before is not None:
+            before()
         t = time.perf_counter()
-        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        out = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         best = min(best, time.perf_counter() - t)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[2:4])}: exit {out.returncode}: "
+                               f"{out.stderr.decode(errors='replace')[-2000:]}")
     return best
+
+
+def small_serve(*, n: int, d: int, m: int, repeat: int) -> dict:
+    """A whole ``serve-queries`` process on ``m`` stored queries at N = ``n`` against the bare product process."""
+    import numpy as np
+
+    from indknn_cli.serving import build_index, make_params
+    from indknn_cli.store import ExtractorInfo, FeatureStore
+
+    from .year import clustered
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        base, work = root / "base", root / "work"
+        base.mkdir()
+        x, y = clustered(n, d, 10, np.random.default_rng(0))
+        q, _ = clustered(m, d, 10, np.random.default_rng(1))
+        np.save(root / "x.npy", x)
+        np.save(root / "q.npy", q)
+        store = FeatureStore.create(base / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
+                                    label_names=[str(i) for i in range(10)])
+        store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(n)])
+        store.append("query", q, record_ids=[f"q{i}" for i in range(m)], batch="small")
+        build_index(store_path=base / "s.zarr", ledger_path=base / "L",
+                    params=make_params(epsilon=100.0, delta=1e-5, tau=0.5, sigma2=0.6, planned_queries=1000 * m))
+
+        def fresh() -> None:  # every serve starts from the same store and ledger (a re-run would replay)
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(base, work)
+
+        serve = _best([sys.executable, "-m", "indknn_cli", "serve-queries", "small", "--store", str(work / "s.zarr"),
+                       "--ledger", str(work / "L"), "--seed", "1", "--no-reuse", "--quiet"], repeat, before=fresh)
+        bare = _best([sys.executable, "-c", BARE_PRODUCT, str(root / "x.npy"), str(root / "q.npy")], repeat)
+    return {"n": n, "d": d, "queries": m, "serve_s": round(serve, 4), "bare_numpy_torch_product_s": round(bare, 4),
+            "serve_vs_bare_product_process": round(serve / bare, 2)}
 
 
 def heavy_modules_at_help() -> list[str]:
@@ -43,12 +102,18 @@ def heavy_modules_at_help() -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="indknn bench startup", description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--small-n", type=int, default=10_000)
+    ap.add_argument("--small-d", type=int, default=384)
+    ap.add_argument("--small-queries", type=int, default=100)
     a = ap.parse_args(argv)
+    load0 = os.getloadavg()
     bare = _best([sys.executable, "-c", "pass"], a.repeat)
     helps = _best([sys.executable, "-m", "indknn_cli", "--help"], a.repeat)
+    small = small_serve(n=a.small_n, d=a.small_d, m=a.small_queries, repeat=a.repeat)
     print(json.dumps({"python_pass_s": round(bare, 4), "indknn_help_s": round(helps, 4),
                       "help_vs_bare_python": round(helps / bare, 2), "heavy_imported_by_help": heavy_modules_at_help(),
-                      "loadavg": [round(v, 2) for v in os.getloadavg()]}), flush=True)
+                      "small_serve": small, "loadavg_start": [round(v, 2) for v in load0],
+                      "loadavg_end": [round(v, 2) for v in os.getloadavg()]}), flush=True)
 
 
 if __name__ == "__main__":
