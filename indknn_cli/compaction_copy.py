@@ -36,7 +36,7 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
     m = int(keep.size)
     for name in names:
         dst[name].resize((m,) + tuple(dst[name].shape[1:]))
-    step = 4 * store.chunk_rows  # a multiple of every array's chunk length: each chunk written once
+    step = 4 * store.scan_rows  # a multiple of every array's chunk length: each chunk written once
     n = store.n_rows("private")
     buf: dict[str, list[np.ndarray]] = {name: [] for name in names}
     buffered = written = 0

@@ -131,11 +131,11 @@ class _Offset:
 
     def chunks(self):
         if self.block is not None:
-            for start, block in ArraySource(self.block, rows=self.store.chunk_rows).chunks():
+            for start, block in ArraySource(self.block, rows=self.store.scan_rows).chunks():
                 yield self.lo + start, block
             return
-        for start in range(self.lo, self.hi, self.store.chunk_rows):
-            yield start, self.store.read("private", "features", start, min(self.hi, start + self.store.chunk_rows))
+        for start in range(self.lo, self.hi, self.store.scan_rows):
+            yield start, self.store.read("private", "features", start, min(self.hi, start + self.store.scan_rows))
 
 
 def _index_group(store):

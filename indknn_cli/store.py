@@ -59,10 +59,29 @@ class ExtractorInfo:
         return {"name": self.name, "model": self.model, "version": self.version}
 
 
-def chunk_rows_for(dim: int) -> int:
-    """Rows per chunk: a power of two giving chunks of at most ~8 MiB."""
-    rows = max(256, (8 << 20) // (4 * max(dim, 1)))
+#: Bytes of float32 features per stored chunk of a new store (issue 21: the last chunk of an append is
+#: written padded to its full size, uncompressed, so the chunk bounds the bytes written beyond the data:
+#: at 1 MiB a private embed of 5 MiB or more writes ≤ 1.2× its rows; 8 MiB chunks wrote 1.46× for 20,000
+#: rows of d = 64). Features stay uncompressed so an erased vector's bytes can be looked for in the files.
+CHUNK_BYTES = 1 << 20
+#: Bytes of float32 features per step of a scan (candidate phase, index builds, hashes, Dask ranges): several
+#: stored chunks read together, so small chunks cost no more per row to scan than the 8 MiB ones did.
+SCAN_BYTES = 8 << 20
+
+
+def _pow2_rows(nbytes: int, dim: int) -> int:
+    rows = max(256, nbytes // (4 * max(dim, 1)))
     return min(65536, 1 << (rows.bit_length() - 1))
+
+
+def chunk_rows_for(dim: int) -> int:
+    """Rows per stored chunk of a new store: a power of two giving chunks of at most ~1 MiB (≥ 256 rows)."""
+    return _pow2_rows(CHUNK_BYTES, dim)
+
+
+def scan_rows_for(dim: int, chunk_rows: int) -> int:
+    """Rows per scan step: the largest multiple of ``chunk_rows`` within ~8 MiB (at least one chunk)."""
+    return chunk_rows * max(1, _pow2_rows(SCAN_BYTES, dim) // chunk_rows)
 
 
 def normalize_rows(x: np.ndarray, *, what: str = "vectors") -> np.ndarray:
@@ -100,6 +119,8 @@ class FeatureStore:
         self.label_names: list[str] = list(attrs["label_names"])
         self.uuid: str = attrs["store_uuid"]
         self.chunk_rows = int(attrs["chunk_rows"])
+        #: Rows read per step when a whole role is scanned (a multiple of ``chunk_rows``; see SCAN_BYTES).
+        self.scan_rows = scan_rows_for(self.dim, self.chunk_rows)
         #: Where the data is when the store is on object storage (``.url``, ``.options``, ``.name``), else None;
         #: ``path`` is then the store's local state folder (locks, ledger mark, candidate index).
         self.remote: object_store.RemoteLocation | None = object_store.location(self.path)
@@ -293,9 +314,10 @@ class FeatureStore:
         return _read_chunks(self.path, role, name, lambda: np.asarray(self.group(role)[name][start:stop]))
 
     def iter_chunks(self, role: str = "private", rows: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
-        """Stream (start_row, float32 features) in row chunks; never loads the whole array."""
+        """Stream (start_row, float32 features) in steps of ``rows`` (default :attr:`scan_rows`); never loads
+        the whole array."""
         n = self.n_rows(role)
-        step = rows or self.chunk_rows
+        step = rows or self.scan_rows
         arr = self.group(role)["features"]
         for start in range(0, n, step):
             yield start, _read_chunks(self.path, role, "features",

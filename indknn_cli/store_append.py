@@ -106,8 +106,8 @@ class Appender:
         if self.external_features:  # the hash of the batch's vectors, read back as they were written
             self._hash = hashlib.sha256()
             arr = self.group["features"]
-            for lo in range(self.start, self.stop, self.store.chunk_rows):
-                hi = min(self.stop, lo + self.store.chunk_rows)
+            for lo in range(self.start, self.stop, self.store.scan_rows):
+                hi = min(self.stop, lo + self.store.scan_rows)
                 self._hash.update(_read_chunks(self.store.path, self.role, "features",
                                                lambda: np.ascontiguousarray(arr[lo:hi], dtype=np.float32)).tobytes())
         if self.role == "query" and self.batch is not None:

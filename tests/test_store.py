@@ -14,7 +14,7 @@ from hypothesis.extra.numpy import arrays
 
 from indknn_cli import FORMAT_VERSION
 from indknn_cli.errors import BadInputError, LockTimeoutError, StoreError
-from indknn_cli.store import ExtractorInfo, FeatureStore, chunk_rows_for, normalize_rows
+from indknn_cli.store import ExtractorInfo, FeatureStore, chunk_rows_for, normalize_rows, scan_rows_for
 
 EX = ExtractorInfo("vectors", "precomputed", "passthrough")
 
@@ -101,9 +101,10 @@ def test_streamed_read_in_row_chunks(tmp_path):
     s = make(tmp_path, chunk_rows=16)
     x = unit(70, 8)
     s.append("private", x, labels=np.zeros(70), record_ids=[str(i) for i in range(70)])
-    chunks = list(s.iter_chunks("private"))
+    chunks = list(s.iter_chunks("private", rows=s.chunk_rows))
     assert [c[0] for c in chunks] == [0, 16, 32, 48, 64]
     assert max(len(c[1]) for c in chunks) == 16
+    assert s.scan_rows == 16 * 4096 and [c[0] for c in s.iter_chunks("private")] == [0]  # default: scan steps
     np.testing.assert_array_equal(np.vstack([c[1] for c in chunks]), x)
     assert [len(c) for _, c in s.iter_chunks("private", rows=50)] == [50, 20]
 
@@ -178,10 +179,30 @@ def test_layout_on_disk(tmp_path):
 
 
 def test_chunk_rows_for():
-    assert chunk_rows_for(384) == 4096 and chunk_rows_for(16) == 65536
+    # ~1 MiB stored chunks, ~8 MiB scan steps (a whole number of chunks)
+    assert chunk_rows_for(384) == 512 and chunk_rows_for(64) == 4096 and chunk_rows_for(16) == 16384
+    assert scan_rows_for(384, 512) == 4096 and scan_rows_for(16, 16384) == 65536
+    assert scan_rows_for(384, 4096) == 4096  # a store made with 8 MiB chunks scans one chunk at a time
+    assert scan_rows_for(384, 1000) == 4000 and scan_rows_for(8, 100_000) == 100_000
     for d in (1, 8, 384, 768, 4096, 100_000):
         r = chunk_rows_for(d)
         assert r & (r - 1) == 0 and 256 <= r <= 65536
+        s = scan_rows_for(d, r)
+        assert s % r == 0 and s >= r
+
+
+def test_small_private_embed_writes_close_to_its_bytes(tmp_path):
+    """Issue 21: an embed of 20,000 private rows of d = 64 (5 MiB) writes ≤ 1.2× its row data (the padded
+    last chunk is ≤ 1 MiB; with 8 MiB chunks it was 1.46×), and the scan reads it back in 8 MiB steps."""
+    from indknn_cli.benchmarks.append import run
+
+    r = run(20000, 64, role="private")
+    assert r["write_amplification"] <= 1.2, r
+    s = FeatureStore.create(tmp_path / "t.zarr", extractor=EX, dim=64, label_names=["a"])
+    x = np.random.default_rng(0).standard_normal((20000, 64)).astype(np.float32)
+    s.append("private", normalize_rows(x), labels=np.zeros(20000, np.int32), record_ids=[str(i) for i in range(20000)])
+    steps = [(start, len(b)) for start, b in s.iter_chunks("private")]
+    assert steps == [(0, 20000)] and s.chunk_rows == 4096 and s.scan_rows == 32768
 
 
 @pytest.mark.parametrize("bad,msg", [(np.nan, "NaN"), (np.inf, "infinite"), (0.0, "zero")])

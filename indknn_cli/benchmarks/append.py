@@ -3,7 +3,9 @@
     indknn bench append --rows 20000 --d 64
 
 Embeds ``--rows`` unit vectors from a ``.npy`` file as one query batch (the reader
-hands 256 rows at a time, as `serve-queries --queries FILE` does), and prints the
+hands 256 rows at a time, as `serve-queries --queries FILE` does), and the same
+vectors as labelled private rows from a Parquet file (``--role``: one of them), and
+prints, one JSON line per role, the
 bytes this process wrote (``wchar`` of /proc/self/io: every write(2), compressed
 chunks and metadata included) against the bytes of the vectors: the write
 amplification (target ≤ 1.2).
@@ -29,8 +31,20 @@ def _wchar() -> int:
     return 0
 
 
-def run(rows: int, d: int) -> dict:
-    from indknn_cli.embedding import embed_query_file
+def _write_private(path: Path, x: np.ndarray) -> None:
+    """Labelled private rows as Parquet (id, label, vector), the input `embed` takes for vectors."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n, d = x.shape
+    vec = pa.ListArray.from_arrays(pa.array(np.arange(0, n * d + 1, d, dtype=np.int32)), pa.array(x.ravel()))
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(n)], "label": ["a"] * n, "vector": vec}), path)
+
+
+def run(rows: int, d: int, *, role: str = "query") -> dict:
+    """Embed ``rows`` vectors of dimension ``d`` as ``role`` (``query``: one batch from a .npy file;
+    ``private``: labelled rows from a Parquet file) into a new store; bytes written against the row data."""
+    from indknn_cli.embedding import embed_into_store, embed_query_file
     from indknn_cli.store import ExtractorInfo, FeatureStore
 
     rng = np.random.default_rng(0)
@@ -38,21 +52,32 @@ def run(rows: int, d: int) -> dict:
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        np.save(tmp / "q.npy", x)
+        src = tmp / ("q.npy" if role == "query" else "p.parquet")
+        np.save(src, x) if role == "query" else _write_private(src, x)
         store = FeatureStore.create(tmp / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=d,
                                     label_names=["a"])
         w0, t0 = _wchar(), time.perf_counter()
-        name = embed_query_file(tmp / "q.npy", store=store, batch="b")
+        if role == "query":
+            name = embed_query_file(src, store=store, batch="b")
+            start, stop = name.start, name.stop
+        else:
+            embed_into_store(src, store_path=tmp / "s.zarr", role="private", id_column="id",
+                             label_column="label", vector_column="vector", device="cpu")
+            start, stop = 0, rows
         wall, written = time.perf_counter() - t0, _wchar() - w0
-        back = store.read("query", "features", name.start, name.stop)
-        ids = store.read("query", "record_id", name.start, name.stop)
+        store = FeatureStore.open(tmp / "s.zarr")
+        group = "query" if role == "query" else "private"
+        back = store.read(group, "features", start, stop)
+        ids = store.read(group, "record_id", start, stop)
         assert np.allclose(back, x, atol=1e-6), "stored vectors differ from the input"
     vectors = rows * d * 4
-    # every stored column, uncompressed: vectors, label (int32), deleted (bool), and record id, user id and
-    # batch name as vlen-utf8 (4-byte length + bytes)
-    data = vectors + rows * (4 + 1 + 3 * 4 + len("b")) + sum(len(str(r).encode()) for r in ids)
-    return {"rows": rows, "d": d, "chunk_rows": store.chunk_rows, "vector_bytes": vectors, "row_data_bytes": data,
-            "bytes_written": written, "write_amplification": round(written / data, 3),
+    # every stored column, uncompressed: vectors, label (int32), deleted (bool), and record id, user id (and
+    # a query's batch name) as vlen-utf8 (4-byte length + bytes)
+    data = vectors + rows * (4 + 1 + 2 * 4) + sum(len(str(r).encode()) for r in ids)
+    if role == "query":
+        data += rows * (4 + len("b"))
+    return {"role": role, "rows": rows, "d": d, "chunk_rows": store.chunk_rows, "vector_bytes": vectors,
+            "row_data_bytes": data, "bytes_written": written, "write_amplification": round(written / data, 3),
             "vs_vectors_only": round(written / vectors, 3), "seconds": round(wall, 3),
             "loadavg": [round(v, 2) for v in os.getloadavg()]}
 
@@ -61,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="indknn bench append", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=20000)
     ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--role", choices=["query", "private", "both"], default="both")
     a = ap.parse_args(argv)
-    print(json.dumps(run(a.rows, a.d)), flush=True)
+    for role in (["query", "private"] if a.role == "both" else [a.role]):
+        print(json.dumps(run(a.rows, a.d, role=role)), flush=True)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from indknn_cli import indexes  # noqa: E402
 from indknn_cli.engine import (ArraySource, BudgetView, Candidates, answer_batch,  # noqa: E402
                                find_candidates)
 from indknn_cli.serving import build_index, make_params  # noqa: E402
-from indknn_cli.store import ExtractorInfo, FeatureStore, chunk_rows_for  # noqa: E402
+from indknn_cli.store import ExtractorInfo, FeatureStore, chunk_rows_for, scan_rows_for  # noqa: E402
 
 EPSILONS = (0.5, 1.0, 2.0)
 RUN_KEYS = (101, 202, 303)
@@ -155,7 +155,8 @@ def bench_dataset(name, x, y, q, qy, public, *, n_classes, tau, sigma2, batch, n
     res["ledger_build_s"] = round(time.perf_counter() - t0, 2)
 
     # exact
-    src = ArraySource(x, rows=chunk_rows_for(x.shape[1]))  # the store's chunk size, as serve-queries reads it
+    d = x.shape[1]
+    src = ArraySource(x, rows=scan_rows_for(d, chunk_rows_for(d)))  # the store's scan step, as serve-queries reads it
     exact_fn = lambda qq: find_candidates(qq, src, kernel="cosine", tau=tau, nu=None, device="cpu")  # noqa: E731
     exact_fn(q[:8])  # warm-up
     exact, dt = run_batches(exact_fn, q, batch)

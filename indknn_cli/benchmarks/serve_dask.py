@@ -46,8 +46,9 @@ def _cluster(scheduler: str, workers: int | None):
 
 
 def per_chunk_costs(store, *, batch: int, repeats: int = 3) -> dict:
-    """Seconds to read one store chunk and to score it against ``batch`` queries (screen + exact κ), here."""
-    rows = store.chunk_rows
+    """Seconds to read one scan step of the store (``scan_rows``: the rows a worker reads and scores together)
+    and to score it against ``batch`` queries (screen + exact κ), here."""
+    rows = store.scan_rows
     q = store.read("query", "features", 0, batch)
     t = time.perf_counter()
     for _ in range(repeats):

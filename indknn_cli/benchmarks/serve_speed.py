@@ -154,7 +154,7 @@ def run(n, d, m, tau, batch_size, device):
         tmp = Path(tmp)
         store, x, q = make_store(tmp, n, d, m, tau)
         mm = time_matmul(x, q, batch_size)
-        cand, pairs = time_candidates(x, q, batch_size, tau=tau, chunk_rows=store.chunk_rows)
+        cand, pairs = time_candidates(x, q, batch_size, tau=tau, chunk_rows=store.scan_rows)
         fa, faiss_pairs = time_faiss(x, q, batch_size, tau=tau)
         serve_wall, serve_cpu = time_serve_process(tmp, batch_size=batch_size, device=device)
         import pyarrow.parquet as pq

@@ -324,15 +324,24 @@ def year_command(
 
 @bench_app.command("append")
 def append_command(
-    rows: int = typer.Option(20000, "--rows", min=1, help="Query vectors embedded (from a .npy file, 256 rows at a "
-                             "time as serve-queries reads a query file)."),
+    rows: int = typer.Option(20000, "--rows", min=1, help="Vectors embedded: as a query batch (from a .npy file, "
+                             "256 rows at a time as serve-queries reads a query file) and as labelled private rows "
+                             "(from a Parquet file)."),
     d: int = typer.Option(64, "--d", min=2, help="Dimension of the vectors."),
+    role: str = typer.Option("both", "--role", help="query, private or both."),
 ) -> None:
     """Write amplification of an append: bytes this process wrote (every write(2), chunks and metadata) per byte
-    of query vectors embedded (target ≤ 1.2). stdout: one JSON line."""
+    of row data embedded (target ≤ 1.2), for queries and for private rows. stdout: one JSON line per role."""
     from ..benchmarks.append import main
 
-    run_library_call(lambda: _module_main(main, _argv(rows=rows, d=d)))
+    def call() -> None:
+        if role not in ("query", "private", "both"):
+            from ..errors import BadInputError
+
+            raise BadInputError(f"--role: expected query, private or both, got {role!r}")
+        _module_main(main, _argv(rows=rows, d=d, role=role))
+
+    run_library_call(call)
 
 
 @bench_app.command("stream")

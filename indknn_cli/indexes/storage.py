@@ -84,7 +84,7 @@ def _fill(group: zarr.Group, structure, store: FeatureStore, start: int, stop: i
     """Write codes/lists and erased flags of store rows [start, stop) (arrays already sized)."""
     values = group[_values_array(group.attrs["kind"])]
     erased = group["erased"]
-    step = max(store.chunk_rows, ENCODE_ROWS)
+    step = max(store.scan_rows, ENCODE_ROWS)
     for lo in range(start, stop, step):
         hi = min(stop, lo + step)
         block = store.read("private", "features", lo, hi)
