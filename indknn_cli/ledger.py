@@ -324,10 +324,11 @@ class LedgerState:
         return base + sum(t.num_rows for t in self._answers_parts)
 
     def answer_column(self, name: str, dtype=None) -> np.ndarray:
-        """One answers column as an array (Arrow → NumPy, no per-value Python objects)."""
+        """One answers column as an array (Arrow → NumPy, no per-value Python objects; the snapshot's answers
+        file is parsed for this one column only unless its table is already loaded)."""
         parts = []
-        if self._answers_base is not None:
-            parts.append(np.asarray(self._answers_base.column(name).to_numpy(zero_copy_only=False), dtype=dtype))
+        if self._answers_src is not None:
+            parts.append(np.asarray(self._answers_src.column(name).to_numpy(zero_copy_only=False), dtype=dtype))
         parts += [np.asarray(t.column(name).to_numpy(zero_copy_only=False), dtype=dtype)
                   for t in self._answers_parts]
         if not parts:
