@@ -63,7 +63,7 @@ class AnswersWriter:
             del self._pending[:self.row_group_rows]
 
     def _flush(self, rows: list[dict]) -> None:
-        from .ledger import _storage_error
+        from .ledger_files import _storage_error
 
         try:
             if self._writer is None:
@@ -74,7 +74,7 @@ class AnswersWriter:
 
     def commit(self) -> None:
         """Write what is buffered, close, fsync and rename into place (the file's one commit point)."""
-        from .ledger import _fsync_dir, _storage_error
+        from .ledger_files import _fsync_dir, _storage_error
 
         if self._done:
             return

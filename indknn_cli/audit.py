@@ -57,7 +57,7 @@ from scipy.stats import beta as beta_dist
 from . import accounting
 from .engine import ArraySource, BudgetView, ReusePool, answer_batch
 from .errors import BadInputError
-from .ledger import PrivacyParams
+from .ledger_state import PrivacyParams
 
 #: A mechanism: (features, labels, queries, params, n_classes, run_key) → (released labels, released counts).
 Mechanism = Callable[[np.ndarray, np.ndarray, np.ndarray, PrivacyParams, int, int], tuple[np.ndarray, np.ndarray]]

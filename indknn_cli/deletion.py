@@ -96,7 +96,8 @@ from . import ledger_integrity as integrity
 from . import object_store
 from .compaction_copy import _fsync_tree, _write_compacted_copy
 from .errors import BadInputError, LedgerError, LedgerIntegrityError, StorageError, StoreError
-from .ledger import BudgetLedger, atomic_write_text, unpublished_store_uuids
+from .ledger import BudgetLedger, unpublished_store_uuids
+from .ledger_files import atomic_write_text
 from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks
 from .wording import count
 

@@ -23,7 +23,7 @@ import numpy as np
 from .candidates import (EXACT_PAIR_BLOCK, ArraySource, Candidates, ChunkSource, StoreSource, TooManyPairs,
                          _import_torch, dot_threshold, exact_kernel, exact_kernel_pairs, find_candidates,
                          screening_margin)
-from .ledger import PrivacyParams
+from .ledger_state import PrivacyParams
 
 #: The candidate phase lives in candidates.py; its names stay importable from here (callers and tests use both).
 __all__ = ["EXACT_PAIR_BLOCK", "ArraySource", "Candidates", "ChunkSource", "StoreSource", "TooManyPairs", "_import_torch",

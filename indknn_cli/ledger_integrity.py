@@ -309,7 +309,7 @@ def write_mark(path: Path, ledger) -> None:
     The snapshot's own hash matters when no event follows it (right after a compaction): an edited snapshot
     is then caught by the mark, since no event links to it yet.
     """
-    from .ledger import atomic_write_text
+    from .ledger_files import atomic_write_text
 
     atomic_write_text(json.dumps({"ledger_uuid": ledger.meta["ledger_uuid"], "seq": head_seq(ledger),
                                   "sha256": ledger.head_sha256, "generation": int(ledger.generation),

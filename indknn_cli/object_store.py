@@ -139,7 +139,7 @@ def local_path(path_or_url, *, storage_options: dict | None = None) -> Path:
 
 
 def write_pointer(folder: Path, *, name: str, url: str) -> None:
-    from .ledger import atomic_write_text
+    from .ledger_files import atomic_write_text
 
     atomic_write_text(json.dumps({"name": name, "url": url}), folder / POINTER)
 

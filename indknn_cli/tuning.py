@@ -248,7 +248,7 @@ def private_tune(
 ) -> tuple[TuningRecord, "object"]:
     """Accounted random search; returns (record, PrivacyParams for serving with B = B_serve, conversion rdp)."""
     from .accounting import check_range, default_sigma1
-    from .ledger import PrivacyParams
+    from .ledger_state import PrivacyParams
 
     check_range("epsilon", epsilon)
     check_range("delta", delta)

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from indknn_cli import ledger as ledger_mod
+from indknn_cli import ledger_files as ledger_mod
 from indknn_cli.cli.app import app
 from indknn_cli.ledger import BudgetLedger
 

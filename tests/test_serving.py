@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indknn_cli import ledger as ledger_mod
+from indknn_cli import ledger_files as ledger_mod
 from indknn_cli.errors import LedgerError, LockTimeoutError, BadInputError
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.serving import build_index, make_params, serve_queries

@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from indknn_cli import answers_out
-from indknn_cli import ledger as ledger_mod
+from indknn_cli import ledger_files as ledger_mod
 from indknn_cli.answers_out import read_answers_parquet
 from indknn_cli.cli.app import app
 from indknn_cli.ledger import BudgetLedger

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import tuning
 from ..accounting import default_sigma1
-from ..ledger import PrivacyParams
+from ..ledger_state import PrivacyParams
 from .config import BenchConfig
 from .private_tuning import _serve, tune_request
 

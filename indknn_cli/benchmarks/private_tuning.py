@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from .. import tuning
-from ..ledger import PrivacyParams
+from ..ledger_state import PrivacyParams
 from .config import BenchConfig
 from .experiments import UNIT, UNIT_TEXT, _summary
 from .methods import PrecomputedFinder, accuracy, kernel_matrix, run_indknn

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..engine import ArraySource, BudgetView, answer_batch
-from ..ledger import LedgerState
+from ..ledger_state import LedgerState
 from ..serving import make_params, run_key_for
 from ..user_unit import UserBudgetView
 
