@@ -90,6 +90,10 @@ def clamp_share(released_counts, k_min: float) -> dict:
     likely). Operator-only: shown by ``account``, never by ``serve-queries``."""
     k = np.asarray(released_counts, dtype=np.float64)
     k = k[np.isfinite(k)]
-    at = int(np.count_nonzero(k <= float(k_min)))
-    return {"answers": int(k.size), "at_k_min": at, "share": (at / k.size) if k.size else None,
+    return clamp_share_of_counts(answers=int(k.size), at_k_min=int(np.count_nonzero(k <= float(k_min))), k_min=k_min)
+
+
+def clamp_share_of_counts(*, answers: int, at_k_min: int, k_min: float) -> dict:
+    """:func:`clamp_share` from the counts (answers with a finite K_t, those at or below K_min)."""
+    return {"answers": int(answers), "at_k_min": int(at_k_min), "share": (at_k_min / answers) if answers else None,
             "k_min": float(k_min), "note": OPERATOR_ONLY}

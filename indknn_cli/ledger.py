@@ -455,7 +455,10 @@ class BudgetLedger:
     def _write_snapshot(self, generation: int, *, publish: bool = True) -> None:
         s = self.state
         c1 = self.params.c1 if "params" in self.meta else 0.0
-        answers_sha = atomic_write_parquet_tables(s.answer_tables(), ANSWER_SCHEMA,
+        # the footer carries what `account` reads of every answer (label counts, K_min clamp counts)
+        summary = ledger_history.answers_summary(s.answer_tables(), k_min=self.params.k_min)
+        schema = ANSWER_SCHEMA.with_metadata({ledger_history.SUMMARY_KEY: json.dumps(summary).encode()})
+        answers_sha = atomic_write_parquet_tables(s.answer_tables(), schema,
                                                   self.path / f"answers-{generation:06d}.parquet")
         meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
                     batches=s.batches, history=s.history[-100000:],

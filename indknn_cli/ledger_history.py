@@ -14,6 +14,8 @@ Realised ε is a descriptive figure (SPEC §8), never a second guarantee; the ca
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -92,19 +94,71 @@ def history_epsilons(hist: list[dict], *, budget: float, delta: float, conversio
     return per_median[inv.reshape(s.shape)]
 
 
-class LazyAnswers:
-    """A snapshot's answers file: its row count from the Parquet footer at open, the rows parsed on first use.
+#: Key of the answers file's footer metadata holding :func:`answers_summary` (JSON).
+SUMMARY_KEY = b"indknn_answers_summary"
 
-    `account` and a serve of a new batch read only the count and, for the label counts, one column; the
-    bytes are hashed at open all the same (ledger_integrity.check_snapshot), so an edited file is refused.
+
+def _add_label_counts(counts: dict[str, int], column) -> None:
+    """Add one label_name column's counts to ``counts`` (value_counts keeps the order of first appearance)."""
+    import pyarrow.compute as pc
+
+    vc = pc.value_counts(column)
+    for name, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
+        if name is not None:
+            counts[name] = counts.get(name, 0) + int(n)
+
+
+def _clamp_counts(column, k_min: float) -> tuple[int, int]:
+    """(answers with a finite released count K_t, those with K_t ≤ K_min) of one released_count column."""
+    k = np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64)
+    k = k[np.isfinite(k)]
+    return int(k.size), int(np.count_nonzero(k <= float(k_min)))
+
+
+def answers_summary(tables, *, k_min: float | None) -> dict:
+    """What `account` reads of every answer, summed once when a compaction writes the answers file (issue 21:
+    `account` after a year of cron reads no column of the snapshot's answers): the row count, the answers per
+    label name in first-seen order and, for the ledger's ``k_min``, the K_min clamp counts. Kept in the file's
+    footer, so the file's sha256 (in the snapshot's hash chain) covers it; a summary that disagrees with the
+    footer's row count is ignored and the columns are read instead."""
+    counts: dict[str, int] = {}
+    rows = finite = at = 0
+    for t in tables:
+        rows += t.num_rows
+        _add_label_counts(counts, t.column("label_name"))
+        if k_min is not None:
+            f, a = _clamp_counts(t.column("released_count"), k_min)
+            finite, at = finite + f, at + a
+    out = {"rows": rows, "label_counts": [[name, n] for name, n in counts.items()]}
+    if k_min is not None:
+        out.update(k_min=float(k_min), released_finite=finite, at_k_min=at)
+    return out
+
+
+class LazyAnswers:
+    """A snapshot's answers file: its row count (and summary) from the Parquet footer at open, the rows parsed
+    on first use.
+
+    `account` and a serve of a new batch read only the count and the footer's :func:`answers_summary` (or,
+    in a file written before it, one column for the label counts); the bytes are hashed at open all the same
+    (ledger_integrity.check_snapshot), so an edited file is refused.
     """
 
     def __init__(self, data: bytes | None, *, where: str = "answers", table: pa.Table | None = None):
         self.where, self._data, self._table = where, data, table
+        self.summary: dict | None = None
         if table is not None:
             self.num_rows = table.num_rows
         else:  # the footer: a truncated or foreign file is refused at open, as before
-            self.num_rows = pq.read_metadata(pa.BufferReader(data)).num_rows
+            md = pq.read_metadata(pa.BufferReader(data))
+            self.num_rows = md.num_rows
+            raw = (md.metadata or {}).get(SUMMARY_KEY)
+            try:
+                summary = json.loads(raw) if raw is not None else None
+            except ValueError:
+                summary = None
+            if isinstance(summary, dict) and summary.get("rows") == self.num_rows:
+                self.summary = summary
 
     @classmethod
     def of(cls, table: pa.Table | None) -> "LazyAnswers | None":
@@ -130,15 +184,28 @@ def answer_label_counts(state) -> dict[str, int]:
     """Answers released per label name, in first-seen order, without a Python object per answer: the
     snapshot's answers and those of each event replayed since are counted by Arrow from their one column
     (value_counts keeps the order of first appearance; merged in ledger order)."""
-    import pyarrow.compute as pc
-
     counts: dict[str, int] = {}
     src = state._answers_src
-    columns = ([src.column("label_name")] if src is not None else []) + \
-        [t.column("label_name") for t in state._answers_parts]
-    for col in columns:
-        vc = pc.value_counts(col)
-        for name, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
-            if name is not None:
-                counts[name] = counts.get(name, 0) + int(n)
+    if src is not None and src.summary is not None:
+        for name, n in src.summary["label_counts"]:
+            counts[str(name)] = counts.get(str(name), 0) + int(n)
+    elif src is not None:
+        _add_label_counts(counts, src.column("label_name"))
+    for t in state._answers_parts:
+        _add_label_counts(counts, t.column("label_name"))
     return counts
+
+
+def answer_clamp_counts(state, k_min: float) -> tuple[int, int]:
+    """(answers with a finite released count K_t, those at or below the K_min clamp), over every answer: the
+    snapshot's from its footer summary when it was written for this ``k_min``, else from its column."""
+    finite = at = 0
+    src = state._answers_src
+    if src is not None and src.summary is not None and src.summary.get("k_min") == float(k_min):
+        finite, at = int(src.summary["released_finite"]), int(src.summary["at_k_min"])
+    elif src is not None:
+        finite, at = _clamp_counts(src.column("released_count"), k_min)
+    for t in state._answers_parts:
+        f, a = _clamp_counts(t.column("released_count"), k_min)
+        finite, at = finite + f, at + a
+    return finite, at

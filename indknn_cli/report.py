@@ -438,7 +438,9 @@ def build_account_report(
         "answers_by_label": by_label,
         "operator_only": OPERATOR_ONLY_NOTE,
         # operator-only: answers released at the K_min clamp (noise-only answers are likely there)
-        "answers_at_k_min": data_quality.clamp_share(s.answer_column("released_count", np.float64), params.k_min),
+        "answers_at_k_min": data_quality.clamp_share_of_counts(
+            **dict(zip(("answers", "at_k_min"), ledger_history.answer_clamp_counts(s, params.k_min))),
+            k_min=params.k_min),
         "spent_min": spent_q["min"], "spent_median": spent_q["median"], "spent_p90": spent_q["p90"],
         "spent_p99": spent_q["p99"], "spent_max": spent_q["max"],
         "spent_quantiles": spent_q,

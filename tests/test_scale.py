@@ -240,3 +240,81 @@ def test_bench_small_serve_runs_real_processes_on_fresh_copies(monkeypatch, tmp_
 
     with pytest.raises(RuntimeError, match="exit 3"):
         startup.small_serve(n=300, d=8, m=7, repeat=1)
+
+
+def test_account_reads_no_answers_column_of_a_compacted_snapshot(tmp_path, monkeypatch):
+    """Issue 21 (a year of cron, `account` flat): a compaction writes the label counts and K_min clamp counts of
+    every answer into the answers file's footer; `account` then parses no column of the snapshot's answers and
+    prints the figures it computed from the columns before."""
+    from indknn_cli import data_quality, ledger_history
+    from indknn_cli.report import build_account_report
+
+    store, lp, _ = _run_year(tmp_path, "summ", monkeypatch, events=4)
+    # one more batch, not compacted: the report adds the events' answers to the snapshot's summary
+    monkeypatch.setattr(serving, "AUTO_COMPACT_EVENTS", 10**9)
+    q, _, _ = clustered(20, 16, 3, seed=9)
+    store.append("query", q, record_ids=[f"x{i}" for i in range(20)], batch="extra")
+    serve_queries(store_path=store.path, ledger_path=lp, query_batch="extra", seed=99, batch_size=8)
+    led = BudgetLedger.open(lp)
+    src = led.state._answers_src
+    assert src is not None and src.summary is not None and src.num_rows == 20 * DAYS
+    assert len(led._event_files()) > 0 and led.state.n_answers() == 20 * DAYS + 20
+    full = led.state.answers_table()
+    import pyarrow.compute as pc
+
+    vc = pc.value_counts(full.column("label_name"))
+    expect_labels = dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()))
+    expect_clamp = data_quality.clamp_share(full.column("released_count").to_numpy(), led.params.k_min)
+    assert expect_clamp["answers"] == 20 * DAYS + 20
+
+    def no_parse(self, columns=None):
+        raise AssertionError("the snapshot's answers were parsed")
+
+    monkeypatch.setattr(ledger_history.LazyAnswers, "_read", no_parse)
+    rep = build_account_report(ledger_path=lp, store_path=store.path).data
+    assert rep["answers_by_label"] == expect_labels and list(rep["answers_by_label"]) == list(expect_labels)
+    assert rep["answers_at_k_min"] == expect_clamp
+    assert rep["queries_answered"] == 20 * DAYS + 20
+    out = integrity.verify_ledger(lp)
+    assert out["verified"], out
+
+
+def test_answers_summary_that_disagrees_with_the_footer_is_ignored():
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from indknn_cli import ledger_history
+    from indknn_cli.ledger_state import ANSWER_SCHEMA
+
+    t = pa.table({n: pa.array([None] * 3, ANSWER_SCHEMA.field(n).type) for n in ANSWER_SCHEMA.names},
+                 schema=ANSWER_SCHEMA)
+    for rows, kept in ((3, True), (2, False)):
+        summ = {"rows": rows, "label_counts": [["a", rows]], "k_min": 1.0, "released_finite": 0, "at_k_min": 0}
+        sink = pa.BufferOutputStream()
+        pq.write_table(t.replace_schema_metadata({ledger_history.SUMMARY_KEY: json.dumps(summ).encode()}), sink)
+        lazy = ledger_history.LazyAnswers(sink.getvalue().to_pybytes())
+        assert (lazy.summary is not None) == kept and lazy.num_rows == 3
+
+
+def test_bench_peak_rss_is_the_child_own_not_the_parents_high_water_mark(tmp_path):
+    """`bench stream` / `serve-speed` report a child's own peak (VmHWM at its exit): wait4's ru_maxrss of a
+    child includes the bench's own high-water mark (fork copies it, execve folds it in), so a bench that held
+    400 MB reported ≥ 400 MB for every child."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from indknn_cli.benchmarks.peak_rss import indknn_command, read_peak_mb
+
+    big = np.ones(400 << 20, dtype=np.uint8)  # this process's high-water mark ≥ 400 MB
+    assert big.sum() == 400 << 20
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=root)
+    p = subprocess.Popen(indknn_command(["--help"], tmp_path / "peak"), stdout=subprocess.DEVNULL, env=env)
+    _, status, ru = os.wait4(p.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    own = read_peak_mb(tmp_path / "peak")
+    assert own is not None and 5 < own < 300, own
+    assert ru.ru_maxrss / 1024 >= 400  # what the bench printed before

@@ -36,7 +36,6 @@ import json
 import os
 import resource
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -119,13 +118,16 @@ def time_faiss(x, q, batch, *, tau):
 
 
 def time_serve_process(tmp: Path, *, batch_size, device):
+    """Wall and CPU seconds and the process's own peak RSS in MB (:mod:`.peak_rss`) of one serve-queries."""
+    from .peak_rss import indknn_command, read_peak_mb
+
     env = dict(os.environ, INDKNN_DEBUG="0")
-    cmd = [sys.executable, "-m", "indknn_cli", "serve-queries", "bench", "--store", str(tmp / "s.zarr"),
-           "--ledger", str(tmp / "L"), "--seed", "1", "--no-reuse", "--batch-size", str(batch_size),
-           "--device", device, "--out", str(tmp / "answers.parquet"), "-q"]
+    cmd = indknn_command(["serve-queries", "bench", "--store", str(tmp / "s.zarr"), "--ledger", str(tmp / "L"),
+                          "--seed", "1", "--no-reuse", "--batch-size", str(batch_size), "--device", device,
+                          "--out", str(tmp / "answers.parquet"), "-q"], tmp / "serve.peak")
     c0, w0 = _children_cpu(), time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, cwd=tmp)  # "bench": the stored batch
-    return time.perf_counter() - w0, _children_cpu() - c0
+    return time.perf_counter() - w0, _children_cpu() - c0, read_peak_mb(tmp / "serve.peak")
 
 
 def make_store(tmp: Path, n, d, m, tau):
@@ -156,7 +158,7 @@ def run(n, d, m, tau, batch_size, device):
         mm = time_matmul(x, q, batch_size)
         cand, pairs = time_candidates(x, q, batch_size, tau=tau, chunk_rows=store.scan_rows)
         fa, faiss_pairs = time_faiss(x, q, batch_size, tau=tau)
-        serve_wall, serve_cpu = time_serve_process(tmp, batch_size=batch_size, device=device)
+        serve_wall, serve_cpu, serve_peak = time_serve_process(tmp, batch_size=batch_size, device=device)
         import pyarrow.parquet as pq
 
         ks = pq.read_table(tmp / "answers.parquet", columns=["released_count"]).column(0).to_numpy()
@@ -176,9 +178,9 @@ def run(n, d, m, tau, batch_size, device):
            "serve_vs_matmul_wall": round(serve_wall / mm.wall, 3),
            "candidates_vs_faiss_wall": round(cand.wall / fa.wall, 3) if fa is not None else None,
            "serve_queries_per_s": round(m / serve_wall, 1),
-           # the serve-queries subprocess (the largest child) and this bench process (it holds the matrix,
+           # the serve-queries process's own peak (VmHWM) and this bench process's (it holds the matrix,
            # FAISS's copy and a batch's dense products, none of which serving needs)
-           "serve_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+           "serve_peak_rss_mb": serve_peak,
            "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
            "torch_threads": torch.get_num_threads(), "load_average": [round(v, 2) for v in os.getloadavg()]}
     return out

@@ -12,8 +12,9 @@ and ledger, then times two whole `indknn` processes on the two copies:
 (b) stored: ``embed q.npy --role query`` first (not timed with the serve), then
     ``serve-queries <batch> --out b.parquet``.
 
-Prints one JSON line: each process's peak RSS (``ru_maxrss`` of that child, from
-``wait4``), wall and CPU seconds, queries/s, the ratio streamed / stored (target
+Prints one JSON line: each process's own peak RSS (its VmHWM, written by the process
+at exit: :mod:`.peak_rss`; ``ru_maxrss`` would include this bench's own high-water
+mark), wall and CPU seconds, queries/s, the ratio streamed / stored (target
 ≤ 1.3; peak RSS target ≤ 2 GB), whether the two answer files and ledgers are
 identical, and the load average. Fixed seed (``--seed 1``): for measurement only.
 Reuse is off unless ``--reuse``: with reuse every query is scored against every
@@ -27,7 +28,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,9 +60,14 @@ def _write_queries(path: Path, m: int, d: int, fmt: str) -> None:
             w.write_table(pa.table({"vector": pa.ListArray.from_arrays(offsets, flat)}))
 
 
-def _child(cmd: list[str], *, stdout_path: Path | None = None) -> dict:
-    """Run one process; its wall seconds, CPU seconds and peak RSS (this child's own ``wait4`` rusage).
-    stdout goes to ``stdout_path`` (else nowhere), stderr is kept for an error message."""
+def _child(args: list[str], *, stdout_path: Path | None = None) -> dict:
+    """Run ``indknn ARGS``; its wall seconds, CPU seconds (this child's own ``wait4`` rusage) and peak RSS (its
+    own VmHWM: :mod:`.peak_rss`). stdout goes to ``stdout_path`` (else nowhere), stderr is kept for an error
+    message."""
+    from .peak_rss import indknn_command, read_peak_mb
+
+    peak = Path(tempfile.mkdtemp()) / "peak"
+    cmd = indknn_command(args, peak)
     t0 = time.perf_counter()
     with open(stdout_path or os.devnull, "wb") as out:
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE)
@@ -71,9 +76,10 @@ def _child(cmd: list[str], *, stdout_path: Path | None = None) -> dict:
     wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[2:4])}: exit {p.returncode}: {err.decode(errors='replace')[-2000:]}")
-    return {"wall_s": round(wall, 3), "cpu_s": round(ru.ru_utime + ru.ru_stime, 3),
-            "peak_rss_mb": round(ru.ru_maxrss / 1024, 1)}
+        raise RuntimeError(f"{' '.join(args[:2])}: exit {p.returncode}: {err.decode(errors='replace')[-2000:]}")
+    out = {"wall_s": round(wall, 3), "cpu_s": round(ru.ru_utime + ru.ru_stime, 3), "peak_rss_mb": read_peak_mb(peak)}
+    shutil.rmtree(peak.parent, ignore_errors=True)
+    return out
 
 
 def _ledger_digest(lp: Path) -> dict:
@@ -106,15 +112,14 @@ def run(m: int, n: int, d: int, tau: float, reuse: bool, batch_size: int, fmt: s
         qfile = root / ("q.npy" if fmt == "npy" else "q.parquet")
         _write_queries(qfile, m, d, fmt)
         shutil.copytree(a, b)  # the same starting store and ledger for both runs
-        cli = [sys.executable, "-m", "indknn_cli"]
         opts = ["--seed", "1", "--device", device, "--batch-size", str(batch_size)] + ([] if reuse else ["--no-reuse"])
         load0 = os.getloadavg()
-        streamed = _child(cli + ["serve-queries", str(qfile), "--store", str(a / "s.zarr"), "--ledger", str(a / "L"),
+        streamed = _child(["serve-queries", str(qfile), "--store", str(a / "s.zarr"), "--ledger", str(a / "L"),
                                  "--out", str(a / "out.parquet")] + opts)
-        embed = _child(cli + ["embed", str(qfile), "--role", "query", "--store", str(b / "s.zarr")],
+        embed = _child(["embed", str(qfile), "--role", "query", "--store", str(b / "s.zarr")],
                        stdout_path=root / "embed.json")
         batch = json.loads((root / "embed.json").read_text().strip().splitlines()[-1])["batch"]
-        stored = _child(cli + ["serve-queries", batch, "--store", str(b / "s.zarr"), "--ledger", str(b / "L"),
+        stored = _child(["serve-queries", batch, "--store", str(b / "s.zarr"), "--ledger", str(b / "L"),
                                "--out", str(b / "out.parquet")] + opts)
         load1 = os.getloadavg()
         ta, tb = read_answers_parquet(a / "out.parquet"), read_answers_parquet(b / "out.parquet")
