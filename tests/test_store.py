@@ -179,11 +179,11 @@ def test_layout_on_disk(tmp_path):
 
 
 def test_chunk_rows_for():
-    # ~1 MiB stored chunks, ~8 MiB scan steps (a whole number of chunks)
+    # ~1 MiB stored chunks, ~32 MiB scan steps (a whole number of chunks)
     assert chunk_rows_for(384) == 512 and chunk_rows_for(64) == 4096 and chunk_rows_for(16) == 16384
-    assert scan_rows_for(384, 512) == 4096 and scan_rows_for(16, 16384) == 65536
-    assert scan_rows_for(384, 4096) == 4096  # a store made with 8 MiB chunks scans one chunk at a time
-    assert scan_rows_for(384, 1000) == 4000 and scan_rows_for(8, 100_000) == 100_000
+    assert scan_rows_for(384, 512) == 16384 and scan_rows_for(768, 256) == 8192 and scan_rows_for(16, 16384) == 65536
+    assert scan_rows_for(384, 16384) == 16384  # a chunk as large as a step: one chunk at a time
+    assert scan_rows_for(384, 1000) == 16000 and scan_rows_for(8, 100_000) == 100_000
     for d in (1, 8, 384, 768, 4096, 100_000):
         r = chunk_rows_for(d)
         assert r & (r - 1) == 0 and 256 <= r <= 65536
@@ -193,7 +193,7 @@ def test_chunk_rows_for():
 
 def test_small_private_embed_writes_close_to_its_bytes(tmp_path):
     """Issue 21: an embed of 20,000 private rows of d = 64 (5 MiB) writes ≤ 1.2× its row data (the padded
-    last chunk is ≤ 1 MiB; with 8 MiB chunks it was 1.46×), and the scan reads it back in 8 MiB steps."""
+    last chunk is ≤ 1 MiB; with 8 MiB chunks it was 1.46×), and the scan reads it back in one step."""
     from indknn_cli.benchmarks.append import run
 
     r = run(20000, 64, role="private")
@@ -202,7 +202,7 @@ def test_small_private_embed_writes_close_to_its_bytes(tmp_path):
     x = np.random.default_rng(0).standard_normal((20000, 64)).astype(np.float32)
     s.append("private", normalize_rows(x), labels=np.zeros(20000, np.int32), record_ids=[str(i) for i in range(20000)])
     steps = [(start, len(b)) for start, b in s.iter_chunks("private")]
-    assert steps == [(0, 20000)] and s.chunk_rows == 4096 and s.scan_rows == 32768
+    assert steps == [(0, 20000)] and s.chunk_rows == 4096 and s.scan_rows == 65536
 
 
 @pytest.mark.parametrize("bad,msg", [(np.nan, "NaN"), (np.inf, "infinite"), (0.0, "zero")])
