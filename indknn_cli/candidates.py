@@ -126,6 +126,13 @@ class StoreSource:
     _cache: list | None = None
     _on_device: dict = field(default_factory=dict)  # device → [(start, tensor)] resident for the run, or None
 
+    def step_rows(self) -> int:
+        """Rows read per step: the store's scan step, at most an eighth of ``cache_bytes`` (two steps are in
+        memory at once while one is read ahead; ``--max-memory`` halves into the cache), whole chunks."""
+        chunk = int(self.store.chunk_rows)
+        fit = (max(self.cache_bytes, 0) // 8) // (4 * self.store.dim) // chunk * chunk
+        return max(chunk, min(int(self.store.scan_rows), fit))
+
     def chunks(self) -> Iterator[tuple[int, np.ndarray]]:
         if self._cache is not None:
             yield from self._cache
@@ -133,12 +140,29 @@ class StoreSource:
         n = self.store.n_rows(self.role)
         fits = n * self.store.dim * 4 <= self.cache_bytes
         cache = [] if fits else None
-        for start, block in self.store.iter_chunks(self.role):
+        for start, block in _read_ahead(self.store.iter_chunks(self.role, rows=self.step_rows())):
             if cache is not None:
                 cache.append((start, block))
             yield start, block
         if cache is not None:
             self._cache = cache
+
+
+def _read_ahead(blocks: Iterator):
+    """Yield from ``blocks`` while a thread reads the next one (Zarr read and crc32c check overlap the
+    consumer's screen of the current step; the blocks and their order are unchanged). A read error is raised
+    where the block would have been yielded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    done = object()
+    with ThreadPoolExecutor(1, thread_name_prefix="indknn-read-ahead") as pool:
+        fut = pool.submit(next, blocks, done)
+        while True:
+            item = fut.result()
+            if item is done:
+                return
+            fut = pool.submit(next, blocks, done)
+            yield item
 
 
 def _passive_openmp(module: str) -> None:

@@ -350,3 +350,27 @@ def test_strict_and_dry_run_with_an_unreadable_ledger_use_the_store(world, tmp_p
     res = CliRunner().invoke(app, base + ["--record", "r003", "--record", "nobody", "--strict"])
     assert res.exit_code == 2 and "nobody" in res.stderr
     assert _event_digest(w) == before
+
+
+def test_store_source_reads_ahead_the_same_blocks_and_raises_a_corrupt_one_in_place(tmp_path):
+    """The candidate phase's StoreSource reads the next step in a thread while the current one is screened:
+    the same blocks in the same order as iter_chunks, steps within an eighth of the cache (``--max-memory``),
+    and a corrupt chunk is a StoreError raised where its block would have come, after the blocks before it."""
+    from indknn_cli.candidates import StoreSource
+    from indknn_cli.errors import StoreError
+    from indknn_cli.store import FeatureStore
+
+    store, x, _ = _crc_store(tmp_path, n=1200, chunk_rows=64)
+    assert StoreSource(store, cache_bytes=0).step_rows() == 64  # one chunk at least
+    assert StoreSource(store, cache_bytes=1 << 30).step_rows() == store.scan_rows
+    assert StoreSource(store, cache_bytes=8 * 4 * 16 * 128).step_rows() == 128
+    src = StoreSource(store, cache_bytes=8 * 4 * 16 * 128)  # 128-row steps; 1,200 rows do not fit: no cache
+    blocks = list(src.chunks())
+    assert [s for s, _ in blocks] == list(range(0, 1200, 128)) and src._cache is None
+    np.testing.assert_array_equal(np.vstack([b for _, b in blocks]), store.read("private", "features"))
+    _flip(store.path / "private" / "features" / "c" / "2" / "0", 4 * 16 * 3 + 5)  # rows 128..191
+    seen = []
+    with pytest.raises(StoreError, match="crc32c checksum"):
+        for start, _ in StoreSource(FeatureStore.open(store.path), cache_bytes=8 * 4 * 16 * 128).chunks():
+            seen.append(start)
+    assert seen == [0]
