@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import FORMAT_VERSION, locking
+from . import FORMAT_VERSION, accounting, locking
 from . import ledger_history
 from . import ledger_integrity as integrity
 from .errors import ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
@@ -102,6 +102,12 @@ class BudgetLedger:
             "store_path": str(store_path), "params": params.as_dict(),
             "created": time.time(), "last_event_seq": 0,
             **({"tuning": dict(tuning)} if tuning is not None else {}),
+            # ε of the budget B at the ledger's δ under every conversion, computed once here (the rdp one by
+            # dp-accounting, whose import is most of an `account` process's fixed cost); read by `account`
+            # when B and δ match (report._guarantee), and covered by the snapshot's hash chain like the rest
+            "epsilon_at_budget": {"budget": params.budget, "delta": params.delta,
+                                  "by_conversion": accounting.epsilon_by_conversion(budget=params.budget,
+                                                                                    delta=params.delta)},
         }
         state = LedgerState.empty()
         ledger = cls(path, meta, state, generation=-1, last_event_seq=0)

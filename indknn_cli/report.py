@@ -218,10 +218,15 @@ class AccountReport:
     failures: list[tuple[type, str]] = field(default_factory=list)
 
 
-def _guarantee(budget: float, delta: float) -> dict:
-    return {"delta": delta, "epsilon_by_conversion": {c: _finite(epsilon_for_budget(budget=budget, delta=delta,
-                                                                                     conversion=c))
-                                                      for c in CONVERSIONS}}
+def _guarantee(budget: float, delta: float, cached: dict | None = None) -> dict:
+    """ε of ``budget`` at ``delta`` under every conversion; ``cached``: the ledger's ``epsilon_at_budget`` (the same
+    figures computed by the same function at `index`), used where its B and δ are these."""
+    known = {}
+    if isinstance(cached, dict) and cached.get("budget") == budget and cached.get("delta") == delta:
+        known = {c: float(v) for c, v in (cached.get("by_conversion") or {}).items() if isinstance(v, (int, float))}
+    return {"delta": delta, "epsilon_by_conversion": {
+        c: _finite(known[c] if c in known else epsilon_for_budget(budget=budget, delta=delta, conversion=c))
+        for c in CONVERSIONS}}
 
 
 class _Status:
@@ -381,9 +386,10 @@ def build_account_report(
     n_active = int(np.count_nonzero(active))
     n_retired = n - n_active - n_deleted
 
-    guarantees = [_guarantee(budget, ledger_delta)]
+    cached = ledger.meta.get("epsilon_at_budget")
+    guarantees = [_guarantee(budget, ledger_delta, cached)]
     if use_delta != ledger_delta:
-        guarantees.append(_guarantee(budget, use_delta))
+        guarantees.append(_guarantee(budget, use_delta, cached))
     headline = guarantees[-1]["epsilon_by_conversion"]
     # index --tune private (docs/TUNING.md): the guarantee is the search composed with serving's α·B by RDP;
     # the Gaussian-DP curve does not apply to the composition (the selection is not a Gaussian mechanism).

@@ -644,3 +644,43 @@ def test_account_json_states_unit_and_adjacency(served):
     assert "adjacency: add/remove one record" in " ".join(res.stdout.split())
     res = runner.invoke(app, ["account", "--help"], env={"INDKNN_WIDTH": "200"})
     assert "add/remove" in res.stdout and "no user-level ε" in " ".join(res.stdout.split())
+
+
+def test_account_uses_the_ledgers_cached_guarantee_and_skips_dp_accounting(tmp_path):
+    """Issue 21 (fixed cost per process): `index` records ε of B at δ under every conversion; `account` prints
+    the same figures without importing dp-accounting (1.2 s of a 1.8 s `account` process here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from indknn_cli.accounting import epsilon_by_conversion
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.serving import build_index, make_params
+    from indknn_cli.store import ExtractorInfo, FeatureStore, normalize_rows
+
+    x = normalize_rows(np.random.default_rng(0).standard_normal((50, 8))).astype(np.float32)
+    st = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                             label_names=["a", "b"])
+    st.append("private", x, labels=(np.arange(50) % 2).astype(np.int32), record_ids=[f"r{i}" for i in range(50)])
+    build_index(store_path=st.path, ledger_path=tmp_path / "L",
+                params=make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.6, planned_queries=10))
+    led = BudgetLedger.open(tmp_path / "L")
+    cached = led.meta["epsilon_at_budget"]
+    expect = epsilon_by_conversion(budget=led.params.budget, delta=led.params.delta)
+    assert cached == {"budget": led.params.budget, "delta": led.params.delta, "by_conversion": expect}
+    probe = ("import json, sys\nfrom indknn_cli.report import build_account_report\n"
+             "r = build_account_report(ledger_path=sys.argv[1], store_path=sys.argv[2]).data\n"
+             "print(json.dumps({'dp': 'dp_accounting' in sys.modules, 'g': r['guarantees']}))\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = json.loads(subprocess.run([sys.executable, "-c", probe, str(tmp_path / "L"), str(st.path)], env=env,
+                                    capture_output=True, text=True, check=True).stdout)
+    assert out["dp"] is False
+    assert out["g"][0]["epsilon_by_conversion"] == expect
+    # another δ than the ledger's: computed (dp-accounting), not taken from the cache
+    from indknn_cli.report import _guarantee
+
+    other = _guarantee(led.params.budget, 1e-6, cached)
+    assert other["epsilon_by_conversion"] == epsilon_by_conversion(budget=led.params.budget, delta=1e-6)
+    assert other["epsilon_by_conversion"]["rdp"] != expect["rdp"]
