@@ -254,6 +254,18 @@ def _screen_cpu(query_index, block: np.ndarray, screen: float) -> tuple[np.ndarr
     return ids.astype(np.int64, copy=False), ri
 
 
+def _sub_blocks(blocks, rows: int):
+    """(start, block, tensor) steps cut into pieces of at most ``rows`` rows (the same rows, in order)."""
+    for start, block, x_t in blocks:
+        k = block.shape[0] if x_t is None else x_t.shape[0]
+        if k <= rows:
+            yield start, block, x_t
+            continue
+        for lo in range(0, k, rows):
+            yield (start + lo, None if block is None else block[lo:lo + rows],
+                   None if x_t is None else x_t[lo:lo + rows])
+
+
 class TooManyPairs(Exception):
     """Internal: a batch's candidate pairs would exceed the memory bound; split the batch."""
 
@@ -305,6 +317,10 @@ def find_candidates(
     resident = _resident_blocks(source, dev)
     blocks = ((start, None, x_t) for start, x_t in resident) if resident is not None else (
         (start, block, None) for start, block in source.chunks())
+    if max_pairs is not None and m > 1:
+        # Screen at most max_pairs // m rows at a time: a screen's own pair arrays (m × rows at worst, every
+        # row a candidate) then stay within the bound checked below, whatever the private data (audit 2, P3).
+        blocks = _sub_blocks(blocks, max(1, max_pairs // m))
     for start, block, x_t in blocks:
         if x_t is None and block.shape[0] == 0:
             continue

@@ -36,7 +36,8 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
     m = int(keep.size)
     for name in names:
         dst[name].resize((m,) + tuple(dst[name].shape[1:]))
-    step = 4 * store.scan_rows  # a multiple of every array's chunk length: each chunk written once
+    # a multiple of every array's chunk length (each chunk written once), ~8 MiB of features per step
+    step = 4 * store.chunk_rows * max(1, (8 << 20) // (4 * store.chunk_rows * 4 * store.dim))
     n = store.n_rows("private")
     buf: dict[str, list[np.ndarray]] = {name: [] for name in names}
     buffered = written = 0

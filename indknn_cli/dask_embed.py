@@ -115,7 +115,7 @@ class DaskFeatureWriter:
         items = items.tolist() if isinstance(items, np.ndarray) and items.dtype == object else items
         self._groups.append((items, list(rows), list(ids)))
         self._rows += len(rows)
-        if self._rows >= (self.partition_rows or store.scan_rows):
+        if self._rows >= (self.partition_rows or max(store.chunk_rows, store.scan_rows // 4)):
             self._send()
 
     def _send(self) -> None:

@@ -192,6 +192,8 @@ class BudgetLedger:
             raise LedgerError(f"{snap_path}: ledger metadata is corrupt (not what indknn writes)") from None
         if snap.schema.remove_metadata() != RECORD_SCHEMA:
             raise LedgerError(f"{snap_path}: unexpected columns (foreign or corrupt ledger)")
+        if not integrity.snapshot_is_chained(meta):  # its answers file's sha256 is not checked: read the columns
+            answers.distrust_summary()
         state = LedgerState(
             record_id=np.asarray(snap.column("record_id").to_numpy(zero_copy_only=False), dtype=object),
             user_id=np.asarray(snap.column("user_id").to_numpy(zero_copy_only=False), dtype=object),

@@ -135,6 +135,26 @@ def answers_summary(tables, *, k_min: float | None) -> dict:
     return out
 
 
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _valid_summary(s, rows: int) -> bool:
+    """The shape :func:`answers_summary` writes, consistent with the file's ``rows``; anything else is ignored."""
+    if not isinstance(s, dict) or s.get("rows") != rows or not isinstance(s.get("label_counts"), list):
+        return False
+    pairs = s["label_counts"]
+    if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and _count(p[1]) for p in pairs):
+        return False
+    if sum(p[1] for p in pairs) > rows:
+        return False
+    if "k_min" in s:
+        k, f, a = s.get("k_min"), s.get("released_finite"), s.get("at_k_min")
+        if not (isinstance(k, float) and _count(f) and _count(a) and a <= f <= rows):
+            return False
+    return True
+
+
 class LazyAnswers:
     """A snapshot's answers file: its row count (and summary) from the Parquet footer at open, the rows parsed
     on first use.
@@ -157,8 +177,12 @@ class LazyAnswers:
                 summary = json.loads(raw) if raw is not None else None
             except ValueError:
                 summary = None
-            if isinstance(summary, dict) and summary.get("rows") == self.num_rows:
+            if _valid_summary(summary, self.num_rows):
                 self.summary = summary
+
+    def distrust_summary(self) -> None:
+        """Read the columns, not the footer's summary (a snapshot outside the hash chain: nothing checks it)."""
+        self.summary = None
 
     @classmethod
     def of(cls, table: pa.Table | None) -> "LazyAnswers | None":

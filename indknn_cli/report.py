@@ -218,12 +218,16 @@ class AccountReport:
     failures: list[tuple[type, str]] = field(default_factory=list)
 
 
-def _guarantee(budget: float, delta: float, cached: dict | None = None) -> dict:
+def _guarantee(budget: float, delta: float, cached: dict | None = None, params=None) -> dict:
     """ε of ``budget`` at ``delta`` under every conversion; ``cached``: the ledger's ``epsilon_at_budget`` (the same
-    figures computed by the same function at `index`), used where its B and δ are these."""
+    figures computed by the same function at `index`), used where its B and δ are these and its ε under the
+    ledger's own conversion is within the ledger's target ε (as the calibration of B guarantees); else computed."""
     known = {}
     if isinstance(cached, dict) and cached.get("budget") == budget and cached.get("delta") == delta:
-        known = {c: float(v) for c, v in (cached.get("by_conversion") or {}).items() if isinstance(v, (int, float))}
+        known = {c: float(v) for c, v in (cached.get("by_conversion") or {}).items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0}
+        if params is not None and not (params.conversion in known and known[params.conversion] <= params.epsilon):
+            known = {}
     return {"delta": delta, "epsilon_by_conversion": {
         c: _finite(known[c] if c in known else epsilon_for_budget(budget=budget, delta=delta, conversion=c))
         for c in CONVERSIONS}}
@@ -387,9 +391,9 @@ def build_account_report(
     n_retired = n - n_active - n_deleted
 
     cached = ledger.meta.get("epsilon_at_budget")
-    guarantees = [_guarantee(budget, ledger_delta, cached)]
+    guarantees = [_guarantee(budget, ledger_delta, cached, params)]
     if use_delta != ledger_delta:
-        guarantees.append(_guarantee(budget, use_delta, cached))
+        guarantees.append(_guarantee(budget, use_delta, cached, params))
     headline = guarantees[-1]["epsilon_by_conversion"]
     # index --tune private (docs/TUNING.md): the guarantee is the search composed with serving's α·B by RDP;
     # the Gaussian-DP curve does not apply to the composition (the selection is not a Gaussian mechanism).

@@ -684,3 +684,18 @@ def test_account_uses_the_ledgers_cached_guarantee_and_skips_dp_accounting(tmp_p
     other = _guarantee(led.params.budget, 1e-6, cached)
     assert other["epsilon_by_conversion"] == epsilon_by_conversion(budget=led.params.budget, delta=1e-6)
     assert other["epsilon_by_conversion"]["rdp"] != expect["rdp"]
+
+
+def test_a_cached_guarantee_above_the_ledgers_epsilon_is_recomputed():
+    from indknn_cli.accounting import calibrate_budget, epsilon_by_conversion
+    from indknn_cli.ledger_state import PrivacyParams
+    from indknn_cli.report import _guarantee
+
+    b = calibrate_budget(epsilon=1.0, delta=1e-5, conversion="gdp")
+    p = PrivacyParams(epsilon=1.0, delta=1e-5, conversion="gdp", budget=b, kernel="cosine", tau=0.5, sigma1=5.0,
+                      sigma2=0.6, nu=None, k_min=3.0, planned_queries=10)
+    true = epsilon_by_conversion(budget=b, delta=1e-5)
+    edited = {"budget": b, "delta": 1e-5, "by_conversion": {"gdp": 0.01, "rdp": 0.02}}
+    assert _guarantee(b, 1e-5, edited, p)["epsilon_by_conversion"] == {"gdp": 0.01, "rdp": 0.02}  # plausible: used
+    above = {"budget": b, "delta": 1e-5, "by_conversion": {"gdp": 7.0, "rdp": 0.02}}
+    assert _guarantee(b, 1e-5, above, p)["epsilon_by_conversion"] == true

@@ -374,3 +374,37 @@ def test_store_source_reads_ahead_the_same_blocks_and_raises_a_corrupt_one_in_pl
         for start, _ in StoreSource(FeatureStore.open(store.path), cache_bytes=8 * 4 * 16 * 128).chunks():
             seen.append(start)
     assert seen == [0]
+
+
+def test_screen_pairs_stay_within_the_pair_bound_and_no_read_ahead_thread_survives(tmp_path, monkeypatch):
+    """Audit of this change (P3 again): the pair bound was checked only after a whole scan step's pairs were
+    formed — up to m × step (8,192-65,536 rows) pairs whatever --max-memory said, so whether the process ran
+    out of memory depended on how many private records lie near the queries. The screen now sees at most
+    max_pairs // m rows at a time. And the read-ahead thread is gone once the batch gives up."""
+    import threading
+
+    from indknn_cli import candidates
+    from indknn_cli.candidates import StoreSource, TooManyPairs, find_candidates
+
+    store, x, _ = _crc_store(tmp_path, n=1200, chunk_rows=64)
+    q = np.asarray(x[:10], np.float32)
+    sizes = []
+    real = candidates._screen_cpu
+
+    def spy(index, block, screen):
+        qi, ri = real(index, block, screen)
+        sizes.append(qi.size)
+        return qi, ri
+
+    monkeypatch.setattr(candidates, "_screen_cpu", spy)
+    src = StoreSource(store, cache_bytes=8 * 4 * 16 * 512)  # 512-row steps, no cache (1,200 rows)
+    with pytest.raises(TooManyPairs):
+        find_candidates(q, src, kernel="cosine", tau=-0.99, nu=None, device="cpu", max_pairs=1000)
+    assert sizes and max(sizes) <= 1000, sizes  # 10 queries × 100 rows per screen; a 512-row step held 5,120
+    assert not [t for t in threading.enumerate() if t.name.startswith("indknn-read-ahead")]
+    sizes.clear()
+    full = find_candidates(q, src, kernel="cosine", tau=-0.99, nu=None, device="cpu")  # no bound: every row
+    split = find_candidates(q, src, kernel="cosine", tau=-0.99, nu=None, device="cpu", max_pairs=10**6)
+    for a, b in zip(full.rows + full.kappa, split.rows + split.kappa):
+        np.testing.assert_array_equal(a, b)
+    assert sum(r.size for r in full.rows) == 10 * 1200

@@ -318,3 +318,41 @@ def test_bench_peak_rss_is_the_child_own_not_the_parents_high_water_mark(tmp_pat
     own = read_peak_mb(tmp_path / "peak")
     assert own is not None and 5 < own < 300, own
     assert ru.ru_maxrss / 1024 >= 400  # what the bench printed before
+
+
+def test_an_edited_answers_summary_is_refused_and_an_absent_one_reads_the_columns(tmp_path, monkeypatch):
+    """The footer summary is trusted because the answers file's sha256 is in the snapshot's hash chain: a summary
+    edited to other label counts (rows kept consistent) makes the ledger refuse to open; a file without one
+    (written before it) is counted from its columns."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from indknn_cli import ledger_history
+    from indknn_cli.errors import LedgerIntegrityError
+
+    store, lp, _ = _run_year(tmp_path, "edit", monkeypatch, events=4)
+    led = BudgetLedger.open(lp)
+    path = lp / f"answers-{led.generation:06d}.parquet"
+    table = pq.read_table(path)
+    summ = json.loads(table.schema.metadata[ledger_history.SUMMARY_KEY])
+    expect = dict(summ["label_counts"])
+    summ["label_counts"] = [[name, 0] for name, _ in summ["label_counts"]]
+    pq.write_table(table.replace_schema_metadata({ledger_history.SUMMARY_KEY: json.dumps(summ).encode()}), path)
+    with pytest.raises(LedgerIntegrityError):
+        BudgetLedger.open(lp)
+    bare = table.replace_schema_metadata(None)
+    sink = pa.BufferOutputStream()
+    pq.write_table(bare, sink)
+    src = ledger_history.LazyAnswers(sink.getvalue().to_pybytes())
+    assert src.summary is None
+
+    class _State:
+        _answers_src, _answers_parts = src, []
+
+    assert ledger_history.answer_label_counts(_State()) == expect
+    assert ledger_history.answer_clamp_counts(_State(), led.params.k_min) == (summ["released_finite"], summ["at_k_min"])
+    for bad in ({"rows": 120, "label_counts": [["a", "x"]]}, {"rows": 120, "label_counts": [["a", 500]]},
+                {"rows": 120, "label_counts": [], "k_min": 30.0, "released_finite": 5, "at_k_min": 9}, [1, 2]):
+        assert not ledger_history._valid_summary(bad, 120)
