@@ -220,6 +220,27 @@ def answer_label_counts(state) -> dict[str, int]:
     return counts
 
 
+def check_answers_summary(state) -> str:
+    """`account --verify`: the snapshot's footer summary (what `account` reads instead of the columns) against a
+    count of the columns themselves. Returns "checked" or "absent"; a mismatch (a summary written wrong, the
+    file's hash then agreeing with it) is a LedgerIntegrityError."""
+    from .errors import LedgerIntegrityError
+
+    src = state._answers_src
+    if src is None or src.summary is None:
+        return "absent"
+    counts: dict[str, int] = {}
+    _add_label_counts(counts, src.column("label_name"))
+    ok = [[name, n] for name, n in counts.items()] == [list(p) for p in src.summary["label_counts"]]
+    if ok and "k_min" in src.summary:
+        finite, at = _clamp_counts(src.column("released_count"), src.summary["k_min"])
+        ok = (finite, at) == (src.summary["released_finite"], src.summary["at_k_min"])
+    if not ok:
+        raise LedgerIntegrityError(f"{src.where}: the answer counts in its footer do not match its rows (account "
+                                   "would print them); `indknn delete --compact` rewrites them from the rows")
+    return "checked"
+
+
 def answer_clamp_counts(state, k_min: float) -> tuple[int, int]:
     """(answers with a finite released count K_t, those at or below the K_min clamp), over every answer: the
     snapshot's from its footer summary when it was written for this ``k_min``, else from its column."""

@@ -486,6 +486,9 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
         mark = read_mark(store.path) if store is not None else None  # before the ledger: no lock is held
         ledger = open_ledger_readonly(ledger_path, store_uuid=store.uuid if store is not None else None)
         out.update(_describe(ledger))
+        from .ledger_history import check_answers_summary
+
+        out["answers_summary"] = check_answers_summary(ledger.state)
         if store is not None:
             info = check_binding(store, ledger, ledger_path, mark=mark)
             m = info["mark"]

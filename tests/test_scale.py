@@ -270,8 +270,10 @@ def test_account_reads_no_answers_column_of_a_compacted_snapshot(tmp_path, monke
     def no_parse(self, columns=None):
         raise AssertionError("the snapshot's answers were parsed")
 
+    real_read = ledger_history.LazyAnswers._read
     monkeypatch.setattr(ledger_history.LazyAnswers, "_read", no_parse)
     rep = build_account_report(ledger_path=lp, store_path=store.path).data
+    monkeypatch.setattr(ledger_history.LazyAnswers, "_read", real_read)  # verify recounts the columns
     assert rep["answers_by_label"] == expect_labels and list(rep["answers_by_label"]) == list(expect_labels)
     assert rep["answers_at_k_min"] == expect_clamp
     assert rep["queries_answered"] == 20 * DAYS + 20
@@ -356,3 +358,25 @@ def test_an_edited_answers_summary_is_refused_and_an_absent_one_reads_the_column
     for bad in ({"rows": 120, "label_counts": [["a", "x"]]}, {"rows": 120, "label_counts": [["a", 500]]},
                 {"rows": 120, "label_counts": [], "k_min": 30.0, "released_finite": 5, "at_k_min": 9}, [1, 2]):
         assert not ledger_history._valid_summary(bad, 120)
+
+
+def test_verify_recounts_the_answers_summary(tmp_path, monkeypatch):
+    """`account --verify` counts the snapshot's answers again and compares them with the footer summary that
+    `account` prints instead: a summary written wrong (its hash then agreeing with it) fails verification."""
+    from indknn_cli import ledger_history
+
+    store, lp, _ = _run_year(tmp_path, "ok", monkeypatch, events=4)
+    out = integrity.verify_ledger(lp, store_path=store.path)
+    assert out["verified"] and out["answers_summary"] == "checked", out
+    real = ledger_history.answers_summary
+
+    def wrong(tables, *, k_min):
+        s = real(tables, k_min=k_min)
+        s["label_counts"] = [[name, n + (1 if i == 0 else -1 if i == 1 else 0)]
+                             for i, (name, n) in enumerate(s["label_counts"])]
+        return s
+
+    monkeypatch.setattr(ledger_history, "answers_summary", wrong)
+    store2, lp2, _ = _run_year(tmp_path, "bad", monkeypatch, events=4)
+    out = integrity.verify_ledger(lp2, store_path=store2.path)
+    assert not out["verified"] and "do not match its rows" in out["error"], out
