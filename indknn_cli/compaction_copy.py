@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from . import object_store
-from .store import CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks
+from .store import (CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks,
+                    scan_rows_for)
 
 PENDING_ATTR = ERASE_PENDING_ATTR
 
@@ -37,7 +38,7 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
     for name in names:
         dst[name].resize((m,) + tuple(dst[name].shape[1:]))
     # a multiple of every array's chunk length (each chunk written once), ~8 MiB of features per step
-    step = 4 * store.chunk_rows * max(1, (8 << 20) // (4 * store.chunk_rows * 4 * store.dim))
+    step = scan_rows_for(store.dim, 4 * store.chunk_rows, nbytes=8 << 20)
     n = store.n_rows("private")
     buf: dict[str, list[np.ndarray]] = {name: [] for name in names}
     buffered = written = 0

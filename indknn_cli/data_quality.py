@@ -85,15 +85,9 @@ def neighbour_warning(store, params) -> str | None:
             f"noise alone; a lower τ (tuned on public data: `indknn bench tune`) may suit ({OPERATOR_ONLY})")
 
 
-def clamp_share(released_counts, k_min: float) -> dict:
+def clamp_share(*, answers: int, at_k_min: int, k_min: float) -> dict:
     """Released answers whose count K_t sits at the K_min clamp (few or no candidates: a noise-only answer is
-    likely). Operator-only: shown by ``account``, never by ``serve-queries``."""
-    k = np.asarray(released_counts, dtype=np.float64)
-    k = k[np.isfinite(k)]
-    return clamp_share_of_counts(answers=int(k.size), at_k_min=int(np.count_nonzero(k <= float(k_min))), k_min=k_min)
-
-
-def clamp_share_of_counts(*, answers: int, at_k_min: int, k_min: float) -> dict:
-    """:func:`clamp_share` from the counts (answers with a finite K_t, those at or below K_min)."""
+    likely), from the counts (answers with a finite K_t, those at or below K_min: ledger_history.
+    answer_clamp_counts). Operator-only: shown by ``account``, never by ``serve-queries``."""
     return {"answers": int(answers), "at_k_min": int(at_k_min), "share": (at_k_min / answers) if answers else None,
             "k_min": float(k_min), "note": OPERATOR_ONLY}

@@ -32,14 +32,8 @@ from . import FORMAT_VERSION, accounting, locking
 from . import ledger_history
 from . import ledger_integrity as integrity
 from .errors import ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
-
-from . import ledger_files
-from .ledger_files import atomic_write_parquet, atomic_write_parquet_tables, atomic_write_text
+from .ledger_files import _fault, atomic_write_parquet, atomic_write_parquet_tables, atomic_write_text
 from .ledger_state import ANSWER_SCHEMA, EVENT_SCHEMA, RECORD_SCHEMA, LedgerState, PrivacyParams, _check_finite_columns
-
-
-def _fault(point: str) -> None:
-    ledger_files._fault(point)
 
 
 

@@ -390,6 +390,7 @@ def build_account_report(
     n_active = int(np.count_nonzero(active))
     n_retired = n - n_active - n_deleted
 
+    n_clamp_answers, n_at_k_min = ledger_history.answer_clamp_counts(s, params.k_min)
     cached = ledger.meta.get("epsilon_at_budget")
     guarantees = [_guarantee(budget, ledger_delta, cached, params)]
     if use_delta != ledger_delta:
@@ -448,9 +449,7 @@ def build_account_report(
         "answers_by_label": by_label,
         "operator_only": OPERATOR_ONLY_NOTE,
         # operator-only: answers released at the K_min clamp (noise-only answers are likely there)
-        "answers_at_k_min": data_quality.clamp_share_of_counts(
-            **dict(zip(("answers", "at_k_min"), ledger_history.answer_clamp_counts(s, params.k_min))),
-            k_min=params.k_min),
+        "answers_at_k_min": data_quality.clamp_share(answers=n_clamp_answers, at_k_min=n_at_k_min, k_min=params.k_min),
         "spent_min": spent_q["min"], "spent_median": spent_q["median"], "spent_p90": spent_q["p90"],
         "spent_p99": spent_q["p99"], "spent_max": spent_q["max"],
         "spent_quantiles": spent_q,

@@ -81,9 +81,10 @@ def chunk_rows_for(dim: int) -> int:
     return _pow2_rows(CHUNK_BYTES, dim)
 
 
-def scan_rows_for(dim: int, chunk_rows: int) -> int:
-    """Rows per scan step: the largest multiple of ``chunk_rows`` within ~32 MiB (at least one chunk)."""
-    return chunk_rows * max(1, _pow2_rows(SCAN_BYTES, dim) // chunk_rows)
+def scan_rows_for(dim: int, chunk_rows: int, *, nbytes: int = SCAN_BYTES) -> int:
+    """Rows per scan step: the largest multiple of ``chunk_rows`` within ~``nbytes`` of features (32 MiB; at
+    least one chunk)."""
+    return chunk_rows * max(1, _pow2_rows(nbytes, dim) // chunk_rows)
 
 
 def normalize_rows(x: np.ndarray, *, what: str = "vectors") -> np.ndarray:
