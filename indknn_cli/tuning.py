@@ -55,7 +55,8 @@ ORDERS = tuple(float(a) for a in np.concatenate([np.linspace(1.02, 8, 80), np.li
                                                   np.geomspace(66, 1e5, 40)]))
 POISSON = math.inf
 from .tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS,  # noqa: E402,F401
-                          DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
+                          DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE, REFERENCE_BUDGET_PER_QUERY,
+                          budget_relative_sigma2s)
 TUNING_FORMAT = 1
 
 
@@ -93,6 +94,18 @@ def check_grid(taus, sigma2s) -> list[tuple[float, float]]:
     for s in sigma2s:
         check_range("sigma2", s, flag="tuning σ2")
     return [(float(t), float(s)) for t in taus for s in sigma2s]
+
+
+def tuning_grid(*, taus, sigma2s, budget: float, planned_queries: int | None) -> list[tuple[float, float]]:
+    """The (τ, σ2) grid of a search: ``sigma2s`` as given, or (None) the default scaled to the ledger's B and T."""
+    if sigma2s is None:
+        sigma2s = budget_relative_sigma2s(budget=budget, planned_queries=planned_queries)
+    return check_grid(taus, sigma2s)
+
+
+def _grid_rule(sigma2s) -> str:
+    return "given" if sigma2s is not None else (
+        f"budget-relative: {', '.join(f'{s:g}' for s in DEFAULT_SIGMA2S)} × sqrt({REFERENCE_BUDGET_PER_QUERY:g}·T/B)")
 
 
 # -- accounting (dp-accounting only) ----------------------------------------------------------------------
@@ -226,6 +239,7 @@ class TuningRecord:
     default_used: bool = False
     score_noise_std: float | None = None
     public_accuracy: float | None = None
+    sigma2_grid: str | None = None          # "budget-relative" (default grid scaled to B, T) or "given"
     format: int = TUNING_FORMAT
 
     def as_dict(self) -> dict:
@@ -243,20 +257,22 @@ def _run_key(seed: int | None, tag: str) -> int:
 
 def private_tune(
     *, features, labels, record_ids, n_classes: int, epsilon: float, delta: float, share: float, mean_runs: float,
-    shape, grid, n_val: int, kernel: str, nu: float | None, k_min: float, sigma1: float | None,
+    shape, taus, sigma2s, n_val: int, kernel: str, nu: float | None, k_min: float, sigma1: float | None,
     planned_queries: int | None, seed: int | None = None, device: str = "cpu",
 ) -> tuple[TuningRecord, "object"]:
-    """Accounted random search; returns (record, PrivacyParams for serving with B = B_serve, conversion rdp)."""
+    """Accounted random search; returns (record, PrivacyParams for serving with B = B_serve, conversion rdp).
+
+    ``sigma2s`` None: the budget-relative default grid for B_serve and T (:mod:`indknn_cli.tuning_grid`), fixed
+    from public figures before any record is read."""
     from .accounting import check_range, default_sigma1
     from .ledger_state import PrivacyParams
 
     check_range("epsilon", epsilon)
     check_range("delta", delta)
     shape = check_shape(shape)
-    if not grid:
-        raise BadInputError("the tuning grid is empty")
     rho = rho_for_share(epsilon=epsilon, delta=delta, share=share, mean_runs=mean_runs, shape=shape)
     b_serve = serving_budget(epsilon=epsilon, delta=delta, rho_run=rho, mean_runs=mean_runs, shape=shape)
+    grid = tuning_grid(taus=taus, sigma2s=sigma2s, budget=b_serve, planned_queries=planned_queries)
     if sigma1 is None:
         sigma1 = default_sigma1(planned_queries=planned_queries or 1000, budget=b_serve)
     if 1.0 / (2.0 * sigma1 * sigma1) > b_serve:
@@ -283,6 +299,7 @@ def private_tune(
     tau, s2 = grid[picks[best]] if best is not None else grid[0]
     record = TuningRecord(
         mode="private", chosen_tau=tau, chosen_sigma2=s2, grid=[list(g) for g in grid],
+        sigma2_grid=_grid_rule(sigma2s),
         seed=None if seed is None else str(seed), runs_drawn=k, thetas_tried=[list(grid[g]) for g in picks],
         chosen_run=best, chosen_noisy_score=None if best is None else float(best_score),
         validation_queries=int(n_val), rho_run=rho, mean_runs=float(mean_runs), shape=shape,  # S: public
@@ -301,7 +318,8 @@ def private_tune(
 
 
 def public_tune(*, features, labels, record_ids, n_classes: int, params_for, grid, seed: int | None = None,
-                val_fraction: float = 0.2, device: str = "cpu") -> tuple[TuningRecord, "object"]:
+                val_fraction: float = 0.2, device: str = "cpu",
+                sigma2_grid: str | None = None) -> tuple[TuningRecord, "object"]:
     """Free tuning on labelled public rows: exhaustive grid, exact accuracy, no privacy cost.
 
     A public-coin ``val_fraction`` of the public rows are queries, answered in order by the engine over the
@@ -334,7 +352,8 @@ def public_tune(*, features, labels, record_ids, n_classes: int, params_for, gri
     tau, s2 = grid[best]
     record = TuningRecord(mode="public", chosen_tau=tau, chosen_sigma2=s2, grid=[list(g) for g in grid],
                           seed=None if seed is None else str(seed), validation_queries=int(is_val.sum()),
-                          public_accuracy=best_acc, epsilon_tuning=0.0, conversion=params_for(tau, s2).conversion)
+                          public_accuracy=best_acc, epsilon_tuning=0.0, conversion=params_for(tau, s2).conversion,
+                          sigma2_grid=sigma2_grid)
     return record, params_for(tau, s2)
 
 
@@ -369,7 +388,7 @@ class TuneRequest:
     mean_runs: float = DEFAULT_TUNE_RUNS
     shape: float | str = DEFAULT_TUNE_SHAPE  # η: 0 logarithmic (default), 1 geometric, "poisson"
     taus: tuple = DEFAULT_TAUS
-    sigma2s: tuple = DEFAULT_SIGMA2S
+    sigma2s: tuple | None = None   # None: the budget-relative default (tuning_grid.budget_relative_sigma2s)
     n_val: int = DEFAULT_TUNE_QUERIES        # S: validation queries (shards)
     seed: int | None = None        # experiments only; default OS entropy
     conversion: str = "rdp"        # public mode only (private tuning composes by RDP)
@@ -386,7 +405,7 @@ class TuneRequest:
         if self.on == "private" and self.conversion != "rdp":
             raise BadInputError(f"--tune private composes the search with serving by RDP: --conversion must be "
                                 f"rdp, got {self.conversion!r} (the selection is not a Gaussian mechanism)")
-        check_grid(self.taus, self.sigma2s)
+        check_grid(self.taus, DEFAULT_SIGMA2S if self.sigma2s is None else self.sigma2s)
         check_shape(self.shape)
         _positive("--tune-runs", self.mean_runs, lo=1.0, hi=1e4, lo_open=False)
         _positive("--tune-share", self.share, hi=0.9)
@@ -400,7 +419,6 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
     import math as _m
 
     req.check()
-    grid = check_grid(req.taus, req.sigma2s)
     nu = req.nu if req.nu is not None or req.kernel != "rbf" else _m.exp(1.5)
     if req.on == "public":
         from .serving import make_params
@@ -415,9 +433,12 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
                                tau=tau, sigma2=s2, sigma1=req.sigma1, planned_queries=req.planned_queries, nu=nu,
                                k_min=req.k_min)
 
+        budget = params_for(float(req.taus[0]), 1.0).budget  # B from (ε, δ, conversion) alone, not from σ2
+        grid = tuning_grid(taus=req.taus, sigma2s=req.sigma2s, budget=budget, planned_queries=req.planned_queries)
         return public_tune(features=store.read("public", "features"), labels=store.read("public", "labels"),
                            record_ids=store.read("public", "record_id"), n_classes=len(store.label_names),
-                           params_for=params_for, grid=grid, seed=req.seed, device=req.device)
+                           params_for=params_for, grid=grid, seed=req.seed, device=req.device,
+                           sigma2_grid=_grid_rule(req.sigma2s))
     keep = ~store.read("private", "deleted").astype(bool)
     keep[store.erase_pending_rows("private")] = False
     rows = np.flatnonzero(keep)
@@ -436,6 +457,6 @@ def private_tune_arrays(features, labels, record_ids, *, n_classes: int, req: Tu
     return private_tune(
         features=features, labels=labels, record_ids=record_ids, n_classes=n_classes, epsilon=req.epsilon,
         delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape,
-        grid=check_grid(req.taus, req.sigma2s), n_val=req.n_val, kernel=req.kernel,
+        taus=req.taus, sigma2s=req.sigma2s, n_val=req.n_val, kernel=req.kernel,
         nu=nu, k_min=req.k_min, sigma1=req.sigma1, planned_queries=req.planned_queries, seed=req.seed,
         device=req.device)

@@ -93,6 +93,48 @@ def test_shard_coins_depend_on_the_record_only():
         assert val[s] in members
 
 
+# -- the default σ2 grid: budget-relative ------------------------------------------------------------------------
+def test_default_sigma2_grid_scales_with_sqrt_planned_queries_over_budget():
+    from indknn_cli.tuning_grid import DEFAULT_SIGMA2S, REFERENCE_BUDGET_PER_QUERY, budget_relative_sigma2s
+
+    # at the reference budget per query the grid is the base grid; 4× the budget per query halves every σ2
+    assert budget_relative_sigma2s(budget=REFERENCE_BUDGET_PER_QUERY * 1000, planned_queries=1000) == DEFAULT_SIGMA2S
+    assert budget_relative_sigma2s(budget=REFERENCE_BUDGET_PER_QUERY * 250, planned_queries=250) == DEFAULT_SIGMA2S
+    assert budget_relative_sigma2s(budget=4 * REFERENCE_BUDGET_PER_QUERY * 1000,
+                                   planned_queries=1000) == (0.25, 0.4, 0.6)
+    # None / 0 planned queries read as serving's default 1,000
+    assert budget_relative_sigma2s(budget=0.05, planned_queries=None) == budget_relative_sigma2s(
+        budget=0.05, planned_queries=1000)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match=repr(bad)):
+            budget_relative_sigma2s(budget=bad, planned_queries=1000)
+    with pytest.raises(ValueError, match="-3"):
+        budget_relative_sigma2s(budget=0.05, planned_queries=-3)
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 1.0, 2.0])
+def test_private_search_grid_is_fixed_by_public_figures_only(epsilon):
+    """The default grid is the same for two unrelated private sets: it reads ε, δ, T and the search's settings."""
+    from indknn_cli.tuning_grid import budget_relative_sigma2s
+
+    grids = []
+    for seed in (1, 2):
+        x, y, _ = clustered(120 + 40 * seed, 8, 3, seed=seed)
+        rec, params = tuning.private_tune_arrays(
+            x, y, [f"r{i}" for i in range(x.shape[0])], n_classes=3,
+            req=tuning.TuneRequest(epsilon=epsilon, delta=1e-5, seed=seed, taus=(0.3,), n_val=20, mean_runs=2.0,
+                                   planned_queries=400))
+        assert rec.sigma2_grid.startswith("budget-relative")
+        assert [g[1] for g in rec.grid] == list(budget_relative_sigma2s(budget=rec.budget_serve, planned_queries=400))
+        assert params.sigma2 in [g[1] for g in rec.grid]
+        grids.append(rec.grid)
+    assert grids[0] == grids[1]
+    given, _ = tuning.private_tune_arrays(x, y, [f"r{i}" for i in range(x.shape[0])], n_classes=3,
+                                          req=tuning.TuneRequest(epsilon=epsilon, delta=1e-5, seed=1, taus=(0.3,),
+                                                                 sigma2s=(0.7,), n_val=20, mean_runs=2.0))
+    assert given.grid == [[0.3, 0.7]] and given.sigma2_grid == "given"
+
+
 # -- the search on a store ----------------------------------------------------------------------------------
 @pytest.fixture
 def tune_store(tmp_path):
@@ -309,6 +351,9 @@ def test_public_tuning_is_free(tmp_path):
 
 
 def test_cli_index_tune(tune_store, tmp_path):
+    import shutil
+
+    fresh = shutil.copytree(tune_store.path, tmp_path / "fresh.zarr")  # unbound: for the default-grid case below
     res = runner.invoke(app, ["index", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l"),
                               "--eps", "2", "--tune", "private", "--tune-taus", "0.3,0.6", "--tune-sigma2s", "0.5",
                               "--tune-queries", "30", "--tune-runs", "2", "--tune-share", "0.3",
@@ -322,6 +367,17 @@ def test_cli_index_tune(tune_store, tmp_path):
     res = runner.invoke(app, ["index", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l2"),
                               "--eps", "2", "--tune", "private", "--conversion", "gdp"])
     assert res.exit_code == 2 and "rdp" in res.stderr
+    # without --tune-sigma2s the ledger records the budget-relative default grid, scaled to its own B and T
+    from indknn_cli.tuning_grid import budget_relative_sigma2s
+
+    res = runner.invoke(app, ["index", "--store", str(fresh), "--ledger", str(tmp_path / "l3"),
+                              "--eps", "2", "--tune", "private", "--tune-taus", "0.3", "--tune-queries", "30",
+                              "--tune-runs", "2", "--planned-queries", "100", "--tune-seed", "3"])
+    assert res.exit_code == 0, res.output
+    t = BudgetLedger.open(tmp_path / "l3").meta["tuning"]
+    assert [g[1] for g in t["grid"]] == list(budget_relative_sigma2s(budget=t["budget_serve"], planned_queries=100))
+    assert t["sigma2_grid"].startswith("budget-relative")
+    assert "budget-relative" in " ".join(runner.invoke(app, ["index", "--help"]).stdout.split())
 
 
 # -- serve-queries --min-margin ---------------------------------------------------------------------------------
