@@ -3,13 +3,17 @@
 Rows are appended to a hidden temporary file next to ``FILE`` (a Parquet row group per
 :data:`ROW_GROUP_ROWS` answers, so memory stays O(one row group) whatever the batch's size, issue 21),
 then fsync → rename → fsync of the folder when the run ends: ``FILE`` is either absent (or its previous
-version, untouched) or complete. A failed run removes the temporary file; a process killed outright
-leaves it behind under its hidden name (``.FILE.tmp-XXXXXXXX``), never under ``FILE``.
+version, untouched) or complete. A failed run removes the temporary file. A process killed outright leaves
+it behind under its hidden name (``.FILE.tmp-XXXXXXXX``), never under ``FILE``, and the next writer of
+``FILE`` removes it: each writer holds an exclusive ``flock`` on its own temporary file while it lives, so a
+leftover that can be locked belongs to no live writer (a live one's is skipped).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -48,12 +52,40 @@ class AnswersWriter:
         self.path = Path(path)
         if self.path.parent and not self.path.parent.is_dir():
             raise BadInputError(f"--out: folder {self.path.parent} does not exist")
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.tmp, self._lock_fd = self._create_locked_tmp()
+        _remove_dead_temps(self.path, keep=self.tmp)
         self.row_group_rows = int(row_group_rows or ROW_GROUP_ROWS)
         self.rows = 0
         self._pending: list[dict] = []
         self._writer: pq.ParquetWriter | None = None
         self._done = False
+
+    def _create_locked_tmp(self) -> tuple[Path, int]:
+        """A new hidden temporary file, created and locked by this writer (checked to be the file at its path:
+        a sweeper may remove a file in the instant between its creation and its lock)."""
+        from .ledger_files import _storage_error
+
+        for _ in range(100):
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}")
+            try:
+                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise _storage_error(self.path, exc) from None
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                    return tmp, fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        raise _storage_error(self.path, OSError("could not create a temporary file next to it"))
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def write(self, rows: list[dict]) -> None:
         self._pending.extend(rows)
@@ -94,6 +126,7 @@ class AnswersWriter:
             self.abort()
             raise
         self._done = True
+        self._release()
         _fsync_dir(self.path.parent)
 
     def abort(self) -> None:
@@ -107,6 +140,7 @@ class AnswersWriter:
                 pass
             self._writer = None
         self.tmp.unlink(missing_ok=True)
+        self._release()
 
     def __enter__(self) -> "AnswersWriter":
         return self
@@ -116,6 +150,38 @@ class AnswersWriter:
             self.commit()
         else:
             self.abort()
+
+
+def _remove_dead_temps(path: Path, *, keep: Path) -> list[Path]:
+    """Remove ``path``'s hidden temporary files left by killed writers (those no live writer has locked)."""
+    pattern = re.compile(r"\." + re.escape(path.name) + r"\.tmp-[0-9a-f]{8}")
+    removed = []
+    try:
+        names = os.listdir(path.parent if str(path.parent) else ".")
+    except OSError:
+        return removed
+    for name in names:
+        cand = path.with_name(name)
+        if cand == keep or not pattern.fullmatch(name):
+            continue
+        try:
+            fd = os.open(cand, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live writer holds it
+            os.close(fd)
+            continue
+        try:
+            if os.stat(cand, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                cand.unlink()
+                removed.append(cand)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def write_answers_parquet(rows: list[dict], path: str | os.PathLike) -> None:

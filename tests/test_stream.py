@@ -229,3 +229,56 @@ def test_streamed_run_memory_is_bounded(tmp_path):
         assert pq.ParquetFile(run / "out.parquet").metadata.num_rows == m
     growth = rss[big] - rss[small]
     assert growth < 1000 * (big - small), (rss, growth / (big - small))
+
+
+_KILLED_WRITER = r"""
+import os, signal, sys
+from indknn_cli import answers_out
+w = answers_out.AnswersWriter(sys.argv[1], row_group_rows=2)
+w.write([{"batch_id": "b", "query_index": i, "query_id": f"q{i}", "label": 0, "label_name": "a",
+          "released_count": 1.0, "seed": None} for i in range(5)])  # two row groups on disk, then killed
+print(w.tmp, flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.stdin.read()  # "live": hold the writer until the test closes stdin
+w.abort()
+"""
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_writer_a_live_ones_is_not(tmp_path):
+    """--out of a serve killed outright leaves .FILE.tmp-…; the next run on FILE removes it, never a live one's."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "answers.parquet"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(out), "kill"], capture_output=True, text=True,
+                            timeout=120)
+    assert killed.returncode == -9
+    dead_tmp = Path(killed.stdout.strip())
+    assert dead_tmp.exists() and dead_tmp.stat().st_size > 0 and not out.exists()
+    live = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(out), "live"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        live_tmp = Path(live.stdout.readline().strip())
+        assert live_tmp.exists()
+        other = tmp_path / ".other.parquet.tmp-0123abcd"  # another file's temporary: not ours to touch
+        other.write_bytes(b"x")
+        with answers_out.AnswersWriter(out) as w:
+            assert not dead_tmp.exists()  # the killed writer's leftover: gone
+            assert live_tmp.exists() and other.exists()  # a live writer's, and another file's: kept
+            w.write([{"batch_id": "b", "query_index": 0, "query_id": "q0", "label": 1, "label_name": "b",
+                      "released_count": 2.0, "seed": 3}])
+        assert read_answers_parquet(out).num_rows == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, live_tmp.name, other.name])
+    finally:
+        live.stdin.close()
+        live.wait(timeout=60)
+    assert not live_tmp.exists()  # the live writer aborted: its own file removed by itself
+
+
+def test_a_failed_writer_leaves_no_temporary_file(tmp_path):
+    out = tmp_path / "a.parquet"
+    with pytest.raises(RuntimeError):
+        with answers_out.AnswersWriter(out):
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
