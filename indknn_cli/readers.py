@@ -16,135 +16,30 @@ Formats (``open_source``):
 
 Every source can be read twice (a label scan, then the batches), so stdin is
 spooled first. Labels are returned as strings.
+
+Shared pieces live in :mod:`indknn_cli.readers_base`, image folders in :mod:`indknn_cli.readers_images` and
+vector files in :mod:`indknn_cli.readers_numpy`; tables and ``open_source`` are here.
 """
 
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
 
 import numpy as np
 
 from .errors import BadInputError
-from .extractors import IMAGE_EXTENSIONS
-
-DEFAULT_TEXT_COLUMN = "text"
-DEFAULT_LABEL_COLUMN = "label"
-DEFAULT_IMAGE_COLUMN = "path"
-DEFAULT_VECTOR_COLUMN = "vector"
-DEFAULT_ID_COLUMN = "id"  # used when the input has such a column; --id-column "" generates ids instead
-NPZ_DEFAULTS = {"x": "x", "label": "y", "id": "ids", "user": "users"}
-TEXT_JOINER = ". "
-
-TABLE_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".pq": "parquet",
-                  ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
-
-csv.field_size_limit(2**31 - 1)
-
-
-@dataclass
-class RecordBatch:
-    """One batch of input rows. ``start`` is the 0-based index of the first row in the input."""
-
-    items: Any  # list[str] texts | list[Path] images | np.ndarray [n, d] vectors
-    labels: list[str] | None
-    ids: list[str] | None
-    users: list[str] | None
-    start: int = 0
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-
-def _label_str(v: Any) -> str:
-    if isinstance(v, (bool, np.bool_)):
-        return str(bool(v))
-    if isinstance(v, (int, np.integer)):
-        return str(int(v))
-    if isinstance(v, (float, np.floating)) and float(v).is_integer():
-        return str(int(v))
-    if isinstance(v, bytes):
-        return v.decode("utf-8")
-    return str(v).strip()
-
-
-def _has_surrogates(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-        return False
-    except UnicodeEncodeError:
-        return True
-
-
-class Source:
-    """Base class of the readers (see :func:`open_source`)."""
-
-    kind = ""
-    name = ""
-    columns: list[str] | None = None
-
-    def __init__(self, *, extractor_kind: str, batch_rows: int):
-        if extractor_kind not in ("text", "image", "vector"):
-            raise BadInputError(f"extractor kind must be text, image or vector, got {extractor_kind!r}")
-        if batch_rows <= 0:
-            raise BadInputError(f"batch rows must be positive, got {batch_rows}")
-        self.extractor_kind = extractor_kind
-        self.batch_rows = int(batch_rows)
-        self._labels: list[str] | None = None
-        self._count: int | None = None
-        self._cleanup: list[Path] = []
-        self.bytes_path: Path | None = None  # the file whose bytes identify the input (sha256)
-
-    # -- interface ---------------------------------------------------------
-    @property
-    def has_labels(self) -> bool:
-        raise NotImplementedError
-
-    def label_values(self) -> list[str] | None:
-        """Distinct labels present (first-seen order); ``None`` when the input has no labels."""
-        raise NotImplementedError
-
-    def batches(self) -> Iterator[RecordBatch]:
-        raise NotImplementedError
-
-    def count(self) -> int | None:
-        """Number of rows (may scan the input once; ``None`` if unknown)."""
-        return self._count
-
-    def missing_labels_message(self) -> str:
-        return f"{self.name}: no labels in this input"
-
-    def sha256(self) -> str:
-        """Hash of the input's bytes (stdin: of the spooled bytes)."""
-        h = hashlib.sha256()
-        assert self.bytes_path is not None
-        with open(self.bytes_path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
-
-    def close(self) -> None:
-        for p in self._cleanup:
-            try:
-                p.unlink()
-            except OSError:
-                pass
-        self._cleanup.clear()
-
-    def __enter__(self) -> "Source":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
+from .readers_base import (DEFAULT_ID_COLUMN, DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_TEXT_COLUMN,
+                           DEFAULT_VECTOR_COLUMN, TABLE_SUFFIXES, TEXT_JOINER, RecordBatch, Source, _has_surrogates,
+                           _label_str)
+from .readers_images import ImageFolderSource  # noqa: F401 (re-exported)
+from .readers_numpy import NumpySource  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------------------
 # tables: CSV, Parquet, JSON lines
@@ -447,204 +342,6 @@ class TableSource(Source):
         return _vectors(block[c], col=c, start=start, display=self.name)
 
 
-# ---------------------------------------------------------------------------
-# image folders
-# ---------------------------------------------------------------------------
-def _numeric_sorted(names: Sequence[str]) -> list[str]:
-    try:
-        return sorted(names, key=lambda s: (int(s), s))
-    except ValueError:
-        return sorted(names)
-
-
-def _image_files(folder: Path) -> list[Path]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for fn in sorted(filenames):
-            if not fn.startswith(".") and Path(fn).suffix.lower() in IMAGE_EXTENSIONS:
-                out.append(Path(dirpath) / fn)
-    return out
-
-
-class ImageFolderSource(Source):
-    """One sub-folder per class (labels = folder names), or a flat folder of images (no labels).
-
-    Record ids are the folder's name and the file's path below it
-    (``mnist/3/test-00012.png``), so that re-embedding a grown folder with
-    ``--if-exists skip`` adds only the new files.
-    """
-
-    kind = "image-folder"
-
-    def __init__(self, folder: Path, *, extractor_kind: str, batch_rows: int):
-        super().__init__(extractor_kind=extractor_kind, batch_rows=batch_rows)
-        if extractor_kind != "image":
-            raise BadInputError(f"{folder}: a folder of images needs an image extractor "
-                                f"(--extractor pixels, hog or image)")
-        self.folder = folder
-        self.name = str(folder)
-        subdirs = [d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")]
-        top = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
-               and p.suffix.lower() in IMAGE_EXTENSIONS]
-        class_dirs = [d for d in subdirs if _image_files(d)]
-        if class_dirs and top:
-            raise BadInputError(f"{folder}: has both image files and class sub-folders; use one layout "
-                                f"(one sub-folder per class, or a flat folder for unlabelled images)")
-        if class_dirs:
-            self.classes: list[str] | None = _numeric_sorted([d.name for d in class_dirs])
-            self.files = [(p, c) for c in self.classes for p in _image_files(folder / c)]
-        else:
-            self.classes = None
-            self.files = [(p, None) for p in sorted(top)]
-        self._count = len(self.files)
-
-    @property
-    def has_labels(self) -> bool:
-        return self.classes is not None
-
-    def missing_labels_message(self) -> str:
-        return (f"{self.name}: a flat folder of images has no labels; put the images of each class in a "
-                f"sub-folder named after the class")
-
-    def label_values(self) -> list[str] | None:
-        return None if self.classes is None else list(self.classes)
-
-    def batches(self, *, labels: bool = True) -> Iterator[RecordBatch]:
-        for lo in range(0, len(self.files), self.batch_rows):
-            chunk = self.files[lo:lo + self.batch_rows]
-            yield RecordBatch(
-                items=[p for p, _ in chunk],
-                labels=[c for _, c in chunk] if (labels and self.classes is not None) else None,
-                ids=[self._id(p) for p, _ in chunk],
-                users=None,
-                start=lo,
-            )
-
-    def _id(self, p: Path) -> str:
-        return f"{self.folder.resolve().name}/{p.relative_to(self.folder).as_posix()}"
-
-    def sha256(self) -> str:
-        h = hashlib.sha256()
-        for p, _ in self.files:
-            h.update(p.relative_to(self.folder).as_posix().encode() + b"\0")
-            with open(p, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-        return h.hexdigest()
-
-
-# ---------------------------------------------------------------------------
-# .npy / .npz vectors
-# ---------------------------------------------------------------------------
-class NumpySource(Source):
-    """``.npy`` (vectors only) or ``.npz`` (``x``, optional ``y``, ``ids``, ``users``)."""
-
-    def __init__(self, path: Path, fmt: str, *, display: str, extractor_kind: str, batch_rows: int,
-                 label_column: str | None, id_column: str | None, user_column: str | None,
-                 vector_column: str | None):
-        super().__init__(extractor_kind=extractor_kind, batch_rows=batch_rows)
-        if extractor_kind != "vector":
-            raise BadInputError(f"{display}: a {fmt} file holds precomputed vectors; use --extractor vectors")
-        self.kind, self.name, self.bytes_path = fmt, display, path
-        self.labels_arr = self.ids_arr = self.users_arr = None
-        self.requested_label_column = label_column or NPZ_DEFAULTS["label"]
-        try:
-            if fmt == "npy":
-                if label_column or id_column or user_column:
-                    raise BadInputError(f"{display}: a .npy file holds vectors only (no labels, ids or users); "
-                                        f"use .npz with arrays x, y, ids, users")
-                self.x = np.load(path, mmap_mode="r", allow_pickle=False)
-                self.columns = ["x"]
-            else:
-                z = np.load(path, allow_pickle=False)
-                self.columns = list(z.files)
-                xname = vector_column or NPZ_DEFAULTS["x"]
-                self._require(xname, "vector")
-                self.x = z[xname]
-                lab = label_column or NPZ_DEFAULTS["label"]
-                if label_column:
-                    self._require(lab, "label")
-                if lab in z.files:
-                    self.labels_arr = z[lab]
-                for attr, opt, key in (("ids_arr", id_column, "id"), ("users_arr", user_column, "user")):
-                    nm = opt or NPZ_DEFAULTS[key]
-                    if opt:
-                        self._require(nm, key)
-                    if nm in z.files:
-                        setattr(self, attr, z[nm])
-        except BadInputError:
-            raise
-        except Exception as exc:
-            raise BadInputError(f"{display}: cannot read as .{fmt} ({type(exc).__name__}: {exc})") from None
-        if self.x.ndim != 2:
-            raise BadInputError(f"{display}: vectors must be a 2-d array [n, d], got shape {self.x.shape}")
-        if not (np.issubdtype(self.x.dtype, np.floating) or np.issubdtype(self.x.dtype, np.integer)):
-            raise BadInputError(f"{display}: vectors have dtype {self.x.dtype}, not numbers")
-        n = self.x.shape[0]
-        for nm, arr in (("labels", self.labels_arr), ("ids", self.ids_arr), ("users", self.users_arr)):
-            if arr is not None and (arr.ndim != 1 or arr.shape[0] != n):
-                raise BadInputError(f"{display}: array {nm} has shape {arr.shape}, expected ({n},)")
-        self._count = n
-
-    def _drop_pages(self, rows_read: int) -> None:
-        """A memory-mapped .npy read front to back: hand the pages of rows already copied back to the page
-        cache (madvise DONTNEED on a read-only file mapping), so that the file's pages do not pile up in this
-        process's resident memory (issue 21: a 2,000,000-row query file in one run). Every ``1 << 24`` bytes."""
-        mm = getattr(self.x, "_mmap", None)
-        if mm is None or not hasattr(mm, "madvise") or not self.x.flags.c_contiguous:
-            return
-        import mmap
-
-        start = self.x.offset - self.x.offset % mmap.ALLOCATIONGRANULARITY  # where numpy's mapping begins
-        end = self.x.offset - start + rows_read * self.x.strides[0]
-        end -= end % mmap.PAGESIZE
-        if end - getattr(self, "_dropped", 0) >= (1 << 24):
-            try:
-                mm.madvise(mmap.MADV_DONTNEED, 0, end)
-            except (OSError, ValueError, AttributeError):  # not supported here: the pages stay mapped
-                return
-            self._dropped = end
-
-    def _require(self, name: str, what: str) -> None:
-        if name not in self.columns:
-            raise BadInputError(f"{self.name}: {what} array {name!r} not found; arrays present: "
-                                f"{', '.join(self.columns) or '(none)'}")
-
-    @property
-    def has_labels(self) -> bool:
-        return self.labels_arr is not None
-
-    def missing_labels_message(self) -> str:
-        if self.kind == "npy":
-            return f"{self.name}: a .npy file has no labels (required for this role); use .npz with arrays x and y"
-        return (f"{self.name}: label array {self.requested_label_column!r} not found (labels are required for "
-                f"this role); arrays present: {', '.join(self.columns)}")
-
-    def label_values(self) -> list[str] | None:
-        if self.labels_arr is None:
-            return None
-        seen: dict[str, None] = {}
-        for v in self.labels_arr.tolist():
-            s = _label_str(v)
-            if not s:
-                raise BadInputError(f"{self.name}: empty label")
-            seen.setdefault(s, None)
-        return list(seen)
-
-    def batches(self, *, labels: bool = True) -> Iterator[RecordBatch]:
-        n = self.x.shape[0]
-        for lo in range(0, n, self.batch_rows):
-            hi = min(n, lo + self.batch_rows)
-            self._drop_pages(lo)  # the rows before this batch were handed out (and read) already
-            yield RecordBatch(
-                items=np.asarray(self.x[lo:hi], dtype=np.float64),
-                labels=(None if not labels or self.labels_arr is None
-                        else [_label_str(v) for v in self.labels_arr[lo:hi].tolist()]),
-                ids=None if self.ids_arr is None else [_label_str(v) for v in self.ids_arr[lo:hi].tolist()],
-                users=None if self.users_arr is None else [_label_str(v) for v in self.users_arr[lo:hi].tolist()],
-                start=lo,
-            )
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""What every `indknn embed` reader shares: defaults, the batch type, the Source protocol (readers.py opens them)."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .errors import BadInputError
+
+DEFAULT_TEXT_COLUMN = "text"
+DEFAULT_LABEL_COLUMN = "label"
+DEFAULT_IMAGE_COLUMN = "path"
+DEFAULT_VECTOR_COLUMN = "vector"
+DEFAULT_ID_COLUMN = "id"  # used when the input has such a column; --id-column "" generates ids instead
+NPZ_DEFAULTS = {"x": "x", "label": "y", "id": "ids", "user": "users"}
+TEXT_JOINER = ". "
+
+TABLE_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".pq": "parquet",
+                  ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
+
+csv.field_size_limit(2**31 - 1)
+
+
+@dataclass
+class RecordBatch:
+    """One batch of input rows. ``start`` is the 0-based index of the first row in the input."""
+
+    items: Any  # list[str] texts | list[Path] images | np.ndarray [n, d] vectors
+    labels: list[str] | None
+    ids: list[str] | None
+    users: list[str] | None
+    start: int = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _label_str(v: Any) -> str:
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v))
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)) and float(v).is_integer():
+        return str(int(v))
+    if isinstance(v, bytes):
+        return v.decode("utf-8")
+    return str(v).strip()
+
+
+def _has_surrogates(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+class Source:
+    """Base class of the readers (see :func:`open_source`)."""
+
+    kind = ""
+    name = ""
+    columns: list[str] | None = None
+
+    def __init__(self, *, extractor_kind: str, batch_rows: int):
+        if extractor_kind not in ("text", "image", "vector"):
+            raise BadInputError(f"extractor kind must be text, image or vector, got {extractor_kind!r}")
+        if batch_rows <= 0:
+            raise BadInputError(f"batch rows must be positive, got {batch_rows}")
+        self.extractor_kind = extractor_kind
+        self.batch_rows = int(batch_rows)
+        self._labels: list[str] | None = None
+        self._count: int | None = None
+        self._cleanup: list[Path] = []
+        self.bytes_path: Path | None = None  # the file whose bytes identify the input (sha256)
+
+    # -- interface ---------------------------------------------------------
+    @property
+    def has_labels(self) -> bool:
+        raise NotImplementedError
+
+    def label_values(self) -> list[str] | None:
+        """Distinct labels present (first-seen order); ``None`` when the input has no labels."""
+        raise NotImplementedError
+
+    def batches(self) -> Iterator[RecordBatch]:
+        raise NotImplementedError
+
+    def count(self) -> int | None:
+        """Number of rows (may scan the input once; ``None`` if unknown)."""
+        return self._count
+
+    def missing_labels_message(self) -> str:
+        return f"{self.name}: no labels in this input"
+
+    def sha256(self) -> str:
+        """Hash of the input's bytes (stdin: of the spooled bytes)."""
+        h = hashlib.sha256()
+        assert self.bytes_path is not None
+        with open(self.bytes_path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    def close(self) -> None:
+        for p in self._cleanup:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+        self._cleanup.clear()
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
