@@ -1,0 +1,174 @@
+"""`delete --compact`'s store rewrite and the recovery of an interrupted one (the protocol: deletion.py's doc).
+
+Moved out of deletion.py, which calls :func:`compact` with its test hooks and :func:`recover` before every delete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from . import object_store
+from .compaction_copy import _fsync_tree, _write_compacted_copy
+from .errors import LedgerError
+from .ledger import BudgetLedger, unpublished_store_uuids
+from .ledger_files import atomic_write_text
+from .store import FeatureStore, _fsync_path
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+class LedgerUnreadable(Exception):
+    """The ledger exists but cannot be read (truncated or corrupt event, snapshot, CURRENT, ...)."""
+
+    def __init__(self, error: LedgerError):
+        super().__init__(str(error))
+        self.error = error
+
+
+# -- recovery of an interrupted compaction ------------------------------------------
+def _leftovers(store_path: Path) -> list[Path]:
+    parent, name = store_path.parent, store_path.name
+    return sorted(list(parent.glob(f".{name}.compacting-*")) + list(parent.glob(f"..{name}.compacting-*"))
+                  + list(parent.glob(f".{name}.old-*")))
+
+
+def recover_store_folder(store_path: Path) -> None:
+    """The two-rename swap stopped between its renames: put the old store back (the ledger still binds it)."""
+    if store_path.exists():
+        return
+    olds = sorted(store_path.parent.glob(f".{store_path.name}.old-*"))
+    if olds:
+        os.replace(olds[-1], store_path)
+        _fsync_path(store_path.parent)
+
+
+def recover(store: FeatureStore, ledger_path: Path) -> BudgetLedger | None:
+    """Bring store and ledger into agreement after an interrupted compaction; remove its leftovers."""
+    ledger = None
+    if BudgetLedger.exists(ledger_path):
+        try:
+            ledger = BudgetLedger.open(ledger_path)
+        except LedgerError as exc:  # damaged: the caller still erases (issue 16 §3); no recovery step runs
+            raise LedgerUnreadable(exc) from None
+        if ledger.meta["store_uuid"] != store.uuid:
+            gen = unpublished_store_uuids(ledger_path, ledger.generation).get(store.uuid)
+            meta = _snapshot_meta(ledger_path, gen) if gen is not None else {}
+            if (meta.get("store_compaction") or {}).get("from_store_uuid") != ledger.meta["store_uuid"]:
+                return BudgetLedger.open(ledger_path, store_uuid=store.uuid)  # raises: another store's ledger
+            atomic_write_text(json.dumps({"generation": gen}), ledger_path / "CURRENT")  # roll forward
+            ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+            ledger.compact()  # drops the folded events and the old generation
+        for p in ledger_path.glob("*-*.parquet"):  # snapshots/answers written past CURRENT: never published
+            stem = p.name.split("-", 1)[1][:-len(".parquet")]
+            if p.name.split("-", 1)[0] in ("snapshot", "answers") and stem.isdigit() and int(stem) > ledger.generation:
+                p.unlink(missing_ok=True)
+    for p in _leftovers(store.path):
+        object_store.remove(p)  # a state folder: its remote prefix too
+    return ledger
+
+
+def _snapshot_meta(ledger_path: Path, generation: int) -> dict:
+    import pyarrow.parquet as pq
+
+    try:
+        return json.loads((pq.read_schema(ledger_path / f"snapshot-{generation:06d}.parquet").metadata or {})[b"indknn"])
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+# -- compaction ----------------------------------------------------------------------
+def compact(store: FeatureStore, ledger: BudgetLedger | None, *, fault: Callable[[str], None],
+            use_exchange: bool, index_hook: Callable[[str], Callable | None]) -> dict:
+    """Rewrite the store without deleted rows and fold the ledger into a renumbered snapshot (deletion's module doc).
+
+    ``fault`` is called at each step (tests), ``use_exchange`` allows the atomic folder exchange, ``index_hook``
+    finds the candidate index's ``renumber_rows`` (deletion passes its own, which tests can replace)."""
+    n = store.n_rows("private")
+    flagged = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
+    removed = int(flagged.sum())
+    out = {"store_rows_removed": removed, "store_rows": n - removed, "store_bytes_written": 0,
+           "ledger_events_folded": 0, "store_uuid": store.uuid}
+    if removed == 0:
+        if ledger is not None:
+            out["ledger_events_folded"] = ledger.compact()
+        return out
+    keep = np.flatnonzero(~flagged)
+    new_row_of = np.full(n, -1, dtype=np.int64)
+    new_row_of[keep] = np.arange(keep.size)
+    token = uuid.uuid4().hex[:12]
+    new_uuid = uuid.uuid4().hex
+    tmp = store.path.with_name(f".{store.path.name}.compacting-{token}")
+    with _new_store_lock(tmp) as lock_new:
+        _write_compacted_copy(store, tmp, keep, new_uuid)
+        hook = index_hook("renumber_rows")
+        if hook is not None:  # the copy's candidate index, renumbered before the copy becomes the store
+            hook(FeatureStore.open(tmp, mode="a"), new_row_of)
+        out["store_bytes_written"] = _fsync_tree(tmp)
+        lock_new()  # hold the new folder's lock too: after the swap it is the store's lock
+        fault("compact-copied")
+        gen = None
+        if ledger is not None:
+            gen = ledger.prepare_renumbered_snapshot(new_row_of=new_row_of, store_uuid=new_uuid, info={
+                "time": time.time(), "rows_removed": removed, "token": token})
+        fault("compact-ledger-prepared")
+        garbage = _swap(tmp, store.path, token, fault=fault, use_exchange=use_exchange)
+        fault("compact-swapped")
+        if ledger is not None:
+            out["ledger_events_folded"] = ledger.publish_generation(gen)
+        fault("compact-published")
+        object_store.remove(garbage)  # on object storage: the old prefix's objects too
+    out["store_uuid"] = new_uuid
+    return out
+
+
+@contextlib.contextmanager
+def _new_store_lock(folder: Path) -> Iterator[Callable[[], None]]:
+    fds: list[int] = []
+
+    def take() -> None:  # the folder and its lock file, as FeatureStore.write_lock takes them
+        for path, flags in ((folder, os.O_RDONLY), (folder / FeatureStore.LOCK_NAME, os.O_RDWR | os.O_CREAT)):
+            fd = os.open(path, flags, 0o644)
+            fds.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh folder: nobody else can hold it
+
+    try:
+        yield take
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _swap(new: Path, store_path: Path, token: str, *, fault: Callable[[str], None], use_exchange: bool) -> Path:
+    """Put ``new`` at ``store_path``; returns where the old store now is (to be removed)."""
+    if use_exchange and _rename_exchange(new, store_path):
+        _fsync_path(store_path.parent)
+        return new
+    old = store_path.with_name(f".{store_path.name}.old-{token}")
+    os.rename(store_path, old)
+    fault("compact-half-swapped")
+    os.rename(new, store_path)
+    _fsync_path(store_path.parent)
+    return old
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
