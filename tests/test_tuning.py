@@ -468,3 +468,28 @@ def test_emulation_check_prints_both_emulations_beside_serving():
         assert 0 <= r["emulated"] <= 1 and 0 <= r["expected"] <= 1 and 0 <= r["serving"] <= 1
     again = emulation_table(p, cfg, eps=2.0, draws=draws, keys=1, serving=t["serving"])
     assert again["rows"] == t["rows"]
+
+
+def test_chosen_point_accuracy_averages_served_choices_below_the_best_grid_point():
+    """bench/private_tuning_seeds.py's function: each seed's choice served on every draw; mean ≤ best point."""
+    from types import SimpleNamespace
+
+    from indknn_cli.benchmarks.config import BenchConfig
+    from indknn_cli.benchmarks.private_tuning import chosen_point_accuracy
+    from indknn_cli.tuning_grid import budget_relative_sigma2s
+
+    x, y, _ = clustered(300, 16, 3, seed=5)
+    q, qy, _ = clustered(40, 16, 3, seed=6)
+    p = SimpleNamespace(split=SimpleNamespace(private=np.arange(300)), priv_x=x, priv_y=y, pool_x=q, pool_y=qy,
+                        ds=SimpleNamespace(n_classes=3), T=20)
+    cfg = BenchConfig.make(quick=False, seed=0, draws=2)
+    cfg.tune_taus, cfg.tune_queries, cfg.tune_runs = (0.3, 0.6), 30, 3.0
+    draws = [np.arange(20), np.arange(20, 40)]
+    out = chosen_point_accuracy(p, cfg, eps=2.0, draws=draws, tuning_seeds=[1, 2, 3])
+    assert out["tuning_seeds"] == 3 and out["sigma2_grid"].startswith("budget-relative")
+    rho = tuning.rho_for_share(epsilon=2.0, delta=cfg.delta, share=0.2, mean_runs=3.0, shape=0.0)
+    b = tuning.serving_budget(epsilon=2.0, delta=cfg.delta, rho_run=rho, mean_runs=3.0, shape=0.0)
+    assert sorted({g[1] for g in out["grid"]}) == sorted(budget_relative_sigma2s(budget=b, planned_queries=20))
+    assert 0 < out["chosen_mean"] <= out["best_grid_point"] <= 1
+    fixed = chosen_point_accuracy(p, cfg, eps=2.0, draws=draws, tuning_seeds=[1, 2], sigma2s=(0.5, 1.0))
+    assert {g[1] for g in fixed["grid"]} == {0.5, 1.0} and fixed["sigma2_grid"] == "given"

@@ -1,0 +1,43 @@
+"""What the private search is worth on average: the chosen point's serving accuracy over many tuning seeds.
+
+    INDKNN_DATA=../shared/data python bench/private_tuning_seeds.py EPS[,EPS…] [SEEDS] [SPLIT_SEED] [--sigma2s A,B,C]
+
+For each ε: SEEDS tuning seeds (default 20) on the bench's AG News split SPLIT_SEED (default 0), each choice served
+on 3 query draws (`benchmarks.private_tuning.chosen_point_accuracy`); prints the mean ± standard error of the
+chosen point's accuracy beside the best grid point. Without ``--sigma2s`` the grid is index's budget-relative
+default; ``--sigma2s 0.5,0.8,1.2`` gives the fixed grid of earlier versions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from indknn_cli.benchmarks import private_tuning
+from indknn_cli.benchmarks.config import BenchConfig
+from indknn_cli.benchmarks.data import load_dataset, make_split
+from indknn_cli.benchmarks.experiments import prepare, query_draws
+
+
+def main(argv: list[str]) -> None:
+    sigma2s = None
+    if "--sigma2s" in argv:
+        i = argv.index("--sigma2s")
+        sigma2s = tuple(float(v) for v in argv[i + 1].split(","))
+        argv = argv[:i] + argv[i + 2:]
+    epss = [float(e) for e in argv[0].split(",")]
+    n_seeds = int(argv[1]) if len(argv) > 1 else 20
+    split_seed = int(argv[2]) if len(argv) > 2 else 0
+    ds = load_dataset("ag_news")
+    cfg = BenchConfig.make(quick=False, seed=split_seed, epsilons=tuple(epss), draws=3)
+    p = prepare(ds, make_split(ds, seed=split_seed), cfg)
+    draws = query_draws(p.pool_x.shape[0], p.T, 3, split_seed)
+    for eps in epss:
+        out = private_tuning.chosen_point_accuracy(
+            p, cfg, eps=eps, draws=draws, tuning_seeds=[split_seed * 1000 + 100 + k for k in range(n_seeds)],
+            sigma2s=sigma2s, progress=lambda s: print(s, file=sys.stderr, flush=True))
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
