@@ -1,0 +1,240 @@
+"""`index` as a library call: the ledger's parameters (make_params), its records (sync_ledger) and build_index.
+
+serving.py re-exports these names; `serve-queries` calls :func:`sync_ledger` and :func:`_roll_forward_pending`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import accounting, data_quality, indexes
+from . import ledger_integrity as integrity
+from .errors import BadInputError, LedgerError
+from .ledger import BudgetLedger, PrivacyParams
+from .object_store import local_path
+from .store import FeatureStore
+from .user_unit import user_keys
+from .wording import count
+
+
+# -- index -------------------------------------------------------------------
+@dataclass
+class IndexResult:
+    store: str
+    ledger: str
+    records: int
+    records_added: int
+    created: bool
+    params: PrivacyParams
+    kind: str = "flat"
+    extra: dict = field(default_factory=dict)
+    tuning: dict | None = None  # the ledger's tuning record (index --tune), if any
+
+    def as_dict(self) -> dict:
+        p = self.params
+        from . import tuning as _tuning
+
+        share = _tuning.headline(self.tuning, budget=p.budget, delta=p.delta)
+        eps = (share["epsilon_total"] if share is not None
+               else accounting.epsilon_for_budget(budget=p.budget, delta=p.delta, conversion=p.conversion))
+        return {
+            "store": self.store, "ledger": self.ledger, "kind": self.kind, "created": self.created,
+            "records": self.records, "records_added": self.records_added,
+            "budget": p.budget, "epsilon": eps,
+            **({"tuning": {**self.tuning, "headline": share}} if self.tuning is not None else {}),
+            "delta": p.delta, "conversion": p.conversion, "kernel": p.kernel, "tau": p.tau,
+            "sigma1": p.sigma1, "sigma2": p.sigma2, "k_min": p.k_min, "unit": p.privacy_unit,  # what the ε is for (SPEC §8)
+            "adjacency": f"add/remove one {p.privacy_unit}",
+            **({"max_records_per_user": p.max_records_per_user, "user_for_missing": p.user_for_missing}
+               if p.privacy_unit == "user" else {}),
+            **self.extra,
+        }
+
+
+def make_params(
+    *, epsilon: float, delta: float, conversion: str = "gdp", kernel: str = "cosine", tau: float,
+    sigma2: float, sigma1: float | None = None, planned_queries: int | None = None,
+    nu: float | None = None, k_min: float = 30.0, privacy_unit: str = "record",
+    max_records_per_user: int | None = None, user_for_missing: str = "refuse",
+) -> PrivacyParams:
+    """Calibrate B from (ε, δ) and fill in σ1 = sqrt(T/(6B)) when only T is given.
+
+    Every parameter must be finite and inside its documented range (``accounting.PARAM_RANGES``):
+    checked before any calibration, so nothing is computed from (or written with) a poisoned value.
+    """
+    accounting.check_range("epsilon", epsilon)
+    accounting.check_range("delta", delta)
+    for name, value in (("sigma2", sigma2), ("k_min", k_min), ("sigma1", sigma1), ("nu", nu)):
+        if value is not None:
+            accounting.check_range(name, value)
+    if planned_queries is not None:
+        if isinstance(planned_queries, bool) or not isinstance(planned_queries, numbers.Integral):
+            raise BadInputError(f"planned_queries must be an integer, got {planned_queries!r}")
+        planned_queries = int(planned_queries)
+        accounting.check_range("planned_queries", planned_queries)
+    budget = accounting.calibrate_budget(epsilon=epsilon, delta=delta, conversion=conversion)
+    if sigma1 is None:
+        sigma1 = accounting.default_sigma1(planned_queries=planned_queries or 1000, budget=budget)
+    if kernel == "rbf" and nu is None:
+        nu = math.exp(1.5)  # paper default ν = e^1.5
+    return PrivacyParams(epsilon=float(epsilon), delta=float(delta), conversion=conversion, budget=budget,
+                         kernel=kernel, tau=float(tau), sigma1=float(sigma1), sigma2=float(sigma2),
+                         nu=None if nu is None else float(nu), k_min=float(k_min),
+                         planned_queries=planned_queries, privacy_unit=privacy_unit,
+                         max_records_per_user=max_records_per_user, user_for_missing=user_for_missing).validate()
+
+
+def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
+    """Bring private store rows that the ledger does not know into it (budget B, no refunds)."""
+    n = store.n_rows("private")
+    known = ledger.store_row_map(n) >= 0
+    deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
+    new_rows = np.flatnonzero(~known & ~deleted_rows)
+    ids = store.read("private", "record_id")
+    users = store.read("private", "user_id")
+    p = ledger.params
+    if p.privacy_unit == "user" and new_rows.size:
+        # A record without a user id cannot be charged to anybody: under --user-for-missing refuse it stays
+        # out of the ledger (never a candidate); `index` refuses such rows with their count (operator side).
+        keys = user_keys(users[new_rows], ids[new_rows], user_for_missing=p.user_for_missing)
+        new_rows = new_rows[np.array([k is not None for k in keys], dtype=bool)]
+    indexes.add_rows(store, new_rows)  # candidate index (lsh/ivf): encode new rows incrementally
+    if new_rows.size == 0:
+        return 0
+    return ledger.add_records(record_ids=[str(ids[r]) for r in new_rows],
+                              user_ids=[str(users[r]) for r in new_rows], rows=new_rows.tolist())
+
+
+def build_index(
+    *, store_path: str | os.PathLike, ledger_path: str | os.PathLike, params: PrivacyParams | None,
+    kind: str | None = None, lock_timeout: float = 60.0, tables: int | None = None, bits: int | None = None,
+    index_seed: int | None = None, nlist: int | None = None, nprobe: int | None = None,
+    train_on: str | os.PathLike | None = None, tune: "tuning.TuneRequest | None" = None,
+) -> IndexResult:
+    """Create the ledger (or add the store's new records to it, keeping every spent budget).
+
+    ``kind``: flat (exact), lsh or ivf (see :mod:`indknn_cli.indexes`); None keeps the
+    store's current candidate index. hnsw, and IVF centroids trained on private
+    vectors, are refused (PrivacyRefusedError): a record's candidate membership
+    would depend on other private records, breaking the filter's guarantee (SPEC §4).
+
+    ``tune`` (index --tune, docs/TUNING.md): choose (τ, σ2) first — privately, at a cost composed into the
+    guarantee, or free on labelled public rows — then create the ledger with the chosen parameters and the
+    tuning record in its metadata. Only when the ledger does not exist yet (tuning is once, at creation).
+    """
+    indexes.check_kind(kind)
+    if tune is not None:
+        if params is not None:
+            raise BadInputError("give the serving parameters through the tuning request, not both")
+        tune.check()
+    store_path = local_path(store_path)  # an s3:// URL: the store's state folder (object_store.py)
+    store = FeatureStore.open(store_path, mode="r")
+    if store.n_rows("private") == 0:
+        raise BadInputError(f"{store_path}: the store has no private records to index")
+
+    record = None
+    if tune is not None:
+        if BudgetLedger.exists(ledger_path):
+            raise LedgerError(f"{ledger_path}: the ledger already exists; --tune chooses τ and σ2 once, when the "
+                              "ledger is created (its parameters and budget cannot change afterwards)")
+        with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+            if BudgetLedger.exists(ledger_path):
+                raise LedgerError(f"{ledger_path}: the ledger already exists; --tune runs only at creation")
+            from . import tuning as _tuning
+
+            rec, params = _tuning.run_tuning(store, tune)
+            record = rec.as_dict()
+
+    def known_params():  # τ and kernel for IVF's nprobe calibration; read only when an IVF is trained
+        if params is not None or not BudgetLedger.exists(ledger_path):
+            return params
+        return BudgetLedger.open(ledger_path, store_uuid=store.uuid).params
+
+    warnings = _unit_checks(store, params if params is not None else (
+        BudgetLedger.open(ledger_path, store_uuid=store.uuid).params if BudgetLedger.exists(ledger_path) else None))
+    # Refusals and IVF training (public data only) happen before anything is written.
+    plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
+                              nprobe=nprobe, train_on=train_on, params=known_params)
+    created = False
+    if not BudgetLedger.exists(ledger_path):  # before the lock, which would create the ledger folder
+        integrity.refuse_second_ledger(store, ledger_path)
+    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \
+            integrity.writer_lock(store_path, timeout=lock_timeout):
+        if BudgetLedger.exists(ledger_path):
+            ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+            if record is not None:  # created while we tuned: the tuning result is dropped, never applied
+                raise LedgerError(f"{ledger_path}: another process created the ledger while this one tuned")
+            integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
+            if params is not None and _differs(params, ledger.params):
+                raise LedgerError(
+                    f"{ledger_path}: the ledger already exists with fixed parameters "
+                    f"(ε={ledger.params.epsilon}, δ={ledger.params.delta}, B={ledger.params.budget:.6g}, "
+                    f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation"
+                )
+        else:
+            if params is None:
+                raise BadInputError("creating a ledger needs --eps (the target ε; --delta, --tau and --sigma2 have "
+                                    "defaults: indknn index -h)")
+            integrity.refuse_second_ledger(store, ledger_path)  # one store, one ledger (SPEC §8)
+            ledger = BudgetLedger.create(ledger_path, params=params, store_uuid=store.uuid,
+                                         store_path=str(Path(store_path).resolve()), tuning=record)
+            integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
+            created = True
+        _roll_forward_pending(store_path, ledger, lock_timeout)
+        n_priv = store.n_rows("private")
+        moves = ledger.user_moves([str(r) for r in store.read("private", "record_id")],
+                                  [str(u or "") for u in store.read("private", "user_id")]) if n_priv else []
+        if moves:
+            raise BadInputError(f"{count(len(moves), 'private row')} reuse{'s' if len(moves) == 1 else ''} an erased "
+                                f"record id under another user (first: {moves[0]!r}); an erased id keeps its user: "
+                                "give these rows new record ids")
+        added = sync_ledger(ledger, store)
+        if created:
+            ledger.compact()
+    index_info = indexes.apply_plan(store, plan, lock_timeout=max(lock_timeout, 300.0))
+    # operator-only (index's stderr, never serve's); only when the ledger is made or grows, not on every cron re-run
+    sparse = data_quality.neighbour_warning(store, ledger.params) if created or added else None
+    warnings = warnings + ([sparse] if sparse else [])
+    return IndexResult(store=str(store_path), ledger=str(ledger_path), records=len(ledger.state),
+                       records_added=added, created=created, params=ledger.params, kind=plan.kind,
+                       extra={"index": index_info, **({"warnings": warnings} if warnings else {})},
+                       tuning=ledger.meta.get("tuning"))
+
+
+def _roll_forward_pending(store_path, ledger: BudgetLedger, lock_timeout: float) -> None:
+    """Tombstones of an erasure recorded while the ledger was unreadable, written first (deletion.py)."""
+    from .deletion import roll_forward_pending
+
+    roll_forward_pending(store_path, ledger, lock_timeout=lock_timeout)
+
+
+def _unit_checks(store: FeatureStore, params: PrivacyParams | None) -> list[str]:
+    """User unit: refuse records without a user id (with their count) unless each may be its own user.
+    Record unit on a store that has user ids: a warning (a person with many records is protected per record)."""
+    if params is None:
+        return []
+    users = store.read("private", "user_id")
+    deleted = store.read("private", "deleted").astype(bool)
+    has_user = np.array([bool(u) for u in users], dtype=bool) & ~deleted
+    if params.privacy_unit == "user":
+        missing = int((~has_user & ~deleted).sum())
+        if missing and params.user_for_missing != "record":
+            raise BadInputError(f"--privacy-unit user: {missing} private rows have no user id; give them one "
+                                "(embed --user-column) or pass --user-for-missing record (each its own user)")
+        return []
+    if has_user.any():
+        return ["the store has user ids but the privacy unit is record: a person with several records is "
+                "protected per record, not as a person; consider --privacy-unit user"]
+    return []
+
+
+def _differs(a: PrivacyParams, b: PrivacyParams) -> bool:
+    keys = ("epsilon", "delta", "conversion", "kernel", "tau", "sigma2", "k_min", "privacy_unit",
+            "max_records_per_user", "user_for_missing")
+    return any(getattr(a, k) != getattr(b, k) for k in keys) or not math.isclose(a.sigma1, b.sigma1)
