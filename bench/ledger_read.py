@@ -80,7 +80,7 @@ def read(path: Path, what: str) -> None:
     """Child process: time one read; print a JSON line with wall time and peak RSS."""
     t0 = time.perf_counter()
     if what == "open":
-        from indknn_cli.report import open_ledger_readonly
+        from indknn_cli.ledger_readonly import open_ledger_readonly
 
         ledger = open_ledger_readonly(path)
         extra = {"records": len(ledger.state)}
@@ -93,7 +93,7 @@ def read(path: Path, what: str) -> None:
     elif what == "record":
         from indknn_cli.report import build_account_report
 
-        from indknn_cli.report import open_ledger_readonly
+        from indknn_cli.ledger_readonly import open_ledger_readonly
 
         n = len(open_ledger_readonly(path).state)  # not timed separately: the report opens it again
         t0 = time.perf_counter()

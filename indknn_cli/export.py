@@ -36,7 +36,8 @@ def export_account(*, ledger_path: str | os.PathLike, out: str | os.PathLike, de
     selected, last change and deletion time (UTC timestamps), and ε, δ, B, conversion, unit, adjacency."""
     import pyarrow as pa
 
-    from .report import build_account_report, open_ledger_readonly, realised_loss, unit_figures
+    from .ledger_readonly import open_ledger_readonly
+    from .report import build_account_report, realised_loss, unit_figures
 
     path = check_export_path(out)
     report = build_account_report(ledger_path=ledger_path, delta=delta, conversion=conversion)  # validates options

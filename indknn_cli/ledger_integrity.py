@@ -469,7 +469,7 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
     on failure: :func:`enforce_verified` raises it). ``store_path`` None: the store the ledger records,
     when it is still there."""
     from .ledger import BudgetLedger
-    from .report import open_ledger_readonly
+    from .ledger_readonly import open_ledger_readonly
     from .store import FeatureStore
 
     ledger_path = Path(ledger_path)

@@ -25,10 +25,8 @@ up, quantiles of spent taken as the higher order statistic.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +37,8 @@ from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _chec
                          calibrate_budget, epsilon_for_budget, realised_epsilons)
 from . import ledger_history
 from . import ledger_integrity as integrity
-from .errors import BadInputError, BudgetExhaustedError, CheckFailedError, LedgerError
+from .errors import BadInputError, BudgetExhaustedError, CheckFailedError
+from .ledger_readonly import open_ledger_readonly
 from .wording import count
 from . import data_quality
 
@@ -86,53 +85,6 @@ QUANTILES = (("min", 0.0), ("median", 0.5), ("p90", 0.9), ("p99", 0.99), ("max",
 #: accounting.realised_epsilons' grid (rounded up) instead of converted exactly.
 EXACT_CONVERSION_LIMIT = 256
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-
-
-# -- opening without writing ---------------------------------------------------
-def _read_generation(path: Path) -> int | None:
-    try:
-        return int(json.loads((path / "CURRENT").read_text())["generation"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def open_ledger_readonly(path: str | os.PathLike, *, store_uuid: str | None = None, retries: int = 40):
-    """Open a ledger for reading only: no lock, no writes, a consistent state.
-
-    ``BudgetLedger.open`` reads CURRENT → snapshot → events. A compaction that
-    runs in between (new snapshot, CURRENT switched, folded events deleted)
-    could leave a reader with the old snapshot and only the *later* events: a
-    state that never existed. Compaction deletes events only after switching
-    CURRENT, so if CURRENT names the same generation after the read as the one
-    that was read, no event was deleted during the read; otherwise read again.
-    """
-    from .ledger import BudgetLedger
-
-    path = Path(path)
-    if not BudgetLedger.exists(path):
-        raise LedgerError(f"{path}: no budget ledger here (create one with `indknn index`)")
-    for _ in range(retries):
-        try:
-            ledger = BudgetLedger.open(path, store_uuid=store_uuid, retries=1)
-        except LedgerError as exc:
-            if "changed while reading" not in str(exc):
-                raise
-            gen = _read_generation(path)
-            if gen is not None and not (path / f"snapshot-{gen:06d}.parquet").is_file():
-                time.sleep(0.05)
-                if _read_generation(path) == gen:
-                    raise LedgerError(
-                        f"{path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing (corrupt ledger)"
-                    ) from None
-            time.sleep(0.05)
-            continue
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            # e.g. unreadable JSON metadata or parameters: ledger.py only maps Parquet errors
-            raise LedgerError(f"{path}: corrupt ledger metadata ({type(exc).__name__})") from None
-        if _read_generation(path) == ledger.generation:
-            return ledger
-        time.sleep(0.01)  # compacted while we read: read again
-    raise LedgerError(f"{path}: the ledger kept changing while reading; try again")
 
 
 # -- conversions -----------------------------------------------------------------
@@ -556,46 +508,8 @@ def enforce_checks(report: AccountReport) -> None:
     raise cls(msg)
 
 
-# -- plot --------------------------------------------------------------------------
 def plot_account_report(report: AccountReport, path: str | os.PathLike) -> Path:
-    """Retired fraction and median realised loss against queries answered, and a histogram of spent/B."""
-    import matplotlib
+    """The account plot (:mod:`indknn_cli.report_plot`, matplotlib imported only then)."""
+    from .report_plot import plot_account_report as _plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = check_plot_path(path)
-    d = report.data
-    pts = report.history_points
-    x = [0] + [p["queries_answered"] for p in pts]
-    retired = [0.0] + [p["retired_fraction"] for p in pts]
-    med = [0.0] + [p["realised_epsilon_median"] or 0.0 for p in pts]
-    conv = d["conversion"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    axes[0].plot(x, retired, marker="." if len(x) < 60 else None)
-    axes[0].set_xlabel("queries answered")
-    axes[0].set_ylabel("retired fraction of records")
-    axes[0].set_ylim(0, 1)
-    axes[0].set_title("retired records")
-    axes[1].plot(x, med, marker="." if len(x) < 60 else None, color="tab:orange")
-    axes[1].axhline(d["epsilon"] or 0.0, ls="--", color="grey", label=f"guarantee ε = {d['epsilon']:.3g} ({conv})")
-    axes[1].set_xlabel("queries answered")
-    axes[1].set_ylabel(f"median realised ε ({conv}, δ = {d['delta']:g})")
-    axes[1].set_title("realised individual loss\n(descriptive, not a guarantee)")
-    axes[1].set_ylim(0, 1.1 * max([d["epsilon"] or 0.0] + med + [1e-12]))
-    axes[1].legend(loc="center right", fontsize=8)
-    frac = report.spent_fraction if report.spent_fraction is not None else np.zeros(0)
-    axes[2].hist(frac, bins=50, range=(0.0, 1.0), color="tab:green")
-    axes[2].set_xlabel("spent / B")
-    axes[2].set_ylabel("records")
-    axes[2].set_title(f"spent budget (B = {d['budget']:.4g}, {d['records']} records)")
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        fig.savefig(tmp)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return _plot(report, path)
