@@ -6,7 +6,8 @@ then fsync → rename → fsync of the folder when the run ends: ``FILE`` is eit
 version, untouched) or complete. A failed run removes the temporary file. A process killed outright leaves
 it behind under its hidden name (``.FILE.tmp-XXXXXXXX``), never under ``FILE``, and the next writer of
 ``FILE`` removes it: each writer holds an exclusive ``flock`` on its own temporary file while it lives, so a
-leftover that can be locked belongs to no live writer (a live one's is skipped).
+leftover that can be locked belongs to no live writer (a live one's is skipped). The sweep assumes a local file
+system with ``flock`` (as the ledger's locks do); only regular files named exactly so are touched.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
 
@@ -52,13 +54,18 @@ class AnswersWriter:
         self.path = Path(path)
         if self.path.parent and not self.path.parent.is_dir():
             raise BadInputError(f"--out: folder {self.path.parent} does not exist")
-        self.tmp, self._lock_fd = self._create_locked_tmp()
-        _remove_dead_temps(self.path, keep=self.tmp)
         self.row_group_rows = int(row_group_rows or ROW_GROUP_ROWS)
         self.rows = 0
         self._pending: list[dict] = []
         self._writer: pq.ParquetWriter | None = None
         self._done = False
+        self._lock_fd: int | None = None
+        self.tmp, self._lock_fd = self._create_locked_tmp()
+        try:
+            _remove_dead_temps(self.path, keep=self.tmp)
+        except BaseException:
+            self.abort()
+            raise
 
     def _create_locked_tmp(self) -> tuple[Path, int]:
         """A new hidden temporary file, created and locked by this writer (checked to be the file at its path:
@@ -73,12 +80,21 @@ class AnswersWriter:
                 continue
             except OSError as exc:
                 raise _storage_error(self.path, exc) from None
-            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
                 if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
                     return tmp, fd
-            except FileNotFoundError:
-                pass
+            except FileNotFoundError:  # removed by a sweeper before our lock: make another
+                os.close(fd)
+                continue
+            except OSError as exc:  # e.g. no flock on this file system: nothing left behind
+                os.close(fd)
+                tmp.unlink(missing_ok=True)
+                raise _storage_error(self.path, exc) from None
+            except BaseException:
+                os.close(fd)
+                tmp.unlink(missing_ok=True)
+                raise
             os.close(fd)
         raise _storage_error(self.path, OSError("could not create a temporary file next to it"))
 
@@ -164,11 +180,14 @@ def _remove_dead_temps(path: Path, *, keep: Path) -> list[Path]:
         cand = path.with_name(name)
         if cand == keep or not pattern.fullmatch(name):
             continue
-        try:
-            fd = os.open(cand, os.O_RDONLY | os.O_NOFOLLOW)
+        try:  # never follow a link; never block on a FIFO
+            fd = os.open(cand, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # only regular files are ours
+                os.close(fd)
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # a live writer holds it
             os.close(fd)

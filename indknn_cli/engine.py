@@ -14,7 +14,9 @@ Two phases per batch of queries:
 
 from __future__ import annotations
 
+import hashlib
 import math
+import secrets
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +32,14 @@ __all__ = ["EXACT_PAIR_BLOCK", "ArraySource", "Candidates", "ChunkSource", "Stor
            "dot_threshold", "exact_kernel", "exact_kernel_pairs", "find_candidates", "screening_margin",
            "noise_generator", "BudgetView", "COUNT_GRID_DECIMALS", "release_count", "ABSTAIN_LABEL", "ABSTAIN_NAME",
            "QueryAnswer", "noisy_margin", "answer_one", "release_answer", "ReusePool", "answer_batch"]
+
+
+def run_key_for(seed: int | None, batch_id: str) -> int:
+    """OS entropy for real answers; a seed (experiments only) is mixed with the batch id."""
+    if seed is None:
+        return secrets.randbits(128)
+    digest = hashlib.sha256(f"indknn-seed:{seed}:{batch_id}".encode()).digest()
+    return int.from_bytes(digest[:16], "big")
 
 
 def noise_generator(run_key: int, query_index: int) -> np.random.Generator:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -15,7 +13,8 @@ import pyarrow as pa
 
 from . import gate, indexes
 from . import ledger_integrity as integrity
-from .engine import ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, BudgetView, ReusePool, StoreSource, answer_batch
+from .engine import (ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, BudgetView, ReusePool, StoreSource,  # noqa: F401
+                     answer_batch, run_key_for)
 from .errors import BadInputError
 from .indexing import (IndexResult, _roll_forward_pending, build_index, make_params,  # noqa: F401 (re-exported)
                        sync_ledger)
@@ -60,14 +59,6 @@ class ServeResult:
     #: and the allowance when ``max_queries`` was given. No count of private records is returned here.
     queries_answered_total: int = 0
     allowance: "gate.Allowance | None" = None
-
-
-def run_key_for(seed: int | None, batch_id: str) -> int:
-    """OS entropy for real answers; a seed (experiments only) is mixed with the batch id."""
-    if seed is None:
-        return secrets.randbits(128)
-    digest = hashlib.sha256(f"indknn-seed:{seed}:{batch_id}".encode()).digest()
-    return int.from_bytes(digest[:16], "big")
 
 
 def _answer_rows(table: pa.Table) -> list[dict]:

@@ -151,10 +151,19 @@ def composed_epsilon(*, rho_run: float, mean_runs: float, shape: float, budget_s
 
 
 def _bisect_largest(ok, *, hi0: float) -> float:
-    """Largest x in (0, ...) with ok(x), ok monotone decreasing; returns a value that was checked (or 0)."""
+    """Largest x in (0, ...) with ok(x), ok monotone decreasing; returns a value that was checked (or 0).
+
+    A value the accountant cannot evaluate (dp-accounting's repeat-and-select raises a math domain error when
+    a tiny ρ underflows, e.g. ε = 0.01 at δ = 1e-30) counts as not ok: never certified, so never chosen."""
     from .accounting import bisect_largest
 
-    return bisect_largest(ok, hi0=hi0, rel_tol=1e-12, too_large="the target ε is too large to calibrate")
+    def certified(x: float) -> bool:
+        try:
+            return ok(x)
+        except (ValueError, OverflowError, ZeroDivisionError):
+            return False
+
+    return bisect_largest(certified, hi0=hi0, rel_tol=1e-12, too_large="the target ε is too large to calibrate")
 
 
 def rho_for_share(*, epsilon: float, delta: float, share: float, mean_runs: float, shape: float) -> float:
@@ -175,7 +184,11 @@ def serving_budget(*, epsilon: float, delta: float, rho_run: float, mean_runs: f
         return composed_epsilon(rho_run=rho_run, mean_runs=mean_runs, shape=shape, budget_serve=b,
                                 delta=delta) <= epsilon
 
-    if not ok(0.0):
+    try:
+        within = ok(0.0)
+    except (ValueError, OverflowError, ZeroDivisionError):
+        within = False
+    if not within:
         raise BadInputError(f"the tuning alone costs more than ε={epsilon:g} at δ={delta:g}")
     b = _bisect_largest(ok, hi0=1e-3)
     if b <= 0 or not ok(b):
@@ -250,7 +263,7 @@ class TuningRecord:
 
 
 def _run_key(seed: int | None, tag: str) -> int:
-    from .serving import run_key_for
+    from .engine import run_key_for
 
     return run_key_for(seed, tag)
 
@@ -421,7 +434,7 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
     req.check()
     nu = req.nu if req.nu is not None or req.kernel != "rbf" else _m.exp(1.5)
     if req.on == "public":
-        from .serving import make_params
+        from .indexing import make_params
 
         n_pub = store.n_rows("public")
         if n_pub == 0:

@@ -16,6 +16,9 @@ geometric one (dp-accounting's RepeatAndSelectDpEvent), so more runs fit.
 """
 
 import math
+import numbers
+
+from .errors import BadInputError
 
 DEFAULT_TAUS = (0.1, 0.15, 0.2, 0.25, 0.3)
 #: σ2 grid at the reference budget per planned query (below); scaled for other (B, T) by ``budget_relative_sigma2s``.
@@ -36,10 +39,10 @@ def budget_relative_sigma2s(*, budget: float, planned_queries: int | None,
 
     ``budget`` and ``planned_queries`` are the ledger's public parameters (never a figure of the data).
     """
-    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
-        raise ValueError(f"budget must be a finite number > 0, got {budget!r}")
+    if isinstance(budget, bool) or not (isinstance(budget, numbers.Real) and math.isfinite(budget) and budget > 0):
+        raise BadInputError(f"budget must be a finite number > 0, got {budget!r}")
     t = planned_queries or DEFAULT_PLANNED_QUERIES  # as serving's defaults read it (0 or None: 1,000)
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ValueError(f"planned_queries must be an integer ≥ 1, got {planned_queries!r}")
-    factor = math.sqrt(REFERENCE_BUDGET_PER_QUERY * t / budget)
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 1:
+        raise BadInputError(f"planned_queries must be an integer ≥ 1, got {planned_queries!r}")
+    factor = math.sqrt(REFERENCE_BUDGET_PER_QUERY * int(t) / float(budget))
     return tuple(float(f"{s * factor:.3g}") for s in base)

@@ -282,3 +282,28 @@ def test_a_failed_writer_leaves_no_temporary_file(tmp_path):
         with answers_out.AnswersWriter(out):
             raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sweep_skips_fifos_links_and_bad_arguments_leave_nothing(tmp_path):
+    """A FIFO or a symlink named like a leftover is not ours: no hang, nothing removed (audit of the sweep)."""
+    import signal
+
+    out = tmp_path / "a.parquet"
+    fifo = tmp_path / ".a.parquet.tmp-0badf1f0"
+    os.mkfifo(fifo)
+    target = tmp_path / "keep.txt"
+    target.write_text("x")
+    link = tmp_path / ".a.parquet.tmp-0000beef"
+    link.symlink_to(target)
+    signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("the sweep blocked")))
+    signal.alarm(20)
+    try:
+        with answers_out.AnswersWriter(out) as w:
+            w.write([])
+    finally:
+        signal.alarm(0)
+    assert fifo.exists() and link.is_symlink() and target.read_text() == "x" and out.exists()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError):
+        answers_out.AnswersWriter(tmp_path / "b.parquet", row_group_rows="x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temporary file left behind

@@ -63,6 +63,12 @@ def test_composed_epsilon_never_exceeds_the_target(epsilon, delta, mean, shape):
     assert tuning.composed_epsilon(budget_serve=b * (1 + 1e-6), **kw) > epsilon * (1 - 1e-5)  # tight, not wasteful
 
 
+def test_an_epsilon_the_accountant_cannot_evaluate_is_refused_not_a_traceback():
+    """dp-accounting's repeat-and-select hits a math domain error for tiny ρ: a clear refusal, never a crash."""
+    with pytest.raises(BadInputError, match="no positive per-run budget"):
+        tuning.rho_for_share(epsilon=0.01, delta=1e-30, share=0.01, mean_runs=10.0, shape="poisson")
+
+
 def test_share_too_large_or_nonsense_is_refused_naming_the_value():
     with pytest.raises(BadInputError, match="tune-share"):
         tuning.rho_for_share(epsilon=1.0, delta=1e-5, share=1.5, mean_runs=5, shape=1)
@@ -106,10 +112,12 @@ def test_default_sigma2_grid_scales_with_sqrt_planned_queries_over_budget():
     assert budget_relative_sigma2s(budget=0.05, planned_queries=None) == budget_relative_sigma2s(
         budget=0.05, planned_queries=1000)
     for bad in (0.0, -1.0, math.nan, math.inf):
-        with pytest.raises(ValueError, match=repr(bad)):
+        with pytest.raises(BadInputError, match=repr(bad)):
             budget_relative_sigma2s(budget=bad, planned_queries=1000)
-    with pytest.raises(ValueError, match="-3"):
+    with pytest.raises(BadInputError, match="-3"):
         budget_relative_sigma2s(budget=0.05, planned_queries=-3)
+    assert budget_relative_sigma2s(budget=np.float64(0.05), planned_queries=np.int64(1000)) == \
+        budget_relative_sigma2s(budget=0.05, planned_queries=1000)
 
 
 @pytest.mark.parametrize("epsilon", [0.5, 1.0, 2.0])
