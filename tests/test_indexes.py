@@ -481,3 +481,37 @@ def test_index_json_states_unit_and_adjacency_and_errors_keep_brackets(tmp_path,
     assert res.exit_code == 0, res.stderr
     info = json.loads(res.stdout)
     assert info["unit"] == "record" and info["adjacency"] == "add/remove one record"
+
+
+@pytest.mark.parametrize("kind,strategy", [("lsh", "buckets"), ("lsh", "scan"), ("ivf", None)])
+def test_a_crowded_bucket_or_list_never_forms_more_pairs_than_the_bound(tmp_path, kind, strategy):
+    """Audit 2, P3 for the LSH/IVF finders: a bucket or list's screen formed all its pairs (and its score
+    matrix, and an LSH bucket's gathered rows) before the pair bound was checked, so peak memory (whether the
+    process is killed: exit code, number of answers) grew with the private records near the queries. Now the
+    screen goes a bounded step at a time and the bound stops the call within one step."""
+    import tracemalloc
+
+    from indknn_cli.engine import TooManyPairs
+
+    x, y, _ = clustered(20000, 16, 3, seed=21)
+    q, _, _ = clustered(50, 16, 3, seed=22)
+    store = make_store(tmp_path / "s.zarr", x, y, queries=q)
+    opts = dict(tables=1, bits=1, seed=3) if kind == "lsh" else dict(nlist=1, nprobe=1, seed=3)
+    indexes.build(store, kind=kind, **opts)  # one or two buckets / one list: every record crowded together
+    kw = {} if strategy is None else {"strategy": strategy}
+    finder = indexes.open_finder(store, kernel="cosine", tau=-0.99, nu=None, **kw)  # every row passes the screen
+    finder(q[:2], max_pairs=10**9)  # warm up (thread pool, BLAS) outside the measurement
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooManyPairs):
+            finder(q, max_pairs=1000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # 50 queries × 20,000 rows would be 1M pairs (16 MB of indices, a 4 MB score matrix); a step is ≤ 1,000
+    assert peak < 2 << 20, peak
+    # below the bound the same call answers, and splitting the batch changes no candidate
+    whole = finder(q, max_pairs=10**9)
+    halves = [finder(q[:25], max_pairs=10**9), finder(q[25:], max_pairs=10**9)]
+    assert [r.tolist() for r in whole.rows] == [r.tolist() for h in halves for r in h.rows]
+    assert [k.tolist() for k in whole.kappa] == [k.tolist() for h in halves for k in h.kappa]

@@ -25,6 +25,8 @@ MAX_NLIST_DEFAULT = 4096
 MIN_POINTS_PER_LIST = 39  # faiss's own warning level for k-means training
 ENCODE_ROWS = 32768
 PAIR_BLOCK = 1 << 15
+#: Bytes of one screen step's fp32 score matrix in the LSH/IVF finders (queries × rows × 4).
+SCREEN_BYTES = 32 << 20
 #: A training vector with cosine ≥ this to a private record is a (near-)copy of it: refused in a --train-on
 #: file; the store's own public/query rows are refused when at least PRIVATE_OVERLAP_LIMIT of them are (a few
 #: duplicates, a query equal to a record, are expected there).
@@ -156,6 +158,10 @@ class _FinderBase:
         if max_pairs is not None and m > 1 and screened > max_pairs:
             raise TooManyPairs()
 
+    def _pairs(self, m: int, max_pairs: int | None) -> "_PairCount":
+        """The running count of one call's screened pairs, checked after every screen step (see _screen)."""
+        return _PairCount(m=m, max_pairs=max_pairs, check=self._check_pairs)
+
     def __init__(self, *, kernel: str, tau: float, nu: float | None, dim: int):
         self.kernel, self.tau, self.nu = kernel, float(tau), nu
         self.screen = dot_threshold(kernel=kernel, tau=tau, nu=nu) - screening_margin(dim)
@@ -183,9 +189,49 @@ class _FinderBase:
         return Candidates([rows[bounds[t]:bounds[t + 1]].astype(np.int64) for t in range(m)],
                           [kap[bounds[t]:bounds[t + 1]] for t in range(m)])
 
-    def _screen(self, q: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        s = q @ x.T
-        return np.nonzero(s >= self.screen)
+    def _screen(self, q: np.ndarray, rows: Callable[[int, int], np.ndarray], n: int,
+                count: "_PairCount") -> tuple[np.ndarray, np.ndarray]:
+        """(query, row) pairs among the ``n`` rows ``rows(lo, hi)`` whose fp32 dot product passes the screen.
+
+        The rows are read, multiplied and thresholded a step at a time: a step's score matrix stays within
+        SCREEN_BYTES and its pairs within the call's pair bound (max_pairs // m rows per step, as the flat
+        scan does), and the running count is checked after each step. A bucket or list holding many private
+        records therefore never forms more than one bounded step before the bound stops the call."""
+        if n == 0 or q.shape[0] == 0:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        step = max(1, min(n, SCREEN_BYTES // (4 * q.shape[0]), count.rows_per_step()))
+        out_q, out_r = [], []
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            a, b = np.nonzero(q @ rows(lo, hi).T >= self.screen)
+            count.add(a.size)
+            out_q.append(a)
+            out_r.append(b.astype(np.int64) + lo)
+        return _cat(out_q, np.int64), _cat(out_r, np.int64)
+
+
+class _PairCount:
+    """Screened pairs of one finder call, shared by its worker threads; past ``max_pairs`` (m > 1) the next
+    ``add`` raises TooManyPairs (through the finder's ``_check_pairs``)."""
+
+    def __init__(self, *, m: int, max_pairs: int | None, check: Callable[[int, int, int | None], None]):
+        import threading
+
+        self.m, self.max_pairs, self.check = m, max_pairs, check
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def rows_per_step(self) -> int:
+        """Rows per screen step so that one step's pairs (≤ queries × rows) stay within the bound."""
+        if self.max_pairs is None or self.m <= 1:
+            return 1 << 62
+        return max(1, self.max_pairs // self.m)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.total += int(n)
+            total = self.total
+        self.check(self.m, total, self.max_pairs)
 
 
 _POOL: dict = {}

@@ -285,10 +285,13 @@ class IvfFinder(_FinderBase):
         bounds = np.searchsorted(li, np.arange(self.index.nlist + 1))
         off = self.offsets
 
+        count = self._pairs(m, max_pairs)
+
         def scan_list(j):
             qs = qi_all[bounds[j]:bounds[j + 1]]
-            a, b = self._screen(q[qs], self.xs[off[j]:off[j + 1]])
-            return qs[a], b.astype(np.int64) + off[j]
+            base = int(off[j])
+            a, b = self._screen(q[qs], lambda i, k: self.xs[base + i:base + k], int(off[j + 1]) - base, count)
+            return qs[a], b + base
 
         found = _parallel_blocks(np.flatnonzero((bounds[1:] > bounds[:-1]) & (off[1:] > off[:-1])).tolist(),
                                  scan_list)

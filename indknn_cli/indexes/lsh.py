@@ -109,22 +109,24 @@ class LshFinder(_FinderBase):
             if strategy == "auto":
                 strategy = "buckets" if bucket_cost < scan_cost else "scan"
         self.last = {"strategy": strategy}
+        count = self._pairs(m, max_pairs)
         if strategy == "scan":
-            qi, rows = self._scan(q, qcodes)
+            qi, rows = self._scan(q, qcodes, count)
         else:
-            qi, rows = self._buckets(q, plans)
+            qi, rows = self._buckets(q, plans, count)
         keep = self.live[rows] & _allowed(row_mask, rows)
         qi, rows = qi[keep], rows[keep]
         self.last["screened_pairs"] = int(qi.size)
         self._check_pairs(m, qi.size, max_pairs)
         return self._exact(m, q, qi, rows, self.x, rows)
 
-    def _scan(self, q, qcodes):
+    def _scan(self, q, qcodes, count):
         out_q, out_r = [], []
         step = max(1, min(65536, (256 << 20) // (4 * max(1, q.shape[0]))))
         for lo in range(0, self.x.shape[0], step):
-            qi, ri = self._screen(q, self.x[lo:lo + step])
-            rows = ri.astype(np.int64) + lo
+            block = self.x[lo:lo + step]
+            qi, ri = self._screen(q, lambda a, b: block[a:b], block.shape[0], count)
+            rows = ri + lo
             share = np.zeros(qi.size, bool)
             for a in range(0, qi.size, PAIR_BLOCK):
                 b = a + PAIR_BLOCK
@@ -132,13 +134,14 @@ class LshFinder(_FinderBase):
             out_q.append(qi[share]); out_r.append(rows[share])
         return _cat(out_q, np.int64), _cat(out_r, np.int64)
 
-    def _buckets(self, q, plans):
+    def _buckets(self, q, plans, count):
         def scan_bucket(task):
             t, u = task
             order, first, counts, lo, hi = plans[t]
             qs = order[first[u]:first[u] + counts[u]]
             rows = self.perm[t][lo[u]:hi[u]]
-            a, b = self._screen(q[qs], np.take(self.x, rows, axis=0))
+            # the bucket's rows gathered a screen step at a time (a bucket's size depends on the private data)
+            a, b = self._screen(q[qs], lambda i, j: np.take(self.x, rows[i:j], axis=0), rows.size, count)
             return qs[a], rows[b].astype(np.int64)
 
         tasks = [(t, int(u)) for t, p in enumerate(plans) for u in np.flatnonzero(p[4] > p[3])]
