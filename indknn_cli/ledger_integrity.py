@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .accounting import calibrate_budget, epsilon_for_budget
+from .accounting import epsilon_for_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
 from .wording import count
 
@@ -461,110 +461,3 @@ def recorded_store(ledger_path) -> tuple[Path | None, str | None, str]:
     if not (path / "zarr.json").is_file():
         return None, uuid_, f"unchecked against the store: none at the recorded {path}"
     return path, uuid_, f"checked against the store at the recorded {path}"
-
-
-# -- `indknn account --verify` ------------------------------------------------------------------
-def verify_ledger(ledger_path, *, store_path=None) -> dict:
-    """Walk the chain and every check above; return what was verified (``verified`` False and ``error``
-    on failure: :func:`enforce_verified` raises it). ``store_path`` None: the store the ledger records,
-    when it is still there."""
-    from .ledger import BudgetLedger
-    from .ledger_readonly import open_ledger_readonly
-    from .store import FeatureStore
-
-    ledger_path = Path(ledger_path)
-    if not BudgetLedger.exists(ledger_path):
-        raise LedgerError(f"{ledger_path}: no budget ledger here (create one with `indknn index`)")
-    out: dict = {"verified": False, "ledger": str(ledger_path)}
-    try:
-        explicit = store_path is not None
-        if not explicit:
-            recorded = Path(str(open_ledger_readonly(ledger_path).meta.get("store_path", "")))
-            store_path = recorded if (recorded / "zarr.json").is_file() else None
-            out["store_note"] = None if store_path else f"store not checked: none at the recorded {recorded}"
-        store = FeatureStore.open(store_path, mode="r") if store_path is not None else None
-        mark = read_mark(store.path) if store is not None else None  # before the ledger: no lock is held
-        ledger = open_ledger_readonly(ledger_path, store_uuid=store.uuid if store is not None else None)
-        out.update(_describe(ledger))
-        from .ledger_history import check_answers_summary
-
-        out["answers_summary"] = check_answers_summary(ledger.state)
-        if store is not None:
-            info = check_binding(store, ledger, ledger_path, mark=mark)
-            m = info["mark"]
-            out["store"] = {
-                "path": str(store.path), "store_uuid": store.uuid, "recorded_by_ledger": not explicit,
-                "bound": info["bound"], "bound_ledger_uuid": (info["binding"] or {}).get("ledger_uuid"),
-                "bound_ledger_path": (info["binding"] or {}).get("ledger_path"),
-                "high_water_mark": None if m is None else {"seq": m["seq"], "sha256": m.get("sha256")},
-                "ledger_ahead_of_mark_by": None if m is None else head_seq(ledger) - m["seq"],
-            }
-        else:
-            out["store"] = None
-        out["verified"] = True
-    except LedgerError as exc:
-        out["error"] = str(exc)
-    except Exception as exc:  # noqa: BLE001 - StoreError, unreadable files: the verification failed
-        from .errors import IndknnError
-
-        if not isinstance(exc, (IndknnError, OSError)):
-            raise
-        out["error"] = str(exc)
-    return out
-
-
-def _describe(ledger) -> dict:
-    snap_seq = ledger.snapshot_event_seq
-    head = head_seq(ledger)
-    p = ledger.params
-    try:
-        cal = calibrate_budget(epsilon=p.epsilon, delta=p.delta, conversion=p.conversion)
-    except BadInputError:
-        cal = None
-    return {
-        "ledger_uuid": ledger.meta["ledger_uuid"], "generation": ledger.generation,
-        "snapshot": {"file": f"snapshot-{ledger.generation:06d}.parquet", "sha256": ledger.snapshot_sha256,
-                     "last_event_seq": snap_seq, "chained": snapshot_is_chained(ledger.meta)},
-        "events": {"count": head - snap_seq, "first_seq": snap_seq + 1 if head > snap_seq else None,
-                   "last_seq": head if head > snap_seq else None, "unchained_legacy": ledger.unchained_events},
-        "head": {"seq": head, "sha256": ledger.head_sha256},
-        "budgets": {"budget": p.budget, "calibrated_budget": cal, "bit_identical": p.budget == cal,
-                    "epsilon": p.epsilon, "delta": p.delta,
-                    "conversion": p.conversion, "records": len(ledger.state), "records_at_budget": len(ledger.state)},
-    }
-
-
-def enforce_verified(result: dict) -> None:
-    if not result.get("verified"):
-        raise LedgerIntegrityError(f"verification failed: {result.get('error')}")
-
-
-def verification_lines(r: dict) -> list[str]:
-    """Plain text of ``account --verify`` for a compliance reviewer (no markup)."""
-    if not r.get("verified"):
-        return [f"ledger {r['ledger']}: NOT verified", f"  {r.get('error')}"]
-    ev, b, h = r["events"], r["budgets"], r["head"]
-    rng = f"events {ev['first_seq']}..{ev['last_seq']}" if ev["count"] else "no events"
-    lines = [
-        f"ledger {r['ledger']} (uuid {r['ledger_uuid']}): verified",
-        f"  snapshot {r['snapshot']['file']} sha256 {r['snapshot']['sha256']} (folds events up to "
-        f"{r['snapshot']['last_event_seq']}{'' if r['snapshot']['chained'] else '; written before hash chaining'})",
-        f"  hash chain: {count(ev['count'], 'event')} after the snapshot, {rng}, contiguous, no duplicates, every link "
-        f"matches" + (f" ({ev['unchained_legacy']} written before chaining, unchecked)" if ev["unchained_legacy"] else ""),
-        f"  chain head: event {h['seq']} sha256 {h['sha256']}",
-        f"  budgets: B = {b['budget']!r} is the calibration of ε={b['epsilon']!r}, δ={b['delta']!r} "
-        f"({b['conversion']}){' (bit-identical)' if b['bit_identical'] else ' (to 1e-9)'}; "
-        f"all {b['records']} records carry B",
-    ]
-    s = r.get("store")
-    if s is None:
-        lines.append(f"  {r.get('store_note') or 'store not checked (give --store)'}")
-    else:
-        bound = (f"bound to this ledger (uuid {s['bound_ledger_uuid']}, recorded path {s['bound_ledger_path']})"
-                 if s["bound"] else "not bound yet (bound by the next index or serve-queries)")
-        lines.append(f"  store {s['path']} (uuid {s['store_uuid']}): {bound}")
-        m = s["high_water_mark"]
-        lines.append("  high-water mark: none" if m is None else
-                     f"  high-water mark: event {m['seq']} sha256 {m['sha256']}; the ledger reaches it"
-                     f"{' and is ' + count(ahead, 'event') + ' ahead' if (ahead := s['ledger_ahead_of_mark_by']) else ''}")
-    return lines

@@ -26,7 +26,8 @@ from indknn_cli.deletion import delete_records
 from indknn_cli.errors import LedgerError, LedgerIntegrityError, LockTimeoutError
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.ledger_files import atomic_write_parquet
-from indknn_cli.ledger_integrity import MARK_NAME, verify_ledger
+from indknn_cli.ledger_integrity import MARK_NAME
+from indknn_cli.ledger_verify import verify_ledger
 from indknn_cli.serving import build_index, make_params, serve_queries, sync_ledger
 from indknn_cli.store import ExtractorInfo, FeatureStore
 

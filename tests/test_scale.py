@@ -11,6 +11,7 @@ from indknn_cli import ledger_integrity as integrity
 from indknn_cli import serving
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.ledger_history import REALISED_KEY
+from indknn_cli.ledger_verify import verify_ledger
 from indknn_cli.report import build_account_report
 from indknn_cli.serving import build_index, make_params, serve_queries
 from indknn_cli.store import ExtractorInfo, FeatureStore
@@ -66,7 +67,7 @@ def test_auto_compaction_keeps_answers_charges_and_chain(tmp_path, monkeypatch):
     assert len(a._event_files()) == 3 * DAYS and b.generation > 2 and len(b._event_files()) <= 2
     _same_state(a, b)
     for lp in (never, often):
-        out = integrity.verify_ledger(lp)
+        out = verify_ledger(lp)
         assert out["verified"], out
 
 
@@ -280,7 +281,7 @@ def test_account_reads_no_answers_column_of_a_compacted_snapshot(tmp_path, monke
     assert rep["answers_by_label"] == expect_labels and list(rep["answers_by_label"]) == list(expect_labels)
     assert rep["answers_at_k_min"] == expect_clamp
     assert rep["queries_answered"] == 20 * DAYS + 20
-    out = integrity.verify_ledger(lp)
+    out = verify_ledger(lp)
     assert out["verified"], out
 
 
@@ -369,7 +370,7 @@ def test_verify_recounts_the_answers_summary(tmp_path, monkeypatch):
     from indknn_cli import ledger_history
 
     store, lp, _ = _run_year(tmp_path, "ok", monkeypatch, events=4)
-    out = integrity.verify_ledger(lp, store_path=store.path)
+    out = verify_ledger(lp, store_path=store.path)
     assert out["verified"] and out["answers_summary"] == "checked", out
     real = ledger_history.answers_summary
 
@@ -381,5 +382,5 @@ def test_verify_recounts_the_answers_summary(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ledger_history, "answers_summary", wrong)
     store2, lp2, _ = _run_year(tmp_path, "bad", monkeypatch, events=4)
-    out = integrity.verify_ledger(lp2, store_path=store2.path)
+    out = verify_ledger(lp2, store_path=store2.path)
     assert not out["verified"] and "do not match its rows" in out["error"], out

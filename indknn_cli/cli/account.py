@@ -21,7 +21,7 @@ from .common import emit_json, resolve_ledger, run_library_call, say, stderr_con
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
     from ..accounting import CONVERSION_LABEL
-    from ..ledger_integrity import enforce_verified, verification_lines, verify_ledger
+    from ..ledger_verify import enforce_verified, verification_lines, verify_ledger
     from ..report import (QUANTILES, REALISED_LABEL, AccountReport,
                           build_account_report, enforce_checks)
     from ..serving import public_allowance
