@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 
 from indknn_cli.ledger import BudgetLedger
-from indknn_cli.ledger_integrity import verify_ledger
+from indknn_cli.ledger_verify import verify_ledger
 from indknn_cli.serving import build_index, serve_queries
 from indknn_cli.store import FeatureStore
 
