@@ -456,20 +456,25 @@ def test_cli_min_margin(tune_store, tmp_path):
     assert res.exit_code == 2 and "min-margin" in res.stderr
 
 
-def test_emulation_check_prints_both_emulations_beside_serving():
-    """The diagnostic (bench/tuning_emulation_check.py): one row per grid point, fractions in [0, 1], serving reused."""
+def _tiny_bench_world(n_private: int):
+    """A prepared-bench stand-in (private rows, 40 pool queries, T = 20), its config and two query draws."""
     from types import SimpleNamespace
 
     from indknn_cli.benchmarks.config import BenchConfig
+
+    x, y, _ = clustered(n_private, 16, 3, seed=5)
+    q, qy, _ = clustered(40, 16, 3, seed=6)
+    p = SimpleNamespace(split=SimpleNamespace(private=np.arange(n_private)), priv_x=x, priv_y=y, pool_x=q,
+                        pool_y=qy, ds=SimpleNamespace(n_classes=3), T=20)
+    return p, BenchConfig.make(quick=False, seed=0, draws=2), [np.arange(20), np.arange(20, 40)]
+
+
+def test_emulation_check_prints_both_emulations_beside_serving():
+    """The diagnostic (bench/tuning_emulation_check.py): one row per grid point, fractions in [0, 1], serving reused."""
     from indknn_cli.benchmarks.emulation_check import emulation_table
 
-    x, y, _ = clustered(400, 16, 3, seed=5)
-    q, qy, _ = clustered(40, 16, 3, seed=6)
-    p = SimpleNamespace(split=SimpleNamespace(private=np.arange(400)), priv_x=x, priv_y=y, pool_x=q, pool_y=qy,
-                        ds=SimpleNamespace(n_classes=3), T=20)
-    cfg = BenchConfig.make(quick=False, seed=0, draws=2)
+    p, cfg, draws = _tiny_bench_world(400)
     cfg.tune_taus, cfg.tune_sigma2s, cfg.tune_queries = (0.3, 0.6), (0.5, 1.0), 40
-    draws = [np.arange(20), np.arange(20, 40)]
     t = emulation_table(p, cfg, eps=2.0, draws=draws, keys=1)
     assert [(r["tau"], r["sigma2"]) for r in t["rows"]] == [(0.3, 0.5), (0.3, 1.0), (0.6, 0.5), (0.6, 1.0)]
     for r in t["rows"]:
@@ -480,19 +485,11 @@ def test_emulation_check_prints_both_emulations_beside_serving():
 
 def test_chosen_point_accuracy_averages_served_choices_below_the_best_grid_point():
     """bench/private_tuning_seeds.py's function: each seed's choice served on every draw; mean ≤ best point."""
-    from types import SimpleNamespace
-
-    from indknn_cli.benchmarks.config import BenchConfig
     from indknn_cli.benchmarks.private_tuning import chosen_point_accuracy
     from indknn_cli.tuning_grid import budget_relative_sigma2s
 
-    x, y, _ = clustered(300, 16, 3, seed=5)
-    q, qy, _ = clustered(40, 16, 3, seed=6)
-    p = SimpleNamespace(split=SimpleNamespace(private=np.arange(300)), priv_x=x, priv_y=y, pool_x=q, pool_y=qy,
-                        ds=SimpleNamespace(n_classes=3), T=20)
-    cfg = BenchConfig.make(quick=False, seed=0, draws=2)
+    p, cfg, draws = _tiny_bench_world(300)
     cfg.tune_taus, cfg.tune_queries, cfg.tune_runs = (0.3, 0.6), 30, 3.0
-    draws = [np.arange(20), np.arange(20, 40)]
     out = chosen_point_accuracy(p, cfg, eps=2.0, draws=draws, tuning_seeds=[1, 2, 3])
     assert out["tuning_seeds"] == 3 and out["sigma2_grid"].startswith("budget-relative")
     rho = tuning.rho_for_share(epsilon=2.0, delta=cfg.delta, share=0.2, mean_runs=3.0, shape=0.0)
