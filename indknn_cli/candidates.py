@@ -3,8 +3,9 @@
 Queries are scored against the private features streamed in row chunks with one fp32 matrix product
 (FAISS ``range_search`` on the CPU, torch on a GPU; TF32 off). Pairs within a safety margin of the
 threshold are kept and their kernel value recomputed exactly in float64 on the CPU from the stored float32
-vectors (:func:`exact_kernel`, one numpy per-row reduction per pair), so the candidate sets and weights do
-not depend on the device, the product's library, the chunking or the batch size. The budget-dependent
+vectors (:func:`exact_kernel`, one numpy per-row reduction per pair; for large batches the same operations
+compiled, :mod:`indknn_cli.exact_jit`), so the candidate sets and weights do not depend on the device, the
+product's library, the chunking or the batch size. The budget-dependent
 filter that reads these candidates is :mod:`indknn_cli.engine`.
 """
 
@@ -51,7 +52,7 @@ EXACT_PAIR_BLOCK = 128
 
 
 def exact_kernel_pairs(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndarray, *, kernel: str,
-                       nu: float | None, block: int = EXACT_PAIR_BLOCK) -> np.ndarray:
+                       nu: float | None, block: int = EXACT_PAIR_BLOCK, compiled: bool = False) -> np.ndarray:
     """κ(x[xi[p]], q[qi[p]]) for every pair p, bit-identical to ``exact_kernel(x[xi], q[qi])``.
 
     Each value is one row's reduction (numpy's, over the d float64 products of that pair, as in
@@ -60,11 +61,21 @@ def exact_kernel_pairs(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndar
     stable sort): each row of ``x`` is read once and repeated for its pairs, the queries are cast to
     float64 once and gathered, and the products of about ``block`` pairs at a time are formed in place and
     reduced while in cache. tests/test_engine.py pins the values against the per-pair path on near-τ data.
+
+    ``compiled``: the same sums from :mod:`indknn_cli.exact_jit` (numba; the same operations in the same
+    order, reading the float32 rows in place), where it reproduces numpy's bits on this machine
+    (:func:`~indknn_cli.exact_jit.agrees_with_numpy`); otherwise, or without numba, numpy's path.
     """
     n = xi.size
     out = np.empty(n, dtype=np.float64)
     if n == 0:
         return out
+    if compiled and x.ndim == 2 and x.dtype in (np.float32, np.float64) and q.dtype in (np.float32, np.float64):
+        from . import exact_jit
+
+        if exact_jit.agrees_with_numpy(x.shape[1], kernel=kernel, x_dtype=x.dtype, q_dtype=q.dtype):
+            kap = exact_jit.pair_sums(x, xi, q, qi, kernel=kernel)
+            return kap if kernel == "cosine" else np.exp(-kap / (nu * nu))
     xi = np.asarray(xi, dtype=np.int64)
     qi = np.asarray(qi, dtype=np.int64)
     order = None
@@ -98,6 +109,11 @@ def exact_kernel_pairs(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndar
         return kap
     out[order] = kap
     return out
+
+
+#: Batches of at least this many queries recompute κ with the compiled path (exact_jit); smaller ones with
+#: numpy's (no numba import or compile for a small cron batch). A public figure; the bits are the same.
+COMPILED_MIN_QUERIES = 256
 
 
 class ChunkSource(Protocol):
@@ -228,11 +244,53 @@ def _resident_blocks(source, dev) -> list | None:
     return source._on_device[key]
 
 
+def _openblas_coretype(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The OpenBLAS kernel family this CPU runs (``OPENBLAS_CORETYPE``), from its Linux feature flags: AVX-512
+    (F, CD, BW, DQ, VL) → SkylakeX, AVX2 + FMA → Haswell; None when unknown (not Linux, other CPUs)."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as fh:
+            flags = next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
+    except OSError:
+        return None
+    if {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return None
+
+
+def import_faiss():
+    """faiss, loaded so that its products run at the CPU's speed.
+
+    The faiss-cpu wheel bundles OpenBLAS 0.3.15, which does not recognise recent CPUs and falls back to its
+    SSE3 kernels ("Prescott"): on this project's Xeon (AVX-512) FAISS's products ran ~4× slower than torch's
+    (README, issue 21). Unless the caller set ``OPENBLAS_CORETYPE``, it is set from the CPU's own feature
+    flags (:func:`_openblas_coretype`, never a family the CPU lacks) while faiss loads its OpenBLAS, then
+    removed again, so numpy's and scipy's own OpenBLAS and child processes are unaffected. The fp32 screen's
+    values may change in their last bits, within the screening margin; every candidate's κ is recomputed
+    exactly, so no candidate or answer changes (tests/test_exact_jit.py). Also ``OMP_WAIT_POLICY=PASSIVE``
+    (:func:`_passive_openmp`).
+    """
+    import os
+    import sys
+
+    if "faiss" in sys.modules:
+        return sys.modules["faiss"]
+    _passive_openmp("faiss")
+    core = None if "OPENBLAS_CORETYPE" in os.environ else _openblas_coretype()
+    if core:
+        os.environ["OPENBLAS_CORETYPE"] = core
+    try:
+        import faiss
+    finally:
+        if core:
+            os.environ.pop("OPENBLAS_CORETYPE", None)
+    return faiss
+
+
 def _query_index(queries: np.ndarray):
     """A FAISS flat inner-product index of a batch's queries (built once per batch, searched per chunk)."""
-    _passive_openmp("faiss")
-    import faiss
-
+    faiss = import_faiss()
     index = faiss.IndexFlatIP(queries.shape[1])
     index.add(queries)
     return index
@@ -309,7 +367,11 @@ def find_candidates(
     q_np = np.ascontiguousarray(queries, dtype=np.float32)
     q_t = torch.from_numpy(q_np).to(dev) if dev.type != "cpu" else None
     q_index = _query_index(q_np) if dev.type == "cpu" and screen > -1.0 else None
-    q64 = np.asarray(queries, dtype=np.float64)  # cast once per batch (exact), gathered per pair by the recompute
+    # The recompute: compiled (exact_jit, reads the float32 queries in place) for batches of at least
+    # COMPILED_MIN_QUERIES queries, a public figure; numpy's path (queries cast once per batch, exact, and
+    # gathered per pair) otherwise, which spares a small cron batch numba's import. Same bits either way.
+    compiled = m >= COMPILED_MIN_QUERIES
+    q_exact = q_np if compiled else np.asarray(queries, dtype=np.float64)
     parts_q: list[np.ndarray] = []
     parts_rows: list[np.ndarray] = []
     parts_kap: list[np.ndarray] = []
@@ -349,7 +411,8 @@ def find_candidates(
         if block is None:  # resident on the device: one gather of the rows this chunk needs
             uniq, ri = np.unique(ri, return_inverse=True)
             block = x_t[torch.from_numpy(uniq).to(dev)].cpu().numpy()
-        kap = exact_kernel_pairs(block, ri, q64, qi, kernel=kernel, nu=nu, block=max_pairs_block)
+        kap = exact_kernel_pairs(block, ri, q_exact, qi, kernel=kernel, nu=nu, block=max_pairs_block,
+                                 compiled=compiled)
         ok = kap >= tau
         qi, rows, kap = qi[ok], rows[ok], kap[ok]
         if qi.size == 0:

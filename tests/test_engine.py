@@ -218,6 +218,9 @@ def test_row_ordered_recompute_equals_the_per_pair_gather_bit_for_bit(kernel, ta
             for q in (Q, Q.astype(np.float64)):  # the engine passes the batch cast once to float64
                 got = exact_kernel_pairs(X, xi[order], q, qi[order], kernel=kernel, nu=nu, block=block)
                 assert got.tolist() == want[order].tolist()
+        for q in (Q, Q.astype(np.float64)):  # the compiled path (exact_jit, numba), float32 queries in place
+            got = exact_kernel_pairs(X, xi[order], q, qi[order], kernel=kernel, nu=nu, compiled=True)
+            assert got.tolist() == want[order].tolist()
     assert exact_kernel_pairs(X, xi[:0], Q, qi[:0], kernel=kernel, nu=nu).size == 0
 
 

@@ -324,8 +324,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--latency-queries", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     a = ap.parse_args(argv)
-    import faiss
     import torch
+
+    from ..candidates import import_faiss
+
+    faiss = import_faiss()
 
     results = {"bench": "index_speed", "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                                                    "faiss": faiss.__version__, "numpy": np.__version__,

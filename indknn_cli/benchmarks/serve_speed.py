@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from indknn_cli.candidates import import_faiss
 from indknn_cli.engine import ArraySource, _import_torch, find_candidates
 from indknn_cli.serving import build_index, make_params
 from indknn_cli.store import ExtractorInfo, FeatureStore
@@ -104,7 +105,7 @@ def time_candidates(x, q, batch, *, tau, chunk_rows):
 
 def time_faiss(x, q, batch, *, tau):
     try:
-        import faiss
+        faiss = import_faiss()
     except ImportError:
         return None, None
     index = faiss.IndexFlatIP(x.shape[1])

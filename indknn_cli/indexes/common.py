@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..candidates import COMPILED_MIN_QUERIES, exact_kernel_pairs
 from ..engine import EXACT_PAIR_BLOCK, Candidates, TooManyPairs, dot_threshold, exact_kernel, screening_margin
 from ..store import FeatureStore
 
@@ -181,7 +182,10 @@ class _FinderBase:
                 hi = min(bounds[t + 1], lo + EXACT_PAIR_BLOCK)
                 kap[lo:hi] = exact_kernel(vectors[vec_idx[lo:hi]], queries[t:t + 1], kernel=self.kernel, nu=self.nu)
 
-        _parallel_blocks(np.flatnonzero(bounds[1:] > bounds[:-1]).tolist(), exact_one)
+        if m >= COMPILED_MIN_QUERIES:  # a large batch (public): the compiled recompute, the same bits
+            kap = exact_kernel_pairs(vectors, vec_idx, queries, qi, kernel=self.kernel, nu=self.nu, compiled=True)
+        else:
+            _parallel_blocks(np.flatnonzero(bounds[1:] > bounds[:-1]).tolist(), exact_one)
         ok = kap >= self.tau
         self.last["candidate_pairs"] = int(ok.sum())
         qi, rows, kap = qi[ok], rows[ok], kap[ok]

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
+from ..candidates import import_faiss
 from ..engine import Candidates, dot_threshold
 from ..errors import BadInputError, PrivacyRefusedError
 from ..store import FeatureStore, normalize_rows
@@ -31,7 +32,7 @@ class IvfIndex:
     @classmethod
     def train(cls, public: np.ndarray, *, nlist: int, seed: int, niter: int = KMEANS_NITER) -> "IvfIndex":
         """Spherical k-means (faiss-cpu, seeded) on *public* vectors; the result never sees a private row."""
-        import faiss
+        faiss = import_faiss()
 
         public = np.ascontiguousarray(public, dtype=np.float32)
         if nlist < 1:

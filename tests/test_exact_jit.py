@@ -1,0 +1,167 @@
+"""The compiled float64 recompute (indknn_cli/exact_jit.py) gives numpy's bits, and the engine falls back to
+numpy's path wherever it would not (issue 21)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indknn_cli import candidates, exact_jit
+from indknn_cli.candidates import ArraySource, exact_kernel_pairs, find_candidates
+from indknn_cli.store import normalize_rows
+
+pytestmark = pytest.mark.skipif(not exact_jit.available(), reason="numba is not installed")
+
+
+def _numpy(x, xi, q, qi, kernel):
+    if kernel == "cosine":
+        return np.multiply(x[xi], q[qi], dtype=np.float64).sum(axis=1)
+    diff = np.subtract(x[xi], q[qi], dtype=np.float64)
+    return (diff * diff).sum(axis=1)
+
+
+def test_the_plan_is_numpys_pairwise_split():
+    """Closed forms of numpy's split (PW_BLOCKSIZE 128, halves rounded down to a multiple of 8)."""
+    assert exact_jit.pairwise_plan(0).tolist() == [[0, 0]]
+    assert exact_jit.pairwise_plan(5).tolist() == [[0, 5]]
+    assert exact_jit.pairwise_plan(128).tolist() == [[0, 128]]
+    assert exact_jit.pairwise_plan(129).tolist() == [[0, 64], [64, 65], [-1, 0]]
+    # 384 = 192 + 192 = (96 + 96) + (96 + 96)
+    assert exact_jit.pairwise_plan(384).tolist() == [[0, 96], [96, 96], [-1, 0], [192, 96], [288, 96], [-1, 0],
+                                                    [-1, 0]]
+    for d in (1, 100, 257, 768, 1000, 4097):
+        plan = exact_jit.pairwise_plan(d)
+        leaves = plan[plan[:, 0] >= 0]
+        assert leaves[0, 0] == 0 and (leaves[1:, 0] == np.cumsum(leaves[:, 1])[:-1]).all()
+        assert leaves[:, 1].sum() == d and (leaves[:, 1] <= 128).all()
+        assert (plan[:, 0] < 0).sum() == len(leaves) - 1
+    with pytest.raises(ValueError, match="-1"):
+        exact_jit.pairwise_plan(-1)
+
+
+@pytest.mark.parametrize("kernel", ["cosine", "rbf"])
+def test_compiled_sums_are_numpys_bits_at_every_width(kernel):
+    """Every width 1…300 (all leaf shapes: fewer than 8 terms, 8-sum blocks with remainders, one split) and
+    the common embedding widths; unsorted and repeated pairs; float32 and float64 operands."""
+    rng = np.random.default_rng(7)
+    for d in list(range(1, 301)) + [383, 384, 385, 512, 768, 1000, 1024, 1536]:
+        x = normalize_rows(rng.standard_normal((30, d))).astype(np.float32)
+        q = normalize_rows(rng.standard_normal((12, d))).astype(np.float32)
+        xi = rng.integers(0, 30, 200)
+        qi = rng.integers(0, 12, 200)
+        got = exact_jit.pair_sums(x, xi, q, qi, kernel=kernel)
+        assert np.array_equal(got.view(np.int64), _numpy(x, xi, q, qi, kernel).view(np.int64)), d
+    x64 = x.astype(np.float64) * 3.0
+    got = exact_jit.pair_sums(x64, xi, q, qi, kernel=kernel)
+    assert got.tolist() == _numpy(x64, xi, q, qi, kernel).tolist()
+
+
+magnitudes = st.integers(-70, 70)
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=st.integers(1, 700), seed=st.integers(0, 2**32 - 1), spread=magnitudes,
+       kernel=st.sampled_from(["cosine", "rbf"]), cancel=st.booleans())
+def test_compiled_sums_equal_numpy_on_wide_and_cancelling_values(d, seed, spread, kernel, cancel):
+    """Property: terms spanning many binades (so every addition rounds), or pairs that nearly cancel (a
+    query that is a row's negation or a tiny perturbation of it), sum to numpy's bits."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((6, d)) * np.exp2(rng.integers(-abs(spread), abs(spread) + 1, (6, d))))
+    x = x.astype(np.float32)
+    q = (-x if kernel == "cosine" else x + np.float32(1e-6) * x) if cancel else rng.standard_normal((6, d))
+    q = q.astype(np.float32)
+    xi = rng.integers(0, 6, 40)
+    qi = rng.integers(0, 6, 40)
+    got = exact_jit.pair_sums(x, xi, q, qi, kernel=kernel)
+    want = _numpy(x, xi, q, qi, kernel)
+    assert got.tolist() == want.tolist()
+
+
+def test_bad_arguments_are_refused_before_the_compiled_loop_reads_memory():
+    x = np.ones((3, 8), np.float32)
+    with pytest.raises(IndexError):
+        exact_jit.pair_sums(x, np.array([3]), x, np.array([0]), kernel="cosine")
+    with pytest.raises(IndexError):
+        exact_jit.pair_sums(x, np.array([0]), x, np.array([-1]), kernel="cosine")
+    with pytest.raises(ValueError, match="widths"):
+        exact_jit.pair_sums(x, np.array([0]), np.ones((3, 9), np.float32), np.array([0]), kernel="cosine")
+    with pytest.raises(ValueError, match="'laplace'"):
+        exact_jit.pair_sums(x, np.array([0]), x, np.array([0]), kernel="laplace")
+    with pytest.raises(ValueError, match="int32"):
+        exact_jit.pair_sums(x.astype(np.int32), np.array([0]), x, np.array([0]), kernel="cosine")
+    assert exact_jit.pair_sums(x, np.array([], int), x, np.array([], int), kernel="cosine").size == 0
+
+
+@pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.3, None), ("rbf", 0.5, 1.6)])
+def test_a_large_batch_takes_the_compiled_path_and_gets_the_same_candidates(kernel, tau, nu, monkeypatch):
+    """find_candidates with a batch of COMPILED_MIN_QUERIES queries or more uses exact_jit (counted), and its
+    candidate rows and κ are bit for bit those of numpy's path (the same batch with the path forced off)."""
+    rng = np.random.default_rng(3)
+    d = 40
+    X = normalize_rows(rng.standard_normal((3000, d))).astype(np.float32)
+    Q = normalize_rows(X[rng.integers(0, 3000, 300)] + 0.6 * rng.standard_normal((300, d))).astype(np.float32)
+    calls = []
+    real = exact_jit.pair_sums
+    monkeypatch.setattr(exact_jit, "pair_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = find_candidates(Q, ArraySource(X, rows=700), kernel=kernel, tau=tau, nu=nu, device="cpu")
+    assert calls, "a batch of 300 queries should take the compiled path"
+    monkeypatch.setattr(candidates, "COMPILED_MIN_QUERIES", 10**9)
+    calls.clear()
+    want = find_candidates(Q, ArraySource(X, rows=700), kernel=kernel, tau=tau, nu=nu, device="cpu")
+    assert not calls
+    assert sum(len(r) for r in want.rows) > 3000
+    for t in range(len(Q)):
+        assert got.rows[t].tolist() == want.rows[t].tolist()
+        assert got.kappa[t].tolist() == want.kappa[t].tolist()
+
+
+def test_a_compiled_path_that_disagrees_with_numpy_is_not_used(monkeypatch):
+    """If the compiled sums ever differ from numpy's on this machine (a numpy that changed its summation),
+    the probe catches it and exact_kernel_pairs keeps numpy's numbers."""
+    real = exact_jit.pair_sums
+
+    def off_by_one_ulp(*a, **k):
+        return np.nextafter(real(*a, **k), np.inf)
+
+    monkeypatch.setattr(exact_jit, "pair_sums", off_by_one_ulp)
+    monkeypatch.setattr(exact_jit, "_agrees", {})
+    rng = np.random.default_rng(1)
+    X = normalize_rows(rng.standard_normal((50, 24))).astype(np.float32)
+    xi = rng.integers(0, 50, 300)
+    qi = rng.integers(0, 50, 300)
+    assert not exact_jit.agrees_with_numpy(24, kernel="cosine")
+    got = exact_kernel_pairs(X, xi, X, qi, kernel="cosine", nu=None, compiled=True)
+    assert got.tolist() == exact_kernel_pairs(X, xi, X, qi, kernel="cosine", nu=None).tolist()
+    assert got.tolist() != off_by_one_ulp(X, xi, X, qi, kernel="cosine").tolist()
+
+
+@pytest.mark.parametrize("kind", ["lsh", "ivf"])
+def test_index_finders_take_the_compiled_path_for_large_batches_with_the_same_candidates(tmp_path, kind,
+                                                                                        monkeypatch):
+    """LSH and IVF (covering settings) answer a 300-query batch through exact_jit, with the flat scan's numpy
+    candidates bit for bit."""
+    from indknn_cli import indexes
+
+    from .conftest import clustered
+    from .test_indexes import make_store
+
+    x, y, _ = clustered(400, 12, 3, seed=11)
+    q, _, _ = clustered(300, 12, 3, seed=12)
+    pub, _, _ = clustered(300, 12, 3, seed=13)
+    store = make_store(tmp_path / "s.zarr", x, y, public=pub)
+    opts = dict(tables=48, bits=1, seed=5) if kind == "lsh" else dict(nlist=8, nprobe=8, seed=5)
+    indexes.build(store, kind=kind, **opts)
+    finder = indexes.open_finder(store, kernel="cosine", tau=0.3, nu=None)
+    calls = []
+    real = exact_jit.pair_sums
+    monkeypatch.setattr(exact_jit, "pair_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = finder(q)
+    assert calls
+    monkeypatch.setattr(candidates, "COMPILED_MIN_QUERIES", 10**9)
+    flat = find_candidates(q, ArraySource(x), kernel="cosine", tau=0.3, nu=None, device="cpu")
+    assert sum(len(r) for r in flat.rows) > 1000
+    for t in range(len(q)):
+        assert got.rows[t].tolist() == flat.rows[t].tolist()
+        assert got.kappa[t].tolist() == flat.kappa[t].tolist()
