@@ -12,6 +12,7 @@ filter that reads these candidates is :mod:`indknn_cli.engine`.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
@@ -74,8 +75,14 @@ def exact_kernel_pairs(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndar
         from . import exact_jit
 
         if exact_jit.agrees_with_numpy(x.shape[1], kernel=kernel, x_dtype=x.dtype, q_dtype=q.dtype):
-            kap = exact_jit.pair_sums(x, xi, q, qi, kernel=kernel)
-            return kap if kernel == "cosine" else np.exp(-kap / (nu * nu))
+            try:
+                kap = exact_jit.pair_sums(x, xi, q, qi, kernel=kernel)
+            except (IndexError, ValueError):
+                raise  # the caller's own mistake, as numpy's path would raise it
+            except Exception:  # the compiled path failed here: numpy's path gives the same numbers
+                kap = None
+            if kap is not None:
+                return kap if kernel == "cosine" else np.exp(-kap / (nu * nu))
     xi = np.asarray(xi, dtype=np.int64)
     qi = np.asarray(qi, dtype=np.int64)
     order = None
@@ -259,32 +266,37 @@ def _openblas_coretype(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     return None
 
 
+_FAISS_LOCK = threading.Lock()
+
+
 def import_faiss():
     """faiss, loaded so that its products run at the CPU's speed.
 
     The faiss-cpu wheel bundles OpenBLAS 0.3.15, which does not recognise recent CPUs and falls back to its
-    SSE3 kernels ("Prescott"): on this project's Xeon (AVX-512) FAISS's products ran ~4× slower than torch's
-    (README, issue 21). Unless the caller set ``OPENBLAS_CORETYPE``, it is set from the CPU's own feature
+    SSE3 kernels ("Prescott"): on this project's Xeon (AVX-512) FAISS's range search took 5.7× the CPU seconds
+    (9.4 s against 1.65 s for 50,000 rows against 2,048 queries, d = 768; README, issue 21). Unless the caller set ``OPENBLAS_CORETYPE``, it is set from the CPU's own feature
     flags (:func:`_openblas_coretype`, never a family the CPU lacks) while faiss loads its OpenBLAS, then
     removed again, so numpy's and scipy's own OpenBLAS and child processes are unaffected. The fp32 screen's
-    values may change in their last bits, within the screening margin; every candidate's κ is recomputed
-    exactly, so no candidate or answer changes (tests/test_exact_jit.py). Also ``OMP_WAIT_POLICY=PASSIVE``
+    values may change in their last bits, within the screening margin (:func:`screening_margin` bounds any
+    fp32 summation order), and every screened pair's κ is recomputed exactly, so no candidate or answer
+    changes. Also ``OMP_WAIT_POLICY=PASSIVE``
     (:func:`_passive_openmp`).
     """
     import os
     import sys
 
-    if "faiss" in sys.modules:
-        return sys.modules["faiss"]
-    _passive_openmp("faiss")
-    core = None if "OPENBLAS_CORETYPE" in os.environ else _openblas_coretype()
-    if core:
-        os.environ["OPENBLAS_CORETYPE"] = core
-    try:
-        import faiss
-    finally:
+    with _FAISS_LOCK:  # one thread loads faiss; the variable is set and removed by that thread alone
+        core = None
+        if "faiss" not in sys.modules:
+            _passive_openmp("faiss")
+            core = None if "OPENBLAS_CORETYPE" in os.environ else _openblas_coretype()
         if core:
-            os.environ.pop("OPENBLAS_CORETYPE", None)
+            os.environ["OPENBLAS_CORETYPE"] = core
+        try:
+            import faiss
+        finally:
+            if core:
+                os.environ.pop("OPENBLAS_CORETYPE", None)
     return faiss
 
 

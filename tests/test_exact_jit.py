@@ -165,3 +165,90 @@ def test_index_finders_take_the_compiled_path_for_large_batches_with_the_same_ca
     for t in range(len(q)):
         assert got.rows[t].tolist() == flat.rows[t].tolist()
         assert got.kappa[t].tolist() == flat.kappa[t].tolist()
+
+
+def test_a_call_cut_across_threads_gives_the_same_bits():
+    """A large call's runs of pairs on several threads (each pair summed by itself) equal one thread's."""
+    rng = np.random.default_rng(9)
+    x = normalize_rows(rng.standard_normal((500, 20))).astype(np.float32)
+    q = normalize_rows(rng.standard_normal((70, 20))).astype(np.float32)
+    n = 4 * exact_jit.PAIRS_PER_THREAD + 123
+    xi = rng.integers(0, 500, n)
+    qi = rng.integers(0, 70, n)
+    for kernel in ("cosine", "rbf"):
+        one = exact_jit.pair_sums(x, xi, q, qi, kernel=kernel, threads=1)
+        for threads in (2, 3, 8):
+            assert exact_jit.pair_sums(x, xi, q, qi, kernel=kernel, threads=threads).tolist() == one.tolist()
+        assert one.tolist() == _numpy(x, xi, q, qi, kernel).tolist()
+
+
+def test_a_negative_zero_sum_is_numpys_positive_zero():
+    """numpy's reduction adds the pairwise sum to its identity 0.0, so products that are all −0.0 sum to +0.0
+    (at every width: one leaf, 8-sum leaves, split runs); the compiled path gives the same sign."""
+    for d in (3, 8, 16, 200):
+        x = np.full((2, d), -0.0, np.float32)
+        x[1] = 0.5
+        q = np.zeros((2, d), np.float32)
+        q[1] = -0.0
+        xi, qi = np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])
+        for kernel in ("cosine", "rbf"):
+            got = exact_jit.pair_sums(x, xi, q, qi, kernel=kernel)
+            assert got.view(np.int64).tolist() == _numpy(x, xi, q, qi, kernel).view(np.int64).tolist(), (d, kernel)
+
+
+def test_concurrent_callers_of_every_size_get_numpys_numbers_and_no_error():
+    """Several threads (as Dask worker threads do) calling at once, small calls and calls cut across the
+    shared pool mixed: every result is numpy's, nothing raises."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(4)
+    x = normalize_rows(rng.standard_normal((400, 16))).astype(np.float32)
+    sizes = [10, 3 * exact_jit.PAIRS_PER_THREAD, 500, 5 * exact_jit.PAIRS_PER_THREAD + 7, 1, 70000, 2, 9000]
+    work = [(rng.integers(0, 400, n), rng.integers(0, 400, n)) for n in sizes]
+    want = [exact_kernel_pairs(x, xi, x, qi, kernel="cosine", nu=None) for xi, qi in work]
+    with ThreadPoolExecutor(len(work)) as pool:
+        for _round in range(5):
+            got = list(pool.map(lambda w: exact_kernel_pairs(x, w[0], x, w[1], kernel="cosine", nu=None,
+                                                             compiled=True), work))
+            assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+def _child_sums(x, xi, out_queue):
+    out_queue.put(exact_jit.pair_sums(x, xi, x, xi[::-1].copy(), kernel="cosine", threads=2).tolist())
+
+
+def test_a_forked_child_gets_a_pool_of_its_own():
+    """A child forked after the parent's pool started would otherwise wait forever on the parent's threads."""
+    import multiprocessing
+
+    rng = np.random.default_rng(6)
+    x = normalize_rows(rng.standard_normal((300, 12))).astype(np.float32)
+    xi = rng.integers(0, 300, 3 * exact_jit.PAIRS_PER_THREAD)
+    want = exact_jit.pair_sums(x, xi, x, xi[::-1].copy(), kernel="cosine", threads=2)  # the parent's pool
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_sums, args=(x, xi, queue))
+    child.start()
+    got = queue.get(timeout=120)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert got == want.tolist()
+
+
+def test_a_failing_compiled_path_falls_back_to_numpy_and_raises_nothing(monkeypatch):
+    """Whether the recompute runs at all depends on the private data (no screened pair, no call), so a
+    failure of the compiled path (a damaged numba cache, say) must not surface: numpy's numbers instead."""
+    rng = np.random.default_rng(2)
+    X = normalize_rows(rng.standard_normal((60, 32))).astype(np.float32)
+    xi = rng.integers(0, 60, 500)
+    qi = rng.integers(0, 60, 500)
+    want = exact_kernel_pairs(X, xi, X, qi, kernel="rbf", nu=1.2)
+
+    def broken(*a, **k):
+        raise RuntimeError("damaged cache index")
+
+    monkeypatch.setattr(exact_jit, "pair_sums", broken)
+    assert exact_kernel_pairs(X, xi, X, qi, kernel="rbf", nu=1.2, compiled=True).tolist() == want.tolist()
+    monkeypatch.setattr(exact_jit, "_agrees", {})
+    assert exact_jit.agrees_with_numpy(32, kernel="rbf") is False
+    assert exact_kernel_pairs(X, xi, X, qi, kernel="rbf", nu=1.2, compiled=True).tolist() == want.tolist()

@@ -10,7 +10,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..candidates import COMPILED_MIN_QUERIES, exact_kernel_pairs
+from .. import candidates as _candidates
+from ..candidates import exact_kernel_pairs
 from ..engine import EXACT_PAIR_BLOCK, Candidates, TooManyPairs, dot_threshold, exact_kernel, screening_margin
 from ..store import FeatureStore
 
@@ -182,7 +183,7 @@ class _FinderBase:
                 hi = min(bounds[t + 1], lo + EXACT_PAIR_BLOCK)
                 kap[lo:hi] = exact_kernel(vectors[vec_idx[lo:hi]], queries[t:t + 1], kernel=self.kernel, nu=self.nu)
 
-        if m >= COMPILED_MIN_QUERIES:  # a large batch (public): the compiled recompute, the same bits
+        if m >= _candidates.COMPILED_MIN_QUERIES:  # a large batch (public): the compiled recompute, same bits
             kap = exact_kernel_pairs(vectors, vec_idx, queries, qi, kernel=self.kernel, nu=self.nu, compiled=True)
         else:
             _parallel_blocks(np.flatnonzero(bounds[1:] > bounds[:-1]).tolist(), exact_one)
