@@ -43,22 +43,17 @@ def main() -> None:
     index = faiss.IndexFlatIP(a.d)
     index.add(x)
     spent = {"screen": 0.0, "sums": 0.0}
-    real_screen, real_sums = candidates._screen_cpu, exact_jit.pair_sums
 
-    def screen(*args, **kw):
-        t = time.process_time()
-        try:
-            return real_screen(*args, **kw)
-        finally:
-            spent["screen"] += time.process_time() - t
+    def timed(name, fn):
+        def wrapper(*args, **kw):
+            t = time.process_time()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[name] += time.process_time() - t
+        return wrapper
 
-    def sums(*args, **kw):
-        t = time.process_time()
-        try:
-            return real_sums(*args, **kw)
-        finally:
-            spent["sums"] += time.process_time() - t
-
+    screen, sums = timed("screen", candidates._screen_cpu), timed("sums", exact_jit.pair_sums)
     candidates._screen_cpu, exact_jit.pair_sums = screen, sums
     default_min = candidates.COMPILED_MIN_QUERIES
     rows = {"numpy": [], "compiled": []}

@@ -18,6 +18,12 @@ compares it with numpy on probe data on the running machine; any difference or f
 ``candidates.exact_kernel_pairs`` on numpy's path (same numbers, slower), so a numpy that changed its
 summation, or a broken numba, changes no candidate and raises nothing. tests/test_exact_jit.py pins the
 bits on random, near-cancelling, signed-zero and extreme-magnitude data.
+
+The kernels are in :mod:`indknn_cli.exact_jit_kernels`, imported on first use (batches of at least
+``candidates.COMPILED_MIN_QUERIES`` queries): the first process on a machine compiles them (about 5 s
+here) into numba's on-disk cache (``__pycache__`` beside the module, else numba's per-user cache
+directory, or ``NUMBA_CACHE_DIR``); later processes load them (numba's import and the load: ~0.45 s).
+``INDKNN_EXACT_THREADS`` caps the threads a large call is cut across (default: the process's cores, ≤ 8).
 """
 
 from __future__ import annotations
@@ -63,198 +69,14 @@ def _compile() -> dict | None:
         if _kernels is not None:
             return _kernels or None
         try:
-            import numba
-        except Exception:  # not installed, or a broken install: numpy's path is the same numbers
+            from . import exact_jit_kernels
+        except Exception:  # numba not installed, or a broken install: numpy's path is the same numbers
             _kernels = {}
             return None
-        _kernels = _build(numba)
+        _kernels = {"pair_sums": exact_jit_kernels.pair_sums}
         return _kernels
 
 
-def _build(numba) -> dict:
-    def jit(**kw):
-        def wrap(fn):
-            try:
-                return numba.njit(cache=True, **kw)(fn)
-            except Exception:  # no writable cache location: compile per process instead
-                return numba.njit(**kw)(fn)
-        return wrap
-
-    @jit(nogil=True, inline="always")
-    def term(x, q, i, cosine):
-        if cosine:
-            return np.float64(x[i]) * np.float64(q[i])
-        dd = np.float64(x[i]) - np.float64(q[i])
-        return dd * dd
-
-    @jit(nogil=True, inline="always")
-    def leaf(x, q, a, n, cosine):
-        if n < 8:
-            res = 0.0
-            for i in range(a, a + n):
-                res += term(x, q, i, cosine)
-            return res
-        r0 = term(x, q, a, cosine)
-        r1 = term(x, q, a + 1, cosine)
-        r2 = term(x, q, a + 2, cosine)
-        r3 = term(x, q, a + 3, cosine)
-        r4 = term(x, q, a + 4, cosine)
-        r5 = term(x, q, a + 5, cosine)
-        r6 = term(x, q, a + 6, cosine)
-        r7 = term(x, q, a + 7, cosine)
-        i = a + 8
-        m = a + n - n % 8
-        while i < m:
-            r0 += term(x, q, i, cosine)
-            r1 += term(x, q, i + 1, cosine)
-            r2 += term(x, q, i + 2, cosine)
-            r3 += term(x, q, i + 3, cosine)
-            r4 += term(x, q, i + 4, cosine)
-            r5 += term(x, q, i + 5, cosine)
-            r6 += term(x, q, i + 6, cosine)
-            r7 += term(x, q, i + 7, cosine)
-            i += 8
-        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-        while i < a + n:
-            res += term(x, q, i, cosine)
-            i += 1
-        return res
-
-    @jit(nogil=True, inline="always")
-    def leaf4(x0, q0, x1, q1, x2, q2, x3, q3, a, n, cosine):
-        """``leaf`` of four pairs at once (n ≥ 8): four independent sets of running sums, so the additions
-        of one pair wait on the previous ones less (numpy's 8 sums are one dependent chain per SIMD lane);
-        each pair's sums are still its own, in numpy's order."""
-        a0 = term(x0, q0, a, cosine)
-        a1 = term(x0, q0, a + 1, cosine)
-        a2 = term(x0, q0, a + 2, cosine)
-        a3 = term(x0, q0, a + 3, cosine)
-        a4 = term(x0, q0, a + 4, cosine)
-        a5 = term(x0, q0, a + 5, cosine)
-        a6 = term(x0, q0, a + 6, cosine)
-        a7 = term(x0, q0, a + 7, cosine)
-        b0 = term(x1, q1, a, cosine)
-        b1 = term(x1, q1, a + 1, cosine)
-        b2 = term(x1, q1, a + 2, cosine)
-        b3 = term(x1, q1, a + 3, cosine)
-        b4 = term(x1, q1, a + 4, cosine)
-        b5 = term(x1, q1, a + 5, cosine)
-        b6 = term(x1, q1, a + 6, cosine)
-        b7 = term(x1, q1, a + 7, cosine)
-        c0 = term(x2, q2, a, cosine)
-        c1 = term(x2, q2, a + 1, cosine)
-        c2 = term(x2, q2, a + 2, cosine)
-        c3 = term(x2, q2, a + 3, cosine)
-        c4 = term(x2, q2, a + 4, cosine)
-        c5 = term(x2, q2, a + 5, cosine)
-        c6 = term(x2, q2, a + 6, cosine)
-        c7 = term(x2, q2, a + 7, cosine)
-        d0 = term(x3, q3, a, cosine)
-        d1 = term(x3, q3, a + 1, cosine)
-        d2 = term(x3, q3, a + 2, cosine)
-        d3 = term(x3, q3, a + 3, cosine)
-        d4 = term(x3, q3, a + 4, cosine)
-        d5 = term(x3, q3, a + 5, cosine)
-        d6 = term(x3, q3, a + 6, cosine)
-        d7 = term(x3, q3, a + 7, cosine)
-        i = a + 8
-        m = a + n - n % 8
-        while i < m:
-            a0 += term(x0, q0, i, cosine)
-            a1 += term(x0, q0, i + 1, cosine)
-            a2 += term(x0, q0, i + 2, cosine)
-            a3 += term(x0, q0, i + 3, cosine)
-            a4 += term(x0, q0, i + 4, cosine)
-            a5 += term(x0, q0, i + 5, cosine)
-            a6 += term(x0, q0, i + 6, cosine)
-            a7 += term(x0, q0, i + 7, cosine)
-            b0 += term(x1, q1, i, cosine)
-            b1 += term(x1, q1, i + 1, cosine)
-            b2 += term(x1, q1, i + 2, cosine)
-            b3 += term(x1, q1, i + 3, cosine)
-            b4 += term(x1, q1, i + 4, cosine)
-            b5 += term(x1, q1, i + 5, cosine)
-            b6 += term(x1, q1, i + 6, cosine)
-            b7 += term(x1, q1, i + 7, cosine)
-            c0 += term(x2, q2, i, cosine)
-            c1 += term(x2, q2, i + 1, cosine)
-            c2 += term(x2, q2, i + 2, cosine)
-            c3 += term(x2, q2, i + 3, cosine)
-            c4 += term(x2, q2, i + 4, cosine)
-            c5 += term(x2, q2, i + 5, cosine)
-            c6 += term(x2, q2, i + 6, cosine)
-            c7 += term(x2, q2, i + 7, cosine)
-            d0 += term(x3, q3, i, cosine)
-            d1 += term(x3, q3, i + 1, cosine)
-            d2 += term(x3, q3, i + 2, cosine)
-            d3 += term(x3, q3, i + 3, cosine)
-            d4 += term(x3, q3, i + 4, cosine)
-            d5 += term(x3, q3, i + 5, cosine)
-            d6 += term(x3, q3, i + 6, cosine)
-            d7 += term(x3, q3, i + 7, cosine)
-            i += 8
-        s0 = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
-        s1 = ((b0 + b1) + (b2 + b3)) + ((b4 + b5) + (b6 + b7))
-        s2 = ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7))
-        s3 = ((d0 + d1) + (d2 + d3)) + ((d4 + d5) + (d6 + d7))
-        while i < a + n:
-            s0 += term(x0, q0, i, cosine)
-            s1 += term(x1, q1, i, cosine)
-            s2 += term(x2, q2, i, cosine)
-            s3 += term(x3, q3, i, cosine)
-            i += 1
-        return s0, s1, s2, s3
-
-    @jit(nogil=True)
-    def pair_sums(x, xi, q, qi, ops, cosine, out):
-        k = ops.shape[0]
-        n = xi.shape[0]
-        # Four pairs at a time where every leaf has 8 or more terms (d ≥ 8), one at a time otherwise.
-        four = 0 if x.shape[1] < 8 else n - n % 4
-        st = np.empty((4, 64))
-        for p in range(0, four, 4):
-            x0 = x[xi[p]]
-            q0 = q[qi[p]]
-            x1 = x[xi[p + 1]]
-            q1 = q[qi[p + 1]]
-            x2 = x[xi[p + 2]]
-            q2 = q[qi[p + 2]]
-            x3 = x[xi[p + 3]]
-            q3 = q[qi[p + 3]]
-            top = 0
-            for j in range(k):
-                a = ops[j, 0]
-                if a < 0:
-                    top -= 1
-                    for w in range(4):
-                        st[w, top - 1] = st[w, top - 1] + st[w, top]
-                else:
-                    v0, v1, v2, v3 = leaf4(x0, q0, x1, q1, x2, q2, x3, q3, a, ops[j, 1], cosine)
-                    st[0, top] = v0
-                    st[1, top] = v1
-                    st[2, top] = v2
-                    st[3, top] = v3
-                    top += 1
-            out[p] = 0.0 + st[0, 0]  # numpy's reduction adds the sum to its identity, 0.0 (−0.0 → 0.0)
-            out[p + 1] = 0.0 + st[1, 0]
-            out[p + 2] = 0.0 + st[2, 0]
-            out[p + 3] = 0.0 + st[3, 0]
-        stack = np.empty(64)  # depth ≤ log2(d / 128) + 2
-        for p in range(four, n):
-            xr = x[xi[p]]
-            qr = q[qi[p]]
-            top = 0
-            for j in range(k):
-                a = ops[j, 0]
-                if a < 0:
-                    top -= 1
-                    stack[top - 1] = stack[top - 1] + stack[top]
-                else:
-                    stack[top] = leaf(xr, qr, a, ops[j, 1], cosine)
-                    top += 1
-            out[p] = 0.0 + stack[0]
-
-    return {"pair_sums": pair_sums}
 
 
 def available() -> bool:
@@ -269,6 +91,8 @@ _pool: dict = {}
 
 def default_threads() -> int:
     """Threads for a large call: the cores this process may run on, at most 8."""
+    if os.environ.get("INDKNN_EXACT_THREADS"):
+        return max(1, int(os.environ["INDKNN_EXACT_THREADS"]))
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

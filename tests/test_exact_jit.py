@@ -252,3 +252,24 @@ def test_a_failing_compiled_path_falls_back_to_numpy_and_raises_nothing(monkeypa
     monkeypatch.setattr(exact_jit, "_agrees", {})
     assert exact_jit.agrees_with_numpy(32, kernel="rbf") is False
     assert exact_kernel_pairs(X, xi, X, qi, kernel="rbf", nu=1.2, compiled=True).tolist() == want.tolist()
+
+
+_CACHE_PROBE = r"""
+import json
+from indknn_cli import exact_jit, exact_jit_kernels
+assert exact_jit.agrees_with_numpy(24, kernel="cosine")
+s = exact_jit_kernels.pair_sums.stats
+print(json.dumps({"hits": sum(s.cache_hits.values()), "misses": sum(s.cache_misses.values())}))
+"""
+
+
+def test_the_next_process_loads_the_kernels_from_numbas_cache_instead_of_compiling():
+    """The kernels live at module level (exact_jit_kernels), so numba's on-disk cache serves the next process:
+    kernels defined inside a function were compiled anew by every process (seconds per serve-queries run)."""
+    import json
+    import subprocess
+    import sys
+
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _CACHE_PROBE], capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[1]["hits"] >= 1 and runs[1]["misses"] == 0, runs
