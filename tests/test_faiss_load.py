@@ -1,5 +1,5 @@
 """faiss is loaded with its bundled OpenBLAS told the CPU's kernel family (candidates.import_faiss, issue 21):
-the wheel's OpenBLAS 0.3.15 takes recent Xeons for a 2004 "Prescott" and runs its products ~5× slower."""
+the wheel's OpenBLAS 0.3.15 takes recent Xeons for a 2004 "Prescott" and runs its products 4–6× slower."""
 
 from __future__ import annotations
 
