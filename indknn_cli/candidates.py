@@ -118,9 +118,28 @@ def exact_kernel_pairs(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndar
     return out
 
 
-#: Batches of at least this many queries recompute κ with the compiled path (exact_jit); smaller ones with
-#: numpy's (no numba import or compile for a small cron batch). A public figure; the bits are the same.
+#: A batch recomputes κ with the compiled path (exact_jit) when it has at least COMPILED_MIN_QUERIES queries
+#: and queries × rows scanned reach COMPILED_MIN_PRODUCTS; numpy's path otherwise. The compiled path costs a
+#: process numba's import and the kernels' load (~0.45 s) and saves ~1 µs per candidate pair: a cron batch of
+#: 1,000 queries against 5,000 rows lost 0.6 s per process to it (README, issue 21). The figures decide only
+#: the speed: both paths give the same bits. They read the batch size and the number of rows the operator
+#: stores, not which rows lie near the queries.
 COMPILED_MIN_QUERIES = 256
+COMPILED_MIN_PRODUCTS = 1 << 25  # 33.5 M query-row products, e.g. 1,024 queries × 32,768 rows
+
+
+def use_compiled(m: int, rows: int | None) -> bool:
+    """Whether a batch of ``m`` queries against ``rows`` rows (None: unknown) takes the compiled recompute."""
+    return m >= COMPILED_MIN_QUERIES and (rows is None or m * rows >= COMPILED_MIN_PRODUCTS)
+
+
+def _source_rows(source) -> int | None:
+    """Rows of a chunk source, where it knows them without reading them."""
+    if isinstance(source, ArraySource):
+        return int(source.features.shape[0])
+    if isinstance(source, StoreSource):
+        return int(source.store.n_rows(source.role))
+    return None
 
 
 class ChunkSource(Protocol):
@@ -379,10 +398,10 @@ def find_candidates(
     q_np = np.ascontiguousarray(queries, dtype=np.float32)
     q_t = torch.from_numpy(q_np).to(dev) if dev.type != "cpu" else None
     q_index = _query_index(q_np) if dev.type == "cpu" and screen > -1.0 else None
-    # The recompute: compiled (exact_jit, reads the float32 queries in place) for batches of at least
-    # COMPILED_MIN_QUERIES queries, a public figure; numpy's path (queries cast once per batch, exact, and
-    # gathered per pair) otherwise, which spares a small cron batch numba's import. Same bits either way.
-    compiled = m >= COMPILED_MIN_QUERIES
+    # The recompute: compiled (exact_jit, reads the float32 queries in place) for large batches
+    # (use_compiled); numpy's path (queries cast once per batch, exact, and gathered per pair) otherwise,
+    # which spares a small cron batch numba's import. Same bits either way.
+    compiled = use_compiled(m, _source_rows(source))
     q_exact = q_np if compiled else np.asarray(queries, dtype=np.float64)
     parts_q: list[np.ndarray] = []
     parts_rows: list[np.ndarray] = []

@@ -20,7 +20,7 @@ summation, or a broken numba, changes no candidate and raises nothing. tests/tes
 bits on random, near-cancelling, signed-zero and extreme-magnitude data.
 
 The kernels are in :mod:`indknn_cli.exact_jit_kernels`, imported on first use (batches of at least
-``candidates.COMPILED_MIN_QUERIES`` queries): the first process on a machine compiles them (about 5 s
+queries against many rows: ``candidates.use_compiled``): the first process on a machine compiles them (about 5 s
 here) into numba's on-disk cache (``__pycache__`` beside the module, else numba's per-user cache
 directory, or ``NUMBA_CACHE_DIR``); later processes load them (numba's import and the load: ~0.45 s).
 ``INDKNN_EXACT_THREADS`` caps the threads a large call is cut across (default: the process's cores, ≤ 8).

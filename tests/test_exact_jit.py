@@ -98,6 +98,7 @@ def test_bad_arguments_are_refused_before_the_compiled_loop_reads_memory():
 def test_a_large_batch_takes_the_compiled_path_and_gets_the_same_candidates(kernel, tau, nu, monkeypatch):
     """find_candidates with a batch of COMPILED_MIN_QUERIES queries or more uses exact_jit (counted), and its
     candidate rows and κ are bit for bit those of numpy's path (the same batch with the path forced off)."""
+    monkeypatch.setattr(candidates, "COMPILED_MIN_PRODUCTS", 0)  # small arrays stand for a large store
     rng = np.random.default_rng(3)
     d = 40
     X = normalize_rows(rng.standard_normal((3000, d))).astype(np.float32)
@@ -151,6 +152,7 @@ def test_index_finders_take_the_compiled_path_for_large_batches_with_the_same_ca
     q, _, _ = clustered(300, 12, 3, seed=12)
     pub, _, _ = clustered(300, 12, 3, seed=13)
     store = make_store(tmp_path / "s.zarr", x, y, public=pub)
+    monkeypatch.setattr(candidates, "COMPILED_MIN_PRODUCTS", 0)
     opts = dict(tables=48, bits=1, seed=5) if kind == "lsh" else dict(nlist=8, nprobe=8, seed=5)
     indexes.build(store, kind=kind, **opts)
     finder = indexes.open_finder(store, kernel="cosine", tau=0.3, nu=None)
@@ -273,3 +275,33 @@ def test_the_next_process_loads_the_kernels_from_numbas_cache_instead_of_compili
     runs = [json.loads(subprocess.run([sys.executable, "-c", _CACHE_PROBE], capture_output=True, text=True,
                                       check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
     assert runs[1]["hits"] >= 1 and runs[1]["misses"] == 0, runs
+
+
+_SMALL_BATCH = r"""
+import json, sys
+import numpy as np
+from indknn_cli.candidates import ArraySource, find_candidates
+rng = np.random.default_rng(0)
+x = rng.standard_normal((int(sys.argv[1]), 32)).astype(np.float32)
+x /= np.linalg.norm(x, axis=1, keepdims=True)
+find_candidates(x[:1000] * 1, ArraySource(x), kernel="cosine", tau=0.3, nu=None, device="cpu")
+print(json.dumps("numba" in sys.modules))
+"""
+
+
+def test_a_cron_sized_batch_against_a_small_store_does_not_load_numba():
+    """1,000 queries against 5,000 rows (the year-of-cron bench's day) stay on numpy's path: numba's import
+    and load would add ~0.6 s to each such process and save almost nothing; 1,024 against 40,000 rows load it."""
+    import json
+    import subprocess
+    import sys
+
+    def loads_numba(rows):
+        out = subprocess.run([sys.executable, "-c", _SMALL_BATCH, str(rows)], capture_output=True, text=True,
+                             check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert loads_numba(5000) is False
+    assert loads_numba(40000) is True
+    assert not candidates.use_compiled(255, 10**9) and not candidates.use_compiled(1000, 5000)
+    assert candidates.use_compiled(1024, 32768) and candidates.use_compiled(256, None)
