@@ -77,10 +77,8 @@ def exact_kernel_pairs(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndar
         if exact_jit.agrees_with_numpy(x.shape[1], kernel=kernel, x_dtype=x.dtype, q_dtype=q.dtype):
             try:
                 kap = exact_jit.pair_sums(x, xi, q, qi, kernel=kernel)
-            except (IndexError, ValueError):
-                raise  # the caller's own mistake, as numpy's path would raise it
-            except Exception:  # the compiled path failed here: numpy's path gives the same numbers
-                kap = None
+            except Exception:  # whatever failed, numpy's path below gives the same numbers (or the same error
+                kap = None     # for a caller's mistake), so nothing here depends on whether pairs were found
             if kap is not None:
                 return kap if kernel == "cosine" else np.exp(-kap / (nu * nu))
     xi = np.asarray(xi, dtype=np.int64)
@@ -402,6 +400,10 @@ def find_candidates(
     # (use_compiled); numpy's path (queries cast once per batch, exact, and gathered per pair) otherwise,
     # which spares a small cron batch numba's import. Same bits either way.
     compiled = use_compiled(m, _source_rows(source))
+    if compiled:  # numba's import, the probe and any compile happen here, before a private row is read
+        from . import exact_jit
+
+        exact_jit.agrees_with_numpy(d, kernel=kernel, x_dtype=np.float32, q_dtype=np.float32)
     q_exact = q_np if compiled else np.asarray(queries, dtype=np.float64)
     parts_q: list[np.ndarray] = []
     parts_rows: list[np.ndarray] = []

@@ -19,8 +19,8 @@ compares it with numpy on probe data on the running machine; any difference or f
 summation, or a broken numba, changes no candidate and raises nothing. tests/test_exact_jit.py pins the
 bits on random, near-cancelling, signed-zero and extreme-magnitude data.
 
-The kernels are in :mod:`indknn_cli.exact_jit_kernels`, imported on first use (batches of at least
-queries against many rows: ``candidates.use_compiled``): the first process on a machine compiles them (about 5 s
+The kernels are in :mod:`indknn_cli.exact_jit_kernels`, imported when a batch is large enough
+(``candidates.use_compiled``: the batch size and the store's size), before any private row is read: the first process on a machine compiles them (about 5 s
 here) into numba's on-disk cache (``__pycache__`` beside the module, else numba's per-user cache
 directory, or ``NUMBA_CACHE_DIR``); later processes load them (numba's import and the load: ~0.45 s).
 ``INDKNN_EXACT_THREADS`` caps the threads a large call is cut across (default: the process's cores, ≤ 8).
@@ -38,6 +38,15 @@ import numpy as np
 PW_BLOCKSIZE = 128
 
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a lock another thread held at fork() would stay held in the child
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 _kernels: dict | None = None
 _agrees: dict = {}
 
@@ -91,8 +100,9 @@ _pool: dict = {}
 
 def default_threads() -> int:
     """Threads for a large call: the cores this process may run on, at most 8."""
-    if os.environ.get("INDKNN_EXACT_THREADS"):
-        return max(1, int(os.environ["INDKNN_EXACT_THREADS"]))
+    raw = os.environ.get("INDKNN_EXACT_THREADS", "").strip()
+    if raw.isdigit() and int(raw) >= 1:  # anything else is ignored: a setting must never raise mid-serve
+        return min(int(raw), 64)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -125,14 +135,16 @@ def pair_sums(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndarray, *, k
         raise RuntimeError("numba is not available")
     if kernel not in ("cosine", "rbf"):
         raise ValueError(f"kernel must be 'cosine' or 'rbf', got {kernel!r}")
-    x = np.ascontiguousarray(x)
-    q = np.ascontiguousarray(q)
+    # C-contiguous, aligned and writable whatever the caller passed (a read-only memory map, say): one numba
+    # type per dtype pair, the one the probe compiled under the lock and checked against numpy.
+    x = np.require(x, requirements=["C", "A", "W"])
+    q = np.require(q, requirements=["C", "A", "W"])
     if x.dtype not in (np.float32, np.float64) or q.dtype not in (np.float32, np.float64):
         raise ValueError(f"rows must be float32 or float64, got {x.dtype} and {q.dtype}")
     if x.shape[1] != q.shape[1]:
         raise ValueError(f"rows of different widths: {x.shape[1]} and {q.shape[1]}")
-    xi = np.ascontiguousarray(xi, dtype=np.int64)
-    qi = np.ascontiguousarray(qi, dtype=np.int64)
+    xi = np.require(xi, dtype=np.int64, requirements=["C", "A", "W"])
+    qi = np.require(qi, dtype=np.int64, requirements=["C", "A", "W"])
     if xi.shape != qi.shape or xi.ndim != 1:
         raise ValueError(f"xi and qi must be 1-d of one length, got {xi.shape} and {qi.shape}")
     out = np.empty(xi.size, dtype=np.float64)
@@ -181,22 +193,50 @@ def _probe(d: int, dtype) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(dtype), q.astype(dtype)
 
 
+#: Longest wait for another process's compile before this one gives up and uses numpy's path.
+COMPILE_LOCK_WAIT_S = 300.0
+
+
+def _lock_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "indknn")
+
+
 @contextlib.contextmanager
 def _compile_lock():
     """One process at a time compiles or loads the kernels (numba's on-disk cache takes no lock of its own:
-    two processes writing it at once could leave an index naming the other's code)."""
+    two processes writing it at once could leave an index naming the other's code). The lock file lives in
+    the user's own cache folder (``$XDG_CACHE_HOME/indknn``, mode 0700), is opened without following a
+    symbolic link and must be a regular file of this user. Yields False when it cannot be had within
+    COMPILE_LOCK_WAIT_S (the caller then keeps numpy's path)."""
     import fcntl
-    import tempfile
+    import stat
+    import time
 
-    path = os.path.join(tempfile.gettempdir(), f"indknn-numba-{os.getuid()}.lock")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        folder = _lock_dir()
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(folder, "numba-compile.lock"),
+                     os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except OSError:
-        yield  # no lock file possible: the probe below still guards the numbers
+        yield True  # no lock possible here: the probe still guards the numbers
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            yield False
+            return
+        deadline = time.monotonic() + COMPILE_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.05)
+        yield True
     finally:
         os.close(fd)
 
@@ -216,7 +256,9 @@ def agrees_with_numpy(d: int, *, kernel: str, x_dtype=np.float32, q_dtype=np.flo
         return _agrees[key]
     ok = False
     try:
-        with _compile_lock():
+        with _compile_lock() as locked:
+            if not locked:
+                raise TimeoutError("the compile lock could not be had")
             set_slp = "NUMBA_SLP_VECTORIZE" not in os.environ
             if set_slp:
                 os.environ["NUMBA_SLP_VECTORIZE"] = "1"
@@ -224,8 +266,9 @@ def agrees_with_numpy(d: int, *, kernel: str, x_dtype=np.float32, q_dtype=np.flo
                 if available():
                     x, _ = _probe(int(d), x_dtype)
                     _, q = _probe(int(d), q_dtype)
-                    xi = np.repeat(np.arange(x.shape[0]), q.shape[0])
-                    qi = np.tile(np.arange(q.shape[0]), x.shape[0])
+                    # 575 pairs: groups of four and a remainder of three, so both kernels are checked
+                    xi = np.repeat(np.arange(x.shape[0]), q.shape[0])[:-1]
+                    qi = np.tile(np.arange(q.shape[0]), x.shape[0])[:-1]
                     got = pair_sums(x, xi, q, qi, kernel=kernel, threads=1)
                     want = _numpy_sums(x, xi, q, qi, kernel=kernel)
                     ok = bool(np.array_equal(got.view(np.int64), want.view(np.int64)))

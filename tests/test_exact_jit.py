@@ -49,8 +49,8 @@ def test_compiled_sums_are_numpys_bits_at_every_width(kernel):
     for d in list(range(1, 301)) + [383, 384, 385, 512, 768, 1000, 1024, 1536]:
         x = normalize_rows(rng.standard_normal((30, d))).astype(np.float32)
         q = normalize_rows(rng.standard_normal((12, d))).astype(np.float32)
-        xi = rng.integers(0, 30, 200)
-        qi = rng.integers(0, 12, 200)
+        xi = rng.integers(0, 30, 201)  # groups of four and a remainder pair
+        qi = rng.integers(0, 12, 201)
         got = exact_jit.pair_sums(x, xi, q, qi, kernel=kernel)
         assert np.array_equal(got.view(np.int64), _numpy(x, xi, q, qi, kernel).view(np.int64)), d
     x64 = x.astype(np.float64) * 3.0
@@ -72,8 +72,8 @@ def test_compiled_sums_equal_numpy_on_wide_and_cancelling_values(d, seed, spread
     x = x.astype(np.float32)
     q = (-x if kernel == "cosine" else x + np.float32(1e-6) * x) if cancel else rng.standard_normal((6, d))
     q = q.astype(np.float32)
-    xi = rng.integers(0, 6, 40)
-    qi = rng.integers(0, 6, 40)
+    xi = rng.integers(0, 6, 42)
+    qi = rng.integers(0, 6, 42)
     got = exact_jit.pair_sums(x, xi, q, qi, kernel=kernel)
     want = _numpy(x, xi, q, qi, kernel)
     assert got.tolist() == want.tolist()
@@ -103,6 +103,7 @@ def test_a_large_batch_takes_the_compiled_path_and_gets_the_same_candidates(kern
     d = 40
     X = normalize_rows(rng.standard_normal((3000, d))).astype(np.float32)
     Q = normalize_rows(X[rng.integers(0, 3000, 300)] + 0.6 * rng.standard_normal((300, d))).astype(np.float32)
+    assert exact_jit.agrees_with_numpy(d, kernel=kernel)  # the probe's own calls are not counted below
     calls = []
     real = exact_jit.pair_sums
     monkeypatch.setattr(exact_jit, "pair_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -156,6 +157,7 @@ def test_index_finders_take_the_compiled_path_for_large_batches_with_the_same_ca
     opts = dict(tables=48, bits=1, seed=5) if kind == "lsh" else dict(nlist=8, nprobe=8, seed=5)
     indexes.build(store, kind=kind, **opts)
     finder = indexes.open_finder(store, kernel="cosine", tau=0.3, nu=None)
+    assert exact_jit.agrees_with_numpy(12, kernel="cosine", x_dtype=np.float32)
     calls = []
     real = exact_jit.pair_sums
     monkeypatch.setattr(exact_jit, "pair_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -250,6 +252,7 @@ def test_a_failing_compiled_path_falls_back_to_numpy_and_raises_nothing(monkeypa
         raise RuntimeError("damaged cache index")
 
     monkeypatch.setattr(exact_jit, "pair_sums", broken)
+    monkeypatch.setitem(exact_jit._agrees, (32, "rbf", "<f4", "<f4"), True)  # the probe had passed
     assert exact_kernel_pairs(X, xi, X, qi, kernel="rbf", nu=1.2, compiled=True).tolist() == want.tolist()
     monkeypatch.setattr(exact_jit, "_agrees", {})
     assert exact_jit.agrees_with_numpy(32, kernel="rbf") is False
@@ -284,7 +287,7 @@ from indknn_cli.candidates import ArraySource, find_candidates
 rng = np.random.default_rng(0)
 x = rng.standard_normal((int(sys.argv[1]), 32)).astype(np.float32)
 x /= np.linalg.norm(x, axis=1, keepdims=True)
-find_candidates(x[:1000] * 1, ArraySource(x), kernel="cosine", tau=0.3, nu=None, device="cpu")
+find_candidates(x[:1000] * 1, ArraySource(x), kernel="cosine", tau=float(sys.argv[2]), nu=None, device="cpu")
 print(json.dumps("numba" in sys.modules))
 """
 
@@ -296,12 +299,59 @@ def test_a_cron_sized_batch_against_a_small_store_does_not_load_numba():
     import subprocess
     import sys
 
-    def loads_numba(rows):
-        out = subprocess.run([sys.executable, "-c", _SMALL_BATCH, str(rows)], capture_output=True, text=True,
-                             check=True)
+    def loads_numba(rows, tau=0.3):
+        out = subprocess.run([sys.executable, "-c", _SMALL_BATCH, str(rows), str(tau)], capture_output=True,
+                             text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     assert loads_numba(5000) is False
     assert loads_numba(40000) is True
+    # whether numba is loaded (memory, seconds) does not depend on whether any row lies near the queries
+    assert loads_numba(40000, tau=0.9999) is True
     assert not candidates.use_compiled(255, 10**9) and not candidates.use_compiled(1000, 5000)
     assert candidates.use_compiled(1024, 32768) and candidates.use_compiled(256, None)
+
+
+def test_a_bad_thread_setting_is_ignored_not_raised(monkeypatch):
+    """INDKNN_EXACT_THREADS is read in the middle of a serve, only when pairs were found: a bad value must
+    not raise there (an error would then depend on the private data)."""
+    default = exact_jit.default_threads()
+    for bad in ("auto", "-2", "0", "1.5", " "):
+        monkeypatch.setenv("INDKNN_EXACT_THREADS", bad)
+        assert exact_jit.default_threads() == default
+    monkeypatch.setenv("INDKNN_EXACT_THREADS", "3")
+    assert exact_jit.default_threads() == 3
+
+
+def test_read_only_rows_take_the_checked_kernel_not_a_fresh_compile():
+    """A read-only (memory-mapped) block is handed to the kernel as a writable copy: the one numba type the
+    probe compiled and checked, not a new compile outside the lock."""
+    rng = np.random.default_rng(8)
+    x = normalize_rows(rng.standard_normal((40, 24))).astype(np.float32)
+    exact_jit.pair_sums(x, np.arange(5), x, np.arange(5), kernel="cosine")
+    from indknn_cli import exact_jit_kernels
+
+    before = len(exact_jit_kernels.pair_sums.signatures)
+    ro = x.copy()
+    ro.setflags(write=False)
+    xi = rng.integers(0, 40, 99)
+    got = exact_jit.pair_sums(ro, xi, ro, xi[::-1].copy(), kernel="cosine")
+    assert len(exact_jit_kernels.pair_sums.signatures) == before
+    assert got.tolist() == _numpy(x, xi, x, xi[::-1], "cosine").tolist()
+
+
+def test_the_compile_lock_follows_no_symbolic_link(tmp_path, monkeypatch):
+    """The lock file is opened without following a link planted at its name (no file is created or opened at
+    the link's target), in the user's own cache folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = tmp_path / "indknn"
+    folder.mkdir()
+    target = tmp_path / "elsewhere"
+    (folder / "numba-compile.lock").symlink_to(target)
+    with exact_jit._compile_lock():
+        pass
+    assert not target.exists()
+    (folder / "numba-compile.lock").unlink()
+    with exact_jit._compile_lock() as locked:
+        assert locked is True
+    assert (folder / "numba-compile.lock").is_file()
