@@ -291,13 +291,13 @@ def import_faiss():
 
     The faiss-cpu wheel bundles OpenBLAS 0.3.15, which does not recognise recent CPUs and falls back to its
     SSE3 kernels ("Prescott"): on this project's Xeon (AVX-512) FAISS's range search took 4.3–5.7× the CPU
-    seconds (50,000 rows against 2,048 queries, d = 768: ``python bench/faiss_openblas.py``; README, issue 21). Unless the caller set ``OPENBLAS_CORETYPE``, it is set from the CPU's own feature
-    flags (:func:`_openblas_coretype`, never a family the CPU lacks) while faiss loads its OpenBLAS, then
-    removed again, so numpy's and scipy's own OpenBLAS and child processes are unaffected. The fp32 screen's
-    values may change in their last bits, within the screening margin (:func:`screening_margin` bounds any
-    fp32 summation order), and every screened pair's κ is recomputed exactly, so no candidate or answer
-    changes. Also ``OMP_WAIT_POLICY=PASSIVE``
-    (:func:`_passive_openmp`).
+    seconds (50,000 rows against 2,048 queries, d = 768: ``python bench/faiss_openblas.py``; README, issue
+    21). Unless the caller set ``OPENBLAS_CORETYPE``, it is set from the CPU's own feature flags
+    (:func:`_openblas_coretype`, never a family the CPU lacks) while faiss loads its OpenBLAS, then removed
+    again, so numpy's and scipy's own OpenBLAS and child processes are unaffected. The fp32 screen's values
+    may change in their last bits, within the screening margin (:func:`screening_margin` bounds any fp32
+    summation order), and every screened pair's κ is recomputed exactly, so no candidate or answer changes.
+    Also ``OMP_WAIT_POLICY=PASSIVE`` (:func:`_passive_openmp`).
     """
     import os
     import sys
