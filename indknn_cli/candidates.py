@@ -41,10 +41,17 @@ def exact_kernel(x: np.ndarray, q: np.ndarray, *, kernel: str, nu: float | None)
     per-row reduction; RBF: exp(−Σ(x − q)²/ν²) likewise. The ufuncs cast inside their loops
     (``dtype=float64``), which gives the same values as casting the operands first, without the copies.
     """
+    sums = exact_sums(x, q, kernel=kernel)
+    return sums if kernel == "cosine" else np.exp(-sums / (nu * nu))
+
+
+def exact_sums(x: np.ndarray, q: np.ndarray, *, kernel: str) -> np.ndarray:
+    """The float64 row sums κ is made of: Σ x·q (cosine) or Σ (x − q)² (RBF), numpy's per-row reduction.
+    The reference the compiled path (exact_jit) is checked against before use."""
     if kernel == "cosine":
         return np.multiply(x, q, dtype=np.float64).sum(axis=1)
     diff = np.subtract(x, q, dtype=np.float64)
-    return np.exp(-(diff * diff).sum(axis=1) / (nu * nu))
+    return (diff * diff).sum(axis=1)
 
 
 #: Pairs per block of the float64 recompute: a block's float64 products (128 × d × 8 bytes, 786 KB at
@@ -126,9 +133,18 @@ COMPILED_MIN_QUERIES = 256
 COMPILED_MIN_PRODUCTS = 1 << 25  # 33.5 M query-row products, e.g. 1,024 queries × 32,768 rows
 
 
-def use_compiled(m: int, rows: int | None) -> bool:
-    """Whether a batch of ``m`` queries against ``rows`` rows (None: unknown) takes the compiled recompute."""
-    return m >= COMPILED_MIN_QUERIES and (rows is None or m * rows >= COMPILED_MIN_PRODUCTS)
+def use_compiled(m: int, rows: int | None, *, dim: int, kernel: str) -> bool:
+    """Whether a batch of ``m`` queries against ``rows`` rows (None: unknown) takes the compiled recompute.
+
+    When it does, numba's import, the probe against numpy and any compile happen here, at the batch's start,
+    whatever its candidates: whether they happen (their memory and seconds) does not depend on whether any
+    private row lies near a query."""
+    if m < COMPILED_MIN_QUERIES or (rows is not None and m * rows < COMPILED_MIN_PRODUCTS):
+        return False
+    from . import exact_jit
+
+    exact_jit.agrees_with_numpy(dim, kernel=kernel, x_dtype=np.float32, q_dtype=np.float32)
+    return True
 
 
 def _source_rows(source) -> int | None:
@@ -399,11 +415,7 @@ def find_candidates(
     # The recompute: compiled (exact_jit, reads the float32 queries in place) for large batches
     # (use_compiled); numpy's path (queries cast once per batch, exact, and gathered per pair) otherwise,
     # which spares a small cron batch numba's import. Same bits either way.
-    compiled = use_compiled(m, _source_rows(source))
-    if compiled:  # numba's import, the probe and any compile happen here, before a private row is read
-        from . import exact_jit
-
-        exact_jit.agrees_with_numpy(d, kernel=kernel, x_dtype=np.float32, q_dtype=np.float32)
+    compiled = use_compiled(m, _source_rows(source), dim=d, kernel=kernel)  # before a private row is read
     q_exact = q_np if compiled else np.asarray(queries, dtype=np.float64)
     parts_q: list[np.ndarray] = []
     parts_rows: list[np.ndarray] = []

@@ -86,8 +86,6 @@ def _compile() -> dict | None:
         return _kernels
 
 
-
-
 def available() -> bool:
     """Whether the compiled path can run here (numba importable)."""
     return _compile() is not None
@@ -117,8 +115,9 @@ def _executor():
         if _pool.get("pid") != os.getpid():
             from concurrent.futures import ThreadPoolExecutor
 
-            _pool.update(pid=os.getpid(), workers=default_threads(),
-                         executor=ThreadPoolExecutor(default_threads(), thread_name_prefix="indknn-exact"))
+            workers = default_threads()
+            _pool.update(pid=os.getpid(), workers=workers,
+                         executor=ThreadPoolExecutor(workers, thread_name_prefix="indknn-exact"))
         return _pool["executor"], _pool["workers"]
 
 
@@ -169,15 +168,6 @@ def pair_sums(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndarray, *, k
     for f in futures:
         f.result()
     return out
-
-
-def _numpy_sums(x, xi, q, qi, *, kernel):
-    xr = np.asarray(x)[xi]
-    qr = np.asarray(q)[qi]
-    if kernel == "cosine":
-        return np.multiply(xr, qr, dtype=np.float64).sum(axis=1)
-    diff = np.subtract(xr, qr, dtype=np.float64)
-    return (diff * diff).sum(axis=1)
 
 
 def _probe(d: int, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -270,7 +260,9 @@ def agrees_with_numpy(d: int, *, kernel: str, x_dtype=np.float32, q_dtype=np.flo
                     xi = np.repeat(np.arange(x.shape[0]), q.shape[0])[:-1]
                     qi = np.tile(np.arange(q.shape[0]), x.shape[0])[:-1]
                     got = pair_sums(x, xi, q, qi, kernel=kernel, threads=1)
-                    want = _numpy_sums(x, xi, q, qi, kernel=kernel)
+                    from .candidates import exact_sums
+
+                    want = exact_sums(x[xi], q[qi], kernel=kernel)
                     ok = bool(np.array_equal(got.view(np.int64), want.view(np.int64)))
             finally:
                 if set_slp:

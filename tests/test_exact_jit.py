@@ -308,8 +308,9 @@ def test_a_cron_sized_batch_against_a_small_store_does_not_load_numba():
     assert loads_numba(40000) is True
     # whether numba is loaded (memory, seconds) does not depend on whether any row lies near the queries
     assert loads_numba(40000, tau=0.9999) is True
-    assert not candidates.use_compiled(255, 10**9) and not candidates.use_compiled(1000, 5000)
-    assert candidates.use_compiled(1024, 32768) and candidates.use_compiled(256, None)
+    kw = dict(dim=32, kernel="cosine")
+    assert not candidates.use_compiled(255, 10**9, **kw) and not candidates.use_compiled(1000, 5000, **kw)
+    assert candidates.use_compiled(1024, 32768, **kw) and candidates.use_compiled(256, None, **kw)
 
 
 def test_a_bad_thread_setting_is_ignored_not_raised(monkeypatch):
