@@ -203,6 +203,7 @@ def answer_batch(
     candidate_finder: Callable[..., Candidates] | None = None,
     max_pairs: int | None = None,
     min_margin: float | None = None,
+    candidates: Candidates | None = None,
 ) -> list[QueryAnswer]:
     """Answer a batch of queries in order; mutates ``budgets`` (and ``reuse``).
 
@@ -212,12 +213,17 @@ def answer_batch(
 
     ``candidate_finder(queries, row_mask=...)`` replaces the exact flat scan
     (hashing / IVF kinds); it must return exact κ ≥ τ candidates.
+    ``candidates``: the batch's candidates found beforehand (exact κ ≥ τ over the same rows and mask);
     ``first_index`` is the run-wide index of the batch's first query (noise key).
     With ``reuse``, each answered query joins the pool before the next one.
     """
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     m = queries.shape[0]
-    if max_pairs is not None and m > 1:
+    if candidates is not None:  # screened beforehand (serving._PassScreen): the same exact κ ≥ τ sets
+        if len(candidates.rows) != m:
+            raise ValueError(f"candidates for {len(candidates.rows)} queries given with {m} queries")
+        cands = candidates
+    elif max_pairs is not None and m > 1:
         try:
             cands = _candidates(queries, source, params, device, row_to_ledger, candidate_finder, max_pairs)
         except TooManyPairs:  # memory bound: answer the halves in order (same answers, SPEC §5)

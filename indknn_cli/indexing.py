@@ -96,19 +96,23 @@ def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
     known = ledger.store_row_map(n) >= 0
     deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
     new_rows = np.flatnonzero(~known & ~deleted_rows)
-    ids = store.read("private", "record_id")
-    users = store.read("private", "user_id")
-    p = ledger.params
-    if p.privacy_unit == "user" and new_rows.size:
-        # A record without a user id cannot be charged to anybody: under --user-for-missing refuse it stays
-        # out of the ledger (never a candidate); `index` refuses such rows with their count (operator side).
-        keys = user_keys(users[new_rows], ids[new_rows], user_for_missing=p.user_for_missing)
-        new_rows = new_rows[np.array([k is not None for k in keys], dtype=bool)]
+    if new_rows.size:
+        # Only the span of the new rows (appended rows sit at the end): a serve of a store the ledger already
+        # knows reads no identifier (at N = 1M the two string columns took 0.7 s per serve; issue 21).
+        lo, hi = int(new_rows[0]), int(new_rows[-1]) + 1
+        ids = store.read("private", "record_id", lo, hi)
+        users = store.read("private", "user_id", lo, hi)
+        p = ledger.params
+        if p.privacy_unit == "user":
+            # A record without a user id cannot be charged to anybody: under --user-for-missing refuse it stays
+            # out of the ledger (never a candidate); `index` refuses such rows with their count (operator side).
+            keys = user_keys(users[new_rows - lo], ids[new_rows - lo], user_for_missing=p.user_for_missing)
+            new_rows = new_rows[np.array([k is not None for k in keys], dtype=bool)]
     indexes.add_rows(store, new_rows)  # candidate index (lsh/ivf): encode new rows incrementally
     if new_rows.size == 0:
         return 0
-    return ledger.add_records(record_ids=[str(ids[r]) for r in new_rows],
-                              user_ids=[str(users[r]) for r in new_rows], rows=new_rows.tolist())
+    return ledger.add_records(record_ids=[str(ids[r - lo]) for r in new_rows],
+                              user_ids=[str(users[r - lo]) for r in new_rows], rows=new_rows.tolist())
 
 
 def build_index(

@@ -13,8 +13,8 @@ import pyarrow as pa
 
 from . import gate, indexes
 from . import ledger_integrity as integrity
-from .engine import (ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, BudgetView, ReusePool, StoreSource,  # noqa: F401
-                     answer_batch, run_key_for)
+from .engine import (ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, BudgetView, Candidates,  # noqa: F401
+                     ReusePool, StoreSource, answer_batch, run_key_for)
 from .errors import BadInputError
 from .indexing import (IndexResult, _roll_forward_pending, build_index, make_params,  # noqa: F401 (re-exported)
                        sync_ledger)
@@ -194,6 +194,9 @@ def serve_queries(
         for rows in _done_parts(done, batch_size):
             release(rows)
         del done
+        max_pairs = max(1 << 16, max_memory // 4 // 24)
+        screened = _PassScreen(store, source, params=params, device=device, row_to_ledger=row_to_ledger,
+                               max_pairs=max_pairs, batch_size=batch_size, stop=q_stop, enabled=finder is None)
         for lo in range(todo_start, q_stop, batch_size):
             hi = min(q_stop, lo + batch_size)
             queries = store.read("query", "features", lo, hi)
@@ -202,8 +205,8 @@ def serve_queries(
             answers = answer_batch(
                 queries, source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
                 n_classes=n_classes, budgets=budgets, run_key=run_key, first_index=lo - q_start, reuse=pool,
-                device=device, candidate_finder=finder, max_pairs=max(1 << 16, max_memory // 4 // 24),
-                min_margin=min_margin,
+                device=device, candidate_finder=finder, max_pairs=max_pairs, min_margin=min_margin,
+                candidates=screened.part(lo, hi),
             )
             touched, touched_counts = budgets.part_charges()
             n_ans = len(answers)
@@ -246,6 +249,53 @@ def serve_queries(
     if allowance is not None:
         allowance = gate.Allowance(allowance.max_queries, allowance.source, total)
     return ServeResult(batch_id, released, n_queries - already, already, seed, total, allowance)
+
+
+#: Queries screened in one pass over a store that does not fit the feature cache (see _PassScreen).
+PASS_QUERIES = 16384
+
+
+class _PassScreen:
+    """Candidates of several parts from one pass over the store, when the store does not fit the cache.
+
+    A store larger than the feature cache (``--max-memory``'s half) is read again for every part of
+    ``--batch-size`` queries (1M × 384: 1.5 GB per 1,024 queries; issue 21). Candidates depend only on the
+    queries, the stored vectors, τ and the run's fixed row mask (deleted rows, rows outside the ledger), never
+    on budgets, so the parts of up to PASS_QUERIES queries are screened together and each part then filters,
+    charges and commits its own slice, in order, as before: the same candidates (each query's are found
+    exactly, whatever the other queries), the same answers and ledger (tests/test_serve_pass.py). The pass's
+    pairs are held to the same ``max_pairs`` bound as a part's; past it the pass is dropped and each part
+    screens itself (and halves as it always has). Only the flat scan (an LSH/IVF finder reads its own lists).
+    """
+
+    def __init__(self, store, source, *, params, device, row_to_ledger, max_pairs, batch_size, stop, enabled):
+        self.store, self.source, self.params, self.device = store, source, params, device
+        self.row_to_ledger, self.max_pairs, self.stop = row_to_ledger, max_pairs, stop
+        need = store.n_rows("private") * store.dim * 4
+        self.span = max(batch_size, PASS_QUERIES // batch_size * batch_size)
+        self.enabled = enabled and need > source.cache_bytes and self.span > batch_size
+        self.lo = self.hi = -1
+        self.cands = None
+
+    def part(self, lo: int, hi: int) -> Candidates | None:
+        """The candidates of stored queries [lo, hi), or None (the part screens itself)."""
+        if not self.enabled:
+            return None
+        if not (self.lo <= lo and hi <= self.hi):
+            from .candidates import TooManyPairs, find_candidates
+
+            self.lo, self.hi = lo, min(self.stop, lo + self.span)
+            queries = np.ascontiguousarray(self.store.read("query", "features", self.lo, self.hi), np.float32)
+            try:
+                self.cands = find_candidates(queries, self.source, kernel=self.params.kernel, tau=self.params.tau,
+                                             nu=self.params.nu, device=self.device, row_mask=self.row_to_ledger >= 0,
+                                             max_pairs=self.max_pairs)
+            except TooManyPairs:
+                self.cands = None
+        if self.cands is None:
+            return None
+        a, b = lo - self.lo, hi - self.lo
+        return Candidates(self.cands.rows[a:b], self.cands.kappa[a:b])
 
 
 def check_min_margin(min_margin) -> float | None:

@@ -1,0 +1,120 @@
+"""Issue 21: a store larger than the feature cache is read once per pass of parts, not once per part, and
+the answers and the ledger are those of the part-by-part run (serving._PassScreen)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from indknn_cli import candidates, serving
+from indknn_cli.ledger import BudgetLedger
+from indknn_cli.serving import build_index, make_params, serve_queries
+from indknn_cli.store import ExtractorInfo, FeatureStore
+
+from .conftest import clustered
+
+MEM = 16 << 20  # --max-memory's floor: an 8 MiB feature cache, which the store below (9.8 MB) does not fit
+N, D, Q = 38_400, 64, 150
+
+
+@pytest.fixture(scope="module")
+def big_store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pass") / "s.zarr"
+    x, y, _ = clustered(N + Q, D, 4, seed=3, spread=1.5)  # queries around the same centres: ~73 candidates each
+    x, y, q = x[:N], y[:N], x[N:]
+    store = FeatureStore.create(path, extractor=ExtractorInfo("vectors", "none", "1"), dim=D,
+                                label_names=["a", "b", "c", "d"])
+    store.append("private", x, labels=y, record_ids=[f"r{i:05d}" for i in range(N)])
+    store.append("query", q, record_ids=[f"q{i}" for i in range(Q)], batch="b")
+    assert N * D * 4 > MEM // 2
+    return path
+
+
+def _serve(tmp_path, big_store, name, monkeypatch, *, reuse=True, max_memory=MEM):
+    import shutil
+
+    sp = tmp_path / f"{name}.zarr"
+    shutil.copytree(big_store, sp)
+    lp = tmp_path / f"{name}-ledger"
+    build_index(store_path=sp, ledger_path=lp,
+                params=make_params(epsilon=1.0, delta=1e-5, tau=0.55, sigma2=0.5, planned_queries=Q))
+    passes = []
+    real = FeatureStore.iter_chunks
+
+    def counting(self, role="private", rows=None):
+        if role == "private":
+            passes.append(role)
+        return real(self, role, rows)
+
+    monkeypatch.setattr(FeatureStore, "iter_chunks", counting)
+    res = serve_queries(store_path=sp, ledger_path=lp, query_batch="b", seed=5, batch_size=20, device="cpu",
+                        reuse=reuse, max_memory=max_memory)
+    monkeypatch.setattr(FeatureStore, "iter_chunks", real)
+    led = BudgetLedger.open(lp)
+    return res.answers, led.state, len(passes)
+
+
+def _same(a, b):
+    (ans_a, st_a, _), (ans_b, st_b, _) = a, b
+    assert ans_a == ans_b
+    for name in ("spent", "times_selected", "budget", "deleted"):
+        assert getattr(st_a, name).tobytes() == getattr(st_b, name).tobytes(), name
+    assert st_a.answers == st_b.answers
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_one_pass_for_all_parts_same_answers_and_ledger(tmp_path, big_store, monkeypatch, reuse):
+    grouped = _serve(tmp_path, big_store, "g", monkeypatch, reuse=reuse)
+    monkeypatch.setattr(serving, "PASS_QUERIES", 0)  # every part screens itself
+    per_part = _serve(tmp_path, big_store, "p", monkeypatch, reuse=reuse)
+    _same(grouped, per_part)
+    assert sum(a["released_count"] > 0 for a in grouped[0]) == Q
+    assert (grouped[1].spent > 0).sum() > Q  # records were charged
+    assert per_part[2] == 8  # 150 queries in parts of 20, each part reading the store
+    assert grouped[2] == 1
+
+
+def test_passes_of_pass_queries(tmp_path, big_store, monkeypatch):
+    monkeypatch.setattr(serving, "PASS_QUERIES", 64)  # 60 queries (3 parts of 20) per pass
+    grouped = _serve(tmp_path, big_store, "g", monkeypatch)
+    monkeypatch.setattr(serving, "PASS_QUERIES", 0)
+    _same(grouped, _serve(tmp_path, big_store, "p", monkeypatch))
+    assert grouped[2] == 3  # ceil(150 / 60)
+
+
+def test_a_store_in_the_cache_is_screened_part_by_part(tmp_path, big_store, monkeypatch):
+    ans, _state, passes = _serve(tmp_path, big_store, "c", monkeypatch, max_memory=64 << 20)
+    assert passes == 1  # read once, then cached: nothing to group
+    assert len(ans) == Q
+
+
+def test_a_pass_over_the_pair_bound_falls_back_to_parts(tmp_path, big_store, monkeypatch):
+    real = candidates.find_candidates
+
+    def bounded(queries, source, **kw):
+        if queries.shape[0] > 20:  # the pass (150 queries), not a part
+            raise candidates.TooManyPairs()
+        return real(queries, source, **kw)
+
+    monkeypatch.setattr(candidates, "find_candidates", bounded)
+    fallback = _serve(tmp_path, big_store, "f", monkeypatch)
+    monkeypatch.undo()
+    monkeypatch.setattr(serving, "PASS_QUERIES", 0)
+    _same(fallback, _serve(tmp_path, big_store, "p", monkeypatch))
+    assert fallback[2] == 8
+
+
+def test_pass_candidates_equal_part_candidates(big_store):
+    store = FeatureStore.open(big_store, mode="r")
+    q = store.read("query", "features").astype(np.float32)
+    src = candidates.StoreSource(store, cache_bytes=MEM // 2)
+    mask = np.ones(N, bool)
+    mask[::7] = False
+    kw = dict(kernel="cosine", tau=0.55, nu=None, device="cpu", row_mask=mask)
+    whole = candidates.find_candidates(q, src, **kw)
+    for lo in range(0, Q, 20):
+        part = candidates.find_candidates(q[lo:lo + 20], src, **kw)
+        for t in range(len(part.rows)):
+            assert np.array_equal(part.rows[t], whole.rows[lo + t])
+            assert part.kappa[t].tobytes() == whole.kappa[lo + t].tobytes()
+    assert sum(r.size for r in whole.rows) > 20 * Q
