@@ -1,7 +1,7 @@
 """The candidate phase of the Ind-KNN engine (SPEC §5): rows with κ(x, q) ≥ τ per query, κ exact in float64.
 
 Queries are scored against the private features streamed in row chunks with one fp32 matrix product
-(FAISS ``range_search`` on the CPU, torch on a GPU; TF32 off). Pairs within a safety margin of the
+(FAISS ``range_search`` on the CPU, :mod:`indknn_cli.faiss_screen`; torch on a GPU; TF32 off). Pairs within a safety margin of the
 threshold are kept and their kernel value recomputed exactly in float64 on the CPU from the stored float32
 vectors (:func:`exact_kernel`, one numpy per-row reduction per pair; for large batches the same operations
 compiled, :mod:`indknn_cli.exact_jit`), so the candidate sets and weights do not depend on the device, the
@@ -12,11 +12,13 @@ filter that reads these candidates is :mod:`indknn_cli.engine`.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import numpy as np
+
+from .faiss_screen import _FAISS_LOCK, _openblas_coretype, import_faiss  # noqa: F401 (re-exported)
+from .faiss_screen import _passive_openmp, _query_index, _screen_cpu
 
 
 #: fp32 screening margin on a dot product of unit vectors: |fl(x·q) − x·q| ≤ d·u (u = 2^-24).
@@ -157,6 +159,10 @@ def _source_rows(source) -> int | None:
 
 
 class ChunkSource(Protocol):
+    """``chunks()`` yields (start row, float32 rows) in row order. A block is valid until the block after the
+    next one is asked for (a StoreSource over its cache reads into a ring of reused buffers, store_scan):
+    a caller that keeps blocks copies them."""
+
     def chunks(self) -> Iterator[tuple[int, np.ndarray]]: ...
 
 
@@ -193,10 +199,15 @@ class StoreSource:
         if self._cache is not None:
             yield from self._cache
             return
+        from .store_scan import scan_features
+
         n = self.store.n_rows(self.role)
         fits = n * self.store.dim * 4 <= self.cache_bytes
         cache = [] if fits else None
-        for start, block in _read_ahead(self.store.iter_chunks(self.role, rows=self.step_rows())):
+        # Blocks of a store over the cache are read into a ring of reused buffers (store_scan): each is valid
+        # until the block after next is asked for, which the screen below never outlives.
+        steps = scan_features(self.store, self.role, rows=self.step_rows(), reuse=not fits)
+        for start, block in _read_ahead(steps):
             if cache is not None:
                 cache.append((start, block))
             yield start, block
@@ -219,18 +230,6 @@ def _read_ahead(blocks: Iterator):
                 return
             fut = pool.submit(next, blocks, done)
             yield item
-
-
-def _passive_openmp(module: str) -> None:
-    """``OMP_WAIT_POLICY=PASSIVE`` before torch or faiss loads its OpenMP runtime, unless the caller set a
-    policy: threads that spin after each matrix product would otherwise hold a core while the float64
-    recompute and the filter run on one thread (CPU seconds, and other processes on a shared machine, pay
-    for the spinning)."""
-    import os
-    import sys
-
-    if module not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _import_torch():
@@ -282,79 +281,6 @@ def _resident_blocks(source, dev) -> list | None:
             source._cache = None  # the host copy is never read again this run
         source._on_device[key] = blocks
     return source._on_device[key]
-
-
-def _openblas_coretype(cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """The OpenBLAS kernel family this CPU runs (``OPENBLAS_CORETYPE``), from its Linux feature flags: AVX-512
-    (F, CD, BW, DQ, VL) → SkylakeX, AVX2 + FMA → Haswell; None when unknown (not Linux, other CPUs)."""
-    try:
-        with open(cpuinfo, encoding="ascii", errors="replace") as fh:
-            flags = next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
-    except OSError:
-        return None
-    if {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"} <= flags:
-        return "SkylakeX"
-    if {"avx2", "fma"} <= flags:
-        return "Haswell"
-    return None
-
-
-_FAISS_LOCK = threading.Lock()
-
-
-def import_faiss():
-    """faiss, loaded so that its products run at the CPU's speed.
-
-    The faiss-cpu wheel bundles OpenBLAS 0.3.15, which does not recognise recent CPUs and falls back to its
-    SSE3 kernels ("Prescott"): on this project's Xeon (AVX-512) FAISS's range search took 4.3–5.7× the CPU
-    seconds (50,000 rows against 2,048 queries, d = 768: ``python bench/faiss_openblas.py``; README, issue
-    21). Unless the caller set ``OPENBLAS_CORETYPE``, it is set from the CPU's own feature flags
-    (:func:`_openblas_coretype`, never a family the CPU lacks) while faiss loads its OpenBLAS, then removed
-    again, so numpy's and scipy's own OpenBLAS and child processes are unaffected. The fp32 screen's values
-    may change in their last bits, within the screening margin (:func:`screening_margin` bounds any fp32
-    summation order), and every screened pair's κ is recomputed exactly, so no candidate or answer changes.
-    Also ``OMP_WAIT_POLICY=PASSIVE`` (:func:`_passive_openmp`).
-    """
-    import os
-    import sys
-
-    with _FAISS_LOCK:  # one thread loads faiss; the variable is set and removed by that thread alone
-        core = None
-        if "faiss" not in sys.modules:
-            _passive_openmp("faiss")
-            core = None if "OPENBLAS_CORETYPE" in os.environ else _openblas_coretype()
-        if core:
-            os.environ["OPENBLAS_CORETYPE"] = core
-        try:
-            import faiss
-        finally:
-            if core:
-                os.environ.pop("OPENBLAS_CORETYPE", None)
-    return faiss
-
-
-def _query_index(queries: np.ndarray):
-    """A FAISS flat inner-product index of a batch's queries (built once per batch, searched per chunk)."""
-    faiss = import_faiss()
-    index = faiss.IndexFlatIP(queries.shape[1])
-    index.add(queries)
-    return index
-
-
-def _screen_cpu(query_index, block: np.ndarray, screen: float) -> tuple[np.ndarray, np.ndarray]:
-    """(query, row) pairs of one chunk whose fp32 dot product exceeds ``screen``, on the CPU, in row order.
-
-    FAISS ``range_search`` of the chunk's rows against the flat inner-product index of the batch's
-    queries: its blocked product and the threshold test run in one pass, with no score matrix kept, and a
-    CPU serve never imports torch. Searching the rows against the queries (not the queries against an index
-    of each chunk) costs fewer CPU seconds here (larger products per block; no copy of the chunk into an
-    index per batch) and gives the pairs grouped by row, the order the exact recompute reads them in. Any fp32 summation order is within
-    the screening margin, and every screened pair's κ is then recomputed exactly, so the candidates do not
-    depend on this choice.
-    """
-    lims, _scores, ids = query_index.range_search(np.ascontiguousarray(block, dtype=np.float32), float(screen))
-    ri = np.repeat(np.arange(block.shape[0], dtype=np.int64), np.diff(lims).astype(np.int64))
-    return ids.astype(np.int64, copy=False), ri
 
 
 def _sub_blocks(blocks, rows: int):

@@ -97,22 +97,33 @@ def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
     deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
     new_rows = np.flatnonzero(~known & ~deleted_rows)
     if new_rows.size:
-        # Only the span of the new rows (appended rows sit at the end): a serve of a store the ledger already
-        # knows reads no identifier (at N = 1M the two string columns took 0.7 s per serve; issue 21).
-        lo, hi = int(new_rows[0]), int(new_rows[-1]) + 1
-        ids = store.read("private", "record_id", lo, hi)
-        users = store.read("private", "user_id", lo, hi)
+        # Only the new rows' identifiers, read run by run (appended rows sit at the end): a serve of a store
+        # the ledger already knows reads none (at N = 1M the two string columns took 0.7 s per serve; issue 21)
+        ids = _read_rows(store, "record_id", new_rows)
+        users = _read_rows(store, "user_id", new_rows)
         p = ledger.params
         if p.privacy_unit == "user":
             # A record without a user id cannot be charged to anybody: under --user-for-missing refuse it stays
             # out of the ledger (never a candidate); `index` refuses such rows with their count (operator side).
-            keys = user_keys(users[new_rows - lo], ids[new_rows - lo], user_for_missing=p.user_for_missing)
-            new_rows = new_rows[np.array([k is not None for k in keys], dtype=bool)]
+            keys = user_keys(users, ids, user_for_missing=p.user_for_missing)
+            keep = np.array([k is not None for k in keys], dtype=bool)
+            new_rows, ids, users = new_rows[keep], ids[keep], users[keep]
     indexes.add_rows(store, new_rows)  # candidate index (lsh/ivf): encode new rows incrementally
     if new_rows.size == 0:
         return 0
-    return ledger.add_records(record_ids=[str(ids[r - lo]) for r in new_rows],
-                              user_ids=[str(users[r - lo]) for r in new_rows], rows=new_rows.tolist())
+    return ledger.add_records(record_ids=[str(i) for i in ids], user_ids=[str(u) for u in users],
+                              rows=new_rows.tolist())
+
+
+def _read_rows(store: FeatureStore, name: str, rows: np.ndarray, *, max_runs: int = 64) -> np.ndarray:
+    """``store.read("private", name)[rows]`` for sorted ``rows``, reading only their contiguous runs (the whole
+    span from the first to the last when they are scattered over more than ``max_runs`` runs)."""
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    if breaks.size >= max_runs:
+        lo = int(rows[0])
+        return store.read("private", name, lo, int(rows[-1]) + 1)[rows - lo]
+    return np.concatenate([store.read("private", name, int(run[0]), int(run[-1]) + 1)
+                           for run in np.split(rows, breaks)])
 
 
 def build_index(

@@ -196,7 +196,8 @@ def serve_queries(
         del done
         max_pairs = max(1 << 16, max_memory // 4 // 24)
         screened = _PassScreen(store, source, params=params, device=device, row_to_ledger=row_to_ledger,
-                               max_pairs=max_pairs, batch_size=batch_size, stop=q_stop, enabled=finder is None)
+                               max_pairs=max_pairs, max_memory=max_memory, batch_size=batch_size, stop=q_stop,
+                               enabled=finder is None)
         for lo in range(todo_start, q_stop, batch_size):
             hi = min(q_stop, lo + batch_size)
             queries = store.read("query", "features", lo, hi)
@@ -251,8 +252,10 @@ def serve_queries(
     return ServeResult(batch_id, released, n_queries - already, already, seed, total, allowance)
 
 
-#: Queries screened in one pass over a store that does not fit the feature cache (see _PassScreen).
+#: Queries screened in one pass over a store that does not fit the feature cache (see _PassScreen), and the
+#: fewest rows a screen step of the pass may see.
 PASS_QUERIES = 16384
+PASS_MIN_ROWS = 1024
 
 
 class _PassScreen:
@@ -268,11 +271,17 @@ class _PassScreen:
     screens itself (and halves as it always has). Only the flat scan (an LSH/IVF finder reads its own lists).
     """
 
-    def __init__(self, store, source, *, params, device, row_to_ledger, max_pairs, batch_size, stop, enabled):
+    def __init__(self, store, source, *, params, device, row_to_ledger, max_pairs, max_memory, batch_size, stop,
+                 enabled):
         self.store, self.source, self.params, self.device = store, source, params, device
         self.row_to_ledger, self.max_pairs, self.stop = row_to_ledger, max_pairs, stop
         need = store.n_rows("private") * store.dim * 4
-        self.span = max(batch_size, PASS_QUERIES // batch_size * batch_size)
+        # At most PASS_QUERIES queries; few enough that the screen still sees PASS_MIN_ROWS rows per step
+        # (find_candidates screens max_pairs // queries rows at a time) and that the pass's queries and their
+        # copies (float32, FAISS's index, a float64 cast: 16 bytes per value) stay within an eighth of
+        # --max-memory. All public figures: the batch size, d and --max-memory.
+        cap = min(PASS_QUERIES, max_pairs // PASS_MIN_ROWS, max_memory // 8 // (16 * store.dim))
+        self.span = max(batch_size, cap // batch_size * batch_size)
         self.enabled = enabled and need > source.cache_bytes and self.span > batch_size
         self.lo = self.hi = -1
         self.cands = None

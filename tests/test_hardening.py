@@ -365,7 +365,7 @@ def test_store_source_reads_ahead_the_same_blocks_and_raises_a_corrupt_one_in_pl
     assert StoreSource(store, cache_bytes=1 << 30).step_rows() == store.scan_rows
     assert StoreSource(store, cache_bytes=8 * 4 * 16 * 128).step_rows() == 128
     src = StoreSource(store, cache_bytes=8 * 4 * 16 * 128)  # 128-row steps; 1,200 rows do not fit: no cache
-    blocks = list(src.chunks())
+    blocks = [(s, b.copy()) for s, b in src.chunks()]  # uncached blocks live in reused buffers (store_scan)
     assert [s for s, _ in blocks] == list(range(0, 1200, 128)) and src._cache is None
     np.testing.assert_array_equal(np.vstack([b for _, b in blocks]), store.read("private", "features"))
     _flip(store.path / "private" / "features" / "c" / "2" / "0", 4 * 16 * 3 + 5)  # rows 128..191

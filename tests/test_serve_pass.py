@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from indknn_cli import candidates, serving
+from indknn_cli import candidates, serving, store_scan
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.serving import build_index, make_params, serve_queries
 from indknn_cli.store import ExtractorInfo, FeatureStore
@@ -39,17 +39,17 @@ def _serve(tmp_path, big_store, name, monkeypatch, *, reuse=True, max_memory=MEM
     build_index(store_path=sp, ledger_path=lp,
                 params=make_params(epsilon=1.0, delta=1e-5, tau=0.55, sigma2=0.5, planned_queries=Q))
     passes = []
-    real = FeatureStore.iter_chunks
+    real = store_scan.scan_features
 
-    def counting(self, role="private", rows=None):
+    def counting(store, role="private", rows=None, **kw):
         if role == "private":
             passes.append(role)
-        return real(self, role, rows)
+        return real(store, role, rows, **kw)
 
-    monkeypatch.setattr(FeatureStore, "iter_chunks", counting)
+    monkeypatch.setattr(store_scan, "scan_features", counting)  # what StoreSource reads the store with
     res = serve_queries(store_path=sp, ledger_path=lp, query_batch="b", seed=5, batch_size=20, device="cpu",
                         reuse=reuse, max_memory=max_memory)
-    monkeypatch.setattr(FeatureStore, "iter_chunks", real)
+    monkeypatch.setattr(store_scan, "scan_features", real)
     led = BudgetLedger.open(lp)
     return res.answers, led.state, len(passes)
 
@@ -82,10 +82,37 @@ def test_passes_of_pass_queries(tmp_path, big_store, monkeypatch):
     assert grouped[2] == 3  # ceil(150 / 60)
 
 
+def _spy_parts(monkeypatch):
+    given = []
+    real = serving._PassScreen.part
+
+    def part(self, lo, hi):
+        got = real(self, lo, hi)
+        given.append(got is not None)
+        return got
+
+    monkeypatch.setattr(serving._PassScreen, "part", part)
+    return given
+
+
 def test_a_store_in_the_cache_is_screened_part_by_part(tmp_path, big_store, monkeypatch):
+    given = _spy_parts(monkeypatch)
     ans, _state, passes = _serve(tmp_path, big_store, "c", monkeypatch, max_memory=64 << 20)
     assert passes == 1  # read once, then cached: nothing to group
+    assert given == [False] * 8  # every part screened itself
     assert len(ans) == Q
+
+
+def test_the_pass_is_bounded_by_the_pair_bound(tmp_path, big_store, monkeypatch):
+    """--max-memory 16 MiB: 174,762 pairs, so a pass of at most 170 queries (the screen then still sees 1,024
+    rows a step); with --batch-size 20 that is 160 queries, all 150 in one pass."""
+    given = _spy_parts(monkeypatch)
+    _ans, _state, passes = _serve(tmp_path, big_store, "b", monkeypatch)
+    assert passes == 1 and given == [True] * 8
+    monkeypatch.setattr(serving, "PASS_MIN_ROWS", 10_000)  # 17 queries a pass: under one part, so no pass
+    given.clear()
+    _ans, _state, passes = _serve(tmp_path, big_store, "b2", monkeypatch)
+    assert given == [False] * 8 and passes == 8
 
 
 def test_a_pass_over_the_pair_bound_falls_back_to_parts(tmp_path, big_store, monkeypatch):
@@ -118,3 +145,14 @@ def test_pass_candidates_equal_part_candidates(big_store):
             assert np.array_equal(part.rows[t], whole.rows[lo + t])
             assert part.kappa[t].tobytes() == whole.kappa[lo + t].tobytes()
     assert sum(r.size for r in whole.rows) > 20 * Q
+
+
+@pytest.mark.parametrize("rows", [[5], [0, 1, 2, 3], [3, 4, 9, 10, 11, 37999], list(range(0, N, 7))])
+def test_sync_reads_the_identifiers_of_exactly_the_new_rows(big_store, rows):
+    from indknn_cli.indexing import _read_rows
+
+    store = FeatureStore.open(big_store, mode="r")
+    rows = np.asarray(rows, dtype=np.int64)
+    whole = store.read("private", "record_id")
+    got = _read_rows(store, "record_id", rows)
+    assert list(got) == list(whole[rows])
