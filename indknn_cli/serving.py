@@ -294,6 +294,7 @@ class _PassScreen:
             from .candidates import TooManyPairs, find_candidates
 
             self.lo, self.hi = lo, min(self.stop, lo + self.span)
+            self.cands = None  # the previous pass's pairs go before this pass's are found (one pass's in memory)
             queries = np.ascontiguousarray(self.store.read("query", "features", self.lo, self.hi), np.float32)
             try:
                 self.cands = find_candidates(queries, self.source, kernel=self.params.kernel, tau=self.params.tau,
