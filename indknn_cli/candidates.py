@@ -195,14 +195,17 @@ class StoreSource:
         fit = (max(self.cache_bytes, 0) // 8) // (4 * self.store.dim) // chunk * chunk
         return max(chunk, min(int(self.store.scan_rows), fit))
 
+    def fits_cache(self) -> bool:
+        """Whether the role's float32 features fit in ``cache_bytes`` (then read once and kept for the run)."""
+        return self.store.n_rows(self.role) * self.store.dim * 4 <= self.cache_bytes
+
     def chunks(self) -> Iterator[tuple[int, np.ndarray]]:
         if self._cache is not None:
             yield from self._cache
             return
         from .store_scan import scan_features
 
-        n = self.store.n_rows(self.role)
-        fits = n * self.store.dim * 4 <= self.cache_bytes
+        fits = self.fits_cache()
         cache = [] if fits else None
         # Blocks of a store over the cache are read into a ring of reused buffers (store_scan): each is valid
         # until the block after next is asked for, which the screen below never outlives.

@@ -34,6 +34,8 @@ import threading
 
 import numpy as np
 
+from .threads import ProcessPool, usable_cores
+
 #: numpy's PW_BLOCKSIZE: runs up to this length are summed with 8 running sums.
 PW_BLOCKSIZE = 128
 
@@ -93,7 +95,7 @@ def available() -> bool:
 
 #: Pairs per thread below which a call stays on one thread (a thread's start costs more than it saves).
 PAIRS_PER_THREAD = 32768
-_pool: dict = {}
+_pool = ProcessPool("indknn-exact")
 
 
 def default_threads() -> int:
@@ -101,24 +103,12 @@ def default_threads() -> int:
     raw = os.environ.get("INDKNN_EXACT_THREADS", "").strip()
     if raw.isdigit() and int(raw) >= 1:  # anything else is ignored: a setting must never raise mid-serve
         return min(int(raw), 64)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, 8))
+    return usable_cores()
 
 
 def _executor():
-    """The process's one pool of :func:`default_threads` workers, made once (again in a forked child, whose
-    copy of the parent's threads is dead); never replaced while a caller may hold it."""
-    with _lock:
-        if _pool.get("pid") != os.getpid():
-            from concurrent.futures import ThreadPoolExecutor
-
-            workers = default_threads()
-            _pool.update(pid=os.getpid(), workers=workers,
-                         executor=ThreadPoolExecutor(workers, thread_name_prefix="indknn-exact"))
-        return _pool["executor"], _pool["workers"]
+    """The process's one pool of :func:`default_threads` workers (:class:`~indknn_cli.threads.ProcessPool`)."""
+    return _pool.get(default_threads())
 
 
 def pair_sums(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndarray, *, kernel: str,

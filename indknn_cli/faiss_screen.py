@@ -12,6 +12,9 @@ import threading
 
 import numpy as np
 
+from .threads import ProcessPool, usable_cores
+
+
 def _passive_openmp(module: str) -> None:
     """``OMP_WAIT_POLICY=PASSIVE`` before torch or faiss loads its OpenMP runtime, unless the caller set a
     policy: threads that spin after each matrix product would otherwise hold a core while the float64
@@ -84,8 +87,6 @@ def _query_index(queries: np.ndarray):
 #: Row × query products per FAISS call below which a chunk is screened in one call (a thread's hand-off costs
 #: more than it saves): 4,194,304, e.g. 4,096 rows against 1,024 queries or 256 rows against 16,384.
 SCREEN_SPLIT_MIN_PRODUCTS = 1 << 22
-_screen_pool: dict = {}
-_screen_pool_lock = threading.Lock()
 
 
 def _screen_threads() -> int:
@@ -93,32 +94,22 @@ def _screen_threads() -> int:
     when set to a number, caps it, as it caps FAISS's own threads)."""
     import os
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
     raw = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if raw.isdigit() and int(raw) >= 1:
-        cores = min(cores, int(raw))
-    return max(1, min(cores, 8))
+    cap = int(raw) if raw.isdigit() and int(raw) >= 1 else 8
+    return usable_cores(cap=min(cap, 8))
 
 
 def _one_omp_thread() -> None:
     import_faiss().omp_set_num_threads(1)  # this worker's own OpenMP setting (per thread), not the caller's
 
 
+_screen_pool = ProcessPool("indknn-screen", initializer=_one_omp_thread)
+
+
 def _screen_executor(workers: int):
-    """The process's pool of screening threads, each running FAISS on one OpenMP thread (made again in a forked
-    child, whose copy of the parent's threads is dead)."""
-    import os
-
-    with _screen_pool_lock:
-        if _screen_pool.get("pid") != os.getpid() or _screen_pool.get("workers") != workers:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _screen_pool.update(pid=os.getpid(), workers=workers, executor=ThreadPoolExecutor(
-                workers, thread_name_prefix="indknn-screen", initializer=_one_omp_thread))
-        return _screen_pool["executor"]
+    """The process's pool of screening threads (made with ``workers`` threads on first use), each running
+    FAISS on one OpenMP thread."""
+    return _screen_pool.get(workers)[0]
 
 
 def _screen_cpu(query_index, block: np.ndarray, screen: float) -> tuple[np.ndarray, np.ndarray]:
@@ -129,12 +120,12 @@ def _screen_cpu(query_index, block: np.ndarray, screen: float) -> tuple[np.ndarr
     9.3–10.4 s wall (15.9–18.9 CPU s), two threads of one OpenMP thread each on the two halves of each chunk
     7.8–7.9 s (14.4–14.7 CPU s) (README, issue 21). The pieces' pairs are concatenated in row order: the
     same pairs, in the same order, as one call."""
-    k = min(_screen_threads(), block.shape[0] * int(query_index.ntotal) // SCREEN_SPLIT_MIN_PRODUCTS,
-            block.shape[0])
+    threads = _screen_threads()
+    k = min(threads, block.shape[0] * int(query_index.ntotal) // SCREEN_SPLIT_MIN_PRODUCTS, block.shape[0])
     if k <= 1:
         return _screen_one(query_index, block, screen)
     cuts = np.linspace(0, block.shape[0], k + 1).astype(np.int64).tolist()
-    pool = _screen_executor(_screen_threads())
+    pool = _screen_executor(threads)
     futures = [pool.submit(_screen_one, query_index, block[a:b], screen) for a, b in zip(cuts[:-1], cuts[1:])]
     parts = [f.result() for f in futures]
     return (np.concatenate([qi for qi, _ in parts]),

@@ -275,14 +275,13 @@ class _PassScreen:
                  enabled):
         self.store, self.source, self.params, self.device = store, source, params, device
         self.row_to_ledger, self.max_pairs, self.stop = row_to_ledger, max_pairs, stop
-        need = store.n_rows("private") * store.dim * 4
         # At most PASS_QUERIES queries; few enough that the screen still sees PASS_MIN_ROWS rows per step
         # (find_candidates screens max_pairs // queries rows at a time) and that the pass's queries and their
         # copies (float32, FAISS's index, a float64 cast: 16 bytes per value) stay within an eighth of
         # --max-memory. All public figures: the batch size, d and --max-memory.
         cap = min(PASS_QUERIES, max_pairs // PASS_MIN_ROWS, max_memory // 8 // (16 * store.dim))
         self.span = max(batch_size, cap // batch_size * batch_size)
-        self.enabled = enabled and need > source.cache_bytes and self.span > batch_size
+        self.enabled = enabled and not source.fits_cache() and self.span > batch_size
         self.lo = self.hi = -1
         self.cands = None
 
