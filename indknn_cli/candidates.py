@@ -17,6 +17,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
+from . import bf16_screen
 from .faiss_screen import _FAISS_LOCK, _openblas_coretype, import_faiss  # noqa: F401 (re-exported)
 from .faiss_screen import _passive_openmp, _query_index, _screen_cpu
 
@@ -340,7 +341,12 @@ def find_candidates(
     screen = thr - screening_margin(d)
     q_np = np.ascontiguousarray(queries, dtype=np.float32)
     q_t = torch.from_numpy(q_np).to(dev) if dev.type != "cpu" else None
-    q_index = _query_index(q_np) if dev.type == "cpu" and screen > -1.0 else None
+    # The CPU screen: bf16 on CPUs that multiply it in hardware, for large batches (bf16_screen; its own
+    # rigorous margin), else FAISS's fp32 range search. Chosen from the batch size and the rows stored.
+    bf16 = None
+    if dev.type == "cpu" and screen > -1.0 and bf16_screen.wanted(m, _source_rows(source), dim=d):
+        bf16 = bf16_screen.Bf16Screen(q_np, thr)
+    q_index = _query_index(q_np) if dev.type == "cpu" and screen > -1.0 and bf16 is None else None
     # The recompute: compiled (exact_jit, reads the float32 queries in place) for large batches
     # (use_compiled); numpy's path (queries cast once per batch, exact, and gathered per pair) otherwise,
     # which spares a small cron batch numba's import. Same bits either way.
@@ -363,6 +369,8 @@ def find_candidates(
         if screen <= -1.0:  # threshold below every possible dot product: all rows
             k = block.shape[0] if x_t is None else x_t.shape[0]
             qi, ri = np.tile(np.arange(m), k), np.repeat(np.arange(k), m)  # in row order
+        elif bf16 is not None:
+            qi, ri = bf16.pairs(block)
         elif dev.type == "cpu":
             qi, ri = _screen_cpu(q_index, block, screen)
         else:

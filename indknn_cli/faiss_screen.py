@@ -27,13 +27,20 @@ def _passive_openmp(module: str) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's Linux feature flags (empty when unknown: not Linux)."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as fh:
+            return next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def _openblas_coretype(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     """The OpenBLAS kernel family this CPU runs (``OPENBLAS_CORETYPE``), from its Linux feature flags: AVX-512
     (F, CD, BW, DQ, VL) → SkylakeX, AVX2 + FMA → Haswell; None when unknown (not Linux, other CPUs)."""
-    try:
-        with open(cpuinfo, encoding="ascii", errors="replace") as fh:
-            flags = next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
-    except OSError:
+    flags = cpu_flags(cpuinfo)
+    if not flags:
         return None
     if {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"} <= flags:
         return "SkylakeX"

@@ -32,6 +32,7 @@ measured per-chunk costs (read, score) behind docs/SCALING.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from indknn_cli import bf16_screen
 from indknn_cli.candidates import import_faiss
 from indknn_cli.engine import ArraySource, _import_torch, find_candidates
 from indknn_cli.serving import build_index, make_params
@@ -91,15 +93,49 @@ def time_matmul(x, q, batch):
     return c
 
 
-def time_candidates(x, q, batch, *, tau, chunk_rows):
+def time_matmul_bf16(x, q, batch):
+    """The same products with both operands rounded to bf16, in the bf16 screen's tiles (rows × queries of
+    ``bf16_screen.TILE_BYTES``): the floor of that screen's product."""
+    torch = _import_torch()
+    xt = torch.from_numpy(x).to(torch.bfloat16)
+    rows = max(16, bf16_screen.TILE_BYTES // (2 * batch))
+    torch.mm(xt[:rows], torch.from_numpy(q[:batch]).to(torch.bfloat16).T)  # warm-up
+    with _Clock() as c:
+        for lo in range(0, q.shape[0], batch):
+            qb = torch.from_numpy(q[lo:lo + batch]).to(torch.bfloat16).T
+            for a in range(0, xt.shape[0], rows):
+                s = torch.mm(xt[a:a + rows], qb)
+                del s
+    return c
+
+
+@contextlib.contextmanager
+def _screen(mode: str | None):
+    """``INDKNN_SCREEN`` set to ``mode`` (None: as the caller has it) for the block."""
+    old = os.environ.get("INDKNN_SCREEN")
+    if mode is not None:
+        os.environ["INDKNN_SCREEN"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("INDKNN_SCREEN", None)
+        else:
+            os.environ["INDKNN_SCREEN"] = old
+
+
+def time_candidates(x, q, batch, *, tau, chunk_rows, screen=None):
     pairs = 0
     mask = np.ones(x.shape[0], bool)
     src = ArraySource(x, rows=chunk_rows)
-    with _Clock() as c:
-        for lo in range(0, q.shape[0], batch):
-            cands = find_candidates(q[lo:lo + batch], src, kernel="cosine", tau=tau, nu=None, device="cpu",
-                                    row_mask=mask)
-            pairs += sum(r.size for r in cands.rows)
+    with _screen(screen):
+        find_candidates(q[:batch], ArraySource(x[:chunk_rows], rows=chunk_rows), kernel="cosine", tau=tau,
+                        nu=None, device="cpu")  # warm-up: imports, the probe, numba's cached kernels
+        with _Clock() as c:
+            for lo in range(0, q.shape[0], batch):
+                cands = find_candidates(q[lo:lo + batch], src, kernel="cosine", tau=tau, nu=None, device="cpu",
+                                        row_mask=mask)
+                pairs += sum(r.size for r in cands.rows)
     return c, pairs
 
 
@@ -118,11 +154,14 @@ def time_faiss(x, q, batch, *, tau):
     return c, pairs
 
 
-def time_serve_process(tmp: Path, *, batch_size, device):
-    """Wall and CPU seconds and the process's own peak RSS in MB (:mod:`.peak_rss`) of one serve-queries."""
+def time_serve_process(tmp: Path, *, batch_size, device, screen=None):
+    """Wall and CPU seconds and the process's own peak RSS in MB (:mod:`.peak_rss`) of one serve-queries
+    (``screen``: its ``INDKNN_SCREEN``; None: the caller's)."""
     from .peak_rss import indknn_command, read_peak_mb
 
     env = dict(os.environ, INDKNN_DEBUG="0")
+    if screen is not None:
+        env["INDKNN_SCREEN"] = screen
     cmd = indknn_command(["serve-queries", "bench", "--store", str(tmp / "s.zarr"), "--ledger", str(tmp / "L"),
                           "--seed", "1", "--no-reuse", "--batch-size", str(batch_size), "--device", device,
                           "--out", str(tmp / "answers.parquet"), "-q"], tmp / "serve.peak")
@@ -159,10 +198,24 @@ def run(n, d, m, tau, batch_size, device):
         mm = time_matmul(x, q, batch_size)
         cand, pairs = time_candidates(x, q, batch_size, tau=tau, chunk_rows=store.scan_rows)
         fa, faiss_pairs = time_faiss(x, q, batch_size, tau=tau)
+        # On a CPU with bf16 instructions the screen may run in bf16 (bf16_screen): the fp32 screen and the
+        # bf16 product are timed too, in the same run, and the serve again with the fp32 screen forced.
+        has_bf16 = device == "cpu" and bf16_screen.cpu_has_bf16() and os.environ.get("INDKNN_SCREEN") is None
+        if has_bf16:
+            mm16 = time_matmul_bf16(x, q, batch_size)
+            cand32, pairs32 = time_candidates(x, q, batch_size, tau=tau, chunk_rows=store.scan_rows, screen="fp32")
+            assert pairs32 == pairs, (pairs32, pairs)
+            _state(tmp, "save")
         serve_wall, serve_cpu, serve_peak = time_serve_process(tmp, batch_size=batch_size, device=device)
         import pyarrow.parquet as pq
 
         ks = pq.read_table(tmp / "answers.parquet", columns=["released_count"]).column(0).to_numpy()
+        if has_bf16:
+            first = (tmp / "answers.parquet").read_bytes()
+            _state(tmp, "restore")
+            s32_wall, s32_cpu, s32_peak = time_serve_process(tmp, batch_size=batch_size, device=device,
+                                                             screen="fp32")
+            same = _answers(tmp / "answers.parquet") == _answers_bytes(first)
     torch = _import_torch()
     out = {"n": n, "d": d, "queries": m, "tau": tau, "batch_size": batch_size, "device": device,
            "candidates_per_query": round(pairs / m, 1), "faiss_pairs_per_query": (
@@ -183,8 +236,50 @@ def run(n, d, m, tau, batch_size, device):
            # FAISS's copy and a batch's dense products, none of which serving needs)
            "serve_peak_rss_mb": serve_peak,
            "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+           "serve_vs_matmul_throughput_wall": round(mm.wall / serve_wall, 3),
            "torch_threads": torch.get_num_threads(), "load_average": [round(v, 2) for v in os.getloadavg()]}
+    if has_bf16:  # the same figures with the fp32 screen forced, and the bf16 product, from this run
+        out["fp32_screen"] = {
+            "serve_vs_matmul": round(s32_cpu / mm.cpu, 3), "serve_vs_matmul_wall": round(s32_wall / mm.wall, 3),
+            "serve_vs_matmul_throughput_wall": round(mm.wall / s32_wall, 3),
+            "candidates_vs_faiss": round(cand32.cpu / fa.cpu, 3) if fa is not None else None,
+            "cpu_s": {"candidates": round(cand32.cpu, 2), "serve_process": round(s32_cpu, 2)},
+            "wall_s": {"candidates": round(cand32.wall, 2), "serve_process": round(s32_wall, 2)},
+            "serve_peak_rss_mb": s32_peak, "answers_identical": same}
+        out["bf16_matmul"] = {"cpu_s": round(mm16.cpu, 2), "wall_s": round(mm16.wall, 2),
+                              "serve_vs_bf16_matmul": round(serve_cpu / mm16.cpu, 3)}
     return out
+
+
+def _state(tmp: Path, how: str) -> None:
+    """Save (``how="save"``) or restore the ledger and the store's ledger mark, so that a second serve starts
+    where the first did (the mark's rollback check would refuse the restored ledger otherwise)."""
+    import shutil
+
+    for live, saved in [(tmp / "L", tmp / "L.orig"), (tmp / "s.zarr" / "ledger-mark.json", tmp / "mark.orig")]:
+        src, dst = (live, saved) if how == "save" else (saved, live)
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        else:
+            dst.unlink(missing_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        elif src.exists():
+            shutil.copy2(src, dst)
+    if how == "restore":
+        (tmp / "answers.parquet").unlink(missing_ok=True)
+
+
+def _answers_bytes(raw: bytes) -> list:
+    import io
+
+    import pyarrow.parquet as pq
+
+    return pq.read_table(io.BytesIO(raw)).to_pylist()
+
+
+def _answers(path: Path) -> list:
+    return _answers_bytes(path.read_bytes())
 
 
 def main(argv: list[str] | None = None) -> None:

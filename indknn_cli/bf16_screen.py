@@ -1,0 +1,273 @@
+"""The bfloat16 screen: the candidate phase's product in bf16 on CPUs that multiply bf16 in hardware (issue 21).
+
+The candidate phase (:func:`indknn_cli.candidates.find_candidates`) needs, per query, a superset of the rows
+whose dot product with it reaches the threshold s (κ ≥ τ ⟺ x·q ≥ s for unit vectors), and then recomputes
+κ of every pair in that superset exactly in float64. Which superset the screen passes changes only how many
+pairs are recomputed, never a candidate or an answer. On a CPU with AMX-BF16 or AVX512-BF16 a bf16 product
+with fp32 accumulation runs several times faster than the fp32 one (``indknn bench serve-speed`` prints
+both, ``bf16_matmul``), so the screen multiplies the queries and rows rounded to bf16 and keeps every pair
+whose bf16 score is within a rigorous margin of s.
+
+The margin (a bound on |ŝ − x·q|, ŝ the bf16 score, x·q the exact real dot product of the float32 vectors).
+Let u = 2^-8 (bf16's unit roundoff: 8 significant bits, round to nearest even), u' = 2^-24 (fp32's),
+γ_d = d·u'/(1 − d·u'), B = ‖x‖·‖q‖.
+1. Rounding the inputs: x̃_i = x_i(1 + α_i), q̃_i = q_i(1 + β_i), |α_i|, |β_i| ≤ u, so
+   |x̃_i q̃_i − x_i q_i| ≤ (2u + u²)|x_i q_i| and Σ_i |x_i q_i| ≤ B (Cauchy–Schwarz).
+2. The products x̃_i q̃_i have 16 significant bits and are exact in fp32; their fp32 sum in any order
+   (any blocking of the product) is within γ_d·Σ|x̃_i q̃_i| ≤ γ_d(1 + u)²B of their exact sum (Higham,
+   *Accuracy and Stability of Numerical Algorithms*, 2nd ed., §3.1, eq. 3.5).
+   Subnormals flushed to zero (AMX does) add at most 2d·2^-126, absorbed in a constant 2^-100.
+   Steps 1–2: A = (2u + u²)B + γ_d(1 + u)²B + 2^-100.
+3. Rounding the fp32 sum S to the bf16 output: |ŝ − S| ≤ u|S| ≤ u(|x·q| + A) ≤ u(B + A).
+So |ŝ − x·q| ≤ (1 + u)A + uB =: M (about 3u·B = 0.0118 for unit vectors; :func:`bf16_screen_margin`), and a
+pair with x·q ≥ s has ŝ ≥ s − M. The screen keeps ŝ ≥ s − 1.25·M (the factor leaves room for one more
+rounding than assumed), compared against the largest bf16 value not above it. The rows are unit vectors
+(the store holds them L2-normalised in float32, ``store.normalize_rows``; the fp32 screen's margin assumes
+the same), ‖x‖ within ~d·2^-24 of 1; ‖q‖ is the batch's largest query norm, computed in fp32; each is
+raised by 2^-10, so B = (1 + 2^-10)²·max ‖q‖.
+
+What the bound assumes of the library (fp32 accumulation, one rounding to bf16 at the end) is checked on
+this machine before the screen is first used (:func:`_probe`: every probe score within γ_d·Σ|x̃q̃| + u|S|
+of the exact sum of the rounded inputs' products); a library that fails it leaves the batch on FAISS's fp32
+screen. The scores are scanned by :mod:`indknn_cli.bf16_scan_kernels` (numba) as int16 bit patterns, or by
+numpy where numba is missing: the same pairs either way.
+
+Used by the CPU screen when the CPU has the instructions (or ``INDKNN_SCREEN=bf16``; ``INDKNN_SCREEN=fp32``
+turns it off) and a batch is large enough to repay torch's import (:func:`wanted`: the batch size and the
+number of rows stored, public figures). tests/test_bf16_screen.py pins that the candidates equal the fp32
+screen's on data placed at the threshold.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import numpy as np
+
+from .faiss_screen import _passive_openmp, cpu_flags
+from .threads import ProcessPool, usable_cores
+
+U_BF16 = 2.0**-8
+U_FP32 = 2.0**-24
+#: Absorbs flushed subnormals (≤ 2d·2^-126 for any d this tool accepts).
+TINY = 2.0**-100
+#: The screen keeps pairs with ŝ ≥ s − SAFETY·M.
+SAFETY = 1.25
+#: Each norm is raised by this factor before it enters B (module docstring).
+NORM_SLACK = 1.0 + 2.0**-10
+
+#: Batches below these sizes stay on FAISS's fp32 screen: torch's import (~0.5 s) must be repaid. The
+#: figures read the batch size, the number of stored rows and d, never which rows lie near a query.
+BF16_MIN_QUERIES = 256
+BF16_MIN_MACS = 1 << 37  # e.g. 1,024 queries × 349,525 rows at d = 384
+
+#: Bytes of bf16 scores per product (rows × queries × 2): small enough to be scanned from cache.
+TILE_BYTES = 4 << 20
+
+
+def bf16_screen_margin(*, dim: int, norm_product: float) -> float:
+    """M: a bound on |bf16 score − exact x·q| for ‖x‖·‖q‖ ≤ ``norm_product`` (module docstring, steps 1–3)."""
+    if not isinstance(dim, int) or dim < 1 or dim * U_FP32 >= 0.5:
+        raise ValueError(f"dim must be an integer in [1, 2^23), got {dim!r}")
+    if not (math.isfinite(norm_product) and norm_product >= 0.0):
+        raise ValueError(f"norm_product must be finite and ≥ 0, got {norm_product!r}")
+    u, b = U_BF16, float(norm_product)
+    gamma = dim * U_FP32 / (1.0 - dim * U_FP32)
+    a = (2.0 * u + u * u) * b + gamma * (1.0 + u) ** 2 * b + TINY
+    return (1.0 + u) * a + u * b
+
+
+def _mode() -> str:
+    raw = os.environ.get("INDKNN_SCREEN", "").strip().lower()
+    return raw if raw in ("bf16", "fp32") else "auto"  # anything else: auto (a setting never raises mid-serve)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (Linux feature flags amx_bf16 or avx512_bf16)."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+def wanted(m: int, rows: int | None, *, dim: int) -> bool:
+    """Whether a batch of ``m`` queries against ``rows`` stored rows (None: unknown) takes the bf16 screen.
+    Forced on or off by ``INDKNN_SCREEN``; by default on CPUs with bf16 instructions, for large batches,
+    when the library passes the probe."""
+    mode = _mode()
+    if mode == "fp32":
+        return False
+    if mode == "auto" and (not cpu_has_bf16() or m < BF16_MIN_QUERIES or rows is None
+                           or m * rows * dim < BF16_MIN_MACS):
+        return False
+    return _probe(dim)
+
+
+_lock = threading.Lock()
+_probed: dict[int, bool] = {}
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _import_torch():
+    _passive_openmp("torch")
+    import torch
+
+    return torch
+
+
+def _probe(dim: int) -> bool:
+    """Whether torch's bf16 product on this machine stays within steps 2–3 of the bound at width ``dim``
+    (fp32 accumulation, one rounding at the end), on random unit vectors and on vectors whose products
+    all share a sign (the largest sums). Cached per width; any failure means no (FAISS's screen)."""
+    with _lock:
+        if dim not in _probed:
+            try:
+                _probed[dim] = _probe_once(dim)
+            except Exception:  # torch missing or broken: the fp32 screen gives the same candidates
+                _probed[dim] = False
+        return _probed[dim]
+
+
+def _probe_once(dim: int) -> bool:
+    torch = _import_torch()
+    rng = np.random.default_rng(20261126)
+    q = rng.standard_normal((64, dim))
+    x = np.concatenate([rng.standard_normal((192, dim)), np.abs(rng.standard_normal((64, dim)))])
+    x[-1] = 1.0
+    q[-1] = 1.0
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    qb = torch.from_numpy(q.astype(np.float32)).to(torch.bfloat16)
+    xb = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+    s = torch.mm(xb, qb.T)
+    if s.dtype != torch.bfloat16 or tuple(s.shape) != (x.shape[0], q.shape[0]):
+        return False
+    xr, qr = xb.to(torch.float64).numpy(), qb.to(torch.float64).numpy()
+    exact = xr @ qr.T  # products of bf16 values are exact in float64; the sums' error is ~1e-16
+    absum = np.abs(xr) @ np.abs(qr).T
+    gamma = dim * U_FP32 / (1.0 - dim * U_FP32)
+    bound = gamma * absum + U_BF16 * (np.abs(exact) + gamma * absum) + 1e-12
+    got = s.to(torch.float64).numpy()
+    return bool(np.all(np.isfinite(got)) and np.all(np.abs(got - exact) <= bound))
+
+
+def _round_down_bf16(value: float, torch) -> int:
+    """int16 bit pattern of the largest bf16 value ≤ ``value`` (finite)."""
+    b = torch.tensor([value], dtype=torch.float32).to(torch.bfloat16)
+    while float(b.to(torch.float64)) > value:  # round to nearest went up: one step toward −∞
+        bits = int(b.view(torch.int16).item())
+        bits = bits - 1 if bits > 0 else (bits + 1 if bits < 0 else -32767)  # +0 → the smallest negative
+        b = torch.tensor([bits], dtype=torch.int16).view(torch.bfloat16)
+    return int(b.view(torch.int16).item())
+
+
+def _order_key(bits: int) -> int:
+    """The scan's order key of a bf16 bit pattern (int16): v for v ≥ 0, −(v + 32768) for v < 0."""
+    return bits if bits >= 0 else -(bits + 32768)
+
+
+_kernel = None
+
+
+def _scan_kernel():
+    """numba's scan (bf16_scan_kernels), or None where numba cannot be imported (numpy's scan then)."""
+    global _kernel
+    with _lock:
+        if _kernel is None:
+            try:
+                from .bf16_scan_kernels import scan_ge
+
+                _kernel = scan_ge
+            except Exception:
+                _kernel = False
+        return _kernel or None
+
+
+def _scan_numpy(s: np.ndarray, key_t: int, ordered: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The same pairs as the compiled scan: (query, row) with key ≥ ``key_t``, in row order."""
+    if ordered:
+        hit = s >= key_t
+    else:
+        v = s.astype(np.int32)
+        hit = np.where(v >= 0, v, -(v + 32768)) >= key_t
+    ri, qi = np.nonzero(hit)
+    return qi.astype(np.int64), ri.astype(np.int64)
+
+
+def _one_torch_thread() -> None:
+    _import_torch().set_num_threads(1)  # this worker's products on one thread (the workers share the cores)
+
+
+_pool = ProcessPool("indknn-bf16", initializer=_one_torch_thread)
+
+
+class Bf16Screen:
+    """The queries of one batch rounded to bf16, screened against chunks of rows (:meth:`pairs`)."""
+
+    def __init__(self, queries: np.ndarray, threshold: float):
+        self._torch = torch = _import_torch()
+        q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
+        self.m, self.dim = int(q.shape[0]), int(q.shape[1])
+        self.threshold = float(threshold)
+        self._q = q.to(torch.bfloat16)
+        # B = ‖x‖·‖q‖ ≤ NORM_SLACK² · max ‖q‖ (rows are unit vectors, see the module docstring)
+        q_norm = float(torch.linalg.vector_norm(q, dim=1).amax()) if self.m else 0.0
+        self.margin = SAFETY * bf16_screen_margin(dim=self.dim, norm_product=NORM_SLACK * NORM_SLACK * q_norm)
+        t_bits = _round_down_bf16(self.threshold - self.margin, torch)
+        self._ordered = t_bits > 0  # a positive level: int16 order is the scores' order among passers
+        self._key_t = t_bits if self._ordered else _order_key(t_bits)
+        self._tile_rows = max(16, TILE_BYTES // (2 * max(self.m, 1)))
+        self._scan = _scan_kernel()
+        self._workers = usable_cores()
+
+    def pairs(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(query, row) pairs of ``block`` (float32 rows) whose bf16 score is within SAFETY·M of the
+        threshold or above, grouped by row in row order: a superset of the pairs with x·q ≥ threshold.
+
+        The tiles are cut into contiguous runs, one per core, each run's products on one torch thread and
+        its scan beside them (a scan on one thread after each two-thread product left a core idle: 0.46–0.53 s
+        against 0.64–0.83 s for 2,048 queries × 262,144 rows, d = 384, in a scratch measurement on the
+        2-core Xeon); the runs' pairs are joined in row order."""
+        torch = self._torch
+        xb = torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(torch.bfloat16)
+        starts = list(range(0, xb.shape[0], self._tile_rows))
+        k = min(self._workers, len(starts))
+        if k <= 1:
+            return self._run(xb, starts)
+        cuts = np.linspace(0, len(starts), k + 1).astype(np.int64).tolist()
+        pool = _pool.get(self._workers)[0]
+        futures = [pool.submit(self._run, xb, starts[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+        parts = [f.result() for f in futures]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def _run(self, xb, starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The pairs of the tiles starting at ``starts`` (consecutive), in row order."""
+        torch = self._torch
+        parts_q, parts_r = [], []
+        buf = (np.empty(1 << 14, np.int32), np.empty(1 << 14, np.int32))
+        for a in starts:
+            s = torch.mm(xb[a:a + self._tile_rows], self._q.T).view(torch.int16).numpy()
+            (qi, ri), buf = self._scan_tile(s, buf)
+            if qi.size:
+                parts_q.append(qi)
+                parts_r.append(ri + a)
+        if not parts_q:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        return np.concatenate(parts_q), np.concatenate(parts_r)
+
+    def _scan_tile(self, s: np.ndarray, buf):
+        """The tile's pairs and the (possibly grown) scan buffers."""
+        if self._scan is None:
+            return _scan_numpy(s, self._key_t, self._ordered), buf
+        n = self._scan(s, self._key_t, self._ordered, buf[0], buf[1])
+        if n > buf[0].size:  # the buffers were short: grow them and scan the tile again
+            buf = (np.empty(max(n, 2 * buf[0].size), np.int32), np.empty(max(n, 2 * buf[0].size), np.int32))
+            n = self._scan(s, self._key_t, self._ordered, buf[0], buf[1])
+        return (buf[0][:n].astype(np.int64), buf[1][:n].astype(np.int64)), buf
