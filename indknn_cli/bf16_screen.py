@@ -23,25 +23,32 @@ So |ŝ − x·q| ≤ (1 + u)A + uB =: M (about 3u·B = 0.0118 for unit vectors; 
 pair with x·q ≥ s has ŝ ≥ s − M. The screen keeps ŝ ≥ s − 1.25·M (the factor leaves room for one more
 rounding than assumed), compared against the largest bf16 value not above it. The rows are unit vectors
 (the store holds them L2-normalised in float32, ``store.normalize_rows``; the fp32 screen's margin assumes
-the same), ‖x‖ within ~d·2^-24 of 1; ‖q‖ is the batch's largest query norm, computed in fp32; each is
+the same), ‖x‖ within ~d·2^-24 of 1; ‖q‖ is the batch's largest query norm, computed in float64; each is
 raised by 2^-10, so B = (1 + 2^-10)²·max ‖q‖.
 
-What the bound assumes of the library (fp32 accumulation, one rounding to bf16 at the end) is checked on
-this machine before the screen is first used (:func:`_probe`: every probe score within γ_d·Σ|x̃q̃| + u|S|
-of the exact sum of the rounded inputs' products); a library that fails it leaves the batch on FAISS's fp32
-screen. The scores are scanned by :mod:`indknn_cli.bf16_scan_kernels` (numba) as int16 bit patterns, or by
-numpy where numba is missing: the same pairs either way.
+What the bound assumes of the library is checked on this machine before the screen is first used
+(:func:`_probe`): that fp32 → bf16 rounds to nearest even (65,536 bit patterns, a quarter of them exact
+ties), and that every score of two products (256 rows × 64 queries on the calling thread; 1,041 × 512 on
+a worker of the screen's pool, which multiplies on one thread and may take other kernels), a quarter of
+them with products of one sign, lies within γ_d·Σ|x̃q̃| + u|S| of the exact sum of the rounded inputs'
+products (fp32 accumulation, one rounding at the end). A library that fails leaves every batch on FAISS's
+fp32 screen. Queries longer than MAX_QUERY_NORM (2; serve-queries sends unit vectors) are left to it too.
+The scores are scanned by :mod:`indknn_cli.bf16_scan_kernels` (numba) as int16 bit patterns, or by numpy
+where numba is missing: the same pairs either way.
 
 Used by the CPU screen when the CPU has the instructions (or ``INDKNN_SCREEN=bf16``; ``INDKNN_SCREEN=fp32``
-turns it off) and a batch is large enough to repay torch's import (:func:`wanted`: the batch size and the
-number of rows stored, public figures). tests/test_bf16_screen.py pins that the candidates equal the fp32
-screen's on data placed at the threshold.
+turns it off) and a batch is large enough to repay torch's import (:func:`rule`: the batch size, the number
+of rows stored and d, public figures; :func:`prepare` lets serve-queries judge by the run's query count).
+tests/test_bf16_screen.py pins that the candidates equal the fp32 screen's and brute force's on data placed
+at the threshold, on rounding that runs one way (lost without the margin), across many tiles and workers,
+and for queries far from unit length; and a whole serve's answers and ledger under either screen.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 
 import numpy as np
@@ -58,13 +65,21 @@ SAFETY = 1.25
 #: Each norm is raised by this factor before it enters B (module docstring).
 NORM_SLACK = 1.0 + 2.0**-10
 
-#: Batches below these sizes stay on FAISS's fp32 screen: torch's import (~0.5 s) must be repaid. The
-#: figures read the batch size, the number of stored rows and d, never which rows lie near a query.
+#: Batches below these sizes stay on FAISS's fp32 screen. Before torch is loaded its import (1.4–1.7 s
+#: here) must be repaid (BF16_MIN_MACS: about 1.5 s of fp32 products on 2 cores); once loaded, only the
+#: per-call conversion (BF16_MIN_MACS_LOADED). The figures read the batch size, the number of stored rows
+#: and d, never which rows lie near a query.
 BF16_MIN_QUERIES = 256
 BF16_MIN_MACS = 1 << 37  # e.g. 1,024 queries × 349,525 rows at d = 384
+BF16_MIN_MACS_LOADED = 1 << 32
 
 #: Bytes of bf16 scores per product (rows × queries × 2): small enough to be scanned from cache.
 TILE_BYTES = 4 << 20
+#: Pairs the scan's first buffers hold (they grow when a tile passes more).
+SCAN_BUFFER = 1 << 14
+#: Queries longer than this are left to the fp32 screen (the bound holds, but bf16's range and the scan
+#: are made for unit vectors; serve-queries sends unit vectors).
+MAX_QUERY_NORM = 2.0
 
 
 def bf16_screen_margin(*, dim: int, norm_product: float) -> float:
@@ -89,17 +104,28 @@ def cpu_has_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
-def wanted(m: int, rows: int | None, *, dim: int) -> bool:
-    """Whether a batch of ``m`` queries against ``rows`` stored rows (None: unknown) takes the bf16 screen.
-    Forced on or off by ``INDKNN_SCREEN``; by default on CPUs with bf16 instructions, for large batches,
-    when the library passes the probe."""
+def rule(m: int, rows: int | None, *, dim: int, torch_loaded: bool) -> bool:
+    """The size and setting rule of :func:`wanted`, without the probe: ``INDKNN_SCREEN`` forces the screen
+    on or off; by default a CPU with bf16 instructions and a large enough batch."""
     mode = _mode()
-    if mode == "fp32":
-        return False
-    if mode == "auto" and (not cpu_has_bf16() or m < BF16_MIN_QUERIES or rows is None
-                           or m * rows * dim < BF16_MIN_MACS):
-        return False
-    return _probe(dim)
+    if mode != "auto":
+        return mode == "bf16"
+    need = BF16_MIN_MACS_LOADED if torch_loaded else BF16_MIN_MACS
+    return cpu_has_bf16() and m >= BF16_MIN_QUERIES and rows is not None and m * rows * dim >= need
+
+
+def wanted(m: int, rows: int | None, *, dim: int) -> bool:
+    """Whether a batch of ``m`` queries against ``rows`` stored rows (None: unknown) takes the bf16 screen:
+    :func:`rule`, and the library passes the probe (:func:`_probe`)."""
+    return rule(m, rows, dim=dim, torch_loaded="torch" in sys.modules) and _probe(dim)
+
+
+def prepare(total_queries: int, rows: int, *, dim: int) -> bool:
+    """At a run's start: load torch and run the probe when the run's queries in all (not one batch) repay
+    torch's import, so that each batch is then judged by BF16_MIN_MACS_LOADED (serve-queries: 20,000 queries
+    in batches of 1,024 against 50,000 rows). Whether the bf16 screen will be used. Public figures only: the
+    run's query count, the rows stored and d."""
+    return rule(total_queries, rows, dim=dim, torch_loaded=False) and _probe(dim)
 
 
 _lock = threading.Lock()
@@ -136,10 +162,34 @@ def _probe(dim: int) -> bool:
 
 
 def _probe_once(dim: int) -> bool:
+    """Step 1 (fp32 → bf16 rounds to nearest even) on bit patterns with ties, and steps 2–3 on products
+    of two shapes, one on the calling thread and one (a screen's tile of many queries and a short tail)
+    on a worker of the screen's pool, whose one-thread products may take other kernels."""
     torch = _import_torch()
-    rng = np.random.default_rng(20261126)
-    q = rng.standard_normal((64, dim))
-    x = np.concatenate([rng.standard_normal((192, dim)), np.abs(rng.standard_normal((64, dim)))])
+    if not _conversion_rounds_to_nearest_even(torch):
+        return False
+    if not _product_within_bound(torch, dim, rows=256, queries=64, seed=1):
+        return False
+    pool = _pool.get(usable_cores())[0]
+    return bool(pool.submit(_product_within_bound, torch, dim, rows=1041, queries=512, seed=2).result())
+
+
+def _conversion_rounds_to_nearest_even(torch) -> bool:
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32)
+    bits[::4] = (bits[::4] & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # exact ties
+    bits = bits[(bits & np.uint32(0x7F800000)) != np.uint32(0x7F800000)]  # finite only
+    bits = bits[((bits & np.uint32(0x7FFFFFFF)) + np.uint32(0x8000)) < np.uint32(0x7F7F8000)]  # no overflow to inf
+    want = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    got = torch.from_numpy(bits.view(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return bool(np.array_equal(got, want))
+
+
+def _product_within_bound(torch, dim: int, *, rows: int, queries: int, seed: int) -> bool:
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((queries, dim))
+    x = np.concatenate([rng.standard_normal((rows - rows // 4, dim)), np.abs(rng.standard_normal((rows // 4, dim)))])
+    q[: queries // 4] = np.abs(q[: queries // 4])  # same-sign products: the largest sums
     x[-1] = 1.0
     q[-1] = 1.0
     q /= np.linalg.norm(q, axis=1, keepdims=True)
@@ -202,7 +252,14 @@ def _scan_numpy(s: np.ndarray, key_t: int, ordered: bool) -> tuple[np.ndarray, n
 
 
 def _one_torch_thread() -> None:
-    _import_torch().set_num_threads(1)  # this worker's products on one thread (the workers share the cores)
+    """This worker's products on one thread (the workers share the cores). ATen sets a thread up on its
+    first call (applying any process-wide ``torch.set_num_threads``), so that comes first; then this
+    thread's own OpenMP setting (threadpoolctl: ``omp_set_num_threads`` is per thread), leaving torch's
+    process-wide default, the caller's threads and threads started later as they were."""
+    _import_torch().get_num_threads()
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="openmp")
 
 
 _pool = ProcessPool("indknn-bf16", initializer=_one_torch_thread)
@@ -217,8 +274,14 @@ class Bf16Screen:
         self.m, self.dim = int(q.shape[0]), int(q.shape[1])
         self.threshold = float(threshold)
         self._q = q.to(torch.bfloat16)
-        # B = ‖x‖·‖q‖ ≤ NORM_SLACK² · max ‖q‖ (rows are unit vectors, see the module docstring)
-        q_norm = float(torch.linalg.vector_norm(q, dim=1).amax()) if self.m else 0.0
+        # B = ‖x‖·‖q‖ ≤ NORM_SLACK² · max ‖q‖ (rows are unit vectors, see the module docstring); the norm
+        # in float64 (no underflow or overflow for float32 values). Queries over MAX_QUERY_NORM (serve-queries
+        # sends unit vectors) are not screened here: usable is False and the caller takes the fp32 screen.
+        q32 = q.numpy()
+        q_norm = math.sqrt(float(np.einsum("ij,ij->i", q32, q32, dtype=np.float64).max())) if self.m else 0.0
+        self.usable = math.isfinite(q_norm) and q_norm <= MAX_QUERY_NORM
+        if not self.usable:
+            return
         self.margin = SAFETY * bf16_screen_margin(dim=self.dim, norm_product=NORM_SLACK * NORM_SLACK * q_norm)
         t_bits = _round_down_bf16(self.threshold - self.margin, torch)
         self._ordered = t_bits > 0  # a positive level: int16 order is the scores' order among passers
@@ -251,7 +314,7 @@ class Bf16Screen:
         """The pairs of the tiles starting at ``starts`` (consecutive), in row order."""
         torch = self._torch
         parts_q, parts_r = [], []
-        buf = (np.empty(1 << 14, np.int32), np.empty(1 << 14, np.int32))
+        buf = (np.empty(SCAN_BUFFER, np.int32), np.empty(SCAN_BUFFER, np.int32))
         for a in starts:
             s = torch.mm(xb[a:a + self._tile_rows], self._q.T).view(torch.int16).numpy()
             (qi, ri), buf = self._scan_tile(s, buf)

@@ -346,6 +346,7 @@ def find_candidates(
     bf16 = None
     if dev.type == "cpu" and screen > -1.0 and bf16_screen.wanted(m, _source_rows(source), dim=d):
         bf16 = bf16_screen.Bf16Screen(q_np, thr)
+        bf16 = bf16 if bf16.usable else None
     q_index = _query_index(q_np) if dev.type == "cpu" and screen > -1.0 and bf16 is None else None
     # The recompute: compiled (exact_jit, reads the float32 queries in place) for large batches
     # (use_compiled); numpy's path (queries cast once per batch, exact, and gathered per pair) otherwise,

@@ -234,3 +234,44 @@ def test_serve_answers_and_ledger_equal_under_either_screen(tmp_path, monkeypatc
     for name in ("spent", "times_selected", "budget", "deleted"):
         assert getattr(s1, name).tobytes() == getattr(s2, name).tobytes(), name
     assert (s1.spent > 0).sum() > m
+
+
+def test_many_tiles_across_workers_and_grown_buffers(monkeypatch):
+    """Small tiles cut across two workers, scan buffers that must grow: the same candidates and κ as the
+    fp32 screen and brute force (the tile offsets, the runs' order and the rescan all matter here)."""
+    q, x = _near_threshold(40, 64, 0.3, per_query=40, spread=0.2, seed=4)
+    src = ArraySource(x, rows=1000)
+    monkeypatch.setenv("INDKNN_SCREEN", "fp32")
+    fp32 = find_candidates(q, src, kernel="cosine", tau=0.3, nu=None, device="cpu")
+    monkeypatch.setenv("INDKNN_SCREEN", "bf16")
+    monkeypatch.setattr(bf16_screen, "TILE_BYTES", 2 * 40 * 37)  # 37 rows a tile: 28 tiles per 1,000-row chunk
+    monkeypatch.setattr(bf16_screen, "SCAN_BUFFER", 3)
+    monkeypatch.setattr(bf16_screen, "usable_cores", lambda **k: 2)
+    gets = []
+    real_get = bf16_screen._pool.get
+    monkeypatch.setattr(bf16_screen._pool, "get", lambda w: gets.append(w) or real_get(w))
+    got = find_candidates(q, src, kernel="cosine", tau=0.3, nu=None, device="cpu")
+    assert gets, "the tiles were not cut across the pool"
+    brute = _brute(q, x, kernel="cosine", tau=0.3, nu=None)
+    for t in range(q.shape[0]):
+        assert np.array_equal(got.rows[t], fp32.rows[t]) and np.array_equal(got.rows[t], brute[t][0])
+        assert got.kappa[t].tobytes() == fp32.kappa[t].tobytes()
+    assert sum(r.size for r in got.rows) > 500
+
+
+@pytest.mark.parametrize("scale", [2.0**-84, 1.0, 3.0, 2.0**60])
+def test_query_norms_far_from_one(monkeypatch, scale):
+    """Queries are not unit vectors: tiny ones (whose fp32 sum of squares would underflow) keep their margin,
+    long ones are left to the fp32 screen; the candidates are brute force's either way."""
+    q, x = _near_threshold(6, 32, 0.5, seed=5)
+    q = (q * np.float32(scale)).astype(np.float32)
+    tau = 0.5 * scale
+    monkeypatch.setenv("INDKNN_SCREEN", "bf16")
+    screens = []
+    real = bf16_screen.Bf16Screen
+    monkeypatch.setattr(bf16_screen, "Bf16Screen", lambda *a, **k: screens.append(real(*a, **k)) or screens[-1])
+    got = find_candidates(q, ArraySource(x), kernel="cosine", tau=tau, nu=None, device="cpu")
+    assert screens and screens[0].usable == (scale <= bf16_screen.MAX_QUERY_NORM)
+    brute = _brute(q, x, kernel="cosine", tau=tau, nu=None)
+    assert [r.tolist() for r in got.rows] == [b[0].tolist() for b in brute]
+    assert sum(r.size for r in got.rows) > 20

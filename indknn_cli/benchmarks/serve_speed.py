@@ -201,6 +201,9 @@ def run(n, d, m, tau, batch_size, device):
         # On a CPU with bf16 instructions the screen may run in bf16 (bf16_screen): the fp32 screen and the
         # bf16 product are timed too, in the same run, and the serve again with the fp32 screen forced.
         has_bf16 = device == "cpu" and bf16_screen.cpu_has_bf16() and os.environ.get("INDKNN_SCREEN") is None
+        screens = {  # which screen each phase takes (bf16_screen.rule; serve: the run's size, serving.py)
+            "candidates": "bf16" if bf16_screen.rule(batch_size, n, dim=d, torch_loaded=True) else "fp32",
+            "serve": "bf16" if device == "cpu" and bf16_screen.rule(m, n, dim=d, torch_loaded=False) else "fp32"}
         if has_bf16:
             mm16 = time_matmul_bf16(x, q, batch_size)
             cand32, pairs32 = time_candidates(x, q, batch_size, tau=tau, chunk_rows=store.scan_rows, screen="fp32")
@@ -236,7 +239,7 @@ def run(n, d, m, tau, batch_size, device):
            # FAISS's copy and a batch's dense products, none of which serving needs)
            "serve_peak_rss_mb": serve_peak,
            "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-           "serve_vs_matmul_throughput_wall": round(mm.wall / serve_wall, 3),
+           "serve_vs_matmul_throughput_wall": round(mm.wall / serve_wall, 3), "screens": screens,
            "torch_threads": torch.get_num_threads(), "load_average": [round(v, 2) for v in os.getloadavg()]}
     if has_bf16:  # the same figures with the fp32 screen forced, and the bf16 product, from this run
         out["fp32_screen"] = {
