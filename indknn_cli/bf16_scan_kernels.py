@@ -73,3 +73,25 @@ def scan_ge(s, key_t, ordered, qi_out, ri_out):
     if ordered:
         return _scan_ordered(s, key_t, qi_out, ri_out)
     return _scan_keyed(s, key_t, qi_out, ri_out)
+
+
+def _jit_fp32(fn):
+    """As :func:`_jit`, with fp32 sums free to be reordered and fused (reassoc, contract: the fp32 screen's
+    margin bounds any summation order, and a fused multiply-add rounds once instead of twice)."""
+    try:
+        return numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})(fn)
+    except Exception:
+        return numba.njit(nogil=True, fastmath={"reassoc", "contract"})(fn)
+
+
+@_jit_fp32
+def dots_at_least(x, xi, q, qi, level, keep):
+    """keep[p] = (fp32 dot of x[xi[p]] and q[qi[p]]) ≥ level, for every pair p (float32 rows)."""
+    d = x.shape[1]
+    for p in range(xi.shape[0]):
+        a = x[xi[p]]
+        b = q[qi[p]]
+        s = np.float32(0.0)
+        for j in range(d):
+            s += a[j] * b[j]
+        keep[p] = s >= level

@@ -345,7 +345,7 @@ def find_candidates(
     # rigorous margin), else FAISS's fp32 range search. Chosen from the batch size and the rows stored.
     bf16 = None
     if dev.type == "cpu" and screen > -1.0 and bf16_screen.wanted(m, _source_rows(source), dim=d):
-        bf16 = bf16_screen.Bf16Screen(q_np, thr)
+        bf16 = bf16_screen.Bf16Screen(q_np, thr, fp32_level=screen)
         bf16 = bf16 if bf16.usable else None
     q_index = _query_index(q_np) if dev.type == "cpu" and screen > -1.0 and bf16 is None else None
     # The recompute: compiled (exact_jit, reads the float32 queries in place) for large batches

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indknn_cli import bf16_screen
+from indknn_cli import bf16_screen, candidates
 from indknn_cli.candidates import ArraySource, dot_threshold, exact_kernel, find_candidates
 
 torch = pytest.importorskip("torch")
@@ -275,3 +275,25 @@ def test_query_norms_far_from_one(monkeypatch, scale):
     brute = _brute(q, x, kernel="cosine", tau=tau, nu=None)
     assert [r.tolist() for r in got.rows] == [b[0].tolist() for b in brute]
     assert sum(r.size for r in got.rows) > 20
+
+
+def test_the_margin_band_is_refined_in_fp32_before_the_exact_recompute(monkeypatch):
+    """The bf16 margin band passes several times the candidates; the fp32 test at the fp32 screen's own level
+    leaves about as many pairs for the exact recompute as FAISS's screen does, and the same candidates."""
+    q, x = _near_threshold(30, 64, 0.5, per_query=80, spread=0.05, seed=9)
+    src = ArraySource(x, rows=900)
+    counted = []
+    real = candidates.exact_kernel_pairs
+    monkeypatch.setattr(candidates, "exact_kernel_pairs", lambda x_, xi, *a, **k: counted.append(xi.size) or real(x_, xi, *a, **k))
+    runs = {}
+    for mode, refine in (("fp32", True), ("bf16", True), ("bf16", False)):
+        monkeypatch.setenv("INDKNN_SCREEN", mode)
+        if not refine:
+            real_screen = bf16_screen.Bf16Screen
+            monkeypatch.setattr(bf16_screen, "Bf16Screen", lambda qq, thr, **k: real_screen(qq, thr))
+        counted.clear()
+        got = find_candidates(q, src, kernel="cosine", tau=0.5, nu=None, device="cpu")
+        runs[(mode, refine)] = (sum(counted), [r.tolist() for r in got.rows])
+    (n32, c32), (n16, c16), (nraw, craw) = runs[("fp32", True)], runs[("bf16", True)], runs[("bf16", False)]
+    assert c32 == c16 == craw
+    assert n16 <= n32 + 5 and nraw > 1.25 * n16

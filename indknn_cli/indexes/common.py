@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Callable
 
 import numpy as np
@@ -14,6 +13,7 @@ from .. import candidates as _candidates
 from ..candidates import exact_kernel_pairs
 from ..engine import EXACT_PAIR_BLOCK, Candidates, TooManyPairs, dot_threshold, exact_kernel, screening_margin
 from ..store import FeatureStore
+from ..threads import ProcessPool, usable_cores
 
 INDEX_GROUP = "index"
 INDEX_FORMAT_VERSION = 1
@@ -241,6 +241,7 @@ class _PairCount:
 
 
 _POOL: dict = {}
+_INDEX_POOL = ProcessPool("indknn-index")
 
 
 def _blas_one_thread():
@@ -261,16 +262,13 @@ def _parallel_blocks(tasks: list, work: Callable) -> list:
     """Run ``work(task)`` over many small matrix products: BLAS held to one thread per product (its own
     threading costs more than a small product under load) and the tasks spread over the CPU cores.
     Results come back in task order, so the output never depends on the scheduling."""
-    workers = max(1, min(os.cpu_count() or 1, 8))
+    workers = usable_cores()  # the process's CPU affinity, at most 8 (threads.py)
     if len(tasks) < 4 * workers:
         return [work(t) for t in tasks]
-    if "executor" not in _POOL:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL["executor"] = ThreadPoolExecutor(workers, thread_name_prefix="indknn-index")
+    executor, workers = _INDEX_POOL.get(workers)  # made once per process, again in a forked child
     chunks = [tasks[i::workers] for i in range(workers)]
     with _blas_one_thread():
-        parts = list(_POOL["executor"].map(lambda c: [work(t) for t in c], chunks))
+        parts = list(executor.map(lambda c: [work(t) for t in c], chunks))
     out = [None] * len(tasks)
     for i, part in enumerate(parts):
         out[i::workers] = part
