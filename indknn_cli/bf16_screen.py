@@ -34,10 +34,11 @@ them with products of one sign, lies within γ_d·Σ|x̃q̃| + u|S| of the exact
 products (fp32 accumulation, one rounding at the end). A library that fails leaves every batch on FAISS's
 fp32 screen. Queries longer than MAX_QUERY_NORM (2; serve-queries sends unit vectors) are left to it too.
 The scores are scanned by :mod:`indknn_cli.bf16_scan_kernels` (numba) as int16 bit patterns, or by numpy
-where numba is missing: the same pairs either way. The margin band passes several times the candidates, so
+where numba is missing: the same pairs either way (a failed compile falls back to numpy too). The margin band passes several times the candidates, so
 each passed pair then takes the fp32 screen's own test (its fp32 dot product, any summation order, against
 the threshold less ``candidates.screening_margin``; :meth:`Bf16Screen._refine`) before the exact recompute:
-a superset of the candidates still, about as many pairs as FAISS's screen passes.
+a superset of the candidates still, about as many pairs as FAISS's screen passes (numba's and numpy's fp32
+dots add in different orders and may pass slightly different supersets; the candidates are the same).
 
 Used by the CPU screen when the CPU has the instructions (or ``INDKNN_SCREEN=bf16``; ``INDKNN_SCREEN=fp32``
 turns it off) and a batch is large enough to repay torch's import (:func:`rule`: the batch size, the number
@@ -80,6 +81,8 @@ BF16_MIN_MACS_LOADED = 1 << 32
 TILE_BYTES = 4 << 20
 #: Pairs the scan's first buffers hold (they grow when a tile passes more).
 SCAN_BUFFER = 1 << 14
+#: Pairs per numpy fp32 dot call where numba is missing (bounds its gathered copies: 2 × 65,536 × d floats).
+REFINE_SLICE = 1 << 16
 #: Queries longer than this are left to the fp32 screen (the bound holds, but bf16's range and the scan
 #: are made for unit vectors; serve-queries sends unit vectors).
 MAX_QUERY_NORM = 2.0
@@ -364,20 +367,27 @@ class Bf16Screen:
         against 234 candidates), and an fp32 dot costs a fraction of the exact float64 recompute each would
         otherwise take; what passes is a superset of the candidates, as the fp32 screen's is."""
         keep = np.empty(qi.size, dtype=np.bool_)
+        level = np.float32(_round_down_f32(self.fp32_level))
         dots = _refine_kernel()
-        if dots is not None:
-            dots(x32, ri, self._q32, qi, np.float32(_round_down_f32(self.fp32_level)), keep)
-        else:
-            np.greater_equal(np.einsum("ij,ij->i", x32[ri], self._q32[qi]), np.float32(_round_down_f32(self.fp32_level)),
-                             out=keep)
+        try:
+            if dots is None:
+                raise RuntimeError("numba missing")
+            dots(x32, ri, self._q32, qi, level, keep)
+        except Exception:  # no numba, or its compile failed: numpy's fp32 dots (another order, also a superset)
+            for lo in range(0, qi.size, REFINE_SLICE):  # gathered copies of at most REFINE_SLICE pairs
+                sl = slice(lo, lo + REFINE_SLICE)
+                np.greater_equal(np.einsum("ij,ij->i", x32[ri[sl]], self._q32[qi[sl]]), level, out=keep[sl])
         return qi[keep], ri[keep]
 
     def _scan_tile(self, s: np.ndarray, buf):
         """The tile's pairs and the (possibly grown) scan buffers."""
         if self._scan is None:
             return _scan_numpy(s, self._key_t, self._ordered), buf
-        n = self._scan(s, self._key_t, self._ordered, buf[0], buf[1])
-        if n > buf[0].size:  # the buffers were short: grow them and scan the tile again
-            buf = (np.empty(max(n, 2 * buf[0].size), np.int32), np.empty(max(n, 2 * buf[0].size), np.int32))
+        try:
             n = self._scan(s, self._key_t, self._ordered, buf[0], buf[1])
+            if n > buf[0].size:  # the buffers were short: grow them and scan the tile again
+                buf = (np.empty(max(n, 2 * buf[0].size), np.int32), np.empty(max(n, 2 * buf[0].size), np.int32))
+                n = self._scan(s, self._key_t, self._ordered, buf[0], buf[1])
+        except Exception:  # numba's compile failed on first use: numpy's scan gives the same pairs
+            return _scan_numpy(s, self._key_t, self._ordered), buf
         return (buf[0][:n].astype(np.int64), buf[1][:n].astype(np.int64)), buf

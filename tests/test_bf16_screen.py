@@ -297,3 +297,38 @@ def test_the_margin_band_is_refined_in_fp32_before_the_exact_recompute(monkeypat
     (n32, c32), (n16, c16), (nraw, craw) = runs[("fp32", True)], runs[("bf16", True)], runs[("bf16", False)]
     assert c32 == c16 == craw
     assert n16 <= n32 + 5 and nraw > 1.25 * n16
+
+
+@pytest.mark.parametrize("numba_path", [True, False])
+@pytest.mark.parametrize("d", [768, 4096])
+def test_refine_keeps_pairs_whose_fp32_dot_falls_below_the_threshold(monkeypatch, numba_path, d):
+    """Pairs whose fp32 dot (a query of norm 2, positive components) comes out below their exact dot, with
+    the threshold set to exactly that exact dot: the refine keeps every one (its level is the threshold
+    less screening_margin); at the threshold itself it would lose about half."""
+    rng = np.random.default_rng(d)
+    x = rng.uniform(0.5, 1.5, (300, d))
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    q = rng.uniform(0.5, 1.5, (1, d))
+    q = (2 * q / np.linalg.norm(q)).astype(np.float32)
+    exact = x.astype(np.float64) @ q[0].astype(np.float64)
+    fp32 = np.einsum("ij,j->i", x, q[0])  # one fp32 order; any order is within the margin
+    below = np.flatnonzero(fp32.astype(np.float64) < exact)
+    assert below.size > 20
+    if not numba_path:
+        monkeypatch.setattr(bf16_screen, "_refine_kernel", lambda: None)
+    for t in range(0, x.shape[0], 3):
+        thr = float(exact[t])
+        screen = bf16_screen.Bf16Screen(q, thr, fp32_level=thr - candidates.screening_margin(d))
+        ri = np.arange(x.shape[0], dtype=np.int64)
+        qi, kept = screen._refine(x, np.zeros_like(ri), ri)
+        assert set(np.flatnonzero(exact >= thr)) <= set(kept.tolist())
+    # Sensitivity: with the level at the threshold itself, some of these pairs are lost (each path adds in
+    # its own order, so every row is tried, not only those whose einsum dot fell below).
+    lost = 0
+    for t in range(x.shape[0]):
+        thr = float(exact[t])
+        screen = bf16_screen.Bf16Screen(q, thr, fp32_level=thr)
+        ri = np.arange(x.shape[0], dtype=np.int64)
+        _, kept = screen._refine(x, np.zeros_like(ri), ri)
+        lost += t not in set(kept.tolist())
+    assert lost > 0
