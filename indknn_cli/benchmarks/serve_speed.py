@@ -14,6 +14,12 @@ same class centres, so each query has ~200 candidates at τ = 0.54 for N = 50,00
 - ``serve``: a whole ``indknn serve-queries`` process (imports, store read, candidates, filter, ledger
   commits; reuse off, fixed seed) on the stored batch, its CPU seconds from the children's rusage.
 
+On a CPU with bf16 instructions (bf16_screen; unless ``INDKNN_SCREEN`` is set) the same run also prints
+``fp32_screen`` (the candidate phase and a second serve process with ``INDKNN_SCREEN=fp32``, the ledger and
+the store's ledger mark restored between the serves, and whether their answers are identical),
+``bf16_matmul`` (the same products in bf16, in the screen's tiles) and ``screens`` (which screen each phase
+takes by bf16_screen.rule).
+
 Ratios are of CPU seconds (user + system, all threads), which a loaded machine disturbs less than wall
 time; the wall-time ratios are printed next to them. One JSON line per configuration.
 
