@@ -19,6 +19,12 @@ torch = pytest.importorskip("torch")
 U = 2.0**-8
 
 
+def _needs_bf16(dim: int) -> None:
+    """Skip where torch's bf16 product fails the probe at ``dim`` (the bf16 screen is then never used there)."""
+    if not bf16_screen._probe(dim):
+        pytest.skip(f"torch's bf16 product on this machine fails the probe at d = {dim}")
+
+
 def test_margin_closed_form():
     d = 384
     gamma = d * 2.0**-24 / (1 - d * 2.0**-24)
@@ -35,6 +41,7 @@ def test_margin_closed_form():
 @settings(max_examples=25, deadline=None)
 @given(d=st.integers(1, 1100), seed=st.integers(0, 2**31 - 1), same_sign=st.booleans())
 def test_bf16_scores_stay_within_the_margin(d, seed, same_sign):
+    _needs_bf16(d)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((40, d))
     q = rng.standard_normal((30, d))
@@ -114,6 +121,7 @@ def _brute(q, x, *, kernel, tau, nu):
 @pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.59, None), ("cosine", 0.2, None),
                                            ("rbf", 0.5, 1.3)])  # rbf: dot threshold 1 + ν² ln τ / 2 < 0
 def test_bf16_candidates_equal_fp32_and_brute_force(monkeypatch, kernel, tau, nu):
+    _needs_bf16(96)
     thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
     q, x = _near_threshold(24, 96, thr)
     src = ArraySource(x, rows=700)
@@ -141,6 +149,7 @@ def test_the_margin_catches_rounding_that_runs_one_way(monkeypatch):
     """Rows and a query whose every shared coordinate loses 0.99·2^-8 of itself in bf16: the bf16 score
     (251/256) falls 0.0077·s below the exact one (0.98807), two bf16 steps below τ. The margin keeps them;
     without it they are lost."""
+    _needs_bf16(320)
     d, k, e, a = 320, 251, 0.99 * 2.0**-8, 1 / 16
     q = np.zeros((1, d))
     q[0, :k] = a * (1 + e)  # each rounds down to 1/16 in bf16; ‖q‖ ≈ 0.994
@@ -169,11 +178,12 @@ def test_switch(monkeypatch):
     monkeypatch.setenv("INDKNN_SCREEN", "fp32")
     assert not bf16_screen.wanted(10**6, 10**9, dim=384)
     monkeypatch.setenv("INDKNN_SCREEN", "bf16")
-    assert bf16_screen.wanted(1, 1, dim=384)  # forced on, whatever the size or the CPU
+    assert bf16_screen.rule(1, 1, dim=384, torch_loaded=False)  # forced on, whatever the size or the CPU
+    assert bf16_screen.wanted(1, 1, dim=384) == bf16_screen._probe(384)
     for raw in ("auto", "", "nonsense"):
         monkeypatch.setenv("INDKNN_SCREEN", raw)
         assert not bf16_screen.wanted(100, 10**9, dim=384)  # too few queries for torch's import
-        assert bf16_screen.wanted(4096, 10**6, dim=384) == bf16_screen.cpu_has_bf16()
+        assert bf16_screen.rule(4096, 10**6, dim=384, torch_loaded=False) == bf16_screen.cpu_has_bf16()
     # A library that fails the probe leaves the batch on the fp32 screen, with the same candidates.
     monkeypatch.setenv("INDKNN_SCREEN", "bf16")
     monkeypatch.setattr(bf16_screen, "_probed", {})
@@ -186,6 +196,7 @@ def test_switch(monkeypatch):
 
 def test_probe_rejects_a_product_rounded_mid_sum(monkeypatch):
     """A library that rounded its partial sums to bf16 would be caught by the probe."""
+    _needs_bf16(384)
     real_mm = torch.mm
 
     def rounding_mm(a, b):
@@ -204,6 +215,7 @@ def test_probe_rejects_a_product_rounded_mid_sum(monkeypatch):
 def test_serve_answers_and_ledger_equal_under_either_screen(tmp_path, monkeypatch):
     """A whole serve-queries run (record unit, reuse on) with the bf16 screen forced gives the fp32 screen's
     answers and ledger, bit for bit."""
+    _needs_bf16(48)
     from indknn_cli.ledger import BudgetLedger
     from indknn_cli.serving import build_index, make_params, serve_queries
     from indknn_cli.store import ExtractorInfo, FeatureStore
@@ -239,6 +251,7 @@ def test_serve_answers_and_ledger_equal_under_either_screen(tmp_path, monkeypatc
 def test_many_tiles_across_workers_and_grown_buffers(monkeypatch):
     """Small tiles cut across two workers, scan buffers that must grow: the same candidates and κ as the
     fp32 screen and brute force (the tile offsets, the runs' order and the rescan all matter here)."""
+    _needs_bf16(64)
     q, x = _near_threshold(40, 64, 0.3, per_query=40, spread=0.2, seed=4)
     src = ArraySource(x, rows=1000)
     monkeypatch.setenv("INDKNN_SCREEN", "fp32")
@@ -263,6 +276,7 @@ def test_many_tiles_across_workers_and_grown_buffers(monkeypatch):
 def test_query_norms_far_from_one(monkeypatch, scale):
     """Queries are not unit vectors: tiny ones (whose fp32 sum of squares would underflow) keep their margin,
     long ones are left to the fp32 screen; the candidates are brute force's either way."""
+    _needs_bf16(32)
     q, x = _near_threshold(6, 32, 0.5, seed=5)
     q = (q * np.float32(scale)).astype(np.float32)
     tau = 0.5 * scale
@@ -280,6 +294,7 @@ def test_query_norms_far_from_one(monkeypatch, scale):
 def test_the_margin_band_is_refined_in_fp32_before_the_exact_recompute(monkeypatch):
     """The bf16 margin band passes several times the candidates; the fp32 test at the fp32 screen's own level
     leaves about as many pairs for the exact recompute as FAISS's screen does, and the same candidates."""
+    _needs_bf16(64)
     q, x = _near_threshold(30, 64, 0.5, per_query=80, spread=0.05, seed=9)
     src = ArraySource(x, rows=900)
     counted = []
