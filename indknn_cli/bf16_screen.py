@@ -126,12 +126,15 @@ def wanted(m: int, rows: int | None, *, dim: int) -> bool:
     return rule(m, rows, dim=dim, torch_loaded="torch" in sys.modules) and _probe(dim)
 
 
-def prepare(total_queries: int, rows: int, *, dim: int) -> bool:
+def prepare(total_queries: int, rows: int, *, dim: int, batch: int) -> bool:
     """At a run's start: load torch and run the probe when the run's queries in all (not one batch) repay
-    torch's import, so that each batch is then judged by BF16_MIN_MACS_LOADED (serve-queries: 20,000 queries
-    in batches of 1,024 against 50,000 rows). Whether the bf16 screen will be used. Public figures only: the
-    run's query count, the rows stored and d."""
-    return rule(total_queries, rows, dim=dim, torch_loaded=False) and _probe(dim)
+    torch's import and its batches of ``batch`` queries will then take the screen (BF16_MIN_MACS_LOADED):
+    serve-queries, 20,000 queries in batches of 1,024 against 50,000 rows, d = 768. Not for batches too small
+    to take it (2,000,000 queries in batches of 1,024 against 10,000 rows at d = 64 would only pay the
+    import). Whether the bf16 screen will be used. Public figures only: the run's query count, its batch
+    size, the rows stored and d."""
+    return (rule(total_queries, rows, dim=dim, torch_loaded=False)
+            and rule(min(batch, total_queries), rows, dim=dim, torch_loaded=True) and _probe(dim))
 
 
 _lock = threading.Lock()

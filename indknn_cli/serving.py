@@ -198,7 +198,7 @@ def serve_queries(
         if finder is None and device == "cpu":  # the run's size, not one batch's, decides on torch's import
             from . import bf16_screen
 
-            bf16_screen.prepare(q_stop - todo_start, n_store, dim=store.dim)
+            bf16_screen.prepare(q_stop - todo_start, n_store, dim=store.dim, batch=batch_size)
         screened = _PassScreen(store, source, params=params, device=device, row_to_ledger=row_to_ledger,
                                max_pairs=max_pairs, max_memory=max_memory, batch_size=batch_size, stop=q_stop,
                                enabled=finder is None)

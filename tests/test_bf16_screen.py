@@ -347,3 +347,16 @@ def test_refine_keeps_pairs_whose_fp32_dot_falls_below_the_threshold(monkeypatch
         _, kept = screen._refine(x, np.zeros_like(ri), ri)
         lost += t not in set(kept.tolist())
     assert lost > 0
+
+
+def test_prepare_reads_the_run_and_its_batches(monkeypatch):
+    """serve-queries loads torch for the bf16 screen when the run repays the import and its batches will take
+    the screen, not for a long run of batches too small to (whatever the CPU, for the rule's part)."""
+    monkeypatch.delenv("INDKNN_SCREEN", raising=False)
+    monkeypatch.setattr(bf16_screen, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(bf16_screen, "_probe", lambda dim: True)
+    assert bf16_screen.prepare(20_000, 50_000, dim=768, batch=1024)
+    assert not bf16_screen.prepare(2_000_000, 10_000, dim=64, batch=1024)  # each batch: 6.6e8 < 2^32
+    assert not bf16_screen.prepare(1_000, 5_000, dim=384, batch=1024)  # a cron day: the import never repaid
+    monkeypatch.setattr(bf16_screen, "cpu_has_bf16", lambda: False)
+    assert not bf16_screen.prepare(20_000, 50_000, dim=768, batch=1024)
