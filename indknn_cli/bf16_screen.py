@@ -50,6 +50,7 @@ and for queries far from unit length; and a whole serve's answers and ledger und
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -105,8 +106,10 @@ def _mode() -> str:
     return raw if raw in ("bf16", "fp32") else "auto"  # anything else: auto (a setting never raises mid-serve)
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_has_bf16() -> bool:
-    """Whether the CPU multiplies bf16 in hardware (Linux feature flags amx_bf16 or avx512_bf16)."""
+    """Whether the CPU multiplies bf16 in hardware (Linux feature flags amx_bf16 or avx512_bf16); read once
+    per process (every batch asks)."""
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
@@ -117,7 +120,7 @@ def rule(m: int, rows: int | None, *, dim: int, torch_loaded: bool) -> bool:
     if mode != "auto":
         return mode == "bf16"
     need = BF16_MIN_MACS_LOADED if torch_loaded else BF16_MIN_MACS
-    return cpu_has_bf16() and m >= BF16_MIN_QUERIES and rows is not None and m * rows * dim >= need
+    return m >= BF16_MIN_QUERIES and rows is not None and m * rows * dim >= need and cpu_has_bf16()
 
 
 def wanted(m: int, rows: int | None, *, dim: int) -> bool:
@@ -133,8 +136,13 @@ def prepare(total_queries: int, rows: int, *, dim: int, batch: int) -> bool:
     to take it (2,000,000 queries in batches of 1,024 against 10,000 rows at d = 64 would only pay the
     import). Whether the bf16 screen will be used. Public figures only: the run's query count, its batch
     size, the rows stored and d."""
+    return run_rule(total_queries, rows, dim=dim, batch=batch) and _probe(dim)
+
+
+def run_rule(total_queries: int, rows: int, *, dim: int, batch: int) -> bool:
+    """The size and setting rule of :func:`prepare`, without the probe."""
     return (rule(total_queries, rows, dim=dim, torch_loaded=False)
-            and rule(min(batch, total_queries), rows, dim=dim, torch_loaded=True) and _probe(dim))
+            and rule(min(batch, total_queries), rows, dim=dim, torch_loaded=True))
 
 
 _lock = threading.Lock()
@@ -158,9 +166,8 @@ def _import_torch():
 
 
 def _probe(dim: int) -> bool:
-    """Whether torch's bf16 product on this machine stays within steps 2–3 of the bound at width ``dim``
-    (fp32 accumulation, one rounding at the end), on random unit vectors and on vectors whose products
-    all share a sign (the largest sums). Cached per width; any failure means no (FAISS's screen)."""
+    """Whether torch's bf16 conversion and product on this machine do what the bound assumes at width ``dim``
+    (:func:`_probe_once`). Cached per width; any failure means no (FAISS's screen)."""
     with _lock:
         if dim not in _probed:
             try:
@@ -232,44 +239,39 @@ def _order_key(bits: int) -> int:
     return bits if bits >= 0 else -(bits + 32768)
 
 
-_kernel = None
+_compiled = None
+
+
+def _kernels():
+    """:mod:`indknn_cli.bf16_scan_kernels` (numba), or None where numba cannot be imported (numpy then)."""
+    global _compiled
+    with _lock:
+        if _compiled is None:
+            try:
+                from . import bf16_scan_kernels
+
+                _compiled = bf16_scan_kernels
+            except Exception:
+                _compiled = False
+        return _compiled or None
 
 
 def _scan_kernel():
-    """numba's scan (bf16_scan_kernels), or None where numba cannot be imported (numpy's scan then)."""
-    global _kernel
-    with _lock:
-        if _kernel is None:
-            try:
-                from .bf16_scan_kernels import scan_ge
+    """numba's scan, or None (numpy's scan then: the same pairs)."""
+    kernels = _kernels()
+    return kernels.scan_ge if kernels else None
 
-                _kernel = scan_ge
-            except Exception:
-                _kernel = False
-        return _kernel or None
+
+def _refine_kernel():
+    """numba's fp32 pair dots, or None (numpy's einsum then)."""
+    kernels = _kernels()
+    return kernels.dots_at_least if kernels else None
 
 
 def _round_down_f32(value: float) -> float:
     """The largest float32 value ≤ ``value``: comparing an fp32 dot with it keeps every dot ≥ ``value``."""
     f = np.float32(value)
     return float(f if float(f) <= value else np.nextafter(f, np.float32(-np.inf)))
-
-
-_refine = None
-
-
-def _refine_kernel():
-    """numba's fp32 pair dots (bf16_scan_kernels.dots_at_least), or None (numpy's einsum then)."""
-    global _refine
-    with _lock:
-        if _refine is None:
-            try:
-                from .bf16_scan_kernels import dots_at_least
-
-                _refine = dots_at_least
-            except Exception:
-                _refine = False
-        return _refine or None
 
 
 def _scan_numpy(s: np.ndarray, key_t: int, ordered: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,6 @@
 """The process's worker threads: how many cores it may use, and thread pools made once per process
-(the exact recompute's, :mod:`indknn_cli.exact_jit`, and the FAISS screen's, :mod:`indknn_cli.faiss_screen`)."""
+(the exact recompute's, :mod:`indknn_cli.exact_jit`; the FAISS screen's, :mod:`indknn_cli.faiss_screen`; the
+bf16 screen's, :mod:`indknn_cli.bf16_screen`; the index finders', :mod:`indknn_cli.indexes.common`)."""
 
 from __future__ import annotations
 
