@@ -339,6 +339,9 @@ def find_candidates(
     m, d = queries.shape
     thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
     screen = thr - screening_margin(d)
+    if dev.type == "cuda" and screen > -1.0:  # screen and exact recompute on the device (gpu_screen)
+        return _find_on_gpu(queries, source, dev, kernel=kernel, tau=tau, nu=nu, threshold=thr,
+                            row_mask=row_mask, strictly_before=strictly_before, max_pairs=max_pairs)
     q_np = np.ascontiguousarray(queries, dtype=np.float32)
     q_t = torch.from_numpy(q_np).to(dev) if dev.type != "cpu" else None
     # The CPU screen: bf16 on CPUs that multiply it in hardware, for large batches (bf16_screen; its own
@@ -415,3 +418,41 @@ def find_candidates(
                       [kap[bounds[t]:bounds[t + 1]] for t in range(m)])
 
 
+
+
+def _find_on_gpu(queries, source, dev, *, kernel, tau, nu, threshold, row_mask, strictly_before, max_pairs,
+                 fp16=None) -> Candidates:
+    """find_candidates on a CUDA device (:mod:`indknn_cli.gpu_screen`): the same candidates and κ, bit for bit.
+
+    The store's rows stay on the device for the run where they fit (_resident_blocks), else each chunk is
+    copied; they are screened ``gpu_screen.step_rows`` at a time (device memory bounded by the batch size,
+    whatever the data), and only the candidates come back. ``max_pairs`` bounds the host's share as on the
+    CPU (TooManyPairs: the caller halves the batch)."""
+    import torch
+
+    from . import gpu_screen
+
+    m, d = queries.shape
+    gs = gpu_screen.GpuScreen(queries, dev, kernel=kernel, tau=tau, nu=nu, threshold=threshold,
+                              fp32_margin=screening_margin(d), row_mask=row_mask, strictly_before=strictly_before,
+                              fp16=fp16)
+    resident = _resident_blocks(source, dev)
+    blocks = resident if resident is not None else (
+        (start, torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev))
+        for start, block in source.chunks() if block.shape[0])
+    rows_total = _source_rows(source)
+    step = gpu_screen.step_rows(m, rows_total if rows_total is not None else 1 << 30)
+    parts_q, parts_r, parts_s = [], [], []
+    total = 0
+    for start, x_t in blocks:
+        for lo in range(0, x_t.shape[0], step):
+            qi, rows, sums = gs.block(start + lo, x_t[lo:lo + step])
+            total += int(qi.shape[0])
+            if max_pairs is not None and m > 1 and total > max_pairs:
+                raise TooManyPairs()
+            if qi.shape[0]:
+                parts_q.append(qi); parts_r.append(rows); parts_s.append(sums)
+    qi, rows, kap = gs.collect(parts_q, parts_r, parts_s)
+    bounds = np.searchsorted(qi, np.arange(m + 1))
+    return Candidates([rows[bounds[t]:bounds[t + 1]] for t in range(m)],
+                      [kap[bounds[t]:bounds[t + 1]] for t in range(m)])

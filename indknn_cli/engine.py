@@ -254,6 +254,15 @@ def _candidates(queries, source, params, device, row_to_ledger, candidate_finder
 def _answer_with_candidates(queries, cands, *, row_to_ledger, row_labels, params, n_classes, budgets, run_key,
                             first_index, reuse, device, on_query, min_margin=None) -> list[QueryAnswer]:
     m = queries.shape[0]
+    if reuse is None and on_query is None and type(budgets) is BudgetView:
+        from . import filter_jit
+
+        if filter_jit.wanted(m):  # the same steps compiled, the batch's noise drawn at once: the same bits
+            compiled = filter_jit.answer_batch_compiled(
+                cands, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params, n_classes=n_classes,
+                budgets=budgets, run_key=run_key, first_index=first_index, min_margin=min_margin)
+            if compiled is not None:
+                return compiled
     pool_cands = None
     n_pool0 = 0
     if reuse is not None:

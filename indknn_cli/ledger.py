@@ -26,6 +26,7 @@ from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import FORMAT_VERSION, accounting, locking
@@ -313,13 +314,14 @@ class BudgetLedger:
         event; equal to what replay computed before (a serve event only raises spent and counts selections).
         """
         s = self.state
-        kinds = columns.get("kind") or []
-        li = [i for k, i in zip(kinds, columns.get("ledger_index") or []) if k == "charge"]
-        after = [v for k, v in zip(kinds, columns.get("spent_after") or []) if k == "charge"]
-        if any(k not in ("charge", "answer") for k in kinds):
+        kinds = columns["kind"]  # pyarrow arrays (commit_event)
+        charge = pc.equal(kinds, "charge").fill_null(False)
+        if not pc.all(pc.or_(charge, pc.equal(kinds, "answer")).fill_null(False)).as_py() and len(kinds):
             return {}
+        li = columns["ledger_index"].filter(charge).to_numpy(zero_copy_only=False)
+        after = columns["spent_after"].filter(charge).to_numpy(zero_copy_only=False)
         spent = s.spent.copy()
-        if li:
+        if li.size:
             idx = np.asarray(li, dtype=np.int64)
             spent[idx] = np.maximum(spent[idx], np.asarray(after, dtype=np.float64))
         view = LedgerState(s.record_id, s.user_id, s.row, s.budget, spent, s.times_selected, s.deleted,
@@ -335,12 +337,17 @@ class BudgetLedger:
         _check_finite_columns(self.path, event_type, columns)
         n = max((len(v) for v in columns.values()), default=0)
         data = {}
-        for f in EVENT_SCHEMA:
+        for f in EVENT_SCHEMA:  # lists, numpy arrays or pyarrow arrays (serve-queries builds its columns as arrays)
             vals = columns.get(f.name)
-            data[f.name] = pa.array(vals if vals is not None else [None] * n, type=f.type)
+            if vals is None:
+                data[f.name] = pa.nulls(n, type=f.type)
+            elif isinstance(vals, pa.Array):
+                data[f.name] = vals if vals.type == f.type else vals.cast(f.type)
+            else:
+                data[f.name] = pa.array(vals, type=f.type)
         seq = self._next_seq()
         if event_type == "serve":
-            stats = self._stats_after_serve(columns)
+            stats = self._stats_after_serve(data)
             if stats:
                 info = dict(info, state_after=stats)
         info = dict(info, type=event_type, seq=seq, format_version=FORMAT_VERSION,

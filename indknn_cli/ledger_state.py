@@ -112,15 +112,25 @@ EVENT_SCHEMA = pa.schema([
 FINITE_COLUMNS = ("spent_after", "budget", "released_count")
 
 
+def _float_values(vals) -> tuple[np.ndarray, np.ndarray]:
+    """(values, present) of a float column given as a list (None: absent), a numpy array or a pyarrow array."""
+    if isinstance(vals, (pa.Array, pa.ChunkedArray)):
+        present = vals.is_valid().to_numpy(zero_copy_only=False).astype(bool)
+        return np.asarray(vals.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64), present
+    if isinstance(vals, np.ndarray) and vals.dtype.kind == "f":
+        return vals.astype(np.float64, copy=False), np.ones(vals.shape[0], dtype=bool)
+    vals = list(vals)
+    return (np.asarray([np.nan if v is None else v for v in vals], dtype=np.float64),
+            np.asarray([v is not None for v in vals], dtype=bool))
+
+
 def _check_finite_columns(path: Path, event_type: str, columns: dict) -> None:
     """Refuse (LedgerError, nothing written) an event whose spent, budget or released count is NaN or ±inf."""
     for name in FINITE_COLUMNS:
         vals = columns.get(name)
         if vals is None:
             continue
-        vals = list(vals)
-        arr = np.asarray([np.nan if v is None else v for v in vals], dtype=np.float64)
-        present = np.asarray([v is not None for v in vals], dtype=bool)
+        arr, present = _float_values(vals)
         bad = np.flatnonzero(present & ~np.isfinite(arr))
         if bad.size:
             raise LedgerError(f"{path}: refusing to commit a {event_type} event with {name} = "

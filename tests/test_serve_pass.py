@@ -156,3 +156,29 @@ def test_sync_reads_the_identifiers_of_exactly_the_new_rows(big_store, rows):
     whole = store.read("private", "record_id")
     got = _read_rows(store, "record_id", rows)
     assert list(got) == list(whole[rows])
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_screening_the_next_pass_ahead_gives_the_same_answers_and_ledger(tmp_path, big_store, monkeypatch, reuse):
+    """On a GPU the next pass is screened in a thread while this one's parts commit (serving._PassScreen.ahead);
+    forced here on the CPU, with passes of 3 parts: the same answers and ledger as part by part."""
+    monkeypatch.setattr(serving, "PASS_QUERIES", 64)
+    monkeypatch.setattr(serving, "_on_gpu", lambda device: True)
+    started = []
+    real_submit = None
+
+    import concurrent.futures as cf
+
+    real_submit = cf.ThreadPoolExecutor.submit
+
+    def submit(self, fn, *a, **kw):
+        if getattr(fn, "__name__", "") == "_find":
+            started.append(a[:2])
+        return real_submit(self, fn, *a, **kw)
+
+    monkeypatch.setattr(cf.ThreadPoolExecutor, "submit", submit)
+    ahead = _serve(tmp_path, big_store, "a", monkeypatch, reuse=reuse)
+    monkeypatch.setattr(serving, "_on_gpu", lambda device: False)
+    monkeypatch.setattr(serving, "PASS_QUERIES", 0)
+    _same(ahead, _serve(tmp_path, big_store, "p", monkeypatch, reuse=reuse))
+    assert started == [(60, 120), (120, 150)]  # passes after the first were screened ahead

@@ -2,6 +2,7 @@
 
     indknn bench serve-speed                       # N = 50,000, d = 768, 20,000 stored queries, τ = 0.54
     indknn bench serve-speed --n 10000,200000 --d 384 --queries 2048
+    indknn bench serve-speed --device cuda --n 1000000 --d 384 --queries 139264 --batch-size 8192  # serve_speed_gpu
 
 Per (N, d), in one run on the same synthetic clustered data (private rows and queries drawn around the
 same class centres, so each query has ~200 candidates at τ = 0.54 for N = 50,000):
@@ -304,7 +305,11 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     for d in a.d:
         for n in a.n:
-            if a.scheduler:
+            if a.device == "cuda" and not a.scheduler:  # the GPU's own figures (serve_speed_gpu)
+                from .serve_speed_gpu import run_gpu
+
+                print(json.dumps(run_gpu(n, d, a.queries, a.tau, a.batch_size)), flush=True)
+            elif a.scheduler:
                 from .serve_dask import run_scheduled
 
                 for line in run_scheduled(n, d, a.queries, a.tau, a.batch_size, a.device, a.scheduler, a.workers,

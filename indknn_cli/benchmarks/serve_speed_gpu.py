@@ -1,0 +1,102 @@
+"""`indknn bench serve-speed --device cuda`: queries per second of `serve-queries` on a GPU (issue 21).
+
+    indknn bench serve-speed --device cuda --n 1000000 --d 384 --queries 139264 --batch-size 8192
+
+On the synthetic clustered store of serve-speed (private rows and queries around the same class centres),
+two batches are stored: ``one`` (the first ``--batch-size`` queries) and ``bench`` (all ``--queries``). Two
+whole ``serve-queries --device cuda`` processes run from the same ledger (restored between them, reuse off,
+fixed seed): A answers ``one``, B answers ``bench``. Printed, one JSON line:
+
+- ``serve_queries_per_s``: B's queries over B's wall time (process start, CUDA's, the store's first copy to
+  the GPU and every commit included);
+- ``steady_queries_per_s``: (queries of B − queries of A) / (wall of B − wall of A): the rate of the batches
+  after the first, start-up cancelled (both processes pay it alike);
+- ``matmul_fp32_queries_per_s`` / ``matmul_fp16_queries_per_s``: the bare products of the same queries with
+  every row on the GPU (batches of ``--batch-size``, rows in steps as the screen takes them), nothing else;
+- ``first_batch_identical``: whether A's answers equal the first ``--batch-size`` answers of B (same run key:
+  the batch id is the seed's other half, so ``one`` is served under the id ``bench``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _serve(tmp: Path, batch: str, *, batch_size: int, out: str):
+    from .peak_rss import indknn_command, read_peak_mb
+
+    env = dict(os.environ, INDKNN_DEBUG="0")
+    cmd = indknn_command(["serve-queries", batch, "--batch-id", "bench", "--store", str(tmp / "s.zarr"),
+                          "--ledger", str(tmp / "L"), "--seed", "1", "--no-reuse", "--batch-size", str(batch_size),
+                          "--device", "cuda", "--out", str(tmp / out), "-q"], tmp / "serve.peak")
+    w0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, cwd=tmp)
+    return time.perf_counter() - w0, read_peak_mb(tmp / "serve.peak")
+
+
+def _matmul_rate(x, q, batch: int, dtype) -> float:
+    import torch
+
+    from ..gpu_screen import step_rows
+
+    dev = torch.device("cuda")
+    xt = torch.from_numpy(x).to(dev).to(dtype)
+    qt = torch.from_numpy(q).to(dev).to(dtype)
+    step = step_rows(batch, x.shape[0])
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.mm(qt[:batch], xt[:step].T)
+    torch.cuda.synchronize()
+    w0 = time.perf_counter()
+    for lo in range(0, q.shape[0], batch):
+        for a in range(0, x.shape[0], step):
+            s = torch.mm(qt[lo:lo + batch], xt[a:a + step].T)
+            del s
+    torch.cuda.synchronize()
+    rate = q.shape[0] / (time.perf_counter() - w0)
+    del xt, qt
+    torch.cuda.empty_cache()
+    return rate
+
+
+def run_gpu(n: int, d: int, m: int, tau: float, batch_size: int) -> dict:
+    import pyarrow.parquet as pq
+    import torch
+
+    from ..store import FeatureStore
+    from .serve_speed import _state, make_store
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        w0 = time.perf_counter()
+        _store, x, q = make_store(tmp, n, d, m, tau)
+        store = FeatureStore.open(tmp / "s.zarr", mode="a")
+        store.append("query", q[:batch_size], record_ids=[f"q{i}" for i in range(batch_size)], batch="one")
+        setup_s = time.perf_counter() - w0
+        fp32 = _matmul_rate(x, q, batch_size, torch.float32)
+        fp16 = _matmul_rate(x, q, batch_size, torch.float16)
+        del x
+        _state(tmp, "save")
+        a_wall, a_peak = _serve(tmp, "one", batch_size=batch_size, out="a.parquet")
+        first = pq.read_table(tmp / "a.parquet").to_pylist()
+        _state(tmp, "restore")
+        b_wall, b_peak = _serve(tmp, "bench", batch_size=batch_size, out="b.parquet")
+        answers = pq.read_table(tmp / "b.parquet")
+    ks = answers.column("released_count").to_numpy()
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("query_id",)} for r in rows]  # noqa: E731
+    return {
+        "n": n, "d": d, "queries": m, "tau": tau, "batch_size": batch_size, "device": "cuda",
+        "gpu": torch.cuda.get_device_name(0), "mean_released_K": round(float(np.mean(ks)), 1),
+        "serve_queries_per_s": round(m / b_wall, 1),
+        "steady_queries_per_s": round((m - batch_size) / (b_wall - a_wall), 1) if b_wall > a_wall else None,
+        "matmul_fp32_queries_per_s": round(fp32, 1), "matmul_fp16_queries_per_s": round(fp16, 1),
+        "wall_s": {"setup": round(setup_s, 1), "serve_one_batch": round(a_wall, 2), "serve_all": round(b_wall, 2)},
+        "serve_peak_rss_mb": {"one_batch": a_peak, "all": b_peak},
+        "first_batch_identical": strip(first) == strip(answers.slice(0, batch_size).to_pylist()),
+        "load_average": [round(v, 2) for v in os.getloadavg()],
+    }

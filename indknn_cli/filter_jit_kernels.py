@@ -1,0 +1,101 @@
+"""The compiled filter loop of :mod:`indknn_cli.filter_jit` (numba): SPEC §2 for a batch, query by query.
+
+Imported only by ``filter_jit._load``. Each line mirrors one of :func:`indknn_cli.engine.answer_one` and
+:func:`indknn_cli.engine.release_answer` (same operations, same order, IEEE float64 without fastmath), so
+charges, counts and labels are the same bits; filter_jit's docstring says where and why the two may differ
+and how that is excluded.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+def _jit(fn):
+    """nogil, no fastmath; numpy's error model (a float division by zero gives inf or nan, as numpy's does)."""
+    try:
+        return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
+    except Exception:
+        return numba.njit(nogil=True, error_model="numpy")(fn)
+
+
+@_jit
+def filter_batch(bounds, rows, kappa, row_to_ledger, row_labels, spent, budget, deleted, times_selected,
+                 selected_in_part, track_part, c1, sigma1, sigma2, k_min, denom, normals, labels, counts,
+                 margins):
+    """Answer queries 0 … m−1 in order over their candidates (CSR: ``bounds``, ``rows``, ``kappa``), charging
+    ``spent`` in place; ``normals[t]`` = query t's count draw, then one vote draw per class. ``denom`` is
+    2·σ2·σ2 (Python's left-to-right product). Writes ``labels``, ``counts`` (K_t) and ``margins``."""
+    m = bounds.shape[0] - 1
+    n_classes = normals.shape[1] - 1
+    width = 0
+    for t in range(m):
+        width = max(width, bounds[t + 1] - bounds[t])
+    sel = np.empty(width, np.int64)
+    kap = np.empty(width, np.float64)
+    lab = np.empty(width, np.int64)
+    sp_e = np.empty(width, np.float64)
+    bud = np.empty(width, np.float64)
+    votes = np.empty(n_classes, np.float64)
+    for t in range(m):
+        n = 0
+        for j in range(bounds[t], bounds[t + 1]):
+            li = row_to_ledger[rows[j]]
+            s = spent[li]
+            b = budget[li]
+            if (not deleted[li]) and np.nextafter(s + c1, np.inf) <= b:  # eligible (step 1)
+                sel[n] = li
+                kap[n] = kappa[j]
+                lab[n] = row_labels[rows[j]]
+                sp_e[n] = s
+                bud[n] = b
+                n += 1
+        # Step 2: K_t = max(round(|C_t| + σ1·z, 2 decimals), K_min) (engine.release_count).
+        noisy = np.float64(n) + sigma1 * normals[t, 0]
+        k_t = np.rint(noisy * 100.0) / 100.0
+        if k_min > k_t:
+            k_t = k_min
+        two_k = 2.0 * k_t
+        d_k = denom * k_t
+        for c in range(n_classes):
+            votes[c] = 0.0
+        for j in range(n):
+            s = np.nextafter(sp_e[j] + c1, np.inf)
+            rem = np.nextafter(bud[j] - s, -np.inf)
+            if rem < 0.0:  # np.maximum(rem, 0.0)
+                rem = 0.0
+            cap = sigma2 * np.sqrt(two_k * rem) * (1.0 - 1e-9)
+            w = kap[j] if (kap[j] <= cap or kap[j] != kap[j]) else cap  # np.minimum(kap, cap)
+            cost = np.nextafter(w * w / d_k * (1.0 + 1e-12), np.inf)
+            new = np.nextafter(s + cost, np.inf)
+            if new > bud[j]:  # rounding edge: a vote of weight 0 (cost 0) rather than overspend
+                w = 0.0
+                new = s
+            li = sel[j]
+            spent[li] = new
+            times_selected[li] += 1
+            if track_part:
+                selected_in_part[li] += 1
+            votes[lab[j]] += w
+        # Steps 4–5: votes (+ reuse 0.0) + σ2·sqrt(K_t)·z per class; argmax; the noisy margin.
+        scale = sigma2 * np.sqrt(k_t)
+        best = 0
+        for c in range(n_classes):
+            votes[c] = (votes[c] + 0.0) + scale * normals[t, 1 + c]
+            if votes[c] > votes[best]:
+                best = c
+        labels[t] = best
+        counts[t] = k_t
+        if n_classes < 2:
+            margins[t] = np.inf
+        else:
+            second = -np.inf
+            seen_best = False
+            for c in range(n_classes):
+                if c == best and not seen_best:
+                    seen_best = True
+                    continue
+                if votes[c] > second:
+                    second = votes[c]
+            margins[t] = (votes[best] - second) / scale

@@ -1,0 +1,153 @@
+"""The GPU candidate phase (gpu_screen), run here on torch's CPU device: the same tensor operations the GPU runs.
+
+The candidates and κ must be bit for bit the CPU path's (find_candidates on ``--device cpu``): numpy's
+pairwise order of the float64 sums, the fp16 screen's margin on data placed at the threshold, the RBF
+kernel's host-side exp, the row mask and the reuse pool's ``strictly_before``. tests/test_cuda.py runs the
+same comparison on a GPU, where there is one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from indknn_cli import candidates, gpu_screen
+from indknn_cli.candidates import ArraySource, TooManyPairs, dot_threshold, exact_sums, find_candidates
+from indknn_cli.exact_jit import pairwise_plan
+
+from .conftest import clustered
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("d", [1, 5, 8, 9, 64, 128, 129, 200, 300, 384, 768, 1000])
+def test_numpy_order_sums_are_numpys_bits(d):
+    rng = np.random.default_rng(d)
+    t = rng.standard_normal((257, d)) * 10.0 ** rng.uniform(-8, 8, (257, d))
+    t[0] = 0.0
+    t[1] = -0.0  # a −0.0 sum becomes +0.0 in numpy's reduction
+    t[2, ::2], t[2, 1::2] = 1e300, -1e300  # cancellation
+    want = t.sum(axis=1)
+    got = gpu_screen.numpy_order_sums(torch.from_numpy(t), pairwise_plan(d)).numpy()
+    assert np.array_equal(got.view(np.int64), want.view(np.int64))
+
+
+@pytest.mark.parametrize("kernel", ["cosine", "rbf"])
+@pytest.mark.parametrize("d", [7, 384, 770])
+def test_pair_sums_equal_exact_sums(kernel, d):
+    rng = np.random.default_rng(d + 1)
+    x = rng.standard_normal((300, d)).astype(np.float32)
+    q = rng.standard_normal((40, d)).astype(np.float32)
+    xi = rng.integers(0, 300, 5000)
+    qi = rng.integers(0, 40, 5000)
+    want = exact_sums(x[xi], q[qi], kernel=kernel)
+    got = gpu_screen.pair_sums(torch.from_numpy(x), torch.from_numpy(xi), torch.from_numpy(q), torch.from_numpy(qi),
+                               kernel=kernel, plan=pairwise_plan(d)).numpy()
+    assert np.array_equal(got.view(np.int64), want.view(np.int64))
+
+
+def _at_level(x: np.ndarray, level: float, count: int, seed: int) -> np.ndarray:
+    """Unit queries whose dot product with a private row sits at ``level`` (± a few 1e-7)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(count):
+        base = x[rng.integers(len(x))].astype(np.float64)
+        other = rng.standard_normal(x.shape[1])
+        other -= other.dot(base) * base
+        other /= np.linalg.norm(other)
+        lvl = level + (k % 5 - 2) * 1e-7
+        out.append(lvl * base + np.sqrt(max(0.0, 1 - lvl * lvl)) * other)
+    return np.asarray(out, dtype=np.float32)
+
+
+def _same(a, b):
+    assert len(a.rows) == len(b.rows)
+    for t in range(len(a.rows)):
+        assert np.array_equal(a.rows[t], b.rows[t]), t
+        assert np.array_equal(a.kappa[t].view(np.int64), b.kappa[t].view(np.int64)), t
+
+
+@pytest.mark.parametrize("fp16", [True, False])
+@pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.55, None), ("rbf", 0.4, 1.0), ("rbf", 0.3, 0.05)])
+def test_device_path_gives_the_cpu_candidates(kernel, tau, nu, fp16):
+    d = 96
+    x, _, _ = clustered(3000, d, 4, seed=3)
+    thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
+    q, _, _ = clustered(300, d, 4, seed=4)
+    q = np.concatenate([q, x[:20], _at_level(x, thr, 300, seed=5)]).astype(np.float32)
+    src = ArraySource(x, rows=1000)
+    mask = np.ones(len(x), bool)
+    mask[::7] = False
+    want = find_candidates(q, src, kernel=kernel, tau=tau, nu=nu, device="cpu", row_mask=mask)
+    got = candidates._find_on_gpu(q, src, CPU, kernel=kernel, tau=tau, nu=nu, threshold=thr, row_mask=mask,
+                                  strictly_before=None, max_pairs=None, fp16=fp16)
+    assert sum(r.size for r in want.rows) > 100
+    _same(want, got)
+
+
+def test_strictly_before_as_the_reuse_pool_uses_it():
+    d = 32
+    x, _, _ = clustered(800, d, 3, seed=6)
+    limit = np.arange(len(x))[:200] + 300
+    q = x[:200] + 0.0
+    want = find_candidates(q, ArraySource(x), kernel="cosine", tau=0.6, nu=None, device="cpu", strictly_before=limit)
+    got = candidates._find_on_gpu(q, ArraySource(x), CPU, kernel="cosine", tau=0.6, nu=None, threshold=0.6,
+                                  row_mask=None, strictly_before=limit, max_pairs=None, fp16=True)
+    _same(want, got)
+
+
+def test_the_fp16_margin_is_what_keeps_pairs_at_the_threshold(monkeypatch):
+    """Rounding that runs one way: rows of k components a = 0.0625 + 2^-15 − 2^-24, each rounded down to 0.0625
+    in fp16, and τ = the exact x·x of one of them. Without the margin the fp16 screen drops the pair whose exact
+    dot is τ (the test can fail); with it, the candidates are the CPU path's."""
+    d = 256
+    a = np.float32(0.0625 + 2.0**-15 - 2.0**-24)
+    x = np.zeros((137, d), np.float32)
+    for i, k in enumerate(range(120, 257)):
+        x[i, :k] = a
+    tau = float(x[40].astype(np.float64) @ x[40].astype(np.float64))
+    q = x[30:50].copy()
+    src = ArraySource(x)
+    want = find_candidates(q, src, kernel="cosine", tau=tau, nu=None, device="cpu")
+    assert 40 in want.rows[10]
+    kw = dict(kernel="cosine", tau=tau, nu=None, threshold=tau, row_mask=None, strictly_before=None, max_pairs=None,
+              fp16=True)
+    _same(want, candidates._find_on_gpu(q, src, CPU, **kw))
+    monkeypatch.setattr(gpu_screen, "SAFETY", 0.0)
+    lost = candidates._find_on_gpu(q, src, CPU, **kw)
+    assert 40 not in lost.rows[10]
+
+
+def test_step_rows_bound_device_memory_whatever_the_data():
+    for m in (1, 100, 8192, 65536):
+        rows = gpu_screen.step_rows(m, 10**6)
+        assert (rows % 1024 == 0 and rows >= 1024) or rows == 10**6
+        assert m * rows * 19 <= max(gpu_screen.GPU_STEP_BYTES, m * 1024 * 19)
+    assert gpu_screen.recompute_slice(384) * 16 * 384 <= gpu_screen.RECOMPUTE_BYTES
+
+
+def test_many_pairs_raise_for_the_caller_to_halve():
+    x, _, _ = clustered(500, 16, 2, seed=1)
+    with pytest.raises(TooManyPairs):
+        candidates._find_on_gpu(x[:50], ArraySource(x), CPU, kernel="cosine", tau=0.1, nu=None, threshold=0.1,
+                                row_mask=None, strictly_before=None, max_pairs=100, fp16=True)
+
+
+def test_margin_closed_form():
+    m = gpu_screen.fp16_screen_margin(dim=384, norm_x=1.0, norm_q=1.0)
+    u, s, g = 2.0**-11, 2.0**-25, 384 * 2.0**-20 / (1 - 384 * 2.0**-20)
+    e1 = (2 * u + u * u) + s * (1 + u) * np.sqrt(384) * 2 + 384 * s * s
+    assert m == pytest.approx(e1 + g * (1 + e1), rel=1e-12)
+    assert 0.0013 < m < 0.0014
+    with pytest.raises(ValueError, match="dim"):
+        gpu_screen.fp16_screen_margin(dim=0, norm_x=1.0, norm_q=1.0)
+    with pytest.raises(ValueError, match="norm_q"):
+        gpu_screen.fp16_screen_margin(dim=8, norm_x=1.0, norm_q=float("nan"))
+
+
+def test_probe_passes_on_torch_cpu_and_fails_on_a_product_off_its_bound(monkeypatch):
+    assert gpu_screen._probe(CPU, 64)
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: (real_mm(a.float(), b.float()) * (1 + 2.0**-9)).to(a.dtype))
+    assert not gpu_screen._probe(CPU, 64)
