@@ -441,7 +441,8 @@ def _find_on_gpu(queries, source, dev, *, kernel, tau, nu, threshold, row_mask, 
         (start, torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev))
         for start, block in source.chunks() if block.shape[0])
     rows_total = _source_rows(source)
-    step = gpu_screen.step_rows(m, rows_total if rows_total is not None else 1 << 30)
+    step = gpu_screen.step_rows(m, rows_total if rows_total is not None else 1 << 30,
+                                budget=gpu_screen.step_bytes(dev))
     parts_q, parts_r, parts_s = [], [], []
     total = 0
     for start, x_t in blocks:

@@ -84,16 +84,19 @@ def answer_batch_compiled(cands, *, row_to_ledger, row_labels, params, n_classes
     np.cumsum(sizes, out=bounds[1:])
     rows = np.concatenate(cands.rows).astype(np.int64, copy=False) if m else np.empty(0, np.int64)
     kappa = np.concatenate(cands.kappa).astype(np.float64, copy=False) if m else np.empty(0, np.float64)
+    ledger = np.asarray(row_to_ledger, np.int64).take(rows)  # gathered once, in order: the loop reads them in turn
+    labels_of = np.asarray(row_labels, np.int64).take(rows)
+    limit = np.where(np.asarray(budgets.deleted, np.bool_), -np.inf, budgets.budget)
+    selected = np.zeros(budgets.spent.shape[0], np.int64)
     labels = np.empty(m, np.int64)
     counts = np.empty(m, np.float64)
     margins = np.empty(m, np.float64)
-    part = budgets.selected_in_part
-    track = part is not None
-    kernels.filter_batch(bounds, rows, kappa, np.asarray(row_to_ledger, np.int64), np.asarray(row_labels, np.int64),
-                         budgets.spent, budgets.budget, np.asarray(budgets.deleted, np.bool_), budgets.times_selected,
-                         part if track else np.zeros(1, np.int64), track, float(params.c1), float(params.sigma1),
-                         float(params.sigma2), float(params.k_min), 2.0 * params.sigma2 * params.sigma2, normals,
-                         labels, counts, margins)
+    kernels.filter_batch(bounds, ledger, labels_of, kappa, budgets.spent, limit, selected, float(params.c1),
+                         float(params.sigma1), float(params.sigma2), float(params.k_min),
+                         2.0 * params.sigma2 * params.sigma2, normals, labels, counts, margins)
+    budgets.times_selected += selected
+    if budgets.selected_in_part is not None:
+        budgets.selected_in_part += selected
     out = []
     for t in range(m):
         label = int(labels[t])

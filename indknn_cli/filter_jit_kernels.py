@@ -21,12 +21,13 @@ def _jit(fn):
 
 
 @_jit
-def filter_batch(bounds, rows, kappa, row_to_ledger, row_labels, spent, budget, deleted, times_selected,
-                 selected_in_part, track_part, c1, sigma1, sigma2, k_min, denom, normals, labels, counts,
-                 margins):
-    """Answer queries 0 … m−1 in order over their candidates (CSR: ``bounds``, ``rows``, ``kappa``), charging
-    ``spent`` in place; ``normals[t]`` = query t's count draw, then one vote draw per class. ``denom`` is
-    2·σ2·σ2 (Python's left-to-right product). Writes ``labels``, ``counts`` (K_t) and ``margins``."""
+def filter_batch(bounds, ledger, labels_of, kappa, spent, limit, selected, c1, sigma1, sigma2, k_min, denom, normals,
+                 labels, counts, margins):
+    """Answer queries 0 … m−1 in order over their candidates (CSR: ``bounds``; per candidate its ledger index
+    ``ledger``, label ``labels_of`` and κ ``kappa``), charging ``spent`` in place and counting selections in
+    ``selected``. ``limit`` is B per record, −inf for a deleted one (never eligible: answer_one's ~deleted).
+    ``normals[t]`` = query t's count draw, then one vote draw per class; ``denom`` = 2·σ2·σ2 (Python's
+    left-to-right product). Writes ``labels``, ``counts`` (K_t) and ``margins``."""
     m = bounds.shape[0] - 1
     n_classes = normals.shape[1] - 1
     width = 0
@@ -41,13 +42,13 @@ def filter_batch(bounds, rows, kappa, row_to_ledger, row_labels, spent, budget, 
     for t in range(m):
         n = 0
         for j in range(bounds[t], bounds[t + 1]):
-            li = row_to_ledger[rows[j]]
+            li = ledger[j]
             s = spent[li]
-            b = budget[li]
-            if (not deleted[li]) and np.nextafter(s + c1, np.inf) <= b:  # eligible (step 1)
+            b = limit[li]
+            if np.nextafter(s + c1, np.inf) <= b:  # eligible (step 1; a deleted record's limit is −inf)
                 sel[n] = li
                 kap[n] = kappa[j]
-                lab[n] = row_labels[rows[j]]
+                lab[n] = labels_of[j]
                 sp_e[n] = s
                 bud[n] = b
                 n += 1
@@ -74,9 +75,7 @@ def filter_batch(bounds, rows, kappa, row_to_ledger, row_labels, spent, budget, 
                 new = s
             li = sel[j]
             spent[li] = new
-            times_selected[li] += 1
-            if track_part:
-                selected_in_part[li] += 1
+            selected[li] += 1
             votes[lab[j]] += w
         # Steps 4–5: votes (+ reuse 0.0) + σ2·sqrt(K_t)·z per class; argmax; the noisy margin.
         scale = sigma2 * np.sqrt(k_t)

@@ -36,7 +36,7 @@ of unit vectors (a quarter with products of one sign, components down to the sub
 the fp32 screen (TF32 off, :func:`indknn_cli.candidates.screening_margin`), still with the recompute here.
 
 Memory is bounded whatever the private data: the rows are screened in steps of ``m × rows`` pairs at most
-(:func:`step_rows`: every pair of a step passing the screen fits GPU_STEP_BYTES), and the recompute takes
+(:func:`step_rows`: every pair of a step passing the screen fits :func:`step_bytes`, an eighth of the device), and the recompute takes
 the passed pairs RECOMPUTE_BYTES at a time. The float64 ``exp`` of the RBF kernel is taken on the host
 (numpy's, as the CPU path), after a conservative test of the sums on the device.
 
@@ -81,9 +81,20 @@ def fp16_screen_margin(*, dim: int, norm_x: float, norm_q: float) -> float:
     return e1 + gamma * (b + e1) + TINY
 
 
-def step_rows(m: int, total_rows: int) -> int:
-    """Rows per screen step for ``m`` queries: GPU_STEP_BYTES over 19 bytes per pair, whole 1,024s."""
-    rows = GPU_STEP_BYTES // (19 * max(m, 1)) // 1024 * 1024
+def step_bytes(dev) -> int:
+    """Device bytes a screen step may hold: an eighth of the device's memory, within [1 GiB, 16 GiB]
+    (GPU_STEP_BYTES off a CUDA device). The device's size, a public figure."""
+    if getattr(dev, "type", None) != "cuda":
+        return GPU_STEP_BYTES
+    import torch
+
+    total = torch.cuda.get_device_properties(dev).total_memory
+    return int(min(16 << 30, max(1 << 30, total // 8)))
+
+
+def step_rows(m: int, total_rows: int, *, budget: int = GPU_STEP_BYTES) -> int:
+    """Rows per screen step for ``m`` queries: ``budget`` bytes over 19 bytes per pair, whole 1,024s."""
+    rows = budget // (19 * max(m, 1)) // 1024 * 1024
     return int(max(1024, min(rows, max(total_rows, 1))))
 
 

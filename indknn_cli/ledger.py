@@ -255,9 +255,13 @@ class BudgetLedger:
     def _apply_table(self, table: pa.Table, info: dict) -> None:
         s = self.state
         t = info.get("time", time.time())
-        kind = np.asarray(table.column("kind").to_numpy(zero_copy_only=False), dtype=object)
-        idx = table.column("ledger_index").to_numpy(zero_copy_only=False)
-        add = kind == "add"
+        kinds = table.column("kind")
+
+        def of_kind(k: str) -> np.ndarray:  # a mask from pyarrow's comparison (no Python string per row)
+            return np.asarray(pc.fill_null(pc.equal(kinds, k), False).to_numpy(zero_copy_only=False), dtype=bool)
+
+        idx = np.asarray(pc.fill_null(table.column("ledger_index"), -1).to_numpy(zero_copy_only=False), np.int64)
+        add = of_kind("add")
         if add.any():
             sub = table.filter(pa.array(add))
             li = sub.column("ledger_index").to_numpy()
@@ -279,7 +283,7 @@ class BudgetLedger:
             s.spent[li] = np.maximum(s.spent[li], sub.column("spent_after").to_numpy())
             s.deleted[li] = False
             s.last_change[li] = t
-        charge = kind == "charge"
+        charge = of_kind("charge")
         if charge.any():
             li = idx[charge].astype(np.int64)
             after = table.column("spent_after").to_numpy(zero_copy_only=False)[charge]
@@ -287,7 +291,7 @@ class BudgetLedger:
             s.spent[li] = np.maximum(s.spent[li], after)  # spent only grows
             np.add.at(s.times_selected, li, sel)
             s.last_change[li] = t
-        dele = kind == "delete"
+        dele = of_kind("delete")
         if dele.any():
             li = idx[dele].astype(np.int64)
             after = table.column("spent_after").to_numpy(zero_copy_only=False)[dele]
@@ -296,7 +300,7 @@ class BudgetLedger:
             s.row[li] = -1
             s.deleted_at[li] = t
             s.last_change[li] = t
-        ans = kind == "answer"
+        ans = of_kind("answer")
         n_answers = int(ans.sum())
         if n_answers:
             s.extend_answers(table.filter(pa.array(ans)))

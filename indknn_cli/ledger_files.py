@@ -74,7 +74,9 @@ def _write_synced(tmp: Path, data, mode: str = "wb") -> None:
 def atomic_write_parquet(table: pa.Table, path: Path) -> str:
     """temp name → fsync → rename → fsync directory. Returns the sha256 of the file's bytes (hash chain)."""
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
+    # Dictionary encoding for the string columns only (kind, batch id, label names: few distinct values); a
+    # serve event's numeric columns (a million charges at N = 10^6) gain nothing from it and wrote 1.5× slower.
+    pq.write_table(table, sink, use_dictionary=[f.name for f in table.schema if pa.types.is_string(f.type)])
     data = memoryview(sink.getvalue())
     _atomic_replace(path, lambda tmp: _write_synced(tmp, data), fault="event-written-tmp")
     return integrity.sha256_bytes(data)

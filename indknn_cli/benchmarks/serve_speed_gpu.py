@@ -28,27 +28,29 @@ from pathlib import Path
 import numpy as np
 
 
-def _serve(tmp: Path, batch: str, *, batch_size: int, out: str):
+def _serve(tmp: Path, batch: str, *, batch_size: int, out: str, device: str):
     from .peak_rss import indknn_command, read_peak_mb
 
     env = dict(os.environ, INDKNN_DEBUG="0")
     cmd = indknn_command(["serve-queries", batch, "--batch-id", "bench", "--store", str(tmp / "s.zarr"),
                           "--ledger", str(tmp / "L"), "--seed", "1", "--no-reuse", "--batch-size", str(batch_size),
-                          "--device", "cuda", "--out", str(tmp / out), "-q"], tmp / "serve.peak")
+                          "--device", device, "--out", str(tmp / out), "-q"], tmp / "serve.peak")
     w0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, cwd=tmp)
     return time.perf_counter() - w0, read_peak_mb(tmp / "serve.peak")
 
 
-def _matmul_rate(x, q, batch: int, dtype) -> float:
+def _matmul_rate(x, q, batch: int, dtype, device: str) -> float | None:
     import torch
 
-    from ..gpu_screen import step_rows
+    from ..gpu_screen import step_bytes, step_rows
 
+    if device != "cuda":
+        return None
     dev = torch.device("cuda")
     xt = torch.from_numpy(x).to(dev).to(dtype)
     qt = torch.from_numpy(q).to(dev).to(dtype)
-    step = step_rows(batch, x.shape[0])
+    step = step_rows(batch, x.shape[0], budget=step_bytes(dev))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.mm(qt[:batch], xt[:step].T)
     torch.cuda.synchronize()
@@ -64,7 +66,8 @@ def _matmul_rate(x, q, batch: int, dtype) -> float:
     return rate
 
 
-def run_gpu(n: int, d: int, m: int, tau: float, batch_size: int) -> dict:
+def run_gpu(n: int, d: int, m: int, tau: float, batch_size: int, *, device: str = "cuda") -> dict:
+    """The figures above (``device``: "cpu" runs the same steps on the CPU, for a dry run without a GPU)."""
     import pyarrow.parquet as pq
     import torch
 
@@ -78,23 +81,23 @@ def run_gpu(n: int, d: int, m: int, tau: float, batch_size: int) -> dict:
         store = FeatureStore.open(tmp / "s.zarr", mode="a")
         store.append("query", q[:batch_size], record_ids=[f"q{i}" for i in range(batch_size)], batch="one")
         setup_s = time.perf_counter() - w0
-        fp32 = _matmul_rate(x, q, batch_size, torch.float32)
-        fp16 = _matmul_rate(x, q, batch_size, torch.float16)
+        fp32 = _matmul_rate(x, q, batch_size, torch.float32, device)
+        fp16 = _matmul_rate(x, q, batch_size, torch.float16, device)
         del x
         _state(tmp, "save")
-        a_wall, a_peak = _serve(tmp, "one", batch_size=batch_size, out="a.parquet")
+        a_wall, a_peak = _serve(tmp, "one", batch_size=batch_size, out="a.parquet", device=device)
         first = pq.read_table(tmp / "a.parquet").to_pylist()
         _state(tmp, "restore")
-        b_wall, b_peak = _serve(tmp, "bench", batch_size=batch_size, out="b.parquet")
+        b_wall, b_peak = _serve(tmp, "bench", batch_size=batch_size, out="b.parquet", device=device)
         answers = pq.read_table(tmp / "b.parquet")
     ks = answers.column("released_count").to_numpy()
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("query_id",)} for r in rows]  # noqa: E731
     return {
-        "n": n, "d": d, "queries": m, "tau": tau, "batch_size": batch_size, "device": "cuda",
-        "gpu": torch.cuda.get_device_name(0), "mean_released_K": round(float(np.mean(ks)), 1),
+        "n": n, "d": d, "queries": m, "tau": tau, "batch_size": batch_size, "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "mean_released_K": round(float(np.mean(ks)), 1),
         "serve_queries_per_s": round(m / b_wall, 1),
         "steady_queries_per_s": round((m - batch_size) / (b_wall - a_wall), 1) if b_wall > a_wall else None,
-        "matmul_fp32_queries_per_s": round(fp32, 1), "matmul_fp16_queries_per_s": round(fp16, 1),
+        "matmul_fp32_queries_per_s": fp32 and round(fp32, 1), "matmul_fp16_queries_per_s": fp16 and round(fp16, 1),
         "wall_s": {"setup": round(setup_s, 1), "serve_one_batch": round(a_wall, 2), "serve_all": round(b_wall, 2)},
         "serve_peak_rss_mb": {"one_batch": a_peak, "all": b_peak},
         "first_batch_identical": strip(first) == strip(answers.slice(0, batch_size).to_pylist()),
