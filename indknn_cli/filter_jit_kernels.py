@@ -54,7 +54,7 @@ def filter_batch(bounds, ledger, labels_of, kappa, spent, limit, selected, c1, s
                 n += 1
         # Step 2: K_t = max(round(|C_t| + σ1·z, 2 decimals), K_min) (engine.release_count).
         noisy = np.float64(n) + sigma1 * normals[t, 0]
-        k_t = np.rint(noisy * 100.0) / 100.0
+        k_t = (np.rint(noisy * 100.0) + 0.0) / 100.0  # + 0.0: Python's round gives an int, never −0
         if k_min > k_t:
             k_t = k_min
         two_k = 2.0 * k_t

@@ -94,7 +94,7 @@ def _assert_same(a, b, *, parts=True):
     assert [x.label for x in ans_a] == [x.label for x in ans_b]
     assert np.array_equal(np.array([x.released_count for x in ans_a]).view(np.int64),
                           np.array([x.released_count for x in ans_b]).view(np.int64))
-    assert np.array_equal(np.array([x.margin for x in ans_a]), np.array([x.margin for x in ans_b]))
+    assert np.array_equal(np.array([x.margin for x in ans_a]), np.array([x.margin for x in ans_b]), equal_nan=True)
     assert np.array_equal(bud_a.spent.view(np.int64), bud_b.spent.view(np.int64))
     assert np.array_equal(bud_a.times_selected, bud_b.times_selected)
     assert not parts or len(parts_a) == len(parts_b)
