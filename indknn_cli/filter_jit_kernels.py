@@ -20,6 +20,39 @@ def _jit(fn):
         return numba.njit(nogil=True, error_model="numpy")(fn)
 
 
+def _jit_inline(fn):
+    try:
+        return numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")(fn)
+    except Exception:
+        return numba.njit(nogil=True, error_model="numpy", inline="always")(fn)
+
+
+@_jit_inline
+def _up(buf, bits, x):
+    """np.nextafter(x, inf) for x ≥ +0, +inf or NaN (every use below): one step up of the bit pattern (libm's
+    nextafter is a call per value: 9 ns against 1 ns here)."""
+    if x != x or x == np.inf:
+        return x
+    buf[0] = x
+    bits[0] += 1
+    return buf[0]
+
+
+@_jit_inline
+def _down(buf, bits, x):
+    """np.nextafter(x, −inf) for finite x, −inf or NaN: a step toward −inf of the bit pattern (±0 → −5e-324)."""
+    if x != x or x == -np.inf:
+        return x
+    if x == 0.0:
+        return -5e-324
+    buf[0] = x
+    if x > 0.0:
+        bits[0] -= 1
+    else:
+        bits[0] += 1
+    return buf[0]
+
+
 @_jit
 def filter_batch(bounds, ledger, labels_of, kappa, spent, limit, selected, c1, sigma1, sigma2, k_min, denom, normals,
                  labels, counts, margins):
@@ -39,13 +72,15 @@ def filter_batch(bounds, ledger, labels_of, kappa, spent, limit, selected, c1, s
     sp_e = np.empty(width, np.float64)
     bud = np.empty(width, np.float64)
     votes = np.empty(n_classes, np.float64)
+    buf = np.empty(1, np.float64)
+    bits = buf.view(np.int64)
     for t in range(m):
         n = 0
         for j in range(bounds[t], bounds[t + 1]):
             li = ledger[j]
             s = spent[li]
             b = limit[li]
-            if np.nextafter(s + c1, np.inf) <= b:  # eligible (step 1; a deleted record's limit is −inf)
+            if _up(buf, bits, s + c1) <= b:  # eligible (step 1; a deleted record's limit is −inf)
                 sel[n] = li
                 kap[n] = kappa[j]
                 lab[n] = labels_of[j]
@@ -62,14 +97,14 @@ def filter_batch(bounds, ledger, labels_of, kappa, spent, limit, selected, c1, s
         for c in range(n_classes):
             votes[c] = 0.0
         for j in range(n):
-            s = np.nextafter(sp_e[j] + c1, np.inf)
-            rem = np.nextafter(bud[j] - s, -np.inf)
+            s = _up(buf, bits, sp_e[j] + c1)
+            rem = _down(buf, bits, bud[j] - s)
             if rem < 0.0:  # np.maximum(rem, 0.0)
                 rem = 0.0
             cap = sigma2 * np.sqrt(two_k * rem) * (1.0 - 1e-9)
             w = kap[j] if (kap[j] <= cap or kap[j] != kap[j]) else cap  # np.minimum(kap, cap)
-            cost = np.nextafter(w * w / d_k * (1.0 + 1e-12), np.inf)
-            new = np.nextafter(s + cost, np.inf)
+            cost = _up(buf, bits, w * w / d_k * (1.0 + 1e-12))
+            new = _up(buf, bits, s + cost)
             if new > bud[j]:  # rounding edge: a vote of weight 0 (cost 0) rather than overspend
                 w = 0.0
                 new = s

@@ -13,12 +13,13 @@ import pyarrow as pa
 
 from . import gate, indexes
 from . import ledger_integrity as integrity
-from .engine import (ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, BudgetView, Candidates,  # noqa: F401
+from .engine import (ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, BudgetView,  # noqa: F401
                      ReusePool, StoreSource, answer_batch, run_key_for)
 from .errors import BadInputError
 from .indexing import (IndexResult, _roll_forward_pending, build_index, make_params,  # noqa: F401 (re-exported)
                        sync_ledger)
 from .ledger import BudgetLedger
+from .serve_pipeline import Committer, PassScreen, event_columns
 from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import UserBudgetView
@@ -199,9 +200,11 @@ def serve_queries(
             from . import bf16_screen
 
             bf16_screen.prepare(q_stop - todo_start, n_store, dim=store.dim, batch=batch_size)
-        screened = _PassScreen(store, source, params=params, device=device, row_to_ledger=row_to_ledger,
-                               max_pairs=max_pairs, max_memory=max_memory, batch_size=batch_size, stop=q_stop,
-                               enabled=finder is None)
+        screened = PassScreen(store, source, params=params, device=device, row_to_ledger=row_to_ledger,
+                              max_pairs=max_pairs, max_memory=max_memory, batch_size=batch_size, stop=q_stop,
+                              enabled=finder is None)
+        committer = Committer(overlap=screened.ahead)  # on a GPU: part k commits while part k+1 is filtered
+        extra = {"seed": seed} if seed is not None else {}
         try:
             for lo in range(todo_start, q_stop, batch_size):
                 hi = min(q_stop, lo + batch_size)
@@ -215,32 +218,35 @@ def serve_queries(
                     candidates=screened.part(lo, hi),
                 )
                 touched, touched_counts = budgets.part_charges()
-                n_ans = len(answers)
-                n_ch = touched.size
+                n_ans, n_ch = len(answers), touched.size
                 labels = [a.label for a in answers]
                 names = [label_name(store, x) for x in labels]
                 query_id_strs = [str(x) for x in query_ids]
                 counts = [a.released_count for a in answers]
-                cols = _event_columns(n_ch, n_ans, touched=touched, spent_after=budgets.record_spent(touched),
-                                      selected=touched_counts, batch_id=batch_id, part=part, first=lo - q_start,
-                                      query_ids=query_id_strs, first_row=lo, labels=labels, names=names, counts=counts,
-                                      seed=seed_str)
-                ledger.commit_event(event_type="serve", columns=cols, info={
-                    "batch_id": batch_id, "part": part, "seed": seed_str, "query_batch": query_batch,
-                    "query_sha256": q_sha, "answers": n_ans, "charged_records": n_ch,
-                    "released_count_grid": 10.0 ** -COUNT_GRID_DECIMALS,
-                    **({"min_margin": min_margin, "abstained": labels.count(ABSTAIN_LABEL)} if min_margin is not None
-                       else {}),
-                })
-                part += 1
-                extra = {"seed": seed} if seed is not None else {}
+                cols = event_columns(n_ch, n_ans, touched=touched, spent_after=budgets.record_spent(touched),
+                                     selected=touched_counts, batch_id=batch_id, part=part, first=lo - q_start,
+                                     query_ids=query_id_strs, first_row=lo, labels=labels, names=names, counts=counts,
+                                     seed=seed_str)
+                info = {"batch_id": batch_id, "part": part, "seed": seed_str, "query_batch": query_batch,
+                        "query_sha256": q_sha, "answers": n_ans, "charged_records": n_ch,
+                        "released_count_grid": 10.0 ** -COUNT_GRID_DECIMALS,
+                        **({"min_margin": min_margin, "abstained": labels.count(ABSTAIN_LABEL)}
+                           if min_margin is not None else {})}
                 new_rows = [{"batch_id": batch_id, "query_index": lo - q_start + j, "query_id": query_id_strs[j],
                              "label": labels[j], "label_name": names[j], "released_count": counts[j], **extra}
                             for j in range(n_ans)]
-                release(new_rows)
-                if on_progress is not None:
-                    on_progress(hi - q_start, n_queries)
+
+                def commit(cols=cols, info=info, new_rows=new_rows, done=hi - q_start):
+                    ledger.commit_event(event_type="serve", columns=cols, info=info)
+                    release(new_rows)  # only after the event is durable (SPEC §8 "charge before release")
+                    if on_progress is not None:
+                        on_progress(done, n_queries)
+
+                committer.submit(commit)
+                part += 1
+            committer.wait()
         finally:
+            committer.close()
             screened.close()
         if _needs_compaction(ledger):
             ledger.compact()
@@ -248,126 +254,6 @@ def serve_queries(
     if allowance is not None:
         allowance = gate.Allowance(allowance.max_queries, allowance.source, total)
     return ServeResult(batch_id, released, n_queries - already, already, seed, total, allowance)
-
-
-def _event_columns(n_ch, n_ans, *, touched, spent_after, selected, batch_id, part, first, query_ids, first_row,
-                   labels, names, counts, seed) -> dict:
-    """A serve event's columns as pyarrow arrays: ``n_ch`` charge rows (ledger index, spent after, times
-    selected) then ``n_ans`` answer rows, each column null where its kind has no value (the event schema)."""
-    def tail(values, typ):  # null for the charge rows, then the answers' values
-        values = values if isinstance(values, pa.Array) else pa.array(values, type=typ)
-        return pa.concat_arrays([pa.nulls(n_ch, typ), values])
-
-    def head(values, typ):  # the charge rows' values, then null for the answers
-        return pa.concat_arrays([pa.array(values, type=typ), pa.nulls(n_ans, typ)])
-
-    return {
-        "kind": pa.concat_arrays([pa.repeat("charge", n_ch), pa.repeat("answer", n_ans)]).cast(pa.string()),
-        "ledger_index": head(np.asarray(touched, np.int64), pa.int64()),
-        "spent_after": head(np.asarray(spent_after, np.float64), pa.float64()),
-        "selected": head(np.asarray(selected, np.int64), pa.int64()),
-        "batch_id": tail(pa.repeat(batch_id, n_ans).cast(pa.string()), pa.string()),
-        "part": tail(np.full(n_ans, part, np.int64), pa.int64()),
-        "query_index": tail(np.arange(first, first + n_ans, dtype=np.int64), pa.int64()),
-        "query_id": tail(query_ids, pa.string()),
-        "query_row": tail(np.arange(first_row, first_row + n_ans, dtype=np.int64), pa.int64()),
-        "label": tail(np.asarray(labels, np.int32), pa.int32()),
-        "label_name": tail(names, pa.string()),
-        "released_count": tail(np.asarray(counts, np.float64), pa.float64()),
-        "seed": tail(pa.nulls(n_ans, pa.string()) if seed is None else pa.repeat(seed, n_ans).cast(pa.string()),
-                     pa.string()),
-    }
-
-
-#: Queries screened in one pass over a store that does not fit the feature cache (see _PassScreen), and the
-#: fewest rows a screen step of the pass may see.
-PASS_QUERIES = 16384
-PASS_MIN_ROWS = 1024
-
-
-class _PassScreen:
-    """Candidates of several parts from one pass over the store, when the store does not fit the cache.
-
-    A store larger than the feature cache (``--max-memory``'s half) is read again for every part of
-    ``--batch-size`` queries (1M × 384: 1.5 GB per 1,024 queries; issue 21). Candidates depend only on the
-    queries, the stored vectors, τ and the run's fixed row mask (deleted rows, rows outside the ledger), never
-    on budgets, so the parts of up to PASS_QUERIES queries are screened together and each part then filters,
-    charges and commits its own slice, in order, as before: the same candidates (each query's are found
-    exactly, whatever the other queries), the same answers and ledger (tests/test_serve_pass.py). The pass's
-    pairs are held to the same ``max_pairs`` bound as a part's; past it the pass is dropped and each part
-    screens itself (and halves as it always has). Only the flat scan (an LSH/IVF finder reads its own lists).
-    """
-
-    def __init__(self, store, source, *, params, device, row_to_ledger, max_pairs, max_memory, batch_size, stop,
-                 enabled):
-        self.store, self.source, self.params, self.device = store, source, params, device
-        self.row_to_ledger, self.max_pairs, self.stop = row_to_ledger, max_pairs, stop
-        # At most PASS_QUERIES queries; few enough that the screen still sees PASS_MIN_ROWS rows per step
-        # (find_candidates screens max_pairs // queries rows at a time) and that the pass's queries and their
-        # copies (float32, FAISS's index, a float64 cast: 16 bytes per value) stay within an eighth of
-        # --max-memory. All public figures: the batch size, d and --max-memory.
-        cap = min(PASS_QUERIES, max_pairs // PASS_MIN_ROWS, max_memory // 8 // (16 * store.dim))
-        self.span = max(batch_size, cap // batch_size * batch_size)
-        # On a GPU the next pass is screened while this one's parts are filtered and committed (one pass ahead,
-        # in a thread: the screen waits on the device, the filter runs compiled without the GIL).
-        self.ahead = enabled and _on_gpu(device)
-        self.enabled = enabled and ((not source.fits_cache() and self.span > batch_size) or self.ahead)
-        self.lo = self.hi = -1
-        self.cands = None
-        self._pool = None
-        self._next = None  # (lo, hi, future) of the pass being screened ahead
-
-    def _find(self, lo: int, hi: int) -> Candidates | None:
-        from .candidates import TooManyPairs, find_candidates
-
-        queries = np.ascontiguousarray(self.store.read("query", "features", lo, hi), np.float32)
-        try:
-            return find_candidates(queries, self.source, kernel=self.params.kernel, tau=self.params.tau,
-                                   nu=self.params.nu, device=self.device, row_mask=self.row_to_ledger >= 0,
-                                   max_pairs=self.max_pairs)
-        except TooManyPairs:
-            return None
-
-    def part(self, lo: int, hi: int) -> Candidates | None:
-        """The candidates of stored queries [lo, hi), or None (the part screens itself)."""
-        if not self.enabled:
-            return None
-        if not (self.lo <= lo and hi <= self.hi):
-            self.cands = None  # the previous pass's pairs go before this pass's are found
-            if self._next is not None and self._next[0] == lo:
-                self.lo, self.hi, fut = self._next
-                self._next = None
-                self.cands = fut.result()
-            else:
-                self.lo, self.hi = lo, min(self.stop, lo + self.span)
-                self.cands = self._find(self.lo, self.hi)
-            if self.ahead and self.hi < self.stop and self._next is None:
-                if self._pool is None:
-                    from concurrent.futures import ThreadPoolExecutor
-
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="indknn-screen-ahead")
-                nxt = min(self.stop, self.hi + self.span)
-                self._next = (self.hi, nxt, self._pool.submit(self._find, self.hi, nxt))
-        if self.cands is None:
-            return None
-        a, b = lo - self.lo, hi - self.lo
-        return Candidates(self.cands.rows[a:b], self.cands.kappa[a:b])
-
-    def close(self) -> None:
-        """Stop screening ahead (waits for a pass in progress)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-        self._next = None
-
-
-def _on_gpu(device: str) -> bool:
-    """Whether find_candidates runs on a CUDA device for this ``--device`` (auto: torch sees one)."""
-    if device == "cpu":
-        return False
-    from .candidates import _import_torch
-
-    return device in ("cuda", "auto") and _import_torch().cuda.is_available()
 
 
 def check_min_margin(min_margin) -> float | None:

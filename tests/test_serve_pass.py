@@ -1,12 +1,12 @@
 """Issue 21: a store larger than the feature cache is read once per pass of parts, not once per part, and
-the answers and the ledger are those of the part-by-part run (serving._PassScreen)."""
+the answers and the ledger are those of the part-by-part run (serve_pipeline.PassScreen)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from indknn_cli import candidates, serving, store_scan
+from indknn_cli import candidates, serve_pipeline, serving, store_scan
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.serving import build_index, make_params, serve_queries
 from indknn_cli.store import ExtractorInfo, FeatureStore
@@ -65,7 +65,7 @@ def _same(a, b):
 @pytest.mark.parametrize("reuse", [True, False])
 def test_one_pass_for_all_parts_same_answers_and_ledger(tmp_path, big_store, monkeypatch, reuse):
     grouped = _serve(tmp_path, big_store, "g", monkeypatch, reuse=reuse)
-    monkeypatch.setattr(serving, "PASS_QUERIES", 0)  # every part screens itself
+    monkeypatch.setattr(serve_pipeline, "PASS_QUERIES", 0)  # every part screens itself
     per_part = _serve(tmp_path, big_store, "p", monkeypatch, reuse=reuse)
     _same(grouped, per_part)
     assert sum(a["released_count"] > 0 for a in grouped[0]) == Q
@@ -75,23 +75,23 @@ def test_one_pass_for_all_parts_same_answers_and_ledger(tmp_path, big_store, mon
 
 
 def test_passes_of_pass_queries(tmp_path, big_store, monkeypatch):
-    monkeypatch.setattr(serving, "PASS_QUERIES", 64)  # 60 queries (3 parts of 20) per pass
+    monkeypatch.setattr(serve_pipeline, "PASS_QUERIES", 64)  # 60 queries (3 parts of 20) per pass
     grouped = _serve(tmp_path, big_store, "g", monkeypatch)
-    monkeypatch.setattr(serving, "PASS_QUERIES", 0)
+    monkeypatch.setattr(serve_pipeline, "PASS_QUERIES", 0)
     _same(grouped, _serve(tmp_path, big_store, "p", monkeypatch))
     assert grouped[2] == 3  # ceil(150 / 60)
 
 
 def _spy_parts(monkeypatch):
     given = []
-    real = serving._PassScreen.part
+    real = serve_pipeline.PassScreen.part
 
     def part(self, lo, hi):
         got = real(self, lo, hi)
         given.append(got is not None)
         return got
 
-    monkeypatch.setattr(serving._PassScreen, "part", part)
+    monkeypatch.setattr(serve_pipeline.PassScreen, "part", part)
     return given
 
 
@@ -109,7 +109,7 @@ def test_the_pass_is_bounded_by_the_pair_bound(tmp_path, big_store, monkeypatch)
     given = _spy_parts(monkeypatch)
     _ans, _state, passes = _serve(tmp_path, big_store, "b", monkeypatch)
     assert passes == 1 and given == [True] * 8
-    monkeypatch.setattr(serving, "PASS_MIN_ROWS", 10_000)  # 17 queries a pass: under one part, so no pass
+    monkeypatch.setattr(serve_pipeline, "PASS_MIN_ROWS", 10_000)  # 17 queries a pass: under one part, so no pass
     given.clear()
     _ans, _state, passes = _serve(tmp_path, big_store, "b2", monkeypatch)
     assert given == [False] * 8 and passes == 8
@@ -126,7 +126,7 @@ def test_a_pass_over_the_pair_bound_falls_back_to_parts(tmp_path, big_store, mon
     monkeypatch.setattr(candidates, "find_candidates", bounded)
     fallback = _serve(tmp_path, big_store, "f", monkeypatch)
     monkeypatch.undo()
-    monkeypatch.setattr(serving, "PASS_QUERIES", 0)
+    monkeypatch.setattr(serve_pipeline, "PASS_QUERIES", 0)
     _same(fallback, _serve(tmp_path, big_store, "p", monkeypatch))
     assert fallback[2] == 8
 
@@ -160,10 +160,10 @@ def test_sync_reads_the_identifiers_of_exactly_the_new_rows(big_store, rows):
 
 @pytest.mark.parametrize("reuse", [True, False])
 def test_screening_the_next_pass_ahead_gives_the_same_answers_and_ledger(tmp_path, big_store, monkeypatch, reuse):
-    """On a GPU the next pass is screened in a thread while this one's parts commit (serving._PassScreen.ahead);
+    """On a GPU the next pass is screened in a thread while this one's parts commit (serve_pipeline.PassScreen.ahead);
     forced here on the CPU, with passes of 3 parts: the same answers and ledger as part by part."""
-    monkeypatch.setattr(serving, "PASS_QUERIES", 64)
-    monkeypatch.setattr(serving, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(serve_pipeline, "PASS_QUERIES", 64)
+    monkeypatch.setattr(serve_pipeline, "on_gpu", lambda device: True)
     started = []
     real_submit = None
 
@@ -178,7 +178,37 @@ def test_screening_the_next_pass_ahead_gives_the_same_answers_and_ledger(tmp_pat
 
     monkeypatch.setattr(cf.ThreadPoolExecutor, "submit", submit)
     ahead = _serve(tmp_path, big_store, "a", monkeypatch, reuse=reuse)
-    monkeypatch.setattr(serving, "_on_gpu", lambda device: False)
-    monkeypatch.setattr(serving, "PASS_QUERIES", 0)
+    monkeypatch.setattr(serve_pipeline, "on_gpu", lambda device: False)
+    monkeypatch.setattr(serve_pipeline, "PASS_QUERIES", 0)
     _same(ahead, _serve(tmp_path, big_store, "p", monkeypatch, reuse=reuse))
     assert started == [(60, 120), (120, 150)]  # passes after the first were screened ahead
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failed_commit_releases_nothing_after_it(tmp_path, big_store, monkeypatch, overlap):
+    """With commits overlapped (GPU) or inline: the second part's event fails to write; the first part's
+    answers were released, nothing later is, and the error reaches the caller."""
+    import shutil
+
+    monkeypatch.setattr(serve_pipeline, "on_gpu", lambda device: overlap)
+    sp, lp = tmp_path / "f.zarr", tmp_path / "f-ledger"
+    shutil.copytree(big_store, sp)
+    build_index(store_path=sp, ledger_path=lp,
+                params=make_params(epsilon=1.0, delta=1e-5, tau=0.55, sigma2=0.5, planned_queries=Q))
+    real = BudgetLedger.commit_event
+    calls = []
+
+    def failing(self, **kw):
+        calls.append(kw["event_type"])
+        if kw["event_type"] == "serve" and calls.count("serve") == 2:
+            raise OSError("disk full (test)")
+        return real(self, **kw)
+
+    monkeypatch.setattr(BudgetLedger, "commit_event", failing)
+    released = []
+    with pytest.raises(OSError, match="disk full"):
+        serve_queries(store_path=sp, ledger_path=lp, query_batch="b", seed=5, batch_size=20, device="cpu",
+                      reuse=False, max_memory=MEM, on_committed=released.extend)
+    assert [r["query_index"] for r in released] == list(range(20))
+    monkeypatch.setattr(BudgetLedger, "commit_event", real)
+    assert BudgetLedger.open(lp).state.n_answers() == 20

@@ -1,0 +1,171 @@
+"""serve-queries' pipeline around the engine (issue 21): passes screened ahead, events built from arrays, commits
+overlapped with the next part's filter.
+
+serve-queries answers a stored batch in parts of ``--batch-size`` queries, each filtered, charged, committed
+and only then released (SPEC §8). What this module changes is only when work happens, never what is released
+or charged, nor its order:
+
+- :class:`PassScreen`: the candidates of several parts from one pass over the store (candidates do not depend
+  on budgets); on a GPU the next pass is screened in a thread while this pass's parts are filtered.
+- :class:`Committer`: on a GPU, part k's event is written (and its answers released after it is durable) in a
+  thread while part k+1 is filtered in memory; commits stay in order, one in flight, and a failed commit stops
+  the run before anything later is released (part k+1's charges then exist only in memory, unreleased).
+- :func:`event_columns`: a serve event's columns as pyarrow arrays (no Python list per charge).
+
+tests/test_serve_pass.py pins that answers and ledger are those of the plain part-by-part loop.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+
+from .engine import Candidates
+
+
+def event_columns(n_ch, n_ans, *, touched, spent_after, selected, batch_id, part, first, query_ids, first_row,
+                   labels, names, counts, seed) -> dict:
+    """A serve event's columns as pyarrow arrays: ``n_ch`` charge rows (ledger index, spent after, times
+    selected) then ``n_ans`` answer rows, each column null where its kind has no value (the event schema)."""
+    def tail(values, typ):  # null for the charge rows, then the answers' values
+        values = values if isinstance(values, pa.Array) else pa.array(values, type=typ)
+        return pa.concat_arrays([pa.nulls(n_ch, typ), values])
+
+    def head(values, typ):  # the charge rows' values, then null for the answers
+        return pa.concat_arrays([pa.array(values, type=typ), pa.nulls(n_ans, typ)])
+
+    return {
+        "kind": pa.concat_arrays([pa.repeat("charge", n_ch), pa.repeat("answer", n_ans)]).cast(pa.string()),
+        "ledger_index": head(np.asarray(touched, np.int64), pa.int64()),
+        "spent_after": head(np.asarray(spent_after, np.float64), pa.float64()),
+        "selected": head(np.asarray(selected, np.int64), pa.int64()),
+        "batch_id": tail(pa.repeat(batch_id, n_ans).cast(pa.string()), pa.string()),
+        "part": tail(np.full(n_ans, part, np.int64), pa.int64()),
+        "query_index": tail(np.arange(first, first + n_ans, dtype=np.int64), pa.int64()),
+        "query_id": tail(query_ids, pa.string()),
+        "query_row": tail(np.arange(first_row, first_row + n_ans, dtype=np.int64), pa.int64()),
+        "label": tail(np.asarray(labels, np.int32), pa.int32()),
+        "label_name": tail(names, pa.string()),
+        "released_count": tail(np.asarray(counts, np.float64), pa.float64()),
+        "seed": tail(pa.nulls(n_ans, pa.string()) if seed is None else pa.repeat(seed, n_ans).cast(pa.string()),
+                     pa.string()),
+    }
+
+
+#: Queries screened in one pass over a store that does not fit the feature cache (see PassScreen), and the
+#: fewest rows a screen step of the pass may see.
+PASS_QUERIES = 16384
+PASS_MIN_ROWS = 1024
+
+
+class PassScreen:
+    """Candidates of several parts from one pass over the store, when the store does not fit the cache.
+
+    A store larger than the feature cache (``--max-memory``'s half) is read again for every part of
+    ``--batch-size`` queries (1M × 384: 1.5 GB per 1,024 queries; issue 21). Candidates depend only on the
+    queries, the stored vectors, τ and the run's fixed row mask (deleted rows, rows outside the ledger), never
+    on budgets, so the parts of up to PASS_QUERIES queries are screened together and each part then filters,
+    charges and commits its own slice, in order, as before: the same candidates (each query's are found
+    exactly, whatever the other queries), the same answers and ledger (tests/test_serve_pass.py). The pass's
+    pairs are held to the same ``max_pairs`` bound as a part's; past it the pass is dropped and each part
+    screens itself (and halves as it always has). Only the flat scan (an LSH/IVF finder reads its own lists).
+    """
+
+    def __init__(self, store, source, *, params, device, row_to_ledger, max_pairs, max_memory, batch_size, stop,
+                 enabled):
+        self.store, self.source, self.params, self.device = store, source, params, device
+        self.row_to_ledger, self.max_pairs, self.stop = row_to_ledger, max_pairs, stop
+        # At most PASS_QUERIES queries; few enough that the screen still sees PASS_MIN_ROWS rows per step
+        # (find_candidates screens max_pairs // queries rows at a time) and that the pass's queries and their
+        # copies (float32, FAISS's index, a float64 cast: 16 bytes per value) stay within an eighth of
+        # --max-memory. All public figures: the batch size, d and --max-memory.
+        cap = min(PASS_QUERIES, max_pairs // PASS_MIN_ROWS, max_memory // 8 // (16 * store.dim))
+        self.span = max(batch_size, cap // batch_size * batch_size)
+        # On a GPU the next pass is screened while this one's parts are filtered and committed (one pass ahead,
+        # in a thread: the screen waits on the device, the filter runs compiled without the GIL).
+        self.ahead = enabled and on_gpu(device)
+        self.enabled = enabled and ((not source.fits_cache() and self.span > batch_size) or self.ahead)
+        self.lo = self.hi = -1
+        self.cands = None
+        self._pool = None
+        self._next = None  # (lo, hi, future) of the pass being screened ahead
+
+    def _find(self, lo: int, hi: int) -> Candidates | None:
+        from .candidates import TooManyPairs, find_candidates
+
+        queries = np.ascontiguousarray(self.store.read("query", "features", lo, hi), np.float32)
+        try:
+            return find_candidates(queries, self.source, kernel=self.params.kernel, tau=self.params.tau,
+                                   nu=self.params.nu, device=self.device, row_mask=self.row_to_ledger >= 0,
+                                   max_pairs=self.max_pairs)
+        except TooManyPairs:
+            return None
+
+    def part(self, lo: int, hi: int) -> Candidates | None:
+        """The candidates of stored queries [lo, hi), or None (the part screens itself)."""
+        if not self.enabled:
+            return None
+        if not (self.lo <= lo and hi <= self.hi):
+            self.cands = None  # the previous pass's pairs go before this pass's are found
+            if self._next is not None and self._next[0] == lo:
+                self.lo, self.hi, fut = self._next
+                self._next = None
+                self.cands = fut.result()
+            else:
+                self.lo, self.hi = lo, min(self.stop, lo + self.span)
+                self.cands = self._find(self.lo, self.hi)
+            if self.ahead and self.hi < self.stop and self._next is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="indknn-screen-ahead")
+                nxt = min(self.stop, self.hi + self.span)
+                self._next = (self.hi, nxt, self._pool.submit(self._find, self.hi, nxt))
+        if self.cands is None:
+            return None
+        a, b = lo - self.lo, hi - self.lo
+        return Candidates(self.cands.rows[a:b], self.cands.kappa[a:b])
+
+    def close(self) -> None:
+        """Stop screening ahead (waits for a pass in progress)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._next = None
+
+
+def on_gpu(device: str) -> bool:
+    """Whether find_candidates runs on a CUDA device for this ``--device`` (auto: torch sees one)."""
+    if device == "cpu":
+        return False
+    from .candidates import _import_torch
+
+    return device in ("cuda", "auto") and _import_torch().cuda.is_available()
+
+
+class Committer:
+    """Runs each part's ``commit`` (write the event, then release its answers) in order: inline, or with
+    ``overlap`` in one thread, one commit in flight, so that the caller filters the next part meanwhile."""
+
+    def __init__(self, overlap: bool):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="indknn-commit") if overlap else None
+        self._pending = None
+
+    def submit(self, commit) -> None:
+        """``commit()`` now (inline) or after the previous one (overlap); a previous failure is raised here."""
+        if self._pool is None:
+            commit()
+            return
+        self.wait()
+        self._pending = self._pool.submit(commit)
+
+    def wait(self) -> None:
+        """Until the commit in flight is done; its exception, if any, is raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
