@@ -264,7 +264,7 @@ def _torch_device(device: str):
 
 
 def _resident_blocks(source, dev) -> list | None:
-    """A store's feature chunks kept on the GPU for the whole run, when they fit in half its free memory.
+    """A store's features kept on the GPU for the whole run (one tensor), when they fit in half its free memory.
 
     The first batch copies them once; later batches skip the Zarr read and the host-to-device copy.
     Only for ``StoreSource`` (the store cannot change while serve-queries holds its locks). The values
@@ -280,8 +280,15 @@ def _resident_blocks(source, dev) -> list | None:
         free, _total = torch.cuda.mem_get_info(dev)
         blocks = None
         if need <= free // 2:
-            blocks = [(start, torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev))
-                      for start, block in source.chunks() if block.shape[0]]
+            # One device tensor of every row (the screen's steps then span chunks: fewer, larger products).
+            n = int(source.store.n_rows(source.role))
+            whole = torch.empty((n, int(source.store.dim)), dtype=torch.float32, device=dev)
+            end = 0
+            for start, block in source.chunks():
+                if block.shape[0]:
+                    whole[start:start + block.shape[0]].copy_(torch.from_numpy(np.ascontiguousarray(block, np.float32)))
+                    end = max(end, start + block.shape[0])
+            blocks = [(0, whole[:end])] if end else []
             source._cache = None  # the host copy is never read again this run
         source._on_device[key] = blocks
     return source._on_device[key]
