@@ -317,6 +317,45 @@ class Candidates:
     rows: list[np.ndarray]
     kappa: list[np.ndarray]
 
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def slice(self, a: int, b: int) -> "Candidates":
+        """The candidates of queries a … b−1."""
+        return Candidates(self.rows[a:b], self.kappa[a:b])
+
+
+class CsrCandidates(Candidates):
+    """The same, held as one array of rows and one of κ (query t's: ``bounds[t]:bounds[t + 1]``), as the GPU
+    path returns them: the compiled filter reads the arrays as they are; ``rows`` and ``kappa`` (one slice per
+    query) are made on first use."""
+
+    def __init__(self, bounds: np.ndarray, rows: np.ndarray, kappa: np.ndarray):
+        self.bounds, self.flat_rows, self.flat_kappa = bounds, rows, kappa
+        self._lists = None
+
+    def _split(self):
+        if self._lists is None:
+            b = self.bounds.tolist()
+            self._lists = ([self.flat_rows[b[t]:b[t + 1]] for t in range(len(b) - 1)],
+                           [self.flat_kappa[b[t]:b[t + 1]] for t in range(len(b) - 1)])
+        return self._lists
+
+    @property
+    def rows(self):  # noqa: D102
+        return self._split()[0]
+
+    @property
+    def kappa(self):  # noqa: D102
+        return self._split()[1]
+
+    def __len__(self) -> int:
+        return self.bounds.shape[0] - 1
+
+    def slice(self, a: int, b: int) -> "CsrCandidates":
+        lo, hi = int(self.bounds[a]), int(self.bounds[b])
+        return CsrCandidates(self.bounds[a:b + 1] - lo, self.flat_rows[lo:hi], self.flat_kappa[lo:hi])
+
 
 def find_candidates(
     queries: np.ndarray,
@@ -461,6 +500,4 @@ def _find_on_gpu(queries, source, dev, *, kernel, tau, nu, threshold, row_mask, 
             if qi.shape[0]:
                 parts_q.append(qi); parts_r.append(rows); parts_s.append(sums)
     qi, rows, kap = gs.collect(parts_q, parts_r, parts_s)
-    bounds = np.searchsorted(qi, np.arange(m + 1))
-    return Candidates([rows[bounds[t]:bounds[t + 1]] for t in range(m)],
-                      [kap[bounds[t]:bounds[t + 1]] for t in range(m)])
+    return CsrCandidates(np.searchsorted(qi, np.arange(m + 1)).astype(np.int64), rows, kap)

@@ -220,8 +220,8 @@ def answer_batch(
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     m = queries.shape[0]
     if candidates is not None:  # screened beforehand (serving._PassScreen): the same exact κ ≥ τ sets
-        if len(candidates.rows) != m:
-            raise ValueError(f"candidates for {len(candidates.rows)} queries given with {m} queries")
+        if len(candidates) != m:
+            raise ValueError(f"candidates for {len(candidates)} queries given with {m} queries")
         cands = candidates
     elif max_pairs is not None and m > 1:
         try:

@@ -68,8 +68,10 @@ def answer_batch_compiled(cands, *, row_to_ledger, row_labels, params, n_classes
     from . import noise_jit
     from .engine import ABSTAIN_LABEL, QueryAnswer
 
+    from .candidates import CsrCandidates
+
     kernels = _load()
-    m = len(cands.rows)
+    m = len(cands)
     if kernels is None or not noise_jit.agrees_with_numpy(1 + n_classes):
         return None
     for arr, dtype in ((budgets.spent, np.float64), (budgets.budget, np.float64), (budgets.times_selected, np.int64),
@@ -79,11 +81,16 @@ def answer_batch_compiled(cands, *, row_to_ledger, row_labels, params, n_classes
     normals = noise_jit.draw(run_key, first_index, m, 1 + n_classes)
     if not usable(normals, max_candidates=row_to_ledger.shape[0], sigma1=params.sigma1):
         return None
-    sizes = np.fromiter((r.size for r in cands.rows), dtype=np.int64, count=m)
-    bounds = np.zeros(m + 1, np.int64)
-    np.cumsum(sizes, out=bounds[1:])
-    rows = np.concatenate(cands.rows).astype(np.int64, copy=False) if m else np.empty(0, np.int64)
-    kappa = np.concatenate(cands.kappa).astype(np.float64, copy=False) if m else np.empty(0, np.float64)
+    if isinstance(cands, CsrCandidates):  # the GPU path's arrays, as they are
+        bounds = np.asarray(cands.bounds, np.int64)
+        rows = np.asarray(cands.flat_rows, np.int64)
+        kappa = np.asarray(cands.flat_kappa, np.float64)
+    else:
+        sizes = np.fromiter((r.size for r in cands.rows), dtype=np.int64, count=m)
+        bounds = np.zeros(m + 1, np.int64)
+        np.cumsum(sizes, out=bounds[1:])
+        rows = np.concatenate(cands.rows).astype(np.int64, copy=False) if m else np.empty(0, np.int64)
+        kappa = np.concatenate(cands.kappa).astype(np.float64, copy=False) if m else np.empty(0, np.float64)
     ledger = np.asarray(row_to_ledger, np.int64).take(rows)  # gathered once, in order: the loop reads them in turn
     labels_of = np.asarray(row_labels, np.int64).take(rows)
     limit = np.where(np.asarray(budgets.deleted, np.bool_), -np.inf, budgets.budget)

@@ -17,6 +17,8 @@ tests/test_serve_pass.py pins that answers and ledger are those of the plain par
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -124,7 +126,7 @@ class PassScreen:
         if self.cands is None:
             return None
         a, b = lo - self.lo, hi - self.lo
-        return Candidates(self.cands.rows[a:b], self.cands.kappa[a:b])
+        return self.cands.slice(a, b)
 
     def close(self) -> None:
         """Stop screening ahead (waits for a pass in progress)."""
@@ -169,3 +171,23 @@ class Committer:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+#: Python's thread switch interval while a GPU serve runs its three threads (the default is 5 ms): the screen's
+#: thread issues thousands of short device calls per pass, each needing the interpreter lock back from the
+#: filter's or the commit's Python work; waiting up to 5 ms each time left the device idle.
+SWITCH_INTERVAL_S = 0.0002
+
+
+@contextlib.contextmanager
+def responsive_threads(enabled: bool):
+    """The switch interval at SWITCH_INTERVAL_S inside the block (when ``enabled``), restored after."""
+    if not enabled:
+        yield
+        return
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)

@@ -19,7 +19,7 @@ from .errors import BadInputError
 from .indexing import (IndexResult, _roll_forward_pending, build_index, make_params,  # noqa: F401 (re-exported)
                        sync_ledger)
 from .ledger import BudgetLedger
-from .serve_pipeline import Committer, PassScreen, event_columns
+from .serve_pipeline import Committer, PassScreen, event_columns, responsive_threads
 from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import UserBudgetView
@@ -205,6 +205,8 @@ def serve_queries(
                               enabled=finder is None)
         committer = Committer(overlap=screened.ahead)  # on a GPU: part k commits while part k+1 is filtered
         extra = {"seed": seed} if seed is not None else {}
+        threads = responsive_threads(screened.ahead)
+        threads.__enter__()
         try:
             for lo in range(todo_start, q_stop, batch_size):
                 hi = min(q_stop, lo + batch_size)
@@ -248,6 +250,7 @@ def serve_queries(
         finally:
             committer.close()
             screened.close()
+            threads.__exit__(None, None, None)
         if _needs_compaction(ledger):
             ledger.compact()
         total = queries_answered(ledger)

@@ -81,8 +81,8 @@ def _serve(world, *, classes, compiled, batch, min_margin=None, monkeypatch):
     out, parts = [], []
     for lo in range(0, m, batch):
         budgets.reset_part()
-        part = Candidates(cands.rows[lo:lo + batch], cands.kappa[lo:lo + batch])
-        out += answer_batch(np.zeros((len(part.rows), 2), np.float32), source=None, row_to_ledger=row_to_ledger,
+        part = cands.slice(lo, min(m, lo + batch))
+        out += answer_batch(np.zeros((len(part), 2), np.float32), source=None, row_to_ledger=row_to_ledger,
                             row_labels=labels, params=params, n_classes=classes, budgets=budgets, run_key=77,
                             first_index=lo, candidates=part, min_margin=min_margin)
         parts.append(budgets.part_charges())
@@ -134,3 +134,19 @@ def test_size_rule_reads_the_batch_size_only(monkeypatch):
     assert filter_jit.wanted(filter_jit.FILTER_MIN_QUERIES_COLD)
     assert not filter_jit.usable(np.array([[1e300, 0.0]]), max_candidates=10, sigma1=1.0)
     assert filter_jit.usable(np.array([[3.0, 0.0]]), max_candidates=10**6, sigma1=50.0)
+
+
+def test_csr_candidates_give_the_same_answers(monkeypatch):
+    """The GPU path's candidates (one array each, CsrCandidates) and their slices: the lists' answers."""
+    from indknn_cli.candidates import CsrCandidates
+
+    world = _world(11, m=200, n=300, classes=4, budget=0.4, sigma1=4.0, sigma2=0.8, k_min=1.0)
+    params, cands, budgets, row_to_ledger, labels = world
+    bounds = np.concatenate([[0], np.cumsum([r.size for r in cands.rows])]).astype(np.int64)
+    csr = CsrCandidates(bounds, np.concatenate(cands.rows), np.concatenate(cands.kappa))
+    part = csr.slice(50, 120)
+    assert len(part) == 70 and all(np.array_equal(a, b) for a, b in zip(part.rows, cands.rows[50:120]))
+    want = _serve(world, classes=4, compiled=True, batch=64, monkeypatch=monkeypatch)
+    got = _serve((params, csr, budgets, row_to_ledger, labels), classes=4, compiled=True, batch=64,
+                 monkeypatch=monkeypatch)
+    _assert_same(want, got)
