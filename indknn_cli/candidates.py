@@ -333,6 +333,13 @@ class CsrCandidates(Candidates):
     def __init__(self, bounds: np.ndarray, rows: np.ndarray, kappa: np.ndarray):
         self.bounds, self.flat_rows, self.flat_kappa = bounds, rows, kappa
         self._lists = None
+        self.gathered = None  # (row_to_ledger, row_labels, their values at flat_rows) once gather() ran
+
+    def gather(self, row_to_ledger: np.ndarray, row_labels: np.ndarray) -> None:
+        """Each candidate's ledger index and label, read once (the compiled filter uses them when it is given
+        these same two arrays)."""
+        self.gathered = (row_to_ledger, row_labels, np.asarray(row_to_ledger, np.int64).take(self.flat_rows),
+                         np.asarray(row_labels, np.int64).take(self.flat_rows))
 
     def _split(self):
         if self._lists is None:
@@ -354,7 +361,11 @@ class CsrCandidates(Candidates):
 
     def slice(self, a: int, b: int) -> "CsrCandidates":
         lo, hi = int(self.bounds[a]), int(self.bounds[b])
-        return CsrCandidates(self.bounds[a:b + 1] - lo, self.flat_rows[lo:hi], self.flat_kappa[lo:hi])
+        part = CsrCandidates(self.bounds[a:b + 1] - lo, self.flat_rows[lo:hi], self.flat_kappa[lo:hi])
+        if self.gathered is not None:
+            r2l, lab, led, labs = self.gathered
+            part.gathered = (r2l, lab, led[lo:hi], labs[lo:hi])
+        return part
 
 
 def find_candidates(

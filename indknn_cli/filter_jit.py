@@ -91,8 +91,12 @@ def answer_batch_compiled(cands, *, row_to_ledger, row_labels, params, n_classes
         np.cumsum(sizes, out=bounds[1:])
         rows = np.concatenate(cands.rows).astype(np.int64, copy=False) if m else np.empty(0, np.int64)
         kappa = np.concatenate(cands.kappa).astype(np.float64, copy=False) if m else np.empty(0, np.float64)
-    ledger = np.asarray(row_to_ledger, np.int64).take(rows)  # gathered once, in order: the loop reads them in turn
-    labels_of = np.asarray(row_labels, np.int64).take(rows)
+    pre = getattr(cands, "gathered", None)
+    if pre is not None and pre[0] is row_to_ledger and pre[1] is row_labels:  # read by the screen's thread
+        ledger, labels_of = pre[2], pre[3]
+    else:  # gathered once, in order: the loop reads them in turn
+        ledger = np.asarray(row_to_ledger, np.int64).take(rows)
+        labels_of = np.asarray(row_labels, np.int64).take(rows)
     limit = np.where(np.asarray(budgets.deleted, np.bool_), -np.inf, budgets.budget)
     selected = np.zeros(budgets.spent.shape[0], np.int64)
     labels = np.empty(m, np.int64)

@@ -76,9 +76,10 @@ class PassScreen:
     """
 
     def __init__(self, store, source, *, params, device, row_to_ledger, max_pairs, max_memory, batch_size, stop,
-                 enabled):
+                 enabled, row_labels=None):
         self.store, self.source, self.params, self.device = store, source, params, device
         self.row_to_ledger, self.max_pairs, self.stop = row_to_ledger, max_pairs, stop
+        self.row_labels = row_labels
         # At most PASS_QUERIES queries; few enough that the screen still sees PASS_MIN_ROWS rows per step
         # (find_candidates screens max_pairs // queries rows at a time) and that the pass's queries and their
         # copies (float32, FAISS's index, a float64 cast: 16 bytes per value) stay within an eighth of
@@ -99,11 +100,14 @@ class PassScreen:
 
         queries = np.ascontiguousarray(self.store.read("query", "features", lo, hi), np.float32)
         try:
-            return find_candidates(queries, self.source, kernel=self.params.kernel, tau=self.params.tau,
+            cands = find_candidates(queries, self.source, kernel=self.params.kernel, tau=self.params.tau,
                                    nu=self.params.nu, device=self.device, row_mask=self.row_to_ledger >= 0,
                                    max_pairs=self.max_pairs)
         except TooManyPairs:
             return None
+        if self.ahead and self.row_labels is not None and hasattr(cands, "gather"):
+            cands.gather(self.row_to_ledger, self.row_labels)  # in this thread, not the filter's
+        return cands
 
     def part(self, lo: int, hi: int) -> Candidates | None:
         """The candidates of stored queries [lo, hi), or None (the part screens itself)."""

@@ -202,7 +202,7 @@ def serve_queries(
             bf16_screen.prepare(q_stop - todo_start, n_store, dim=store.dim, batch=batch_size)
         screened = PassScreen(store, source, params=params, device=device, row_to_ledger=row_to_ledger,
                               max_pairs=max_pairs, max_memory=max_memory, batch_size=batch_size, stop=q_stop,
-                              enabled=finder is None)
+                              enabled=finder is None, row_labels=row_labels)
         committer = Committer(overlap=screened.ahead)  # on a GPU: part k commits while part k+1 is filtered
         extra = {"seed": seed} if seed is not None else {}
         threads = responsive_threads(screened.ahead)

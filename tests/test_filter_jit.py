@@ -150,3 +150,7 @@ def test_csr_candidates_give_the_same_answers(monkeypatch):
     got = _serve((params, csr, budgets, row_to_ledger, labels), classes=4, compiled=True, batch=64,
                  monkeypatch=monkeypatch)
     _assert_same(want, got)
+    csr.gather(row_to_ledger, labels)  # the ledger indices and labels read beforehand (serve_pipeline's thread)
+    assert csr.slice(3, 9).gathered[2].size == csr.slice(3, 9).flat_rows.size
+    _assert_same(want, _serve((params, csr, budgets, row_to_ledger, labels), classes=4, compiled=True, batch=64,
+                              monkeypatch=monkeypatch))
