@@ -1,6 +1,8 @@
 """The process's worker threads: how many cores it may use, and thread pools made once per process
 (the exact recompute's, :mod:`indknn_cli.exact_jit`; the FAISS screen's, :mod:`indknn_cli.faiss_screen`; the
-bf16 screen's, :mod:`indknn_cli.bf16_screen`; the index finders', :mod:`indknn_cli.indexes.common`)."""
+bf16 screen's, :mod:`indknn_cli.bf16_screen`; the index finders', :mod:`indknn_cli.indexes.common`). A GPU
+serve also runs two single threads of its own for the run, made and joined by
+:mod:`indknn_cli.serve_pipeline` (``indknn-screen-ahead``, ``indknn-commit``)."""
 
 from __future__ import annotations
 
