@@ -498,13 +498,19 @@ def _find_on_gpu(queries, source, dev, *, kernel, tau, nu, threshold, row_mask, 
         (start, torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev))
         for start, block in source.chunks() if block.shape[0])
     rows_total = _source_rows(source)
+    # With a pair bound, each step counts its passing pairs before making any (TooManyPairs past the bound):
+    # the device then holds the step's scores and mask (sized by the batch, public) and at most max_pairs
+    # pairs. Without one, the step is sized for every pair passing.
+    counted = max_pairs is not None and m > 1
+    per_pair = gpu_screen.STEP_PAIR_BYTES_COUNTED if counted else gpu_screen.STEP_PAIR_BYTES_ALL
     step = gpu_screen.step_rows(m, rows_total if rows_total is not None else 1 << 30,
-                                budget=gpu_screen.step_bytes(dev))
+                                budget=gpu_screen.step_bytes(dev), per_pair=per_pair)
     parts_q, parts_r, parts_s = [], [], []
     total = 0
     for start, x_t in blocks:
         for lo in range(0, x_t.shape[0], step):
-            qi, rows, sums = gs.block(start + lo, x_t[lo:lo + step])
+            qi, rows, sums = gs.block(start + lo, x_t[lo:lo + step],
+                                      max_pass=(max_pairs - total) if counted else None)
             total += int(qi.shape[0])
             if max_pairs is not None and m > 1 and total > max_pairs:
                 raise TooManyPairs()

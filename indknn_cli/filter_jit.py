@@ -97,6 +97,8 @@ def answer_batch_compiled(cands, *, row_to_ledger, row_labels, params, n_classes
     else:  # gathered once, in order: the loop reads them in turn
         ledger = np.asarray(row_to_ledger, np.int64).take(rows)
         labels_of = np.asarray(row_labels, np.int64).take(rows)
+    if labels_of.size and (int(labels_of.min()) < 0 or int(labels_of.max()) >= n_classes):
+        return None  # a label outside the classes: the Python loop raises on it, as it always has
     limit = np.where(np.asarray(budgets.deleted, np.bool_), -np.inf, budgets.budget)
     selected = np.zeros(budgets.spent.shape[0], np.int64)
     labels = np.empty(m, np.int64)

@@ -92,9 +92,16 @@ def step_bytes(dev) -> int:
     return int(min(16 << 30, max(1 << 30, total // 8)))
 
 
-def step_rows(m: int, total_rows: int, *, budget: int = GPU_STEP_BYTES) -> int:
-    """Rows per screen step for ``m`` queries: ``budget`` bytes over 19 bytes per pair, whole 1,024s."""
-    rows = budget // (19 * max(m, 1)) // 1024 * 1024
+#: Device bytes per pair of a step: its fp16 score, mask and comparison temporaries (STEP_PAIR_BYTES_COUNTED),
+#: or, when nothing counts the passing pairs first, every pair passing with its indices and their copies
+#: (STEP_PAIR_BYTES_ALL: 73 measured by the audit of 2026-11-27, rounded up).
+STEP_PAIR_BYTES_COUNTED = 8
+STEP_PAIR_BYTES_ALL = 96
+
+
+def step_rows(m: int, total_rows: int, *, budget: int = GPU_STEP_BYTES, per_pair: int = STEP_PAIR_BYTES_ALL) -> int:
+    """Rows per screen step for ``m`` queries: ``budget`` bytes over ``per_pair`` bytes per pair, whole 1,024s."""
+    rows = budget // (per_pair * max(m, 1)) // 1024 * 1024
     return int(max(1024, min(rows, max(total_rows, 1))))
 
 
@@ -190,8 +197,10 @@ def pair_sums(x_t, ri, q_t, qi, *, kernel: str, plan: np.ndarray):
 
 
 def rbf_sum_limit(*, tau: float, nu: float) -> float:
-    """A sum Σ(x − q)² above this has exp(−sum/ν²) < τ whatever the rounding: −ν² ln τ, widened by 2^-30."""
-    return (-(nu * nu) * math.log(tau)) * (1.0 + 2.0**-30) + 2.0**-60
+    """A sum Σ(x − q)² above this has exp(−sum/ν²) < τ whatever the rounding: −ν² ln τ, widened by 2^-30
+    relatively and by ν²·2^-40/τ absolutely (exp's rounding near 1 is absolute, ~2^-53: with τ close to 1 a
+    relative slack alone dropped pairs the CPU keeps; audit, 2026-11-27)."""
+    return (-(nu * nu) * math.log(tau)) * (1.0 + 2.0**-30) + (nu * nu) * 2.0**-40 / tau + 2.0**-60
 
 
 _lock = threading.Lock()
@@ -243,13 +252,21 @@ def _probe(device, dim: int) -> bool:
     return bool(np.all(np.isfinite(got)) and np.all(np.abs(got - exact) <= bound))
 
 
+#: Held from setting the (process-wide) cuBLAS flags through the product to restoring them: two threads
+#: screening at once (the pass screened ahead and the reuse pool's screen) would otherwise let one thread's
+#: restore re-enable reduced-precision reductions under the other's product (audit, 2026-11-27).
+_FLAGS_LOCK = threading.RLock()
+
+
 class _exact_matmul:
-    """No reduced-precision reductions and no TF32 in the products inside the block (restored after)."""
+    """No reduced-precision reductions and no TF32 in the products inside the block (restored after); one
+    thread at a time (_FLAGS_LOCK)."""
 
     def __init__(self, torch):
         self.m = torch.backends.cuda.matmul
 
     def __enter__(self):
+        _FLAGS_LOCK.acquire()
         m = self.m
         self.old = (m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
         m.allow_tf32 = False
@@ -258,7 +275,10 @@ class _exact_matmul:
 
     def __exit__(self, *exc):
         m = self.m
-        m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = self.old
+        try:
+            m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = self.old
+        finally:
+            _FLAGS_LOCK.release()
 
 
 def _round_down_f16(value: float) -> float:
@@ -304,15 +324,21 @@ class GpuScreen:
         self.slice = recompute_slice(self.dim)
         self.limit = None if kernel == "cosine" else rbf_sum_limit(tau=tau, nu=nu)
 
-    def block(self, start: int, x_t):
+    def block(self, start: int, x_t, *, max_pass: int | None = None):
         """(query, row, sums) of the rows ``x_t`` (float32 on the device, first row ``start``): every pair
         with κ ≥ τ (cosine: exactly those, κ = sums; RBF: a superset, by the sums' conservative limit, whose
         κ and test the host takes), as device tensors (int64, int64, float64)."""
         torch = self.torch
         with _exact_matmul(torch):
             s = torch.mm(self.q_s, (x_t.to(torch.float16) if self.fp16 else x_t).T)
-        qi, ri = torch.nonzero(s >= self.level, as_tuple=True)
+        hit = s >= self.level
         del s
+        if max_pass is not None and int(hit.sum()) > max_pass:  # counted before any pair array is made:
+            from .candidates import TooManyPairs                 # the device holds at most max_pass pairs
+
+            raise TooManyPairs()
+        qi, ri = torch.nonzero(hit, as_tuple=True)
+        del hit
         rows = ri + start
         if self.mask_t is not None or self.before_t is not None:
             keep = torch.ones(rows.shape[0], dtype=torch.bool, device=self.dev)

@@ -252,6 +252,22 @@ class BudgetLedger:
         self.chain_prev_sha256 = self.head_sha256 = self.event_sha256[seq] = sha
         return chained
 
+    def _check_record_indices(self, table: pa.Table) -> None:
+        """Refuse (LedgerError) charge or delete rows whose ledger index is null or names no record: before an
+        event is written (commit_event) and when one is replayed; never applied to another record."""
+        idx = np.asarray(pc.fill_null(table.column("ledger_index"), -1).to_numpy(zero_copy_only=False), np.int64)
+        adds = np.asarray(pc.fill_null(pc.equal(table.column("kind"), "add"), False).to_numpy(zero_copy_only=False),
+                          dtype=bool)
+        known = max(len(self.state), int(idx[adds].max()) + 1 if adds.any() else 0)  # records this event adds too
+        for name in ("charge", "delete"):
+            rows = np.asarray(pc.fill_null(pc.equal(table.column("kind"), name), False)
+                              .to_numpy(zero_copy_only=False), dtype=bool)
+            bad = rows & ((idx < 0) | (idx >= known))
+            if bad.any():
+                first = int(idx[bad][0])
+                raise LedgerError(f"{self.path}: a {name} row names no record of this ledger "
+                                  f"(ledger_index {None if first < 0 else first}); nothing applied")
+
     def _apply_table(self, table: pa.Table, info: dict) -> None:
         s = self.state
         t = info.get("time", time.time())
@@ -262,6 +278,7 @@ class BudgetLedger:
 
         idx = np.asarray(pc.fill_null(table.column("ledger_index"), -1).to_numpy(zero_copy_only=False), np.int64)
         add = of_kind("add")
+        self._check_record_indices(table)
         if add.any():
             sub = table.filter(pa.array(add))
             li = sub.column("ledger_index").to_numpy()
@@ -349,6 +366,7 @@ class BudgetLedger:
                 data[f.name] = vals if vals.type == f.type else vals.cast(f.type)
             else:
                 data[f.name] = pa.array(vals, type=f.type)
+        self._check_record_indices(pa.table({"kind": data["kind"], "ledger_index": data["ledger_index"]}))
         seq = self._next_seq()
         if event_type == "serve":
             stats = self._stats_after_serve(data)

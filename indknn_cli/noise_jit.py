@@ -16,7 +16,7 @@ with numpy's own algorithms:
 Before the compiled draws are used, :func:`agrees_with_numpy` compares them with numpy's generators on
 probe keys and indices (the ziggurat's rare tail and wedge paths included, by drawing enough); any
 difference, or numba missing, leaves the caller on numpy's per-query generators (same numbers, slower).
-tests/test_noise_jit.py pins the bits over many keys, indices and draws.
+tests/test_filter_jit.py pins the bits over many keys, indices and draws.
 """
 
 from __future__ import annotations

@@ -151,3 +151,72 @@ def test_probe_passes_on_torch_cpu_and_fails_on_a_product_off_its_bound(monkeypa
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: (real_mm(a.float(), b.float()) * (1 + 2.0**-9)).to(a.dtype))
     assert not gpu_screen._probe(CPU, 64)
+
+
+def test_rbf_with_tau_next_to_one_keeps_the_cpus_candidates():
+    """τ set to the CPU's own κ of a pair, 1 − τ down to ~1e-16: the device's conservative test on the sums
+    must keep it (a relative slack alone dropped 118 of 300 such pairs; audit 2026-11-27)."""
+    import math
+
+    from indknn_cli.candidates import exact_kernel
+
+    rng = np.random.default_rng(2)
+    nu, d, kept = math.exp(1.5), 64, 0
+    for _ in range(60):
+        q = rng.standard_normal(d)
+        q = (q / np.linalg.norm(q)).astype(np.float32)
+        x = q.astype(np.float64).copy()
+        x[:4] += rng.standard_normal(4) * 10.0 ** rng.uniform(-7, -3)
+        x = (x / np.linalg.norm(x)).astype(np.float32)
+        tau = float(exact_kernel(x[None], q[None], kernel="rbf", nu=nu)[0])
+        if not 0 < tau < 1:
+            continue
+        thr = dot_threshold(kernel="rbf", tau=tau, nu=nu)
+        got = candidates._find_on_gpu(q[None], ArraySource(x[None]), CPU, kernel="rbf", tau=tau, nu=nu,
+                                      threshold=thr, row_mask=None, strictly_before=None, max_pairs=None, fp16=True)
+        assert got.rows[0].size == 1, 1 - tau
+        kept += 1
+    assert kept > 30
+
+
+def test_a_step_counts_its_pairs_before_making_them(monkeypatch):
+    """With a pair bound the device never holds more passing pairs than the bound, whatever the data: the
+    step raises TooManyPairs before torch.nonzero when its count is over (audit 2026-11-27, D1)."""
+    x, _, _ = clustered(4000, 16, 2, seed=1)
+    made = []
+    real = torch.nonzero
+    monkeypatch.setattr(torch, "nonzero", lambda t, **kw: made.append(int(t.sum())) or real(t, **kw))
+    with pytest.raises(TooManyPairs):
+        candidates._find_on_gpu(x[:64], ArraySource(x), CPU, kernel="cosine", tau=0.01, nu=None, threshold=0.01,
+                                row_mask=None, strictly_before=None, max_pairs=5000, fp16=True)
+    assert all(n <= 5000 for n in made)
+
+
+def test_two_threads_never_screen_with_the_flags_of_the_other():
+    """The cuBLAS flags are process-wide: while one thread's product runs inside _exact_matmul another thread
+    cannot enter and restore them (D2)."""
+    import threading
+
+    inside = threading.Event()
+    release = threading.Event()
+    entered = []
+
+    def a():
+        with gpu_screen._exact_matmul(torch):
+            inside.set()
+            release.wait(5)
+
+    def b():
+        inside.wait(5)
+        with gpu_screen._exact_matmul(torch):
+            entered.append(release.is_set())
+
+    ta, tb = threading.Thread(target=a), threading.Thread(target=b)
+    ta.start(); tb.start()
+    inside.wait(5)
+    tb.join(0.3)
+    assert tb.is_alive() and not entered  # B waits while A's block is open
+    release.set()
+    ta.join(5); tb.join(5)
+    assert entered == [True]
+    assert torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction is not None

@@ -492,3 +492,34 @@ def test_readers_beside_a_running_writer_never_see_a_false_rollback(tmp_path):
         _, err = a.communicate(timeout=300)
     assert a.returncode == 0, err
     assert reads >= 3
+
+
+def test_a_charge_naming_no_record_is_refused_before_it_is_written(tmp_path):
+    """A charge or delete row with a null or unknown ledger index is refused (LedgerError) before anything is
+    written, never applied to another record (audit 2026-11-27, D4)."""
+    import numpy as np
+
+    from indknn_cli.errors import LedgerError
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.serving import build_index, make_params
+    from indknn_cli.store import ExtractorInfo, FeatureStore
+
+    from .conftest import clustered
+
+    x, y, _ = clustered(50, 8, 2, seed=1)
+    st = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                             label_names=["a", "b"])
+    st.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(50)])
+    lp = tmp_path / "L"
+    build_index(store_path=st.path, ledger_path=lp,
+                params=make_params(epsilon=2.0, delta=1e-5, tau=0.5, sigma2=2.0, planned_queries=100))
+    uuid = FeatureStore.open(st.path, mode="r").uuid
+    led = BudgetLedger.open(lp, store_uuid=uuid)
+    files = sorted((lp / "events").iterdir())
+    for bad in ([None], [50]):
+        with pytest.raises(LedgerError, match="names no record"):
+            led.commit_event(event_type="serve", info={}, columns={
+                "kind": ["charge"], "ledger_index": bad, "spent_after": [0.1], "selected": [1]})
+    assert sorted((lp / "events").iterdir()) == files
+    again = BudgetLedger.open(lp, store_uuid=uuid)
+    assert np.array_equal(again.state.spent, led.state.spent) and not again.state.deleted.any()
