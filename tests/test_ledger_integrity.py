@@ -499,7 +499,6 @@ def test_a_charge_naming_no_record_is_refused_before_it_is_written(tmp_path):
     written, never applied to another record (audit 2026-11-27, D4)."""
     import numpy as np
 
-    from indknn_cli.errors import LedgerError
     from indknn_cli.ledger import BudgetLedger
     from indknn_cli.serving import build_index, make_params
     from indknn_cli.store import ExtractorInfo, FeatureStore
