@@ -167,13 +167,7 @@ def numpy_order_sums(terms, plan: np.ndarray):
             for i in range(a, a + n):
                 s = s + terms[:, i]
         else:
-            r = terms[:, a:a + 8].clone()
-            end = a + n - n % 8
-            for i in range(a + 8, end, 8):
-                r += terms[:, i:i + 8]
-            s = ((r[:, 0] + r[:, 1]) + (r[:, 2] + r[:, 3])) + ((r[:, 4] + r[:, 5]) + (r[:, 6] + r[:, 7]))
-            for i in range(end, a + n):
-                s = s + terms[:, i]
+            s = _leaf_sums(terms[:, a:a + n])
         stack.append(s)
     if not stack:
         return torch.zeros(p, dtype=torch.float64, device=terms.device)

@@ -53,6 +53,17 @@ def unpublished_store_uuids(path: Path, generation: int) -> dict[str, int]:
     return out
 
 
+def _kind_mask(table: pa.Table, kind: str) -> np.ndarray:
+    """Rows of an event table of this kind, from pyarrow's comparison (no Python string per row)."""
+    return np.asarray(pc.fill_null(pc.equal(table.column("kind"), kind), False).to_numpy(zero_copy_only=False),
+                      dtype=bool)
+
+
+def _ledger_indices(table: pa.Table) -> np.ndarray:
+    """An event table's ledger_index column as int64, −1 where null."""
+    return np.asarray(pc.fill_null(table.column("ledger_index"), -1).to_numpy(zero_copy_only=False), np.int64)
+
+
 class BudgetLedger:
     """A ledger directory bound to one feature store."""
 
@@ -247,6 +258,7 @@ class BudgetLedger:
         chained = integrity.check_link(event_path, seq, info, prev=self.chain_prev_sha256,
                                        snapshot=self.snapshot_sha256, chained=chained)
         self.unchained_events += not chained
+        self._check_record_indices(table)
         self._apply_table(table, info)
         self.last_event_seq = max(self.last_event_seq, seq)
         self.chain_prev_sha256 = self.head_sha256 = self.event_sha256[seq] = sha
@@ -255,14 +267,11 @@ class BudgetLedger:
     def _check_record_indices(self, table: pa.Table) -> None:
         """Refuse (LedgerError) charge or delete rows whose ledger index is null or names no record: before an
         event is written (commit_event) and when one is replayed; never applied to another record."""
-        idx = np.asarray(pc.fill_null(table.column("ledger_index"), -1).to_numpy(zero_copy_only=False), np.int64)
-        adds = np.asarray(pc.fill_null(pc.equal(table.column("kind"), "add"), False).to_numpy(zero_copy_only=False),
-                          dtype=bool)
+        idx = _ledger_indices(table)
+        adds = _kind_mask(table, "add")
         known = max(len(self.state), int(idx[adds].max()) + 1 if adds.any() else 0)  # records this event adds too
         for name in ("charge", "delete"):
-            rows = np.asarray(pc.fill_null(pc.equal(table.column("kind"), name), False)
-                              .to_numpy(zero_copy_only=False), dtype=bool)
-            bad = rows & ((idx < 0) | (idx >= known))
+            bad = _kind_mask(table, name) & ((idx < 0) | (idx >= known))
             if bad.any():
                 first = int(idx[bad][0])
                 raise LedgerError(f"{self.path}: a {name} row names no record of this ledger "
@@ -271,14 +280,8 @@ class BudgetLedger:
     def _apply_table(self, table: pa.Table, info: dict) -> None:
         s = self.state
         t = info.get("time", time.time())
-        kinds = table.column("kind")
-
-        def of_kind(k: str) -> np.ndarray:  # a mask from pyarrow's comparison (no Python string per row)
-            return np.asarray(pc.fill_null(pc.equal(kinds, k), False).to_numpy(zero_copy_only=False), dtype=bool)
-
-        idx = np.asarray(pc.fill_null(table.column("ledger_index"), -1).to_numpy(zero_copy_only=False), np.int64)
-        add = of_kind("add")
-        self._check_record_indices(table)
+        idx = _ledger_indices(table)  # rows checked beforehand (_check_record_indices: commit_event, replay)
+        add = _kind_mask(table, "add")
         if add.any():
             sub = table.filter(pa.array(add))
             li = sub.column("ledger_index").to_numpy()
@@ -300,7 +303,7 @@ class BudgetLedger:
             s.spent[li] = np.maximum(s.spent[li], sub.column("spent_after").to_numpy())
             s.deleted[li] = False
             s.last_change[li] = t
-        charge = of_kind("charge")
+        charge = _kind_mask(table, "charge")
         if charge.any():
             li = idx[charge].astype(np.int64)
             after = table.column("spent_after").to_numpy(zero_copy_only=False)[charge]
@@ -308,7 +311,7 @@ class BudgetLedger:
             s.spent[li] = np.maximum(s.spent[li], after)  # spent only grows
             np.add.at(s.times_selected, li, sel)
             s.last_change[li] = t
-        dele = of_kind("delete")
+        dele = _kind_mask(table, "delete")
         if dele.any():
             li = idx[dele].astype(np.int64)
             after = table.column("spent_after").to_numpy(zero_copy_only=False)[dele]
@@ -317,7 +320,7 @@ class BudgetLedger:
             s.row[li] = -1
             s.deleted_at[li] = t
             s.last_change[li] = t
-        ans = of_kind("answer")
+        ans = _kind_mask(table, "answer")
         n_answers = int(ans.sum())
         if n_answers:
             s.extend_answers(table.filter(pa.array(ans)))

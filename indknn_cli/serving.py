@@ -205,52 +205,50 @@ def serve_queries(
                               enabled=finder is None, row_labels=row_labels)
         committer = Committer(overlap=screened.ahead)  # on a GPU: part k commits while part k+1 is filtered
         extra = {"seed": seed} if seed is not None else {}
-        threads = responsive_threads(screened.ahead)
-        threads.__enter__()
-        try:
-            for lo in range(todo_start, q_stop, batch_size):
-                hi = min(q_stop, lo + batch_size)
-                queries = store.read("query", "features", lo, hi)
-                query_ids = store.read("query", "record_id", lo, hi)  # per part: never the whole batch's ids
-                budgets.reset_part()
-                answers = answer_batch(
-                    queries, source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
-                    n_classes=n_classes, budgets=budgets, run_key=run_key, first_index=lo - q_start, reuse=pool,
-                    device=device, candidate_finder=finder, max_pairs=max_pairs, min_margin=min_margin,
-                    candidates=screened.part(lo, hi),
-                )
-                touched, touched_counts = budgets.part_charges()
-                n_ans, n_ch = len(answers), touched.size
-                labels = [a.label for a in answers]
-                names = [label_name(store, x) for x in labels]
-                query_id_strs = [str(x) for x in query_ids]
-                counts = [a.released_count for a in answers]
-                cols = event_columns(n_ch, n_ans, touched=touched, spent_after=budgets.record_spent(touched),
-                                     selected=touched_counts, batch_id=batch_id, part=part, first=lo - q_start,
-                                     query_ids=query_id_strs, first_row=lo, labels=labels, names=names, counts=counts,
-                                     seed=seed_str)
-                info = {"batch_id": batch_id, "part": part, "seed": seed_str, "query_batch": query_batch,
-                        "query_sha256": q_sha, "answers": n_ans, "charged_records": n_ch,
-                        "released_count_grid": 10.0 ** -COUNT_GRID_DECIMALS,
-                        **({"min_margin": min_margin, "abstained": labels.count(ABSTAIN_LABEL)}
-                           if min_margin is not None else {})}
-                new_rows = [{"batch_id": batch_id, "query_index": lo - q_start + j, "query_id": query_id_strs[j],
-                             "label": labels[j], "label_name": names[j], "released_count": counts[j], **extra}
-                            for j in range(n_ans)]
+        with responsive_threads(screened.ahead):  # a short switch interval while three threads run
+            try:
+                for lo in range(todo_start, q_stop, batch_size):
+                    hi = min(q_stop, lo + batch_size)
+                    queries = store.read("query", "features", lo, hi)
+                    query_ids = store.read("query", "record_id", lo, hi)  # per part: never the whole batch's ids
+                    budgets.reset_part()
+                    answers = answer_batch(
+                        queries, source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
+                        n_classes=n_classes, budgets=budgets, run_key=run_key, first_index=lo - q_start, reuse=pool,
+                        device=device, candidate_finder=finder, max_pairs=max_pairs, min_margin=min_margin,
+                        candidates=screened.part(lo, hi),
+                    )
+                    touched, touched_counts = budgets.part_charges()
+                    n_ans, n_ch = len(answers), touched.size
+                    labels = [a.label for a in answers]
+                    names = [label_name(store, x) for x in labels]
+                    query_id_strs = [str(x) for x in query_ids]
+                    counts = [a.released_count for a in answers]
+                    cols = event_columns(n_ch, n_ans, touched=touched, spent_after=budgets.record_spent(touched),
+                                         selected=touched_counts, batch_id=batch_id, part=part, first=lo - q_start,
+                                         query_ids=query_id_strs, first_row=lo, labels=labels, names=names,
+                                         counts=counts, seed=seed_str)
+                    info = {"batch_id": batch_id, "part": part, "seed": seed_str, "query_batch": query_batch,
+                            "query_sha256": q_sha, "answers": n_ans, "charged_records": n_ch,
+                            "released_count_grid": 10.0 ** -COUNT_GRID_DECIMALS,
+                            **({"min_margin": min_margin, "abstained": labels.count(ABSTAIN_LABEL)}
+                               if min_margin is not None else {})}
+                    new_rows = [{"batch_id": batch_id, "query_index": lo - q_start + j, "query_id": query_id_strs[j],
+                                 "label": labels[j], "label_name": names[j], "released_count": counts[j], **extra}
+                                for j in range(n_ans)]
 
-                def commit(cols=cols, info=info, new_rows=new_rows, done=hi - q_start):
-                    ledger.commit_event(event_type="serve", columns=cols, info=info)
-                    release(new_rows)  # only after the event is durable (SPEC §8 "charge before release")
-                    if on_progress is not None:
-                        on_progress(done, n_queries)
+                    def commit(cols=cols, info=info, new_rows=new_rows, done=hi - q_start):
+                        ledger.commit_event(event_type="serve", columns=cols, info=info)
+                        release(new_rows)  # only after the event is durable (SPEC §8 "charge before release")
+                        if on_progress is not None:
+                            on_progress(done, n_queries)
 
-                committer.submit(commit)
-                part += 1
-            committer.wait()
-        finally:
-            committer.close()
-            screened.close()
-            threads.__exit__(None, None, None)
+                    committer.submit(commit)
+                    part += 1
+                committer.wait()
+            finally:
+                committer.close()
+                screened.close()
         if _needs_compaction(ledger):
             ledger.compact()
         total = queries_answered(ledger)

@@ -21,6 +21,21 @@ def clustered(n: int, d: int, classes: int, *, seed: int, spread: float = 0.35):
     return normalize_rows(x), y.astype(np.int32), centres
 
 
+def queries_at_level(x: np.ndarray, *, level: float, count: int, seed: int, spread: int = 3) -> np.ndarray:
+    """Unit queries whose dot product with a private row of ``x`` sits at ``level``, offset by
+    (k mod ``spread`` − ``spread`` // 2)·1e-7 for the k-th: a screen's edge."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(count):
+        base = x[rng.integers(len(x))].astype(np.float64)
+        other = rng.standard_normal(x.shape[1])
+        other -= other.dot(base) * base
+        other /= np.linalg.norm(other)
+        lvl = level + (k % spread - spread // 2) * 1e-7
+        out.append(lvl * base + np.sqrt(max(0.0, 1 - lvl * lvl)) * other)
+    return np.asarray(out, dtype=np.float32)
+
+
 @pytest.fixture
 def vector_store(tmp_path):
     """A store of 300 clustered private vectors (d=16, 3 classes) and a 40-query batch `q1`."""

@@ -24,7 +24,7 @@ from indknn_cli.ledger import BudgetLedger, PrivacyParams
 from indknn_cli.serving import build_index, make_params
 from indknn_cli.store import ExtractorInfo, FeatureStore, normalize_rows
 
-from .conftest import clustered
+from .conftest import clustered, queries_at_level
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: torch sees no GPU")]
@@ -32,24 +32,10 @@ pytestmark = [pytest.mark.cuda,
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _boundary_queries(x: np.ndarray, *, level: float, count: int, seed: int) -> np.ndarray:
-    """Unit queries whose dot product with a private row sits at `level` (±1e-7): the screen's edge."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for k in range(count):
-        base = x[rng.integers(len(x))].astype(np.float64)
-        other = rng.standard_normal(x.shape[1])
-        other -= other.dot(base) * base
-        other /= np.linalg.norm(other)
-        lvl = level + (k % 3 - 1) * 1e-7
-        out.append(lvl * base + np.sqrt(max(0.0, 1 - lvl * lvl)) * other)
-    return np.asarray(out, dtype=np.float32)
-
-
 def _stream(x: np.ndarray, d: int, *, level: float, seed: int) -> np.ndarray:
     q, _, _ = clustered(1500, d, 4, seed=seed)
     q[:50] = x[7]  # a private vector, repeated
-    return np.concatenate([q, _boundary_queries(x, level=level, count=600, seed=seed + 1)])
+    return np.concatenate([q, queries_at_level(x, level=level, count=600, seed=seed + 1)])
 
 
 @pytest.mark.parametrize("d", [64, 768])

@@ -16,7 +16,7 @@ from indknn_cli import candidates, gpu_screen
 from indknn_cli.candidates import ArraySource, TooManyPairs, dot_threshold, exact_sums, find_candidates
 from indknn_cli.exact_jit import pairwise_plan
 
-from .conftest import clustered
+from .conftest import clustered, queries_at_level
 
 CPU = torch.device("cpu")
 
@@ -47,20 +47,6 @@ def test_pair_sums_equal_exact_sums(kernel, d):
     assert np.array_equal(got.view(np.int64), want.view(np.int64))
 
 
-def _at_level(x: np.ndarray, level: float, count: int, seed: int) -> np.ndarray:
-    """Unit queries whose dot product with a private row sits at ``level`` (± a few 1e-7)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for k in range(count):
-        base = x[rng.integers(len(x))].astype(np.float64)
-        other = rng.standard_normal(x.shape[1])
-        other -= other.dot(base) * base
-        other /= np.linalg.norm(other)
-        lvl = level + (k % 5 - 2) * 1e-7
-        out.append(lvl * base + np.sqrt(max(0.0, 1 - lvl * lvl)) * other)
-    return np.asarray(out, dtype=np.float32)
-
-
 def _same(a, b):
     assert len(a.rows) == len(b.rows)
     for t in range(len(a.rows)):
@@ -75,7 +61,8 @@ def test_device_path_gives_the_cpu_candidates(kernel, tau, nu, fp16):
     x, _, _ = clustered(3000, d, 4, seed=3)
     thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
     q, _, _ = clustered(300, d, 4, seed=4)
-    q = np.concatenate([q, x[:20], _at_level(x, thr, 300, seed=5)]).astype(np.float32)
+    at = queries_at_level(x, level=thr, count=300, seed=5, spread=5)
+    q = np.concatenate([q, x[:20], at]).astype(np.float32)
     src = ArraySource(x, rows=1000)
     mask = np.ones(len(x), bool)
     mask[::7] = False
