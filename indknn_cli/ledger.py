@@ -12,6 +12,9 @@ State = snapshot + events with seq > the snapshot's ``last_event_seq``, replayed
 in order. Every file is written to a temporary name, fsync'd, renamed, and the
 directory fsync'd: an event exists completely or not at all (SPEC §8 "charge
 before release": callers release answers only after :meth:`commit_serve` returns).
+
+Reading a snapshot is :mod:`.ledger_snapshot`'s; what an event's rows do to the state, written or
+replayed, is :mod:`.ledger_events`'; the hash chain is :mod:`.ledger_integrity`'s.
 """
 
 from __future__ import annotations
@@ -26,42 +29,15 @@ from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import FORMAT_VERSION, accounting, locking
-from . import ledger_history
+from . import ledger_events, ledger_history, ledger_snapshot
 from . import ledger_integrity as integrity
 from .errors import ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
 from .ledger_files import _fault, atomic_write_parquet, atomic_write_parquet_tables, atomic_write_text
-from .ledger_state import ANSWER_SCHEMA, EVENT_SCHEMA, RECORD_SCHEMA, LedgerState, PrivacyParams, _check_finite_columns
-
-
-
-def unpublished_store_uuids(path: Path, generation: int) -> dict[str, int]:
-    """store_uuid → generation of snapshots written past CURRENT's (an interrupted store compaction)."""
-    out: dict[str, int] = {}
-    for p in Path(path).glob("snapshot-*.parquet"):
-        stem = p.name[len("snapshot-"):-len(".parquet")]
-        if not stem.isdigit() or int(stem) <= generation:
-            continue
-        try:
-            meta = json.loads((pq.read_schema(p).metadata or {})[b"indknn"])
-            out[str(meta["store_uuid"])] = int(stem)
-        except Exception:  # noqa: BLE001 - a torn leftover is no candidate
-            continue
-    return out
-
-
-def _kind_mask(table: pa.Table, kind: str) -> np.ndarray:
-    """Rows of an event table of this kind, from pyarrow's comparison (no Python string per row)."""
-    return np.asarray(pc.fill_null(pc.equal(table.column("kind"), kind), False).to_numpy(zero_copy_only=False),
-                      dtype=bool)
-
-
-def _ledger_indices(table: pa.Table) -> np.ndarray:
-    """An event table's ledger_index column as int64, −1 where null."""
-    return np.asarray(pc.fill_null(table.column("ledger_index"), -1).to_numpy(zero_copy_only=False), np.int64)
+from .ledger_snapshot import unpublished_store_uuids
+from .ledger_state import ANSWER_SCHEMA, EVENT_SCHEMA, LedgerState, PrivacyParams, _check_finite_columns
 
 
 class BudgetLedger:
@@ -157,68 +133,16 @@ class BudgetLedger:
             )
         return ledger
 
-    @staticmethod
-    def _current_generation(path: Path) -> int | None:
-        try:
-            return int(json.loads((path / "CURRENT").read_text())["generation"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+    _current_generation = staticmethod(ledger_snapshot.current_generation)
 
     @classmethod
     def _load(cls, path: Path) -> "BudgetLedger":
-        try:
-            current = json.loads((path / "CURRENT").read_text())
-            generation = int(current["generation"])
-        except (ValueError, KeyError, TypeError):
-            raise LedgerError(f"{path}/CURRENT: corrupt (not the JSON pointer indknn writes)") from None
-        snap_path = path / f"snapshot-{generation:06d}.parquet"
-        try:
-            snap_bytes = snap_path.read_bytes()
-            answers_bytes = (path / f"answers-{generation:06d}.parquet").read_bytes()
-            snap = pq.read_table(pa.BufferReader(snap_bytes))
-            answers = ledger_history.LazyAnswers(answers_bytes, where=f"{path}/answers-{generation:06d}.parquet")
-        except FileNotFoundError:
-            raise
-        except Exception as exc:
-            raise LedgerIntegrityError(f"{snap_path}: corrupt or truncated Parquet ({type(exc).__name__}); "
-                                       "`indknn repair` brings the ledger back without refund") from None
-        raw_meta = (snap.schema.metadata or {}).get(b"indknn")
-        if raw_meta is None:
-            raise LedgerError(f"{snap_path}: not an indknn ledger snapshot (no metadata)")
-        try:
-            meta = json.loads(raw_meta)
-            version = meta.get("format_version")
-        except (ValueError, AttributeError):
-            raise LedgerError(f"{snap_path}: ledger metadata is corrupt (not what indknn writes)") from None
-        if version != FORMAT_VERSION:  # before the fields: a newer format may have other ones
-            raise LedgerError(f"{path}: ledger format_version {version!r}, this indknn reads {FORMAT_VERSION}")
-        try:
-            PrivacyParams(**meta["params"])
-        except (ValueError, KeyError, TypeError):
-            raise LedgerError(f"{snap_path}: ledger metadata is corrupt (not what indknn writes)") from None
-        if snap.schema.remove_metadata() != RECORD_SCHEMA:
-            raise LedgerError(f"{snap_path}: unexpected columns (foreign or corrupt ledger)")
-        if not integrity.snapshot_is_chained(meta):  # its answers file's sha256 is not checked: read the columns
-            answers.distrust_summary()
-        state = LedgerState(
-            record_id=np.asarray(snap.column("record_id").to_numpy(zero_copy_only=False), dtype=object),
-            user_id=np.asarray(snap.column("user_id").to_numpy(zero_copy_only=False), dtype=object),
-            row=snap.column("row").to_numpy().astype(np.int64),
-            budget=snap.column("budget").to_numpy().astype(np.float64),
-            spent=snap.column("spent").to_numpy().astype(np.float64),
-            times_selected=snap.column("times_selected").to_numpy().astype(np.int64),
-            deleted=snap.column("deleted").to_numpy(zero_copy_only=False).astype(bool),
-            deleted_at=snap.column("deleted_at").to_numpy(zero_copy_only=False).astype(np.float64),
-            last_change=snap.column("last_change").to_numpy().astype(np.float64),
-        )
-        state._answers_src = answers if answers.num_rows else None
-        state.batches = list(meta.get("batches", []))
-        state.history = list(meta.get("history", []))
-        ledger = cls(path, meta, state, generation, int(meta.get("last_event_seq", 0)))
-        integrity.check_snapshot(snap_path, meta, ledger.params, answers_bytes)
-        ledger.snapshot_sha256 = ledger.chain_prev_sha256 = integrity.sha256_bytes(snap_bytes)
+        snap = ledger_snapshot.read_snapshot(path)
+        ledger = cls(path, snap.meta, snap.state, snap.generation, int(snap.meta.get("last_event_seq", 0)))
+        integrity.check_snapshot(snap.path, snap.meta, ledger.params, snap.answers_bytes)
+        ledger.snapshot_sha256 = ledger.chain_prev_sha256 = integrity.sha256_bytes(snap.snap_bytes)
         files = ledger._event_files()
-        chained = integrity.snapshot_is_chained(meta)
+        chained = integrity.snapshot_is_chained(snap.meta)
         for seq, event_path in integrity.events_after_snapshot(path, files, ledger.snapshot_event_seq):
             chained = ledger._apply_event(event_path, seq, chained=chained)
         integrity.check_record_budgets(path, ledger)
@@ -265,92 +189,10 @@ class BudgetLedger:
         return chained
 
     def _check_record_indices(self, table: pa.Table) -> None:
-        """Refuse (LedgerError) charge or delete rows whose ledger index is null or names no record: before an
-        event is written (commit_event) and when one is replayed; never applied to another record."""
-        idx = _ledger_indices(table)
-        adds = _kind_mask(table, "add")
-        known = max(len(self.state), int(idx[adds].max()) + 1 if adds.any() else 0)  # records this event adds too
-        for name in ("charge", "delete"):
-            bad = _kind_mask(table, name) & ((idx < 0) | (idx >= known))
-            if bad.any():
-                first = int(idx[bad][0])
-                raise LedgerError(f"{self.path}: a {name} row names no record of this ledger "
-                                  f"(ledger_index {None if first < 0 else first}); nothing applied")
+        ledger_events.check_record_indices(self.state, table, where=self.path)
 
     def _apply_table(self, table: pa.Table, info: dict) -> None:
-        s = self.state
-        t = info.get("time", time.time())
-        idx = _ledger_indices(table)  # rows checked beforehand (_check_record_indices: commit_event, replay)
-        add = _kind_mask(table, "add")
-        if add.any():
-            sub = table.filter(pa.array(add))
-            li = sub.column("ledger_index").to_numpy()
-            n_new = int(li.max()) + 1 - len(s) if len(li) else 0
-            if n_new > 0:
-                s.record_id = np.concatenate([s.record_id, np.empty(n_new, object)])
-                s.user_id = np.concatenate([s.user_id, np.empty(n_new, object)])
-                s.row = np.concatenate([s.row, np.full(n_new, -1, np.int64)])
-                s.budget = np.concatenate([s.budget, np.zeros(n_new)])
-                s.spent = np.concatenate([s.spent, np.zeros(n_new)])
-                s.times_selected = np.concatenate([s.times_selected, np.zeros(n_new, np.int64)])
-                s.deleted = np.concatenate([s.deleted, np.zeros(n_new, bool)])
-                s.deleted_at = np.concatenate([s.deleted_at, np.full(n_new, np.nan)])
-                s.last_change = np.concatenate([s.last_change, np.zeros(n_new)])
-            s.record_id[li] = sub.column("record_id").to_pylist()
-            s.user_id[li] = sub.column("user_id").to_pylist()
-            s.row[li] = sub.column("row").to_numpy()
-            s.budget[li] = sub.column("budget").to_numpy()
-            s.spent[li] = np.maximum(s.spent[li], sub.column("spent_after").to_numpy())
-            s.deleted[li] = False
-            s.last_change[li] = t
-        charge = _kind_mask(table, "charge")
-        if charge.any():
-            li = idx[charge].astype(np.int64)
-            after = table.column("spent_after").to_numpy(zero_copy_only=False)[charge]
-            sel = table.column("selected").to_numpy(zero_copy_only=False)[charge].astype(np.int64)
-            s.spent[li] = np.maximum(s.spent[li], after)  # spent only grows
-            np.add.at(s.times_selected, li, sel)
-            s.last_change[li] = t
-        dele = _kind_mask(table, "delete")
-        if dele.any():
-            li = idx[dele].astype(np.int64)
-            after = table.column("spent_after").to_numpy(zero_copy_only=False)[dele]
-            s.spent[li] = np.maximum(s.spent[li], after)
-            s.deleted[li] = True
-            s.row[li] = -1
-            s.deleted_at[li] = t
-            s.last_change[li] = t
-        ans = _kind_mask(table, "answer")
-        n_answers = int(ans.sum())
-        if n_answers:
-            s.extend_answers(table.filter(pa.array(ans)))
-        if info.get("type") == "serve":
-            s.add_batch(info.get("batch_id"))
-            stats = info.get("state_after")
-            if not ledger_history.has_stats(stats):
-                stats = ledger_history.history_stats(s, self.params.c1)  # events written before state_after
-            s.history.append(ledger_history.history_entry(info, stats, time=t, answers=n_answers))
-
-    def _stats_after_serve(self, columns: dict) -> dict:
-        """The history figures of the state a serve event leads to, computed before it is written.
-
-        Recorded in the event (``state_after``) so that replay appends them without an O(N) median per
-        event; equal to what replay computed before (a serve event only raises spent and counts selections).
-        """
-        s = self.state
-        kinds = columns["kind"]  # pyarrow arrays (commit_event)
-        charge = pc.equal(kinds, "charge").fill_null(False)
-        if not pc.all(pc.or_(charge, pc.equal(kinds, "answer")).fill_null(False)).as_py() and len(kinds):
-            return {}
-        li = columns["ledger_index"].filter(charge).to_numpy(zero_copy_only=False)
-        after = columns["spent_after"].filter(charge).to_numpy(zero_copy_only=False)
-        spent = s.spent.copy()
-        if li.size:
-            idx = np.asarray(li, dtype=np.int64)
-            spent[idx] = np.maximum(spent[idx], np.asarray(after, dtype=np.float64))
-        view = LedgerState(s.record_id, s.user_id, s.row, s.budget, spent, s.times_selected, s.deleted,
-                           s.deleted_at, s.last_change)
-        return ledger_history.with_realised(ledger_history.history_stats(view, self.params.c1), self.params)
+        ledger_events.apply_table(self.state, table, info, c1=self.params.c1)
 
     def _next_seq(self) -> int:
         files = self._event_files()
@@ -372,7 +214,7 @@ class BudgetLedger:
         self._check_record_indices(pa.table({"kind": data["kind"], "ledger_index": data["ledger_index"]}))
         seq = self._next_seq()
         if event_type == "serve":
-            stats = self._stats_after_serve(data)
+            stats = ledger_events.stats_after_serve(self.state, data, self.params)
             if stats:
                 info = dict(info, state_after=stats)
         info = dict(info, type=event_type, seq=seq, format_version=FORMAT_VERSION,
@@ -497,16 +339,7 @@ class BudgetLedger:
         meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
                     batches=s.batches, history=s.history[-100000:],
                     **integrity.snapshot_chain_fields(self, answers_sha))
-        table = pa.table({
-            "record_id": pa.array(list(s.record_id), pa.string()),
-            "user_id": pa.array(list(s.user_id), pa.string()),
-            "row": pa.array(s.row, pa.int64()), "budget": pa.array(s.budget, pa.float64()),
-            "spent": pa.array(s.spent, pa.float64()),
-            "times_selected": pa.array(s.times_selected, pa.int64()),
-            "status": pa.array(list(s.status(c1)) if len(s) else [], pa.string()),
-            "deleted": pa.array(s.deleted, pa.bool_()), "deleted_at": pa.array(s.deleted_at, pa.float64()),
-            "last_change": pa.array(s.last_change, pa.float64()),
-        }, schema=RECORD_SCHEMA).replace_schema_metadata({b"indknn": json.dumps(meta).encode()})
+        table = ledger_snapshot.record_table(s, meta, c1=c1)
         self.snapshot_sha256 = self.chain_prev_sha256 = atomic_write_parquet(
             table, self.path / f"snapshot-{generation:06d}.parquet")
         self.meta = meta

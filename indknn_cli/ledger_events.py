@@ -1,0 +1,133 @@
+"""How one event's rows change a ledger's state (docs/FORMAT.md, "Events").
+
+Pure functions over :class:`~.ledger_state.LedgerState` and an event's Arrow table, shared by writing an
+event (:meth:`.ledger.BudgetLedger.commit_event`) and replaying it (:meth:`.ledger.BudgetLedger.open`), so
+that a committed event and its replay give the same state:
+
+- :func:`check_record_indices` refuses charge or delete rows that name no record (before an event is
+  written, and again when one is replayed): a null index is never applied to another record;
+- :func:`apply_table` replays an event: spent only grows, tombstones are kept, answers are appended;
+- :func:`stats_after_serve` gives the history figures of the state a serve event leads to, recorded in
+  the event (``state_after``) so that replay needs no O(N) median per event.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import ledger_history
+from .errors import LedgerError
+from .ledger_state import LedgerState, PrivacyParams
+
+__all__ = ["apply_table", "check_record_indices", "kind_mask", "ledger_indices", "stats_after_serve"]
+
+
+def kind_mask(table: pa.Table, kind: str) -> np.ndarray:
+    """Rows of an event table of this kind, from pyarrow's comparison (no Python string per row)."""
+    return np.asarray(pc.fill_null(pc.equal(table.column("kind"), kind), False).to_numpy(zero_copy_only=False),
+                      dtype=bool)
+
+
+def ledger_indices(table: pa.Table) -> np.ndarray:
+    """An event table's ledger_index column as int64, −1 where null."""
+    return np.asarray(pc.fill_null(table.column("ledger_index"), -1).to_numpy(zero_copy_only=False), np.int64)
+
+
+def check_record_indices(state: LedgerState, table: pa.Table, *, where: Path) -> None:
+    """Refuse (LedgerError) charge or delete rows whose ledger index is null or names no record: before an
+    event is written and when one is replayed; never applied to another record."""
+    idx = ledger_indices(table)
+    adds = kind_mask(table, "add")
+    known = max(len(state), int(idx[adds].max()) + 1 if adds.any() else 0)  # records this event adds too
+    for name in ("charge", "delete"):
+        bad = kind_mask(table, name) & ((idx < 0) | (idx >= known))
+        if bad.any():
+            first = int(idx[bad][0])
+            raise LedgerError(f"{where}: a {name} row names no record of this ledger "
+                              f"(ledger_index {None if first < 0 else first}); nothing applied")
+
+
+def _grow(s: LedgerState, n_new: int) -> None:
+    """Room for ``n_new`` records past the last one (filled in by their add rows)."""
+    s.record_id = np.concatenate([s.record_id, np.empty(n_new, object)])
+    s.user_id = np.concatenate([s.user_id, np.empty(n_new, object)])
+    s.row = np.concatenate([s.row, np.full(n_new, -1, np.int64)])
+    s.budget = np.concatenate([s.budget, np.zeros(n_new)])
+    s.spent = np.concatenate([s.spent, np.zeros(n_new)])
+    s.times_selected = np.concatenate([s.times_selected, np.zeros(n_new, np.int64)])
+    s.deleted = np.concatenate([s.deleted, np.zeros(n_new, bool)])
+    s.deleted_at = np.concatenate([s.deleted_at, np.full(n_new, np.nan)])
+    s.last_change = np.concatenate([s.last_change, np.zeros(n_new)])
+
+
+def apply_table(s: LedgerState, table: pa.Table, info: dict, *, c1: float) -> None:
+    """Replay one event's rows into ``s`` (rows checked beforehand by :func:`check_record_indices`)."""
+    t = info.get("time", time.time())
+    idx = ledger_indices(table)
+    add = kind_mask(table, "add")
+    if add.any():
+        sub = table.filter(pa.array(add))
+        li = sub.column("ledger_index").to_numpy()
+        n_new = int(li.max()) + 1 - len(s) if len(li) else 0
+        if n_new > 0:
+            _grow(s, n_new)
+        s.record_id[li] = sub.column("record_id").to_pylist()
+        s.user_id[li] = sub.column("user_id").to_pylist()
+        s.row[li] = sub.column("row").to_numpy()
+        s.budget[li] = sub.column("budget").to_numpy()
+        s.spent[li] = np.maximum(s.spent[li], sub.column("spent_after").to_numpy())
+        s.deleted[li] = False
+        s.last_change[li] = t
+    charge = kind_mask(table, "charge")
+    if charge.any():
+        li = idx[charge].astype(np.int64)
+        after = table.column("spent_after").to_numpy(zero_copy_only=False)[charge]
+        sel = table.column("selected").to_numpy(zero_copy_only=False)[charge].astype(np.int64)
+        s.spent[li] = np.maximum(s.spent[li], after)  # spent only grows
+        np.add.at(s.times_selected, li, sel)
+        s.last_change[li] = t
+    dele = kind_mask(table, "delete")
+    if dele.any():
+        li = idx[dele].astype(np.int64)
+        after = table.column("spent_after").to_numpy(zero_copy_only=False)[dele]
+        s.spent[li] = np.maximum(s.spent[li], after)
+        s.deleted[li] = True
+        s.row[li] = -1
+        s.deleted_at[li] = t
+        s.last_change[li] = t
+    ans = kind_mask(table, "answer")
+    n_answers = int(ans.sum())
+    if n_answers:
+        s.extend_answers(table.filter(pa.array(ans)))
+    if info.get("type") == "serve":
+        s.add_batch(info.get("batch_id"))
+        stats = info.get("state_after")
+        if not ledger_history.has_stats(stats):
+            stats = ledger_history.history_stats(s, c1)  # events written before state_after
+        s.history.append(ledger_history.history_entry(info, stats, time=t, answers=n_answers))
+
+
+def stats_after_serve(s: LedgerState, columns: dict, params: PrivacyParams) -> dict:
+    """The history figures of the state a serve event leads to, computed before it is written.
+
+    ``columns``: the event's pyarrow arrays. Equal to what replay computed before ``state_after`` existed
+    (a serve event only raises spent and counts selections); ``{}`` for an event with other row kinds.
+    """
+    kinds = columns["kind"]
+    charge = pc.equal(kinds, "charge").fill_null(False)
+    if not pc.all(pc.or_(charge, pc.equal(kinds, "answer")).fill_null(False)).as_py() and len(kinds):
+        return {}
+    li = columns["ledger_index"].filter(charge).to_numpy(zero_copy_only=False)
+    after = columns["spent_after"].filter(charge).to_numpy(zero_copy_only=False)
+    spent = s.spent.copy()
+    if li.size:
+        idx = np.asarray(li, dtype=np.int64)
+        spent[idx] = np.maximum(spent[idx], np.asarray(after, dtype=np.float64))
+    view = LedgerState(s.record_id, s.user_id, s.row, s.budget, spent, s.times_selected, s.deleted,
+                       s.deleted_at, s.last_change)
+    return ledger_history.with_realised(ledger_history.history_stats(view, params.c1), params)

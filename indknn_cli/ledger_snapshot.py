@@ -1,0 +1,126 @@
+"""A ledger's snapshot files: reading generation g, the record table written for it, leftovers past CURRENT.
+
+A snapshot is ``snapshot-<g>.parquet`` (one row per record ever indexed, the ledger's metadata in its footer)
+beside ``answers-<g>.parquet`` (every answer released up to it); ``CURRENT`` names the generation in use
+(docs/FORMAT.md). Checking the snapshot against the hash chain is :mod:`.ledger_integrity`'s job; replaying
+the events after it is :mod:`.ledger_events`'.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import FORMAT_VERSION, ledger_history
+from .errors import LedgerError, LedgerIntegrityError
+from .ledger_integrity import snapshot_is_chained
+from .ledger_state import RECORD_SCHEMA, LedgerState, PrivacyParams
+
+__all__ = ["Snapshot", "current_generation", "read_snapshot", "record_table", "unpublished_store_uuids"]
+
+
+@dataclass
+class Snapshot:
+    """What :func:`read_snapshot` read: the generation, its metadata and state, and the files' bytes."""
+
+    generation: int
+    path: Path
+    meta: dict
+    state: LedgerState
+    snap_bytes: bytes
+    answers_bytes: bytes
+
+
+def current_generation(path: Path) -> int | None:
+    """The generation CURRENT names, or None where it is missing or unreadable."""
+    try:
+        return int(json.loads((path / "CURRENT").read_text())["generation"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_snapshot(path: Path) -> Snapshot:
+    """Read the snapshot CURRENT names (FileNotFoundError passes through: a compaction may have removed it)."""
+    try:
+        current = json.loads((path / "CURRENT").read_text())
+        generation = int(current["generation"])
+    except (ValueError, KeyError, TypeError):
+        raise LedgerError(f"{path}/CURRENT: corrupt (not the JSON pointer indknn writes)") from None
+    snap_path = path / f"snapshot-{generation:06d}.parquet"
+    try:
+        snap_bytes = snap_path.read_bytes()
+        answers_bytes = (path / f"answers-{generation:06d}.parquet").read_bytes()
+        snap = pq.read_table(pa.BufferReader(snap_bytes))
+        answers = ledger_history.LazyAnswers(answers_bytes, where=f"{path}/answers-{generation:06d}.parquet")
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise LedgerIntegrityError(f"{snap_path}: corrupt or truncated Parquet ({type(exc).__name__}); "
+                                   "`indknn repair` brings the ledger back without refund") from None
+    raw_meta = (snap.schema.metadata or {}).get(b"indknn")
+    if raw_meta is None:
+        raise LedgerError(f"{snap_path}: not an indknn ledger snapshot (no metadata)")
+    try:
+        meta = json.loads(raw_meta)
+        version = meta.get("format_version")
+    except (ValueError, AttributeError):
+        raise LedgerError(f"{snap_path}: ledger metadata is corrupt (not what indknn writes)") from None
+    if version != FORMAT_VERSION:  # before the fields: a newer format may have other ones
+        raise LedgerError(f"{path}: ledger format_version {version!r}, this indknn reads {FORMAT_VERSION}")
+    try:
+        PrivacyParams(**meta["params"])
+    except (ValueError, KeyError, TypeError):
+        raise LedgerError(f"{snap_path}: ledger metadata is corrupt (not what indknn writes)") from None
+    if snap.schema.remove_metadata() != RECORD_SCHEMA:
+        raise LedgerError(f"{snap_path}: unexpected columns (foreign or corrupt ledger)")
+    if not snapshot_is_chained(meta):  # its answers file's sha256 is not checked: read the columns
+        answers.distrust_summary()
+    state = LedgerState(
+        record_id=np.asarray(snap.column("record_id").to_numpy(zero_copy_only=False), dtype=object),
+        user_id=np.asarray(snap.column("user_id").to_numpy(zero_copy_only=False), dtype=object),
+        row=snap.column("row").to_numpy().astype(np.int64),
+        budget=snap.column("budget").to_numpy().astype(np.float64),
+        spent=snap.column("spent").to_numpy().astype(np.float64),
+        times_selected=snap.column("times_selected").to_numpy().astype(np.int64),
+        deleted=snap.column("deleted").to_numpy(zero_copy_only=False).astype(bool),
+        deleted_at=snap.column("deleted_at").to_numpy(zero_copy_only=False).astype(np.float64),
+        last_change=snap.column("last_change").to_numpy().astype(np.float64),
+    )
+    state._answers_src = answers if answers.num_rows else None
+    state.batches = list(meta.get("batches", []))
+    state.history = list(meta.get("history", []))
+    return Snapshot(generation, snap_path, meta, state, snap_bytes, answers_bytes)
+
+
+def record_table(s: LedgerState, meta: dict, *, c1: float) -> pa.Table:
+    """The snapshot's record table for state ``s``, ``meta`` in its footer."""
+    return pa.table({
+        "record_id": pa.array(list(s.record_id), pa.string()),
+        "user_id": pa.array(list(s.user_id), pa.string()),
+        "row": pa.array(s.row, pa.int64()), "budget": pa.array(s.budget, pa.float64()),
+        "spent": pa.array(s.spent, pa.float64()),
+        "times_selected": pa.array(s.times_selected, pa.int64()),
+        "status": pa.array(list(s.status(c1)) if len(s) else [], pa.string()),
+        "deleted": pa.array(s.deleted, pa.bool_()), "deleted_at": pa.array(s.deleted_at, pa.float64()),
+        "last_change": pa.array(s.last_change, pa.float64()),
+    }, schema=RECORD_SCHEMA).replace_schema_metadata({b"indknn": json.dumps(meta).encode()})
+
+
+def unpublished_store_uuids(path: Path, generation: int) -> dict[str, int]:
+    """store_uuid → generation of snapshots written past CURRENT's (an interrupted store compaction)."""
+    out: dict[str, int] = {}
+    for p in Path(path).glob("snapshot-*.parquet"):
+        stem = p.name[len("snapshot-"):-len(".parquet")]
+        if not stem.isdigit() or int(stem) <= generation:
+            continue
+        try:
+            meta = json.loads((pq.read_schema(p).metadata or {})[b"indknn"])
+            out[str(meta["store_uuid"])] = int(stem)
+        except Exception:  # noqa: BLE001 - a torn leftover is no candidate
+            continue
+    return out
