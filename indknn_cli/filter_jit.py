@@ -45,6 +45,13 @@ def _load():
         return _kernels or None
 
 
+def _disable() -> None:
+    """No compiled filter in this process from now on (a compile failed on this machine)."""
+    global _kernels
+    with _lock:
+        _kernels = False
+
+
 def wanted(m: int) -> bool:
     """Whether a batch of ``m`` queries takes the compiled filter (size rule only)."""
     if m < FILTER_MIN_QUERIES:
@@ -104,9 +111,13 @@ def answer_batch_compiled(cands, *, row_to_ledger, row_labels, params, n_classes
     labels = np.empty(m, np.int64)
     counts = np.empty(m, np.float64)
     margins = np.empty(m, np.float64)
-    kernels.filter_batch(bounds, ledger, labels_of, kappa, budgets.spent, limit, selected, float(params.c1),
-                         float(params.sigma1), float(params.sigma2), float(params.k_min),
-                         2.0 * params.sigma2 * params.sigma2, normals, labels, counts, margins)
+    try:
+        kernels.filter_batch(bounds, ledger, labels_of, kappa, budgets.spent, limit, selected, float(params.c1),
+                             float(params.sigma1), float(params.sigma2), float(params.k_min),
+                             2.0 * params.sigma2 * params.sigma2, normals, labels, counts, margins)
+    except Exception:  # noqa: BLE001 - numba's compile on the first call (the kernels raise nothing once running)
+        _disable()     # nothing was charged yet: the caller's Python loop gives the same answers
+        return None
     budgets.times_selected += selected
     if budgets.selected_in_part is not None:
         budgets.selected_in_part += selected

@@ -225,7 +225,7 @@ class BudgetLedger:
         tag = "".join(ch if ch.isalnum() or ch in "._" else "_" for ch in str(info.get("batch_id") or ""))[:60]
         path = self.path / "events" / f"{seq:08d}-{event_type}{'-' + tag if tag else ''}.parquet"
         _fault("before-event-write")
-        sha = atomic_write_parquet(table, path)
+        sha = atomic_write_parquet(table, path, exclusive=True)  # an event is never replaced
         _fault("event-committed")
         self._apply_table(table, info)
         self.last_event_seq = seq

@@ -7,6 +7,7 @@ lets the crash tests stop a commit between its steps.
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from pathlib import Path
@@ -16,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import ledger_integrity as integrity
-from .errors import StorageError
+from .errors import LedgerError, StorageError
 
 
 #: Test hook: called with a fault-point name at each step of a commit.
@@ -44,17 +45,43 @@ def _storage_error(path: Path, exc: OSError) -> StorageError:
     return err
 
 
-def _atomic_replace(path: Path, write_tmp, *, fault: str | None = None):
+#: link(2) refused by the file system itself (no hard links there): checked, then renamed instead.
+_NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
+
+
+def _place_new(tmp: Path, path: Path) -> None:
+    """Put ``tmp`` at ``path`` only if nothing is there: an event file is never replaced (audit 2026-11-27: a
+    late writer's rename must not overwrite the event another writer committed under the same name)."""
+    try:
+        os.link(tmp, path)
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        if exc.errno not in _NO_LINK:
+            raise
+        if not path.exists():
+            os.replace(tmp, path)
+            return
+    raise LedgerError(f"{path}: an event with this name is already committed (another writer ran without the "
+                      "ledger's lock?); this one was not written and nothing of it was released")
+
+
+def _atomic_replace(path: Path, write_tmp, *, fault: str | None = None, exclusive: bool = False):
     """The one commit protocol of every ledger file: ``write_tmp(tmp)`` writes and fsyncs a temporary file
     beside ``path`` (its return value is returned), then rename → fsync directory. A refused write (disk full,
     read-only, ...) is a StorageError naming ``path``, and the temporary file is removed: nothing was renamed
-    into place, the previous state is kept."""
+    into place, the previous state is kept. ``exclusive``: ``path`` must not exist yet (LedgerError if it
+    does; :func:`_place_new`)."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         out = write_tmp(tmp)
         if fault is not None:
             _fault(fault)
-        os.replace(tmp, path)
+        if exclusive:
+            _place_new(tmp, path)
+        else:
+            os.replace(tmp, path)
     except OSError as exc:  # ENOSPC, EROFS, EACCES, EDQUOT, ...: nothing was renamed into place
         raise _storage_error(path, exc) from None
     finally:
@@ -71,14 +98,15 @@ def _write_synced(tmp: Path, data, mode: str = "wb") -> None:
         os.fsync(fh.fileno())
 
 
-def atomic_write_parquet(table: pa.Table, path: Path) -> str:
-    """temp name → fsync → rename → fsync directory. Returns the sha256 of the file's bytes (hash chain)."""
+def atomic_write_parquet(table: pa.Table, path: Path, *, exclusive: bool = False) -> str:
+    """temp name → fsync → rename → fsync directory. Returns the sha256 of the file's bytes (hash chain).
+    ``exclusive`` (events): refused with LedgerError where ``path`` already exists, never replaced."""
     sink = pa.BufferOutputStream()
     # Dictionary encoding for the string columns only (kind, batch id, label names: few distinct values); a
     # serve event's numeric columns (a million charges at N = 10^6) gain nothing from it and wrote 1.5× slower.
     pq.write_table(table, sink, use_dictionary=[f.name for f in table.schema if pa.types.is_string(f.type)])
     data = memoryview(sink.getvalue())
-    _atomic_replace(path, lambda tmp: _write_synced(tmp, data), fault="event-written-tmp")
+    _atomic_replace(path, lambda tmp: _write_synced(tmp, data), fault="event-written-tmp", exclusive=exclusive)
     return integrity.sha256_bytes(data)
 
 

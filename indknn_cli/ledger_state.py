@@ -6,9 +6,11 @@ snapshot plus the events replayed since, as arrays indexed by ledger index (the 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,24 @@ from .wording import count
 
 
 KERNELS = ("cosine", "rbf")
+
+
+@functools.lru_cache(maxsize=256)
+def count_charge(sigma1: float) -> float:
+    """c1 = 1/(2σ1²) (SPEC §2, the noisy count's Gaussian mechanism), rounded up: never below the exact value for
+    the float σ1 (SPEC §8, costs rounded against the user).
+
+    The float formula rounds twice (σ1², then the division), so one step up (``nextafter``) is not always enough:
+    about 1 % of σ1 values left it an ulp short (audit 2026-11-27, e.g. σ1 = 16.956463439532442). It is compared
+    with the exact rational value and stepped up while below, so where it was already above, nothing changes.
+    """
+    c = math.nextafter(1.0 / (2.0 * sigma1 * sigma1), math.inf)
+    if not (isinstance(sigma1, (int, float)) and math.isfinite(sigma1) and sigma1 != 0 and math.isfinite(c)):
+        return c  # refused by validate (check_range)
+    exact = Fraction(1) / (2 * Fraction(sigma1) ** 2)
+    while Fraction(c) < exact:
+        c = math.nextafter(c, math.inf)
+    return c
 
 
 @dataclass(frozen=True)
@@ -46,8 +66,8 @@ class PrivacyParams:
 
     @property
     def c1(self) -> float:
-        """Charge of the noisy count, 1/(2σ1²), rounded up (SPEC §2)."""
-        return math.nextafter(1.0 / (2.0 * self.sigma1 * self.sigma1), math.inf)
+        """Charge of the noisy count, 1/(2σ1²), rounded up (SPEC §2): :func:`count_charge`."""
+        return count_charge(self.sigma1)
 
     def validate(self) -> "PrivacyParams":
         """Every parameter finite and inside its documented range (accounting.PARAM_RANGES); else BadInputError."""

@@ -18,13 +18,18 @@ tests/test_serve_pass.py pins that answers and ledger are those of the plain par
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 import numpy as np
 import pyarrow as pa
 
 from .engine import Candidates
+
+log = logging.getLogger(__name__)
 
 
 def event_columns(n_ch, n_ans, *, touched, spent_after, selected, batch_id, part, first, query_ids, first_row,
@@ -89,6 +94,10 @@ class PassScreen:
         # On a GPU the next pass is screened while this one's parts are filtered and committed (one pass ahead,
         # in a thread: the screen waits on the device, the filter runs compiled without the GIL).
         self.ahead = enabled and on_gpu(device)
+        if self.ahead:  # two passes held at once, each pair with its ledger index and label (32 bytes, not the
+            # bound's 24): each pass gets 3/8 of the bound, so their pairs together stay within it (audit
+            # 2026-11-27); the device's own steps are sized by its memory (gpu_screen.step_bytes)
+            self.max_pairs = max(1, max_pairs * 3 // 8)
         self.enabled = enabled and ((not source.fits_cache() and self.span > batch_size) or self.ahead)
         self.lo = self.hi = -1
         self.cands = None
@@ -151,11 +160,23 @@ def on_gpu(device: str) -> bool:
 
 class Committer:
     """Runs each part's ``commit`` (write the event, then release its answers) in order: inline, or with
-    ``overlap`` in one thread, one commit in flight, so that the caller filters the next part meanwhile."""
+    ``overlap`` in one thread, one commit in flight, so that the caller filters the next part meanwhile.
+
+    The caller holds the ledger's lock around the whole run, so no commit may outlive it (audit 2026-11-27):
+    :meth:`wait` and :meth:`close` wait for the commit in flight to finish even through Ctrl-C (the
+    interrupt is raised once it has), and :meth:`close` marks the committer abandoned, after which a commit
+    that has not started writes and releases nothing (:meth:`guard`, run by a commit before it writes its event).
+    A commit that has written its event releases its answers while the lock is still held."""
 
     def __init__(self, overlap: bool):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="indknn-commit") if overlap else None
         self._pending = None
+        self._abandoned = threading.Event()
+
+    def guard(self) -> None:
+        """Raise (nothing written or released from here on) once the run has left its lock."""
+        if self._abandoned.is_set():
+            raise CommitAbandoned("serve-queries stopped: this part's commit was abandoned before it was written")
 
     def submit(self, commit) -> None:
         """``commit()`` now (inline) or after the previous one (overlap); a previous failure is raised here."""
@@ -167,14 +188,46 @@ class Committer:
 
     def wait(self) -> None:
         """Until the commit in flight is done; its exception, if any, is raised."""
+        if self._pending is None:
+            return
+        _finish(self._pending)
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        pending.result()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        """Abandon commits not yet started and wait for the one in flight (through Ctrl-C). Called when the run
+        ends, normally or not, before the ledger's lock is released. The run's own exception is the one raised;
+        a failure of that last commit is logged beside it (:meth:`wait` raised it on the normal path)."""
+        self._abandoned.set()
+        if self._pool is None:
+            return
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None:
+                _finish(pending)
+                if not pending.cancelled() and pending.exception() is not None:
+                    exc = pending.exception()
+                    log.warning("the commit in flight also failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)  # nothing is running or queued any more
             self._pool = None
+
+
+class CommitAbandoned(RuntimeError):
+    """A commit reached its guard after its run had stopped (never raised to a caller while a lock is held)."""
+
+
+def _finish(future) -> None:
+    """Wait until ``future`` is done; KeyboardInterrupt (or SystemExit from a signal handler) arriving meanwhile
+    is held and raised once it is: the thread it waits for writes the ledger under the caller's lock."""
+    held = None
+    while not future.done():
+        try:
+            futures_wait([future], timeout=1.0)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the commit has finished
+            held = held or exc
+    if held is not None:
+        raise held
 
 
 #: Python's thread switch interval while a GPU serve runs its three threads (the default is 5 ms): the screen's

@@ -278,7 +278,7 @@ def private_tune(
     ``sigma2s`` None: the budget-relative default grid for B_serve and T (:mod:`indknn_cli.tuning_grid`), fixed
     from public figures before any record is read."""
     from .accounting import check_range, default_sigma1
-    from .ledger_state import PrivacyParams
+    from .ledger_state import PrivacyParams, count_charge
 
     check_range("epsilon", epsilon)
     check_range("delta", delta)
@@ -288,7 +288,7 @@ def private_tune(
     grid = tuning_grid(taus=taus, sigma2s=sigma2s, budget=b_serve, planned_queries=planned_queries)
     if sigma1 is None:
         sigma1 = default_sigma1(planned_queries=planned_queries or 1000, budget=b_serve)
-    if 1.0 / (2.0 * sigma1 * sigma1) > b_serve:
+    if count_charge(sigma1) > b_serve:
         raise BadInputError(f"sigma1={sigma1:g}: one count charge 1/(2σ1²) exceeds the serving budget "
                             f"B={b_serve:.4g}; raise --sigma1 or --planned-queries, or lower the --tune-share")
     seed_text = "entropy:" + str(_run_key(None, "tune")) if seed is None else f"seed:{seed}"

@@ -223,3 +223,33 @@ def test_bad_conversion_budget_and_planned_queries():
     with pytest.raises(BadInputError, match="planned"):
         default_sigma1(planned_queries=0, budget=0.1)
     assert default_sigma1(planned_queries=600, budget=1.0) == pytest.approx(10.0)
+
+
+def test_count_charge_is_never_below_the_exact_value():
+    """c1 = 1/(2σ1²) rounded up for the float σ1 (SPEC §8). One nextafter after two roundings left about 1 % of σ1
+    an ulp short (audit 2026-11-27); this σ1 is one of them."""
+    from fractions import Fraction
+
+    from indknn_cli.ledger_state import count_charge
+
+    s = 16.956463439532442
+    exact = 1 / (2 * Fraction(s) ** 2)
+    assert Fraction(math.nextafter(1.0 / (2.0 * s * s), math.inf)) < exact  # the old formula, short
+    assert Fraction(count_charge(s)) >= exact
+    assert count_charge(2.0) == math.nextafter(0.125, math.inf)  # where it was above, unchanged
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(1e-3, 1e6, allow_nan=False, allow_infinity=False))
+def test_count_charge_rounds_up_by_at_most_a_few_ulps(sigma1):
+    from fractions import Fraction
+
+    from indknn_cli.ledger_state import PrivacyParams, count_charge
+
+    c = count_charge(sigma1)
+    exact = 1 / (2 * Fraction(sigma1) ** 2)
+    assert Fraction(c) >= exact
+    assert Fraction(math.nextafter(c, 0.0)) < exact or c == math.nextafter(1.0 / (2.0 * sigma1 * sigma1), math.inf)
+    p = PrivacyParams(epsilon=1.0, delta=1e-5, conversion="gdp", budget=1.0, kernel="cosine", tau=0.5,
+                      sigma1=sigma1, sigma2=1.0, nu=None, k_min=1.0, planned_queries=None)
+    assert p.c1 == c

@@ -154,3 +154,22 @@ def test_csr_candidates_give_the_same_answers(monkeypatch):
     assert csr.slice(3, 9).gathered[2].size == csr.slice(3, 9).flat_rows.size
     _assert_same(want, _serve((params, csr, budgets, row_to_ledger, labels), classes=4, compiled=True, batch=64,
                               monkeypatch=monkeypatch))
+
+
+def test_a_compile_failure_falls_back_to_the_loop(monkeypatch):
+    """numba imports but cannot compile the kernel here (audit 2026-11-27): the batch is answered by the Python
+    loop, the same answers and charges, instead of the run failing; later batches skip the compiled filter."""
+    from indknn_cli import filter_jit_kernels
+
+    world = _world(5, m=80, n=150, classes=3, budget=0.3, sigma1=4.0, sigma2=0.8, k_min=1.0)
+    want = _serve(world, classes=3, compiled=False, batch=80, monkeypatch=monkeypatch)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("numba: lowering failed (test)")
+
+    monkeypatch.setattr(filter_jit_kernels, "filter_batch", broken)
+    monkeypatch.setattr(filter_jit, "_kernels", None)  # loaded again (the broken kernel), restored after the test
+    _assert_same(want, _serve(world, classes=3, compiled=True, batch=40, monkeypatch=monkeypatch), parts=False)
+    assert calls == [1] and filter_jit._kernels is False

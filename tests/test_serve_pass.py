@@ -212,3 +212,24 @@ def test_a_failed_commit_releases_nothing_after_it(tmp_path, big_store, monkeypa
     assert [r["query_index"] for r in released] == list(range(20))
     monkeypatch.setattr(BudgetLedger, "commit_event", real)
     assert BudgetLedger.open(lp).state.n_answers() == 20
+
+
+def test_two_passes_held_ahead_stay_within_the_pair_bound(monkeypatch):
+    """Screening ahead holds two passes at once, each pair with its ledger index and label (32 bytes against the
+    bound's 24 per pair): together they stay within what --max-memory allows one pass (audit 2026-11-27)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(serve_pipeline, "on_gpu", lambda device: True)
+    max_pairs = (2 << 30) // 4 // 24
+    screen = serve_pipeline.PassScreen(SimpleNamespace(dim=384), SimpleNamespace(fits_cache=lambda: False),
+                                       params=None, device="cuda", row_to_ledger=np.zeros(4, np.int64),
+                                       max_pairs=max_pairs, max_memory=2 << 30, batch_size=8192, stop=10**6,
+                                       enabled=True)
+    assert screen.ahead and 2 * screen.max_pairs * 32 <= max_pairs * 24
+    assert screen.span == 16384  # the pass's length is unchanged (the device's steps are sized by its memory)
+    monkeypatch.setattr(serve_pipeline, "on_gpu", lambda device: False)
+    plain = serve_pipeline.PassScreen(SimpleNamespace(dim=384), SimpleNamespace(fits_cache=lambda: False),
+                                      params=None, device="cpu", row_to_ledger=np.zeros(4, np.int64),
+                                      max_pairs=max_pairs, max_memory=2 << 30, batch_size=1024, stop=10**6,
+                                      enabled=True)
+    assert not plain.ahead and plain.max_pairs == max_pairs
