@@ -41,6 +41,7 @@ from .errors import BadInputError, BudgetExhaustedError, CheckFailedError
 from .ledger_readonly import open_ledger_readonly
 from .wording import count
 from . import data_quality
+from .report_plot import PLOT_SUFFIXES, check_plot_path  # noqa: F401 (PLOT_SUFFIXES re-exported)
 
 REALISED_LABEL = "realised individual loss (descriptive, not a guarantee)"
 #: The privacy unit and the adjacency every printed ε is stated for (SPEC §8).
@@ -84,7 +85,6 @@ QUANTILES = (("min", 0.0), ("median", 0.5), ("p90", 0.9), ("p99", 0.99), ("max",
 #: Above this many distinct spent values the realised loss is looked up on
 #: accounting.realised_epsilons' grid (rounded up) instead of converted exactly.
 EXACT_CONVERSION_LIMIT = 256
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
 # -- conversions -----------------------------------------------------------------
@@ -147,16 +147,6 @@ def parse_min_active(value) -> tuple[str, float] | None:
     if not (math.isfinite(frac) and 0.0 <= frac <= 1.0):
         raise BadInputError(f"--min-active fraction must lie in [0, 1], got {value!r}")
     return (kind, frac)
-
-
-def check_plot_path(path: str | os.PathLike) -> Path:
-    p = Path(path)
-    if p.suffix.lower() not in PLOT_SUFFIXES:
-        raise BadInputError(f"--plot {path}: use a file name ending in {', '.join(PLOT_SUFFIXES)}")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise BadInputError(f"--plot {path}: folder {parent} does not exist")
-    return p
 
 
 # -- the report ----------------------------------------------------------------------

@@ -10,12 +10,25 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import BadInputError
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def check_plot_path(path: str | os.PathLike) -> Path:
+    """``--plot``'s file: a known suffix in an existing folder (checked before anything is read or written)."""
+    p = Path(path)
+    if p.suffix.lower() not in PLOT_SUFFIXES:
+        raise BadInputError(f"--plot {path}: use a file name ending in {', '.join(PLOT_SUFFIXES)}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise BadInputError(f"--plot {path}: folder {parent} does not exist")
+    return p
+
 
 def plot_account_report(report, path: str | os.PathLike) -> Path:
     """Retired fraction and median realised loss against queries answered, and a histogram of spent/B."""
     import matplotlib
-
-    from .report import check_plot_path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
