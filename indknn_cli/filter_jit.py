@@ -116,6 +116,8 @@ def answer_batch_compiled(cands, *, row_to_ledger, row_labels, params, n_classes
                              float(params.sigma1), float(params.sigma2), float(params.k_min),
                              2.0 * params.sigma2 * params.sigma2, normals, labels, counts, margins)
     except Exception:  # noqa: BLE001 - numba's compile on the first call (the kernels raise nothing once running)
+        if selected.any():  # a charge was made (spent and selected are written together): never answer twice
+            raise
         _disable()     # nothing was charged yet: the caller's Python loop gives the same answers
         return None
     budgets.times_selected += selected

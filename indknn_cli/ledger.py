@@ -226,6 +226,10 @@ class BudgetLedger:
         path = self.path / "events" / f"{seq:08d}-{event_type}{'-' + tag if tag else ''}.parquet"
         _fault("before-event-write")
         sha = atomic_write_parquet(table, path, exclusive=True)  # an event is never replaced
+        if len(list((self.path / "events").glob(f"{seq:08d}-*.parquet"))) > 1:  # another name, the same number
+            path.unlink(missing_ok=True)
+            raise LedgerError(f"{path}: another event with sequence number {seq} was committed (a writer without the "
+                              "ledger's lock?); this one was removed and nothing of it was released")
         _fault("event-committed")
         self._apply_table(table, info)
         self.last_event_seq = seq

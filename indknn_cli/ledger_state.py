@@ -37,9 +37,10 @@ def count_charge(sigma1: float) -> float:
     if not (isinstance(sigma1, (int, float)) and math.isfinite(sigma1) and sigma1 != 0 and math.isfinite(c)):
         return c  # refused by validate (check_range)
     exact = Fraction(1) / (2 * Fraction(sigma1) ** 2)
-    while Fraction(c) < exact:
-        c = math.nextafter(c, math.inf)
-    return c
+    if Fraction(c) >= exact:
+        return c
+    c = float(exact)  # correctly rounded (σ1² overflowing, far outside check_range, lands here too): at most one step
+    return c if Fraction(c) >= exact else math.nextafter(c, math.inf)
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,7 @@ class Committer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="indknn-commit") if overlap else None
         self._pending = None
         self._abandoned = threading.Event()
+        self._running = threading.Lock()  # held by the commit thread from its guard to the end of its commit
 
     def guard(self) -> None:
         """Raise (nothing written or released from here on) once the run has left its lock."""
@@ -184,7 +185,15 @@ class Committer:
             commit()
             return
         self.wait()
-        self._pending = self._pool.submit(commit)
+        self._pending = self._pool.submit(self._run, commit)
+
+    def _run(self, commit) -> None:
+        """In the commit thread: the guard and the commit under ``_running``, which :meth:`close` takes once
+        before it returns, so no commit is past its guard once the run lets go of its lock (whatever an
+        interrupt did to ``_pending``, e.g. one landing inside ``submit``)."""
+        with self._running:
+            self.guard()
+            commit()
 
     def wait(self) -> None:
         """Until the commit in flight is done; its exception, if any, is raised."""
@@ -196,38 +205,64 @@ class Committer:
 
     def close(self) -> None:
         """Abandon commits not yet started and wait for the one in flight (through Ctrl-C). Called when the run
-        ends, normally or not, before the ledger's lock is released. The run's own exception is the one raised;
-        a failure of that last commit is logged beside it (:meth:`wait` raised it on the normal path)."""
-        self._abandoned.set()
-        if self._pool is None:
-            return
-        pending, self._pending = self._pending, None
-        try:
-            if pending is not None:
-                _finish(pending)
-                if not pending.cancelled() and pending.exception() is not None:
-                    exc = pending.exception()
-                    log.warning("the commit in flight also failed: %s: %s", type(exc).__name__, exc)
-        finally:
-            self._pool.shutdown(wait=False, cancel_futures=True)  # nothing is running or queued any more
-            self._pool = None
+        ends, normally or not, before the ledger's lock is released. A failure of that last commit is logged (on
+        the normal path :meth:`wait` raised it); a Ctrl-C while closing is raised once nothing runs."""
+        with _signals_held() as held:
+            self._abandoned.set()
+            if self._pool is not None:
+                pending, self._pending = self._pending, None
+                try:
+                    if pending is not None:
+                        held += _finish(pending, raise_held=False)
+                        exc = None if pending.cancelled() else pending.exception()
+                        if exc is not None and not isinstance(exc, CommitAbandoned):
+                            log.warning("the commit in flight also failed: %s: %s", type(exc).__name__, exc)
+                    self._running.acquire()  # a commit that passed its guard has finished (none can start now)
+                    self._running.release()
+                finally:
+                    self._pool.shutdown(wait=False, cancel_futures=True)  # nothing is running or queued any more
+                    self._pool = None
+        if held:  # Ctrl-C while closing: raised now that nothing runs
+            raise held[0] if isinstance(held[0], BaseException) else KeyboardInterrupt()
 
 
 class CommitAbandoned(RuntimeError):
     """A commit reached its guard after its run had stopped (never raised to a caller while a lock is held)."""
 
 
-def _finish(future) -> None:
-    """Wait until ``future`` is done; KeyboardInterrupt (or SystemExit from a signal handler) arriving meanwhile
-    is held and raised once it is: the thread it waits for writes the ledger under the caller's lock."""
-    held = None
-    while not future.done():
-        try:
-            futures_wait([future], timeout=1.0)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the commit has finished
-            held = held or exc
-    if held is not None:
-        raise held
+def _finish(future, *, raise_held: bool = True) -> list:
+    """Wait until ``future`` is done; Ctrl-C arriving meanwhile is held (the thread waited for writes the
+    ledger under the caller's lock) and, with ``raise_held``, raised once it is done; else returned."""
+    with _signals_held() as held:
+        while not future.done():
+            try:
+                futures_wait([future], timeout=1.0)
+            except BaseException as exc:  # noqa: BLE001 - another handler's exception: re-raised once done
+                held.append(exc)
+    if held and raise_held:
+        raise held[0] if isinstance(held[0], BaseException) else KeyboardInterrupt()
+    return held
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT recorded instead of raised inside the block (main thread only; elsewhere signals never arrive):
+    the list it yields holds one entry per Ctrl-C; the caller raises after it has finished waiting."""
+    import signal
+
+    held: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    except (ValueError, TypeError):  # an embedding interpreter without signal handling
+        yield held
+        return
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 #: Python's thread switch interval while a GPU serve runs its three threads (the default is 5 ms): the screen's

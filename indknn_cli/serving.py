@@ -204,6 +204,9 @@ def serve_queries(
                               max_pairs=max_pairs, max_memory=max_memory, batch_size=batch_size, stop=q_stop,
                               enabled=finder is None, row_labels=row_labels)
         committer = Committer(overlap=screened.ahead)  # on a GPU: part k commits while part k+1 is filtered
+        # a part that screens itself (its pass dropped) while the next pass is screened ahead at 3/8 of the bound
+        # (32 bytes a pair): half the bound, so the two stay within it together
+        part_pairs = max_pairs // 2 if screened.ahead else max_pairs
         extra = {"seed": seed} if seed is not None else {}
         with responsive_threads(screened.ahead):  # a short switch interval while three threads run
             try:
@@ -215,7 +218,7 @@ def serve_queries(
                     answers = answer_batch(
                         queries, source=source, row_to_ledger=row_to_ledger, row_labels=row_labels, params=params,
                         n_classes=n_classes, budgets=budgets, run_key=run_key, first_index=lo - q_start, reuse=pool,
-                        device=device, candidate_finder=finder, max_pairs=max_pairs, min_margin=min_margin,
+                        device=device, candidate_finder=finder, max_pairs=part_pairs, min_margin=min_margin,
                         candidates=screened.part(lo, hi),
                     )
                     touched, touched_counts = budgets.part_charges()
@@ -248,8 +251,10 @@ def serve_queries(
                     part += 1
                 committer.wait()
             finally:
-                committer.close()
-                screened.close()
+                try:
+                    committer.close()
+                finally:
+                    screened.close()
         if _needs_compaction(ledger):
             ledger.compact()
         total = queries_answered(ledger)

@@ -288,6 +288,7 @@ def private_tune(
     grid = tuning_grid(taus=taus, sigma2s=sigma2s, budget=b_serve, planned_queries=planned_queries)
     if sigma1 is None:
         sigma1 = default_sigma1(planned_queries=planned_queries or 1000, budget=b_serve)
+    check_range("sigma1", sigma1)
     if count_charge(sigma1) > b_serve:
         raise BadInputError(f"sigma1={sigma1:g}: one count charge 1/(2σ1²) exceeds the serving budget "
                             f"B={b_serve:.4g}; raise --sigma1 or --planned-queries, or lower the --tune-share")

@@ -253,3 +253,16 @@ def test_count_charge_rounds_up_by_at_most_a_few_ulps(sigma1):
     p = PrivacyParams(epsilon=1.0, delta=1e-5, conversion="gdp", budget=1.0, kernel="cosine", tau=0.5,
                       sigma1=sigma1, sigma2=1.0, nu=None, k_min=1.0, planned_queries=None)
     assert p.c1 == c
+
+
+def test_count_charge_is_quick_where_two_sigma1_squared_overflows():
+    """σ1 far outside its range (σ1² overflowing) must not walk the subnormals one by one (review of the fix);
+    private tuning checks σ1's range before it computes the charge. (Before the fix this test does not return:
+    about 1e15 steps.)"""
+    from fractions import Fraction
+
+    from indknn_cli.ledger_state import count_charge
+
+    for s in (1e155, 1.3e160, 1e300):
+        c = count_charge(s)
+        assert Fraction(c) >= 1 / (2 * Fraction(s) ** 2) and c > 0

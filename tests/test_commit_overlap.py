@@ -183,3 +183,52 @@ def test_a_late_event_cannot_replace_the_next_writers(base, tmp_path, monkeypatc
                            info={"batch_id": "b", "part": 0})
     after = BudgetLedger.open(lp)
     assert np.array_equal(after.state.spent, spent)
+
+
+def test_close_waits_for_a_commit_past_its_guard_even_when_it_was_not_recorded():
+    """A Ctrl-C inside ThreadPoolExecutor.submit leaves the commit queued but not recorded as pending (review of
+    the fix): close() still returns only after a commit that passed its guard has finished."""
+    c = serve_pipeline.Committer(overlap=True)
+    started, finished = threading.Event(), []
+
+    def slow():
+        started.set()
+        time.sleep(0.5)
+        finished.append(time.monotonic())
+
+    c._pool.submit(c._run, slow)  # as submit() would, minus recording it: self._pending stays None
+    started.wait(5)
+    c.close()
+    assert finished and finished[0] <= time.monotonic()
+
+
+def test_another_event_with_the_same_number_is_refused(base, tmp_path, monkeypatch):
+    """Two events numbered alike under different names (a writer without the lock): the late one is removed and
+    refused; the ledger opens with the first one's charges."""
+    sp, lp = _copy(base, tmp_path)
+    stale = BudgetLedger.open(lp)
+    _serve(sp, lp, seed=6)
+    spent = BudgetLedger.open(lp).state.spent.copy()
+    first = sorted((lp / "events").glob("*-serve-*.parquet"))[0]
+    monkeypatch.setattr(BudgetLedger, "_next_seq", lambda self: int(first.name.split("-", 1)[0]))
+    with pytest.raises(LedgerError, match="same number|sequence number"):
+        stale.commit_event(event_type="serve", columns={"kind": ["answer"], "batch_id": ["other"],
+                                                        "query_index": [0], "label": [0], "label_name": ["a"],
+                                                        "released_count": [1.0]},
+                           info={"batch_id": "other", "part": 0})
+    assert len(list((lp / "events").glob(first.name.split("-", 1)[0] + "-*.parquet"))) == 1
+    assert np.array_equal(BudgetLedger.open(lp).state.spent, spent)
+
+
+def test_a_part_screening_itself_beside_a_pass_ahead_gets_half_the_bound(base, tmp_path, overlap, monkeypatch):
+    sp, lp = _copy(base, tmp_path)
+    seen = []
+    real = serving.answer_batch
+
+    def spy(*a, **kw):
+        seen.append(kw["max_pairs"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(serving, "answer_batch", spy)
+    _serve(sp, lp, seed=5)
+    assert seen and set(seen) == {max(1 << 16, MEM // 4 // 24) // 2}
