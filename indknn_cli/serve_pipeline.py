@@ -261,8 +261,8 @@ def _signals_held():
         return
     try:
         yield held
-    finally:
-        signal.signal(signal.SIGINT, old)
+    finally:  # None: the previous handler was not set from Python (restored as the default)
+        signal.signal(signal.SIGINT, signal.SIG_DFL if old is None else old)
 
 
 #: Python's thread switch interval while a GPU serve runs its three threads (the default is 5 ms): the screen's
