@@ -31,7 +31,8 @@ def count_charge(sigma1: float) -> float:
 
     The float formula rounds twice (σ1², then the division), so one step up (``nextafter``) is not always enough:
     about 1 % of σ1 values left it an ulp short (audit 2026-11-27, e.g. σ1 = 16.956463439532442). It is compared
-    with the exact rational value and stepped up while below, so where it was already above, nothing changes.
+    with the exact rational value: where it is already above, nothing changes; else the exact value correctly
+    rounded, stepped up once if it rounded down.
     """
     c = math.nextafter(1.0 / (2.0 * sigma1 * sigma1), math.inf)
     if not (isinstance(sigma1, (int, float)) and math.isfinite(sigma1) and sigma1 != 0 and math.isfinite(c)):

@@ -165,7 +165,7 @@ class Committer:
     The caller holds the ledger's lock around the whole run, so no commit may outlive it (audit 2026-11-27):
     :meth:`wait` and :meth:`close` wait for the commit in flight to finish even through Ctrl-C (the
     interrupt is raised once it has), and :meth:`close` marks the committer abandoned, after which a commit
-    that has not started writes and releases nothing (:meth:`guard`, run by a commit before it writes its event).
+    that has not started writes and releases nothing (:meth:`guard`, run before each commit in the thread).
     A commit that has written its event releases its answers while the lock is still held."""
 
     def __init__(self, overlap: bool):

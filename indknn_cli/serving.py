@@ -241,7 +241,6 @@ def serve_queries(
                                 for j in range(n_ans)]
 
                     def commit(cols=cols, info=info, new_rows=new_rows, done=hi - q_start):
-                        committer.guard()  # nothing written once the run has stopped (its lock is let go next)
                         ledger.commit_event(event_type="serve", columns=cols, info=info)
                         release(new_rows)  # only after the event is durable (SPEC §8 "charge before release")
                         if on_progress is not None:

@@ -63,6 +63,13 @@ def _lock_free(lp) -> bool:
         return False
 
 
+def _late_commit(stale, batch_id):
+    """A one-answer serve event committed through a ledger object read before another writer ran."""
+    stale.commit_event(event_type="serve", columns={"kind": ["answer"], "batch_id": [batch_id], "query_index": [0],
+                                                    "label": [0], "label_name": ["a"], "released_count": [1.0]},
+                       info={"batch_id": batch_id, "part": 0})
+
+
 @pytest.fixture
 def overlap(monkeypatch):
     monkeypatch.setattr(serve_pipeline, "on_gpu", lambda device: True)
@@ -178,9 +185,7 @@ def test_a_late_event_cannot_replace_the_next_writers(base, tmp_path, monkeypatc
     name = sorted((lp / "events").glob("*.parquet"))[-len(range(0, Q, BS))]  # the next writer's first serve
     monkeypatch.setattr(BudgetLedger, "_next_seq", lambda self: int(name.name.split("-", 1)[0]))
     with pytest.raises(LedgerError, match="already committed"):
-        stale.commit_event(event_type="serve", columns={"kind": ["answer"], "batch_id": ["b"], "query_index": [0],
-                                                        "label": [0], "label_name": ["a"], "released_count": [1.0]},
-                           info={"batch_id": "b", "part": 0})
+        _late_commit(stale, "b")
     after = BudgetLedger.open(lp)
     assert np.array_equal(after.state.spent, spent)
 
@@ -212,10 +217,7 @@ def test_another_event_with_the_same_number_is_refused(base, tmp_path, monkeypat
     first = sorted((lp / "events").glob("*-serve-*.parquet"))[0]
     monkeypatch.setattr(BudgetLedger, "_next_seq", lambda self: int(first.name.split("-", 1)[0]))
     with pytest.raises(LedgerError, match="same number|sequence number"):
-        stale.commit_event(event_type="serve", columns={"kind": ["answer"], "batch_id": ["other"],
-                                                        "query_index": [0], "label": [0], "label_name": ["a"],
-                                                        "released_count": [1.0]},
-                           info={"batch_id": "other", "part": 0})
+        _late_commit(stale, "other")
     assert len(list((lp / "events").glob(first.name.split("-", 1)[0] + "-*.parquet"))) == 1
     assert np.array_equal(BudgetLedger.open(lp).state.spent, spent)
 
