@@ -56,7 +56,7 @@ ORDERS = tuple(float(a) for a in np.concatenate([np.linspace(1.02, 8, 80), np.li
 POISSON = math.inf
 from .tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS,  # noqa: E402,F401
                           DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE, REFERENCE_BUDGET_PER_QUERY,
-                          budget_relative_sigma2s)
+                          budget_relative_sigma2s, default_taus)
 TUNING_FORMAT = 1
 
 
@@ -253,6 +253,7 @@ class TuningRecord:
     score_noise_std: float | None = None
     public_accuracy: float | None = None
     sigma2_grid: str | None = None          # "budget-relative" (default grid scaled to B, T) or "given"
+    tau_grid: str | None = None             # "prior for <extractor> features", "broad (...)" or "given"
     format: int = TUNING_FORMAT
 
     def as_dict(self) -> dict:
@@ -271,7 +272,7 @@ def _run_key(seed: int | None, tag: str) -> int:
 def private_tune(
     *, features, labels, record_ids, n_classes: int, epsilon: float, delta: float, share: float, mean_runs: float,
     shape, taus, sigma2s, n_val: int, kernel: str, nu: float | None, k_min: float, sigma1: float | None,
-    planned_queries: int | None, seed: int | None = None, device: str = "cpu",
+    planned_queries: int | None, seed: int | None = None, device: str = "cpu", tau_rule: str | None = None,
 ) -> tuple[TuningRecord, "object"]:
     """Accounted random search; returns (record, PrivacyParams for serving with B = B_serve, conversion rdp).
 
@@ -313,7 +314,7 @@ def private_tune(
     tau, s2 = grid[picks[best]] if best is not None else grid[0]
     record = TuningRecord(
         mode="private", chosen_tau=tau, chosen_sigma2=s2, grid=[list(g) for g in grid],
-        sigma2_grid=_grid_rule(sigma2s),
+        sigma2_grid=_grid_rule(sigma2s), tau_grid=tau_rule,
         seed=None if seed is None else str(seed), runs_drawn=k, thetas_tried=[list(grid[g]) for g in picks],
         chosen_run=best, chosen_noisy_score=None if best is None else float(best_score),
         validation_queries=int(n_val), rho_run=rho, mean_runs=float(mean_runs), shape=shape,  # S: public
@@ -333,7 +334,7 @@ def private_tune(
 
 def public_tune(*, features, labels, record_ids, n_classes: int, params_for, grid, seed: int | None = None,
                 val_fraction: float = 0.2, device: str = "cpu",
-                sigma2_grid: str | None = None) -> tuple[TuningRecord, "object"]:
+                sigma2_grid: str | None = None, tau_grid: str | None = None) -> tuple[TuningRecord, "object"]:
     """Free tuning on labelled public rows: exhaustive grid, exact accuracy, no privacy cost.
 
     A public-coin ``val_fraction`` of the public rows are queries, answered in order by the engine over the
@@ -367,7 +368,7 @@ def public_tune(*, features, labels, record_ids, n_classes: int, params_for, gri
     record = TuningRecord(mode="public", chosen_tau=tau, chosen_sigma2=s2, grid=[list(g) for g in grid],
                           seed=None if seed is None else str(seed), validation_queries=int(is_val.sum()),
                           public_accuracy=best_acc, epsilon_tuning=0.0, conversion=params_for(tau, s2).conversion,
-                          sigma2_grid=sigma2_grid)
+                          sigma2_grid=sigma2_grid, tau_grid=tau_grid)
     return record, params_for(tau, s2)
 
 
@@ -401,7 +402,7 @@ class TuneRequest:
     share: float = DEFAULT_TUNE_SHARE       # fraction of ε the search may cost (private)
     mean_runs: float = DEFAULT_TUNE_RUNS
     shape: float | str = DEFAULT_TUNE_SHAPE  # η: 0 logarithmic (default), 1 geometric, "poisson"
-    taus: tuple = DEFAULT_TAUS
+    taus: tuple | None = None      # None: the prior of the store's extractor (tuning_grid.default_taus)
     sigma2s: tuple | None = None   # None: the budget-relative default (tuning_grid.budget_relative_sigma2s)
     n_val: int = DEFAULT_TUNE_QUERIES        # S: validation queries (shards)
     seed: int | None = None        # experiments only; default OS entropy
@@ -412,6 +413,14 @@ class TuneRequest:
     sigma1: float | None = None
     planned_queries: int | None = None
     device: str = "cpu"
+    extractor: str | None = None   # the store's extractor name (public): picks the default τ prior
+
+    def tau_grid(self) -> tuple[tuple, str]:
+        """(τ grid, rule): ``taus`` as given, else the extractor's prior (``tuning_grid.default_taus``)."""
+        if self.taus is not None:
+            return tuple(self.taus), "given"
+        nu = self.nu if self.nu is not None or self.kernel != "rbf" else math.exp(1.5)
+        return default_taus(extractor=self.extractor, kernel=self.kernel, nu=nu)
 
     def check(self) -> "TuneRequest":
         if self.on not in ("private", "public"):
@@ -419,7 +428,7 @@ class TuneRequest:
         if self.on == "private" and self.conversion != "rdp":
             raise BadInputError(f"--tune private composes the search with serving by RDP: --conversion must be "
                                 f"rdp, got {self.conversion!r} (the selection is not a Gaussian mechanism)")
-        check_grid(self.taus, DEFAULT_SIGMA2S if self.sigma2s is None else self.sigma2s)
+        check_grid(self.tau_grid()[0], DEFAULT_SIGMA2S if self.sigma2s is None else self.sigma2s)
         check_shape(self.shape)
         _positive("--tune-runs", self.mean_runs, lo=1.0, hi=1e4, lo_open=False)
         _positive("--tune-share", self.share, hi=0.9)
@@ -432,8 +441,13 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
     """Tune on ``store`` (a FeatureStore) as ``req`` says; returns (record for the ledger, serving params)."""
     import math as _m
 
+    if req.extractor is None:  # the store's extractor picks the τ prior (a public attribute, not the data)
+        import dataclasses
+
+        req = dataclasses.replace(req, extractor=store.extractor.name)
     req.check()
     nu = req.nu if req.nu is not None or req.kernel != "rbf" else _m.exp(1.5)
+    taus, tau_rule = req.tau_grid()
     if req.on == "public":
         from .indexing import make_params
 
@@ -447,12 +461,12 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
                                tau=tau, sigma2=s2, sigma1=req.sigma1, planned_queries=req.planned_queries, nu=nu,
                                k_min=req.k_min)
 
-        budget = params_for(float(req.taus[0]), 1.0).budget  # B from (ε, δ, conversion) alone, not from σ2
-        grid = tuning_grid(taus=req.taus, sigma2s=req.sigma2s, budget=budget, planned_queries=req.planned_queries)
+        budget = params_for(float(taus[0]), 1.0).budget  # B from (ε, δ, conversion) alone, not from σ2
+        grid = tuning_grid(taus=taus, sigma2s=req.sigma2s, budget=budget, planned_queries=req.planned_queries)
         return public_tune(features=store.read("public", "features"), labels=store.read("public", "labels"),
                            record_ids=store.read("public", "record_id"), n_classes=len(store.label_names),
                            params_for=params_for, grid=grid, seed=req.seed, device=req.device,
-                           sigma2_grid=_grid_rule(req.sigma2s))
+                           sigma2_grid=_grid_rule(req.sigma2s), tau_grid=tau_rule)
     keep = ~store.read("private", "deleted").astype(bool)
     keep[store.erase_pending_rows("private")] = False
     rows = np.flatnonzero(keep)
@@ -468,9 +482,10 @@ def private_tune_arrays(features, labels, record_ids, *, n_classes: int, req: Tu
     not 1 (AUDIT_FINDINGS_2.md P1). With fewer records than S, some shards are empty and score nothing."""
     req.check()
     nu = req.nu if req.nu is not None or req.kernel != "rbf" else math.exp(1.5)
+    taus, tau_rule = req.tau_grid()
     return private_tune(
         features=features, labels=labels, record_ids=record_ids, n_classes=n_classes, epsilon=req.epsilon,
         delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape,
-        taus=req.taus, sigma2s=req.sigma2s, n_val=req.n_val, kernel=req.kernel,
+        taus=taus, sigma2s=req.sigma2s, n_val=req.n_val, kernel=req.kernel,
         nu=nu, k_min=req.k_min, sigma1=req.sigma1, planned_queries=req.planned_queries, seed=req.seed,
-        device=req.device)
+        device=req.device, tau_rule=tau_rule)

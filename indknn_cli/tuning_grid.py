@@ -1,7 +1,12 @@
 """Defaults of `index --tune` (no heavy imports: the CLI shows them in `--help`). docs/TUNING.md explains them.
 
-τ grid: cosine thresholds for sentence-embedding features (all-MiniLM-L6-v2 and its kind), where unrelated
-texts score about 0–0.1 and same-topic texts 0.1–0.5: a public prior on the extractor, not on the private data.
+τ grid: a public prior on the *extractor* (the store's ``extractor`` attribute, fixed before any record is read),
+never on the private data. Each prior is placed where the share of records within τ of a query runs from about a
+quarter down to 1.5 % (halving at each step), measured on public data with that extractor (docs/TUNING.md
+"Defaults"): text (all-MiniLM-L6-v2 and its kind; unrelated texts score about 0–0.1, same-topic 0.1–0.5) 0.1–0.3,
+HOG 0.6–0.8, raw pixels 0.5–0.7. Other extractors (``vectors``, ``image``) have no prior and get a broad grid over
+the cosine range; pass ``--tune-taus`` for them. With the RBF kernel the cosine prior is mapped through
+κ = exp(−(2 − 2·cos)/ν²), exact for the store's unit vectors.
 
 σ2 grid: *budget-relative*. A record selected in n of the T planned queries pays about n·κ²/(2σ2²K) of its
 budget B (SPEC §2 step 3), and with K candidates per query over N records n ≈ T·K/N, so the budget lasts
@@ -20,7 +25,13 @@ import numbers
 
 from .errors import BadInputError
 
-DEFAULT_TAUS = (0.1, 0.15, 0.2, 0.25, 0.3)
+#: τ priors (cosine) per extractor name: a query's share of records within τ ≈ 27 %, 14 %, 7 %, 3.3 %, 1.5 %
+#: (text: AG News with all-MiniLM-L6-v2; hog and pixels: MNIST; docs/TUNING.md "Defaults").
+TAU_PRIORS = {"text": (0.1, 0.15, 0.2, 0.25, 0.3), "hog": (0.6, 0.65, 0.7, 0.75, 0.8),
+              "pixels": (0.5, 0.55, 0.6, 0.65, 0.7)}
+#: cosine grid for an extractor without a prior: the whole useful range, coarsely.
+BROAD_TAUS = (0.1, 0.3, 0.5, 0.7, 0.9)
+DEFAULT_TAUS = TAU_PRIORS["text"]  # the prior of the default extractor (text)
 #: σ2 grid at the reference budget per planned query (below); scaled for other (B, T) by ``budget_relative_sigma2s``.
 DEFAULT_SIGMA2S = (0.5, 0.8, 1.2)
 #: B / T at which DEFAULT_SIGMA2S applies unscaled: B_serve = 0.0229 of a privately tuned ε = 1, δ = 1e-5 ledger
@@ -46,3 +57,22 @@ def budget_relative_sigma2s(*, budget: float, planned_queries: int | None,
         raise BadInputError(f"planned_queries must be an integer ≥ 1, got {planned_queries!r}")
     factor = math.sqrt(REFERENCE_BUDGET_PER_QUERY * int(t) / float(budget))
     return tuple(float(f"{s * factor:.3g}") for s in base)
+
+
+def default_taus(*, extractor: str | None, kernel: str = "cosine", nu: float | None = None) -> tuple[tuple, str]:
+    """(τ grid, rule) for ``--tune`` without ``--tune-taus``: the prior of the extractor ``extractor`` (its name, or
+    ``name:model``; a public attribute of the store), else :data:`BROAD_TAUS`; mapped to RBF κ when ``kernel`` is rbf.
+
+    The rule is recorded in the ledger's tuning record beside the grid."""
+    name = str(extractor or "").split(":", 1)[0]
+    base = TAU_PRIORS.get(name)
+    rule = (f"prior for {name} features" if base is not None
+            else f"broad (no τ prior for extractor {name or 'unknown'!r}; give --tune-taus)")
+    base = base if base is not None else BROAD_TAUS
+    if kernel == "rbf":
+        if isinstance(nu, bool) or not (isinstance(nu, numbers.Real) and math.isfinite(nu) and nu > 0):
+            raise BadInputError(f"nu must be a finite number > 0 for the RBF kernel, got {nu!r}")
+        # unit vectors: ‖x − q‖² = 2 − 2·cos, and κ = exp(−‖x − q‖²/ν²) is increasing in cos
+        return (tuple(float(f"{math.exp(-(2.0 - 2.0 * c) / (nu * nu)):.6g}") for c in base),
+                rule + ", mapped to RBF κ = exp(−(2 − 2·cos)/ν²)")
+    return tuple(base), rule

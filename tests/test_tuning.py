@@ -143,6 +143,55 @@ def test_private_search_grid_is_fixed_by_public_figures_only(epsilon):
     assert given.grid == [[0.3, 0.7]] and given.sigma2_grid == "given"
 
 
+# -- the default τ grid: a public prior on the extractor ---------------------------------------------------------
+def test_default_tau_grid_is_the_extractors_prior_and_maps_to_rbf():
+    from indknn_cli.tuning_grid import BROAD_TAUS, TAU_PRIORS, default_taus
+
+    assert default_taus(extractor="text", kernel="cosine") == (TAU_PRIORS["text"], "prior for text features")
+    assert default_taus(extractor="hog:hog-28-9", kernel="cosine")[0] == (0.6, 0.65, 0.7, 0.75, 0.8)
+    assert default_taus(extractor="pixels", kernel="cosine")[0] == (0.5, 0.55, 0.6, 0.65, 0.7)
+    for other in ("vectors", "image", None, ""):
+        taus, rule = default_taus(extractor=other, kernel="cosine")
+        assert taus == BROAD_TAUS and rule.startswith("broad") and "--tune-taus" in rule
+    # RBF on unit vectors: κ = exp(−‖x − q‖²/ν²) = exp(−(2 − 2·cos)/ν²), so the mapped grid selects the same pairs
+    nu = math.exp(1.5)
+    taus, rule = default_taus(extractor="text", kernel="rbf", nu=nu)
+    assert "RBF" in rule and all(0 < t < 1 for t in taus) and list(taus) == sorted(taus)
+    for c, t in zip(TAU_PRIORS["text"], taus):
+        assert t == pytest.approx(math.exp(-(2 - 2 * c) / nu**2), rel=1e-5)
+    rng = np.random.default_rng(0)
+    x, q = rng.standard_normal((400, 8)), rng.standard_normal((1, 8))
+    x /= np.linalg.norm(x, axis=1, keepdims=True); q /= np.linalg.norm(q)
+    cos, rbf = x @ q[0], np.exp(-((x - q) ** 2).sum(1) / nu**2)
+    for c, t in zip(TAU_PRIORS["text"], taus):
+        away = np.abs(cos - c) > 1e-4  # the 6-digit rounding of the mapped τ moves the boundary by < 1e-5
+        assert np.array_equal((cos >= c)[away], (rbf >= t)[away])
+    with pytest.raises(BadInputError, match="nu"):
+        default_taus(extractor="text", kernel="rbf", nu=0.0)
+
+
+def test_store_extractor_picks_the_tau_prior_and_the_ledger_records_it(tmp_path):
+    """index --tune without --tune-taus reads the store's extractor (public), never the data; given τ: "given"."""
+    from indknn_cli.tuning_grid import TAU_PRIORS
+
+    x, y, _ = clustered(300, 16, 3, seed=5)
+    for name in ("hog", "vectors"):
+        store = FeatureStore.create(tmp_path / f"{name}.zarr", extractor=ExtractorInfo(name, "m", "1"), dim=16,
+                                    label_names=["a", "b", "c"])
+        store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(300)])
+        req = tuning.TuneRequest(epsilon=2.0, delta=1e-5, seed=1, n_val=30, mean_runs=2.0, planned_queries=100)
+        res = build_index(store_path=store.path, ledger_path=tmp_path / f"l-{name}", params=None, tune=req)
+        t = BudgetLedger.open(tmp_path / f"l-{name}").meta["tuning"]
+        want = TAU_PRIORS["hog"] if name == "hog" else tuning.default_taus(extractor=name)[0]
+        assert sorted({g[0] for g in t["grid"]}) == list(want)
+        assert t["tau_grid"] == ("prior for hog features" if name == "hog" else tuning.default_taus(extractor=name)[1])
+        assert res.params.tau in want
+    rec, _ = tuning.private_tune_arrays(x, y, [f"r{i}" for i in range(300)], n_classes=3,
+                                        req=tuning.TuneRequest(epsilon=2.0, delta=1e-5, seed=1, taus=(0.3,), n_val=20,
+                                                               mean_runs=2.0, extractor="hog"))
+    assert rec.tau_grid == "given" and {g[0] for g in rec.grid} == {0.3}
+
+
 # -- the search on a store ----------------------------------------------------------------------------------
 @pytest.fixture
 def tune_store(tmp_path):
@@ -465,7 +514,7 @@ def _tiny_bench_world(n_private: int):
     x, y, _ = clustered(n_private, 16, 3, seed=5)
     q, qy, _ = clustered(40, 16, 3, seed=6)
     p = SimpleNamespace(split=SimpleNamespace(private=np.arange(n_private)), priv_x=x, priv_y=y, pool_x=q,
-                        pool_y=qy, ds=SimpleNamespace(n_classes=3), T=20)
+                        pool_y=qy, ds=SimpleNamespace(n_classes=3, extractor="synthetic"), T=20)
     return p, BenchConfig.make(quick=False, seed=0, draws=2), [np.arange(20), np.arange(20, 40)]
 
 

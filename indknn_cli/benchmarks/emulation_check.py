@@ -41,11 +41,11 @@ def emulation_table(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray],
     """
     emulate = emulate or tuning.emulated_correct
     alternative = alternative or tuning.emulated_expected
-    req = tune_request(cfg, eps=eps, T=p.T, seed=cfg.seed * 1000)
+    req = tune_request(cfg, eps=eps, T=p.T, seed=cfg.seed * 1000, extractor=p.ds.extractor)
     shape = tuning.check_shape(req.shape)
     rho = tuning.rho_for_share(epsilon=eps, delta=cfg.delta, share=req.share, mean_runs=req.mean_runs, shape=shape)
     b = tuning.serving_budget(epsilon=eps, delta=cfg.delta, rho_run=rho, mean_runs=req.mean_runs, shape=shape)
-    grid = tuning.tuning_grid(taus=req.taus, sigma2s=req.sigma2s, budget=b, planned_queries=p.T)
+    grid = tuning.tuning_grid(taus=req.tau_grid()[0], sigma2s=req.sigma2s, budget=b, planned_queries=p.T)
     sigma1 = req.sigma1 if req.sigma1 is not None else default_sigma1(planned_queries=p.T, budget=b)
     record_ids = [f"r{int(i)}" for i in p.split.private]
     datas = [tuning.BaseRunData.build(p.priv_x, p.priv_y, record_ids, n_shards=min(req.n_val, len(record_ids)),

@@ -27,15 +27,16 @@ PRIVATE = "ind-knn (tuned privately)"
 ORACLE = "ind-knn best grid point (oracle, B_serve)"
 
 
-def tune_request(cfg: BenchConfig, *, eps: float, T: int, seed: int) -> tuning.TuneRequest:
-    """index --tune private's request with the bench's overrides (None: index's default)."""
+def tune_request(cfg: BenchConfig, *, eps: float, T: int, seed: int, extractor: str | None = None) -> tuning.TuneRequest:
+    """index --tune private's request with the bench's overrides (None: index's default; the τ prior of the
+    dataset's ``extractor``, as index takes the store's)."""
     over = {"share": cfg.tune_share, "mean_runs": cfg.tune_runs, "shape": cfg.tune_shape, "n_val": cfg.tune_queries,
             "taus": cfg.tune_taus, "sigma2s": cfg.tune_sigma2s}
     kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in over.items() if v is not None}
     if "shape" in kw:
         kw["shape"] = tuning.check_shape(kw["shape"])
     return tuning.TuneRequest(epsilon=float(eps), delta=cfg.delta, on="private", seed=seed, planned_queries=T,
-                              conversion="rdp", device=cfg.device, **kw).check()
+                              conversion="rdp", device=cfg.device, extractor=extractor, **kw).check()
 
 
 def _serve(p, cfg: BenchConfig, idx: np.ndarray, params, *, tag: str, kcache: dict, d: int) -> float:
@@ -55,7 +56,7 @@ def private_rows(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray], pr
     accs, records, secs = [], [], 0.0
     served: list = []
     for d, idx in enumerate(draws):
-        req = tune_request(cfg, eps=eps, T=p.T, seed=cfg.seed * 1000 + d)
+        req = tune_request(cfg, eps=eps, T=p.T, seed=cfg.seed * 1000 + d, extractor=p.ds.extractor)
         t0 = time.perf_counter()
         rec, params = tuning.private_tune_arrays(p.priv_x, p.priv_y, record_ids, n_classes=p.ds.n_classes, req=req)
         secs += time.perf_counter() - t0
@@ -127,7 +128,8 @@ def chosen_point_accuracy(p, cfg: BenchConfig, *, eps: float, draws: list[np.nda
     chosen = []
     for s in tuning_seeds:
         rec, params = tuning.private_tune_arrays(p.priv_x, p.priv_y, record_ids, n_classes=p.ds.n_classes,
-                                                 req=tune_request(cfg_tune, eps=eps, T=p.T, seed=s))
+                                                 req=tune_request(cfg_tune, eps=eps, T=p.T, seed=s,
+                                                                  extractor=p.ds.extractor))
         chosen.append(serve(params))
     best = max(serve(PrivacyParams(**{**params.as_dict(), "tau": float(t), "sigma2": float(s2)}).validate())
                for t, s2 in rec.grid)

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from ..errors import BadInputError
-from ..tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS, REFERENCE_BUDGET_PER_QUERY,
+from ..tuning_grid import (BROAD_TAUS, DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS, REFERENCE_BUDGET_PER_QUERY,
                            DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
 from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store,
                      run_library_call, stderr_console)
@@ -51,7 +51,7 @@ def index_command(
     tune_share: float = typer.Option(DEFAULT_TUNE_SHARE, "--tune-share", help="--tune private: fraction of --eps the search may cost (RDP, at --delta)."),
     tune_runs: float = typer.Option(DEFAULT_TUNE_RUNS, "--tune-runs", help="--tune private: mean number of runs K."),
     tune_shape: str = typer.Option(f"{DEFAULT_TUNE_SHAPE:g}", "--tune-shape", help="--tune private: distribution of K: η ≥ 0 of the truncated negative binomial (0 logarithmic, the default; 1 geometric) or 'poisson'."),
-    tune_taus: str = typer.Option(",".join(map(str, DEFAULT_TAUS)), "--tune-taus", help="Comma-separated τ grid."),
+    tune_taus: Optional[str] = typer.Option(None, "--tune-taus", help="Comma-separated τ grid. Default: a public prior on the store's extractor (text " + ",".join(map(str, DEFAULT_TAUS)) + "; hog, pixels: see docs/TUNING.md; others a broad grid " + ",".join(map(str, BROAD_TAUS)) + "), mapped to κ for --kernel rbf."),
     tune_sigma2s: Optional[str] = typer.Option(None, "--tune-sigma2s", help=f"Comma-separated σ2 grid. Default: budget-relative, {','.join(map(str, DEFAULT_SIGMA2S))} × sqrt({REFERENCE_BUDGET_PER_QUERY:g}·T/B) for the ledger's B and planned queries T (public figures; docs/TUNING.md)."),
     tune_queries: int = typer.Option(DEFAULT_TUNE_QUERIES, "--tune-queries", help="--tune private: validation queries S per run (the private set is split in S shards by a public coin)."),
     tune_seed: Optional[int] = typer.Option(None, "--tune-seed", help="Experiments only: fixed seed of the tuning's coins and noise (recorded). Default: OS entropy."),
@@ -75,7 +75,7 @@ def index_command(
                 raise BadInputError(f"--tune is not available with --privacy-unit {privacy_unit} yet: give --tau "
                                     "and --sigma2 (chosen on public data) for a user-unit ledger")
             req = TuneRequest(epsilon=eps, delta=delta, on=tune, share=tune_share, mean_runs=tune_runs,
-                              shape=check_shape(tune_shape), taus=_floats(tune_taus, "--tune-taus"),
+                              shape=check_shape(tune_shape), taus=None if tune_taus is None else _floats(tune_taus, "--tune-taus"),
                               sigma2s=None if tune_sigma2s is None else _floats(tune_sigma2s, "--tune-sigma2s"), n_val=tune_queries, seed=tune_seed,
                               conversion=conversion or ("rdp" if tune == "private" else "gdp"), kernel=kernel,
                               nu=nu, k_min=k_min, sigma1=sigma1, planned_queries=planned_queries)
