@@ -30,6 +30,7 @@ demo: $(VENV)/.installed
 	rm -rf $(DEMO) && mkdir -p $(DEMO)
 	$(BIN)/indknn embed sample_data/ag_news_private.csv --store $(DEMO)/store.zarr --role private \
 	    --extractor text --text-column text --label-column label --id-column id --user-column user \
+	    --label-names Business,Sci/Tech,Sports,World \
 	  | $(BIN)/indknn index --ledger $(DEMO)/ledger --eps 1 --delta 1e-5 --tau 0.25 --sigma2 0.6 --planned-queries 1000
 	$(BIN)/indknn serve-queries sample_data/ag_news_queries.csv --store $(DEMO)/store.zarr \
 	    --ledger $(DEMO)/ledger --text-column text --id-column id --batch-id day-1 --out $(DEMO)/answers-day-1.parquet

@@ -41,9 +41,13 @@ def _timed(out: list, what: str, where: str, fn) -> None:
     print(json.dumps(row), flush=True)
 
 
+AG_NEWS = ["Business", "Sci/Tech", "Sports", "World"]  # the sample's classes, declared (never read from the rows)
+
+
 def workflow(store: str, tmp: Path, where: str, out: list) -> None:
     lp = tmp / f"ledger-{where}"
-    _timed(out, "embed", where, lambda: embed_into_store(tmp / "priv.npz", store_path=store, extractor="vectors"))
+    _timed(out, "embed", where, lambda: embed_into_store(tmp / "priv.npz", store_path=store, extractor="vectors",
+                                                                 label_names=["0", "1", "2", "3"]))
     _timed(out, "index", where, lambda: build_index(store_path=store, ledger_path=lp, params=make_params(**PARAMS)))
     _timed(out, "serve 100", where, lambda: (
         embed_into_store(tmp / "q.npz", store_path=store, role="query", batch="q"),
@@ -101,16 +105,17 @@ def text(args, tmp: Path, out: list) -> None:
         w.writeheader()
         w.writerows(rows[:20])
     _timed(out, "embed text", "in process", lambda: embed_into_store(tmp / "t.csv", store_path=tmp / "t0.zarr",
-                                                                      extractor="text"))
+                                                                      extractor="text", label_names=AG_NEWS))
     from distributed import LocalCluster
 
     for n in (1, 2):
         with LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
                           silence_logs=50) as c:
             embed_into_store(tmp / "warm.csv", store_path=tmp / f"w{n}.zarr", extractor="text",
-                             batch_rows=10, scheduler=c.scheduler_address)  # loads the model on every worker
+                             batch_rows=10, scheduler=c.scheduler_address, label_names=AG_NEWS)  # loads the model on every worker
             _timed(out, "embed text", f"{n} Dask worker{'s' if n > 1 else ''}", lambda: embed_into_store(
-                tmp / "t.csv", store_path=tmp / f"t{n}.zarr", extractor="text", scheduler=c.scheduler_address))
+                tmp / "t.csv", store_path=tmp / f"t{n}.zarr", extractor="text", scheduler=c.scheduler_address,
+                label_names=AG_NEWS))
 
 
 def draw(out: list, path: str, note: str = "") -> None:

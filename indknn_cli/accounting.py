@@ -207,19 +207,23 @@ def epsilon_by_conversion(*, budget: float, delta: float) -> dict[str, float]:
 
 
 def realised_epsilons(spent: np.ndarray, *, budget: float, delta: float, conversion: str = "gdp",
-                      grid_points: int = 2049) -> np.ndarray:
+                      grid_points: int = 2049, epsilon_at=None) -> np.ndarray:
     """Realised individual loss ε_i (the conversion applied to spent_i), rounded up.
 
     A descriptive figure, not a second guarantee (SPEC §8). Evaluated on a grid
     of spent values in [0, B] and looked up at the next grid point above, so it
-    never understates the loss and never exceeds ε(B).
+    never understates the loss and never exceeds ε(B). ``epsilon_at(spent)`` replaces the conversion (a privately
+    tuned ledger: the search composed with the spent, ``tuning.composed_epsilon``); it must be non-decreasing.
     """
     spent = np.clip(np.asarray(spent, dtype=np.float64), 0.0, budget)
     if spent.size == 0:
         return spent.copy()
     grid = np.linspace(0.0, budget, grid_points)
     grid[-1] = budget
-    eps_grid = np.array([epsilon_for_budget(budget=float(g), delta=delta, conversion=conversion) for g in grid])
+    if epsilon_at is None:
+        def epsilon_at(b: float) -> float:
+            return epsilon_for_budget(budget=b, delta=delta, conversion=conversion)
+    eps_grid = np.array([epsilon_at(float(g)) for g in grid])
     eps_grid = np.maximum.accumulate(eps_grid)
     idx = np.searchsorted(grid, spent, side="left")
     return eps_grid[np.minimum(idx, grid_points - 1)]

@@ -15,6 +15,8 @@ from .store import (CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _
                     scan_rows_for)
 
 PENDING_ATTR = ERASE_PENDING_ATTR
+#: a store created before the class list's origin was recorded keeps that fact through compaction
+UNRECORDED_LABEL_SOURCE = "unrecorded"
 
 
 def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new_uuid: str) -> None:
@@ -22,7 +24,8 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
     if store.remote is not None:  # the copy goes under a new prefix, named by dest's remote.json
         object_store.new_generation(store, dest)
     new = FeatureStore.create(dest, extractor=store.extractor, dim=store.dim, label_names=store.label_names,
-                              chunk_rows=store.chunk_rows)
+                              chunk_rows=store.chunk_rows,
+                              label_names_source=store.label_names_source or UNRECORDED_LABEL_SOURCE)
     attrs = dict(store.root.attrs)
     history = list(attrs.get("compactions", []))
     history.append({"from_store_uuid": store.uuid, "rows_removed": int(store.n_rows("private") - keep.size),

@@ -276,6 +276,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
             warnings.append(f"{src.name}: labels are ignored for queries (not stored; --role test keeps them "
                             f"for bench's scoring)")
         names = store.label_names if store is not None else []
+        names_source = "declared"  # an empty list: a store created from query rows takes no labelled rows later
     else:
         if not src.has_labels:
             raise BadInputError(src.missing_labels_message())
@@ -286,7 +287,16 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                 raise BadInputError(f"--label-names {label_names} differ from the store's label names {names} "
                                     f"(label names are fixed when the store is created)")
         else:
+            if label_names is None and role == "private":
+                # The class list is released with every answer (a label outside it can never be answered), so
+                # one record with a label of its own would change what serving can release: the list must be
+                # declared, never read from the private rows (SPEC §1 and §8; audit 9, F1).
+                raise BadInputError(
+                    f"{src.name}: a store created from private rows needs --label-names (the class list, declared "
+                    "in advance: every answer is one of these names, so it must not be read from the private "
+                    "records); or create the store from labelled public rows (--role public) first")
             names = list(label_names) if label_names is not None else sort_label_names(present)
+            names_source = "declared" if label_names is not None else f"{TEST_ROLE if test else role} rows"
         name_index = {n: i for i, n in enumerate(names)}
         unknown = [v for v in present if v not in name_index]
         if unknown:
@@ -388,7 +398,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                             lab_idx[k] = name_index[lab]
                     if store is None:
                         try:
-                            store = FeatureStore.create(store_path, extractor=ex.info, dim=dim, label_names=names)
+                            store = FeatureStore.create(store_path, extractor=ex.info, dim=dim, label_names=names,
+                                                        label_names_source=names_source)
                         except OSError as exc:
                             raise StoreError(f"{store_path}: cannot create the store ({exc})") from None
                         created = True

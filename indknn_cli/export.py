@@ -53,6 +53,7 @@ def export_account(*, ledger_path: str | os.PathLike, out: str | os.PathLike, de
     active = s.active_mask(c1) if n else np.zeros(0, bool)
     status = np.where(deleted, "deleted", np.where(active, "active", "retired"))
     B = float(d["budget"])
+    tuning_meta = ledger.meta.get("tuning")  # a privately tuned ledger: realised ε composes the search (rdp only)
 
     def ts(values) -> pa.Array:
         t = np.asarray(values, dtype=np.float64)
@@ -70,14 +71,20 @@ def export_account(*, ledger_path: str | os.PathLike, out: str | os.PathLike, de
     }
     for c in CONVERSIONS:
         cols[f"realised_epsilon_{c}"] = pa.array(
-            np.asarray(realised_loss(spent, budget=B, delta=d["delta"], conversion=c), dtype=np.float64)
-            if n else np.zeros(0))
+            np.asarray(realised_loss(spent, budget=B, delta=d["delta"], conversion=c, tuning=tuning_meta),
+                       dtype=np.float64) if n else np.zeros(0), from_pandas=True)  # NaN → null (gdp, tuned)
     cols["times_selected"] = pa.array(np.asarray(s.times_selected, dtype=np.int64))
     cols["last_change"] = ts(s.last_change)
     cols["deleted_at"] = ts(np.where(deleted, np.asarray(s.deleted_at, dtype=np.float64), np.nan))
     unit = unit_figures(getattr(params, "privacy_unit", "record"))
     if unit["unit"] == "user" and n:  # the user's own spent: the largest over their records, tombstones included
-        users = np.array([str(u or "") for u in s.user_id], dtype=object)
+        # the users the filter keeps (user_unit.user_keys): with --user-for-missing record, a record without a
+        # user id is its own user, never pooled with the others (audit 9, F4)
+        from .user_unit import user_keys
+
+        keys = user_keys([u or "" for u in s.user_id], s.record_id,
+                         user_for_missing=getattr(params, "user_for_missing", "refuse"))
+        users = np.array(["\0" + str(r) if k is None else str(k) for k, r in zip(keys, s.record_id)], dtype=object)
         _, inv = np.unique(users, return_inverse=True)
         user_spent = np.zeros(inv.max() + 1)
         np.maximum.at(user_spent, inv, spent)

@@ -216,6 +216,10 @@ def build_index(
     # operator-only (index's stderr, never serve's); only when the ledger is made or grows, not on every cron re-run
     sparse = data_quality.neighbour_warning(store, ledger.params) if created or added else None
     warnings = warnings + ([sparse] if sparse else [])
+    if created and store.label_names_source in (None, "unrecorded"):
+        warnings.append("the store does not record where its class names came from (it was created before indknn "
+                        "recorded that): the guarantee assumes the class list was declared in advance, never read "
+                        "from the private rows (every answer is one of these names)")
     return IndexResult(store=str(store_path), ledger=str(ledger_path), records=len(ledger.state),
                        records_added=added, created=created, params=ledger.params, kind=plan.kind,
                        extra={"index": index_info, **({"warnings": warnings} if warnings else {})},

@@ -45,6 +45,8 @@ class RepairResult:
     records_retired: int = 0
     store_rows_added_retired: int = 0
     tombstones_written: int = 0
+    answers_recovered: int = 0        # released answers of the quarantined events, written again (still counted)
+    unreadable_events: list[str] = field(default_factory=list)  # quarantined events whose answers are unknown
     dry_run: bool = False
 
     def as_dict(self) -> dict:
@@ -76,6 +78,29 @@ def _ids_in_lost_events(paths: list[Path]) -> list[tuple[str, str]]:
             if kind in ("add", "delete") and rid:
                 out.append((str(rid), str(uid or "")))
     return out
+
+
+def _answers_in_lost_events(paths: list[Path]) -> tuple["object", list[str]]:
+    """The answer rows of the quarantined events that can still be read (a pyarrow table in the event schema,
+    or None) and the names of those that cannot. Those answers were released: the repair event writes them
+    again, so queries answered (the public --max-queries gate) never goes down, a re-run batch returns them
+    instead of answering them again with fresh noise, and reuse keeps them (audit 9, F3)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from .ledger_state import ANSWER_SCHEMA
+
+    parts, unreadable = [], []
+    for p in paths:
+        try:
+            t = pq.read_table(p)
+            t = t.filter(pc.equal(t.column("kind"), "answer").fill_null(False))
+            parts.append(pa.table({f.name: t.column(f.name).cast(f.type) for f in ANSWER_SCHEMA}))
+        except Exception:  # noqa: BLE001 - the damaged event itself: its answers cannot be known
+            unreadable.append(p.name)
+    parts = [t for t in parts if t.num_rows]
+    return (pa.concat_tables(parts) if parts else None), unreadable
 
 
 def _opens(path: Path, store_uuid: str) -> bool:
@@ -209,12 +234,19 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
             lost_tombs.append(add(rid, uid, -1))
     tomb = np.concatenate([tomb, np.asarray(lost_tombs, np.int64)]).astype(np.int64)
     index_rid = dict(zip(add_li, add_rid))
+    lost_answers, unreadable = _answers_in_lost_events([quarantine / p.name for p in moved])
+    if lost_answers is not None:  # never twice: an answer the kept events already hold is not written again
+        have = {(b, int(q)) for b, q in zip(s.answer_column("batch_id", object), s.answer_column("query_index",
+                                                                                                   np.int64))}
+        keep_rows = [i for i, (b, q) in enumerate(zip(lost_answers.column("batch_id").to_pylist(),
+                                                       lost_answers.column("query_index").to_pylist()))
+                     if (b, int(q)) not in have]
+        lost_answers = lost_answers.take(keep_rows) if keep_rows else None
+    nans = 0 if lost_answers is None else lost_answers.num_rows
     if not dry_run:
         led.mark_path = integrity.mark_path(store.path)  # the mark moves to the repair event
     na, nc, nt = len(add_li), int(live.size), int(tomb.size)
-    led.commit_event(event_type="repair", info={
-        "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
-        "store_rows_added_retired": len(new_rows), "tombstones_written": nt}, columns={
+    columns = {
         "kind": ["add"] * na + ["charge"] * nc + ["delete"] * nt,
         "ledger_index": add_li + live.tolist() + tomb.tolist(),
         "record_id": add_rid + [None] * nc + [str(s.record_id[i]) if i < len(s) else index_rid[int(i)]
@@ -224,9 +256,24 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
         "budget": [B] * na + [None] * (nc + nt),
         "spent_after": [B] * (na + nc + nt),
         "selected": [None] * na + [0] * nc + [None] * nt,
-    })
+    }
+    if nans:
+        import pyarrow as pa
+
+        from .ledger_state import ANSWER_SCHEMA, EVENT_SCHEMA
+
+        m = na + nc + nt
+        for f in EVENT_SCHEMA:
+            head = pa.array(columns.get(f.name, [None] * m), type=f.type)
+            tail = (lost_answers.column(f.name).combine_chunks() if f.name in ANSWER_SCHEMA.names
+                    else pa.array(["answer"] * nans if f.name == "kind" else [None] * nans, type=f.type))
+            columns[f.name] = pa.concat_arrays([head, tail.cast(f.type)])
+    led.commit_event(event_type="repair", info={
+        "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
+        "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
+        "unreadable_events": unreadable}, columns=columns)
     return RepairResult(ledger=str(shown_path), repaired=True, reason=reason, events_kept_through=
                         integrity.head_seq(led), quarantined=[p.name for p in moved],
                         quarantine_folder=None if dry_run or not moved else str(quarantine),
                         records_retired=nc, store_rows_added_retired=len(new_rows), tombstones_written=nt,
-                        dry_run=dry_run)
+                        answers_recovered=nans, unreadable_events=unreadable, dry_run=dry_run)

@@ -88,8 +88,18 @@ EXACT_CONVERSION_LIMIT = 256
 
 
 # -- conversions -----------------------------------------------------------------
-def realised_loss(spent, *, budget: float, delta: float, conversion: str) -> np.ndarray:
+#: Grid of the realised loss of a privately tuned ledger above EXACT_CONVERSION_LIMIT distinct values (each point
+#: is one dp-accounting composition, ~6 ms).
+TUNED_GRID_POINTS = 257
+
+
+def realised_loss(spent, *, budget: float, delta: float, conversion: str, tuning: dict | None = None) -> np.ndarray:
     """ε_i = conversion(min(spent_i, B), δ), rounded up (SPEC §3 "individual loss").
+
+    A privately tuned ledger (``tuning``: its metadata record, mode private): every record took part in the
+    search as well, so ε_i composes the search with spent_i by RDP, as the headline does
+    (``tuning.composed_epsilon``; audit 9, F2), and the Gaussian-DP conversion does not apply (NaN: shown as
+    null / "—").
 
     Up to EXACT_CONVERSION_LIMIT distinct values are converted exactly;
     more are looked up on the grid of :func:`accounting.realised_epsilons`
@@ -98,13 +108,26 @@ def realised_loss(spent, *, budget: float, delta: float, conversion: str) -> np.
     s = np.clip(np.asarray(spent, dtype=np.float64), 0.0, budget)
     if s.size == 0:
         return s.copy()
+    tuned = bool(tuning) and tuning.get("mode") == "private"
+    if tuned and conversion != "rdp":
+        return np.full(s.shape, np.nan)
+
+    def eps_at(b: float) -> float:
+        if tuned:
+            from .tuning import composed_epsilon, check_shape
+
+            return composed_epsilon(rho_run=float(tuning["rho_run"]), mean_runs=float(tuning["mean_runs"]),
+                                    shape=check_shape(tuning["shape"]), budget_serve=b, delta=delta)
+        return epsilon_for_budget(budget=b, delta=delta, conversion=conversion)
+
     uniq, inv = np.unique(s, return_inverse=True)
     if uniq.size > EXACT_CONVERSION_LIMIT:
-        return realised_epsilons(s, budget=budget, delta=delta, conversion=conversion)
-    vals = np.array([epsilon_for_budget(budget=float(u), delta=delta, conversion=conversion) for u in uniq])
+        return realised_epsilons(s, budget=budget, delta=delta, conversion=conversion, epsilon_at=eps_at,
+                                 **({"grid_points": TUNED_GRID_POINTS} if tuned else {}))
+    vals = np.array([eps_at(float(u)) for u in uniq])
     # The true ε(s) is non-decreasing in s and ε(B) is the guarantee; the computed one is monotone only
     # up to ~1e-13 rounding noise. Enforce both, so no realised figure ever shows above the guarantee.
-    cap = epsilon_for_budget(budget=float(budget), delta=delta, conversion=conversion)
+    cap = eps_at(float(budget))
     vals = np.minimum(np.maximum.accumulate(vals), cap)
     return vals[inv.reshape(s.shape)]
 
@@ -189,7 +212,8 @@ def _subject_record(ledger, i: int, *, status: _Status, budget: float, delta: fl
     s = ledger.state
     spent = float(s.spent[i])
     remaining = max(0.0, math.nextafter(budget - spent, -math.inf)) if budget > spent else 0.0
-    realised = {c: _finite(float(realised_loss([spent], budget=budget, delta=delta, conversion=c)[0]))
+    realised = {c: _finite(float(realised_loss([spent], budget=budget, delta=delta, conversion=c,
+                                               tuning=ledger.meta.get("tuning"))[0]))
                 for c in CONVERSIONS}
     deleted = bool(s.deleted[i])
     return {
@@ -221,10 +245,13 @@ def _history(ledger, *, budget: float, delta: float, conversion: str, total_answ
     hist = list(ledger.state.history)
     if not hist:
         return []
-    medians = ledger_history.history_epsilons(hist, budget=budget, delta=delta, conversion=conversion)
+    tuning = ledger.meta.get("tuning")
+    tuned = bool(tuning) and tuning.get("mode") == "private"  # the cache converts serving's spent alone
+    medians = None if tuned else ledger_history.history_epsilons(hist, budget=budget, delta=delta,
+                                                                 conversion=conversion)
     if medians is None:  # events written before the cache, or another conversion or δ than the ledger's
         medians = realised_loss([float(h.get("spent_median", 0.0)) for h in hist], budget=budget, delta=delta,
-                                conversion=conversion)
+                                conversion=conversion, tuning=tuning)
     after = total_answers
     points: list[dict] = []
     for h, med in zip(reversed(hist), reversed(medians)):
@@ -357,7 +384,7 @@ def build_account_report(
     q_names = [k for k, _ in QUANTILES]
     if n:
         real_vals = realised_loss([spent_q[k] for k in q_names], budget=budget, delta=use_delta,
-                                  conversion=use_conv)
+                                  conversion=use_conv, tuning=ledger.meta.get("tuning"))
         realised_q = {k: _finite(float(v)) for k, v in zip(q_names, real_vals)}
     else:
         realised_q = {k: None for k in q_names}

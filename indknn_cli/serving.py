@@ -145,7 +145,10 @@ def serve_queries(
         _check_batch_id(batch_id, done_rows, q_start, q_stop)
         n_queries = q_stop - q_start
         already = int(done_rows.size)
-        todo_start = q_start + already
+        # Resume after the last answered query, not after as many as were answered: a repair that lost an
+        # unreadable event but kept a later one leaves a gap, and those queries may have been released (audit 9,
+        # F3). They are not answered again; with a prefix (the usual case) both are the same.
+        todo_start = q_start + already if not already else max(q_start + already, int(done_rows.max()) + 1)
         allowance = gate.allowance(answered=queries_answered(ledger), planned_queries=params.planned_queries,
                                    max_queries=max_queries)
         released: list[dict] | None = [] if keep_answers else None

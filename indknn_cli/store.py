@@ -120,6 +120,8 @@ class FeatureStore:
         self.dim = int(attrs["dim"])
         self.extractor = ExtractorInfo(**attrs["extractor"])
         self.label_names: list[str] = list(attrs["label_names"])
+        #: "declared", "public rows", "test rows"; None for a store created before this was recorded.
+        self.label_names_source: str | None = attrs.get("label_names_source")
         self.uuid: str = attrs["store_uuid"]
         self.chunk_rows = int(attrs["chunk_rows"])
         #: Rows read per step when a whole role is scanned (a multiple of ``chunk_rows``; see SCAN_BYTES).
@@ -143,6 +145,7 @@ class FeatureStore:
         dim: int,
         label_names: Sequence[str],
         chunk_rows: int | None = None,
+        label_names_source: str = "declared",
     ) -> "FeatureStore":
         path = object_store.local_path(path)
         loc = object_store.location(path)
@@ -177,6 +180,10 @@ class FeatureStore:
             "dim": int(dim),
             "extractor": extractor.as_dict(),
             "label_names": [str(n) for n in label_names],
+            # where the class list came from: "declared" (given), "public rows" or "test rows" (read from a
+            # labelled file that is not private). Never the private rows: the list is released with every answer
+            # (SPEC §1 takes the classes as public), so it must not depend on any private record.
+            "label_names_source": str(label_names_source),
             "normalized": True,
             "chunk_rows": int(chunk_rows),
             "checksums": CHECKSUM,

@@ -35,7 +35,8 @@ def test_ag_news_accuracy_near_paper(tmp_path):
                 w.writerow([f"{name[0]}{i}", f"{r['title']}. {r['description']}", NAMES[r["label"]]])
     store = tmp_path / "s.zarr"
     embed_into_store(tmp_path / "private.csv", store_path=store, role="private", extractor="text",
-                     text_column="text", label_column="label", id_column="id")
+                     text_column="text", label_column="label", id_column="id",
+                     label_names=["Business", "Sci/Tech", "Sports", "World"])
     embed_into_store(tmp_path / "queries.csv", store_path=store, role="query", text_column="text",
                      id_column="id", batch="test")
     params = make_params(epsilon=2.0, delta=1e-5, tau=0.25, sigma2=0.6, planned_queries=1000)

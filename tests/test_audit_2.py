@@ -53,7 +53,8 @@ def _s3_store(tmp_path, endpoint):
     bucket = new_bucket(endpoint)
     x, y, _ = clustered(40, 8, 3, seed=1)
     np.savez(tmp_path / "priv.npz", x=x, y=y, ids=np.array([f"r{i:04d}" for i in range(40)]))
-    embed_into_store(tmp_path / "priv.npz", store_path=f"s3://{bucket}/stores/s1", extractor="vectors")
+    embed_into_store(tmp_path / "priv.npz", store_path=f"s3://{bucket}/stores/s1", extractor="vectors",
+                     label_names=["0", "1", "2"])
     return bucket
 
 

@@ -55,7 +55,7 @@ def _world(tmp: Path, *, users: bool = False, unit: str = "record") -> None:
     for k in (1, 2, 3):
         _queries(tmp / f"q{k}.npz", 40, k)
     emb = _ok(_cli(tmp, "embed", "priv.npz", "--store", "s.zarr", "--role", "private", "--extractor", "vectors",
-                   "-q", *(["--user-column", "users"] if users else [])))
+                   "--label-names", "0,1", "-q", *(["--user-column", "users"] if users else [])))
     _ok(_cli(tmp, "index", "--ledger", "L", "--eps", "60", "--tau", "0.5", "--sigma2", "0.5",
              "--planned-queries", "1000", "--privacy-unit", unit, "-q", stdin=emb.stdout))
 
@@ -169,7 +169,8 @@ def test_d3_account_without_store_checks_the_recorded_store_or_says_it_did_not(t
 # -- a refused index leaves no ledger folder ---------------------------------------------------------------
 def test_a_refused_index_leaves_no_half_created_ledger_folder(tmp_path):
     _priv(tmp_path / "priv.npz")
-    _ok(_cli(tmp_path, "embed", "priv.npz", "--store", "s.zarr", "--role", "private", "--extractor", "vectors", "-q"))
+    _ok(_cli(tmp_path, "embed", "priv.npz", "--store", "s.zarr", "--role", "private", "--extractor", "vectors",
+             "--label-names", "0,1", "-q"))
     before = json.loads((tmp_path / "s.zarr" / "zarr.json").read_text())
     # refused inside the ledger lock (the lock creates the folder): no public rows to tune on
     r = _cli(tmp_path, "index", "--store", "s.zarr", "--ledger", "sub/L", "--eps", "1", "--tune", "public", "-q")

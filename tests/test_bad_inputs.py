@@ -53,7 +53,7 @@ def build_world(root: Path) -> Path:
     x, y, _ = clustered(60, D, 3, seed=5)
     np.savez(root / "priv.npz", x=x, y=np.array(list("abc"))[y], ids=np.array([f"r{i:03d}" for i in range(60)]),
              users=np.array([f"u{i % 7}" for i in range(60)]))
-    embed_into_store(root / "priv.npz", store_path=root / "s.zarr", extractor="vectors")
+    embed_into_store(root / "priv.npz", store_path=root / "s.zarr", extractor="vectors", label_names=["a", "b", "c"])
     q, _, _ = clustered(12, D, 3, seed=6)
     np.save(root / "q.npy", q)
     embed_query_file(root / "q.npy", store_path=root / "s.zarr", batch="q1", device="cpu")
@@ -62,7 +62,8 @@ def build_world(root: Path) -> Path:
     params = make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.5, planned_queries=100)
     build_index(store_path=root / "s.zarr", ledger_path=root / "L", params=params)
     serve_queries(store_path=root / "s.zarr", ledger_path=root / "L", query_batch="q1", seed=1, device="cpu")
-    embed_into_store(root / "priv.npz", store_path=root / "other.zarr", extractor="vectors")
+    embed_into_store(root / "priv.npz", store_path=root / "other.zarr", extractor="vectors",
+                     label_names=["a", "b", "c"])
     build_index(store_path=root / "other.zarr", ledger_path=root / "L2", params=params)
     embed_query_file(root / "q.npy", store_path=root / "other.zarr", batch="oq", device="cpu")
     serve_queries(store_path=root / "other.zarr", ledger_path=root / "L2", query_batch="oq", seed=2, device="cpu")
@@ -183,6 +184,10 @@ CASES: list[Case] = [
     Case("embed-label-out-of-range", "embed", "a label that is not one of the store's labels",
          lambda w: ["embed", npz(w, "in.npz", vecs(3), y=["a", "zebra", "b"], ids=["k0", "k1", "k2"]), *S(w)],
          2, "unknown label 'zebra'"),
+    Case("embed-private-no-label-names", "embed", "private rows into a new store without --label-names",
+         lambda w: ["embed", npz(w, "in.npz", vecs(3), y=["a", "b", "zeta"]), "--store", str(w / "new.zarr"),
+                    "--extractor", "vectors"], 2, "needs --label-names",
+         "refused; no store is created (the class list is declared, never read from private rows)"),
     Case("embed-label-not-in-names", "embed", "numeric label 7 with --label-names 0,1,2 (new store)",
          lambda w: ["embed", npz(w, "in.npz", vecs(3), y=[0, 7, 1]), "--store", str(w / "new.zarr"),
                     "--extractor", "vectors", "--label-names", "0,1,2"], 2, "unknown label '7'",
@@ -203,7 +208,8 @@ CASES: list[Case] = [
          lambda w: ["embed", _write_bytes(w / "in.jsonl", b'{"vector": [1,2,3,4,5,6,7,8], "label": "a", '
                                           b'"id": "caf\xe9"}\n'), *S(w), "--id-column", "id"], 2, "UTF-8"),
     Case("embed-broken-image", "embed", "a folder of images with one unreadable (truncated) PNG",
-         lambda w: ["embed", broken_images(w), "--store", str(w / "img.zarr"), "--extractor", "hog"], 2,
+         lambda w: ["embed", broken_images(w), "--store", str(w / "img.zarr"), "--extractor", "hog",
+                    "--label-names", "a,b"], 2,
          "cannot read image", "refused, naming the file; no store is created"),
     Case("embed-query-no-store", "embed", "--role query into a folder without a store",
          lambda w: ["embed", _save_npy(w / "in.npy", vecs(2)), "--role", "query", "--store", str(w / "none.zarr")],

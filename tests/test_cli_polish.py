@@ -221,9 +221,10 @@ def test_progress_only_on_a_terminal(vector_store, tmp_path):
     pq.write_table(pa.table({"id": [f"n{i}" for i in range(5)], "label": ["a"] * 5,
                              "vector": [list(map(float, v)) for v in rng.normal(size=(5, 16))]}), tmp_path / "v.parquet")
     rc, out, err = _run_with_stderr_on_a_pty(["embed", tmp_path / "v.parquet", "--store", tmp_path / "e.zarr",
-                                              "--extractor", "vectors"])
+                                              "--extractor", "vectors", "--label-names", "a"])
     assert rc == 0 and "embedding" in err and "━" in err, err
-    res = cli("embed", tmp_path / "v.parquet", "--store", tmp_path / "e2.zarr", "--extractor", "vectors")
+    res = cli("embed", tmp_path / "v.parquet", "--store", tmp_path / "e2.zarr", "--extractor", "vectors",
+              "--label-names", "a")
     assert res.returncode == 0 and "━" not in res.stderr and "embedding" not in res.stderr, res.stderr
 
 
@@ -237,7 +238,8 @@ def test_embed_checks_the_input_before_loading_the_model(tmp_path, monkeypatch):
     monkeypatch.setattr(extractors.TextExtractor, "__init__", no_model)
     (tmp_path / "t.csv").write_text("id,text,label\na,hello,x\n")
     with pytest.raises(BadInputError, match="text column 'nope' not found"):
-        embedding.embed_into_store(tmp_path / "t.csv", store_path=tmp_path / "s.zarr", text_column="nope")
+        embedding.embed_into_store(tmp_path / "t.csv", store_path=tmp_path / "s.zarr", text_column="nope",
+                                   label_names=["x"])
     with pytest.raises(BadInputError, match="no such file"):
         embedding.embed_into_store(tmp_path / "none.csv", store_path=tmp_path / "s.zarr")
     assert not (tmp_path / "s.zarr").exists()

@@ -143,7 +143,7 @@ def test_embed_warns_about_empty_texts_and_thin_labels(tmp_path):
     csv = tmp_path / "t.csv"
     csv.write_text("id,text,label\n" + "".join(f"a{i},some text number {i},big\n" for i in range(6))
                    + 'e1,"   ",big\ns1,a lone record,single\n', encoding="utf-8")
-    res = invoke("embed", csv, "--store", tmp_path / "s.zarr")
+    res = invoke("embed", csv, "--store", tmp_path / "s.zarr", "--label-names", "big,single")
     assert res.exit_code == 0, res.output
     err = " ".join(res.stderr.split())
     assert "1 empty text (" in err and "1 label with fewer than 5 records: 'single' (1 record)" in err, err
@@ -152,7 +152,7 @@ def test_embed_warns_about_empty_texts_and_thin_labels(tmp_path):
     csv2.write_text("id,text,label\n" + "".join(f"b{i},more text {i},single\n" for i in range(4)), encoding="utf-8")
     res = invoke("embed", csv2, "--store", tmp_path / "s.zarr")
     assert res.exit_code == 0 and "fewer than" not in res.stderr and "empty" not in res.stderr, res.stderr
-    res = invoke("embed", csv, "--store", tmp_path / "s2.zarr", "-q")
+    res = invoke("embed", csv, "--store", tmp_path / "s2.zarr", "--label-names", "big,single", "-q")
     assert res.exit_code == 0 and res.stderr == ""
 
 

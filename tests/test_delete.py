@@ -195,7 +195,7 @@ def test_embed_accepts_a_deleted_id_again(tmp_path):
 
     x, _, _ = clustered(20, 6, 2, seed=3)
     embed_into_store(npz(tmp_path / "a.npz", x, [f"r{i}" for i in range(20)]), store_path=tmp_path / "s.zarr",
-                     role="private", extractor="vectors")
+                     role="private", extractor="vectors", label_names=["a", "b"])
     store = FeatureStore.open(tmp_path / "s.zarr", mode="a")
     store.append("query", np.repeat(x[:1], 4, axis=0), record_ids=list("abcd"), batch="q")
     build_index(store_path=store.path, ledger_path=tmp_path / "L",

@@ -25,7 +25,7 @@ from .conftest import clustered  # noqa: E402
 def _world(tmp: Path, url: str, x, y, q) -> Path:
     np.savez(tmp / "priv.npz", x=x, y=y, ids=np.array([f"r{i:04d}" for i in range(len(x))]))
     np.savez(tmp / "q.npz", x=q, ids=np.array([f"q{i:02d}" for i in range(len(q))]))
-    embed_into_store(tmp / "priv.npz", store_path=url, extractor="vectors")
+    embed_into_store(tmp / "priv.npz", store_path=url, extractor="vectors", label_names=["0", "1", "2"])
     lp = tmp / "L"
     build_index(store_path=url, ledger_path=lp, params=make_params(epsilon=0.3, delta=1e-5, tau=0.3, sigma2=0.5,
                                                                      planned_queries=60))

@@ -86,7 +86,8 @@ def vstore(tmp_path):
     x = rng_vectors(20, 6)
     src = write_npz(tmp_path / "base.npz", x, y=np.array(list("abc") * 7)[:20], ids=[f"r{i:02d}" for i in range(20)],
                     users=[f"u{i % 4}" for i in range(20)])
-    res = embed_into_store(src, store_path=tmp_path / "v.zarr", role="private", extractor="vectors")
+    res = embed_into_store(src, store_path=tmp_path / "v.zarr", role="private", extractor="vectors",
+                           label_names=["a", "b", "c"])
     assert res.rows_added == 20 and res.created
     return tmp_path / "v.zarr"
 
@@ -101,6 +102,7 @@ def test_text_csv_into_a_new_store(tmp_path, minilm):
     seen = []
     res = embed_into_store(src, store_path=tmp_path / "s.zarr", role="private", extractor=minilm,
                            id_column="id", user_column="user", batch_rows=3,
+                           label_names=["Business", "Sports", "World"],
                            progress=lambda done, total: seen.append((done, total)))
     assert res.as_dict() == {"store": str(tmp_path / "s.zarr"), "role": "private", "rows_added": 4,
                              "rows_skipped": 0, "d": 384, "extractor": minilm.info.as_dict()}
@@ -119,8 +121,14 @@ def test_text_csv_into_a_new_store(tmp_path, minilm):
 
 
 def test_generated_ids_labels_sorted_numerically_and_append(tmp_path):
+    # The names are inferred from labelled public rows (a store created from private rows needs them declared).
+    p0 = write_npz(tmp_path / "pub.npz", rng_vectors(3, 4, 2), y=[10, 2, 1])
+    r0 = embed_into_store(p0, store_path=tmp_path / "s.zarr", role="public", extractor="vectors")
+    s = FeatureStore.open(tmp_path / "s.zarr")
+    assert r0.created and s.label_names == ["1", "2", "10"] and s.label_names_source == "public rows"
+    assert s.read("public", "labels").tolist() == [2, 1, 0]
     p1 = write_npz(tmp_path / "a.npz", rng_vectors(3, 4), y=[10, 2, 1])
-    r1 = embed_into_store(p1, store_path=tmp_path / "s.zarr", extractor="vectors")
+    r1 = embed_into_store(p1, store_path=tmp_path / "s.zarr")  # extractor: the store's own
     s = FeatureStore.open(tmp_path / "s.zarr")
     assert s.label_names == ["1", "2", "10"] and s.read("private", "labels").tolist() == [2, 1, 0]
     assert s.record_ids().tolist() == ["private-00000000", "private-00000001", "private-00000002"]
@@ -242,7 +250,8 @@ def test_query_role_needs_an_existing_store(tmp_path):
 
 def test_embed_query_file(tmp_path, minilm):
     write_csv(tmp_path / "p.csv", [("a", "Stocks fell"), ("b", "Team won")], ["text", "label"])
-    embed_into_store(tmp_path / "p.csv", store_path=tmp_path / "s.zarr", extractor=minilm)
+    embed_into_store(tmp_path / "p.csv", store_path=tmp_path / "s.zarr", extractor=minilm,
+                     label_names=["Stocks fell", "Team won"])
     q = write_csv(tmp_path / "q.csv", [("q1", "Shares dropped"), ("q2", "A goal in the final"),
                                        ("q3", "Oil prices")], ["id", "text"])
     name = embed_query_file(q, store_path=tmp_path / "s.zarr", batch=None, id_column="id", device="cpu")
@@ -339,7 +348,8 @@ def test_bad_input_into_a_new_store_leaves_nothing(tmp_path, case):
     make, exc, msg = BAD_VECTOR_INPUTS[case]
     path = make(tmp_path)
     with pytest.raises(exc, match=msg):
-        embed_into_store(path, store_path=tmp_path / "new.zarr", extractor="vectors", batch_rows=4)
+        embed_into_store(path, store_path=tmp_path / "new.zarr", extractor="vectors", batch_rows=4,
+                         label_names=["a"])  # declared, so the check for the bad input is what fires
     assert not (tmp_path / "new.zarr").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".new.zarr")]
 
@@ -350,7 +360,7 @@ def test_unreadable_image_leaves_store_untouched(tmp_path):
             (tmp_path / "imgs" / cls).mkdir(parents=True, exist_ok=True)
             noise = np.random.default_rng(i).integers(0, 255, (28, 28), dtype=np.uint8)
             Image.fromarray(noise).save(tmp_path / "imgs" / cls / f"{i}.png")
-    embed_into_store(tmp_path / "imgs", store_path=tmp_path / "s.zarr", extractor="hog")
+    embed_into_store(tmp_path / "imgs", store_path=tmp_path / "s.zarr", extractor="hog", label_names=["a", "b"])
     before = snapshot(tmp_path / "s.zarr")
     (tmp_path / "more" / "b").mkdir(parents=True)
     Image.fromarray(np.random.default_rng(9).integers(0, 255, (28, 28), dtype=np.uint8)).save(
@@ -363,7 +373,7 @@ def test_unreadable_image_leaves_store_untouched(tmp_path):
 
 def test_non_utf8_text_and_missing_label_column(tmp_path, minilm):
     write_csv(tmp_path / "p.csv", [("fine text", "x")], ["text", "label"])
-    embed_into_store(tmp_path / "p.csv", store_path=tmp_path / "s.zarr", extractor=minilm)
+    embed_into_store(tmp_path / "p.csv", store_path=tmp_path / "s.zarr", extractor=minilm, label_names=["x"])
     before = snapshot(tmp_path / "s.zarr")
     (tmp_path / "bad.csv").write_bytes(b"text,label\nok,x\nna\xefve,x\n")
     with pytest.raises(BadInputError, match=r"row 2 \(line 3\), column 'text': not valid UTF-8"):
@@ -378,7 +388,7 @@ def test_blank_image_is_a_zero_hog_vector(tmp_path):
     (tmp_path / "imgs" / "a").mkdir(parents=True)
     Image.fromarray(np.full((28, 28), 200, dtype=np.uint8)).save(tmp_path / "imgs" / "a" / "blank.png")
     with pytest.raises(BadInputError, match=r"row 1 \(id 'imgs/a/blank.png'\): zero vector"):
-        embed_into_store(tmp_path / "imgs", store_path=tmp_path / "s.zarr", extractor="hog")
+        embed_into_store(tmp_path / "imgs", store_path=tmp_path / "s.zarr", extractor="hog", label_names=["a"])
     assert not (tmp_path / "s.zarr").exists()
 
 
@@ -399,7 +409,7 @@ def test_cli_embed_prints_one_json_line(tmp_path, minilm):
               ["id", "text", "label"])
     store = tmp_path / "s.zarr"
     result = runner.invoke(app, ["embed", str(tmp_path / "p.csv"), "--store", str(store), "--id-column", "id",
-                                 "--device", "cpu"])
+                                 "--device", "cpu", "--label-names", "Business,Sports"])
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 1
@@ -446,7 +456,7 @@ def test_real_pipe_into_a_json_reader(tmp_path):
     reader = ("import json, sys; lines = sys.stdin.read().splitlines(); assert len(lines) == 1, lines; "
               "d = json.loads(lines[0]); print(d['store'], d['rows_added'], d['d'])")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cmd = (f"'{sys.executable}' -m indknn_cli embed '{p}' --store '{store}' --extractor vectors "
+    cmd = (f"'{sys.executable}' -m indknn_cli embed '{p}' --store '{store}' --extractor vectors --label-names x,y "
            f"| '{sys.executable}' -c \"{reader}\"")
     proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=120)

@@ -201,7 +201,7 @@ def test_open_clip_into_a_store(tmp_path):
         for p in digit_images(tmp_path, n=2):
             p.rename(tmp_path / "imgs" / cls / p.name)
     res = embed_into_store(tmp_path / "imgs", store_path=tmp_path / "s.zarr", role="private",
-                           extractor="image", model=f"{TINY_CLIP}:random", device="cpu")
+                           extractor="image", model=f"{TINY_CLIP}:random", device="cpu", label_names=["0", "1"])
     assert res.rows_added == 4 and res.dim == 256
     s = FeatureStore.open(tmp_path / "s.zarr")
     np.testing.assert_allclose(np.linalg.norm(s.read("private", "features"), axis=1), 1.0, rtol=1e-5)

@@ -82,7 +82,7 @@ def test_a_ledger_with_poisoned_parameters_never_commits_nan(tmp_path):
 
     x, y, _ = clustered(40, 8, 2, seed=1)
     np.savez(tmp_path / "p.npz", x=x, y=y)
-    embed_into_store(tmp_path / "p.npz", store_path=tmp_path / "s.zarr", extractor="vectors")
+    embed_into_store(tmp_path / "p.npz", store_path=tmp_path / "s.zarr", extractor="vectors", label_names=["0", "1"])
     np.save(tmp_path / "q.npy", x[:5])  # queries next to the private records: every one has candidates
     embed_query_file(tmp_path / "q.npy", store_path=tmp_path / "s.zarr", batch="q", device="cpu")
     build_index(store_path=tmp_path / "s.zarr", ledger_path=tmp_path / "L",

@@ -55,7 +55,7 @@ def test_round_trip_with_physical_erasure(s3, state, tmp_path):
     bucket = new_bucket(s3)
     url = f"s3://{bucket}/stores/s1"
     x = _inputs(tmp_path)
-    res = embed_into_store(tmp_path / "priv.npz", store_path=url, extractor="vectors")
+    res = embed_into_store(tmp_path / "priv.npz", store_path=url, extractor="vectors", label_names=["0", "1", "2"])
     assert res.store == url and res.rows_added == 300
     store = object_store.open_store(url)  # the library's one opener of a store, local path or URL
     assert store.remote.url == url and store.remote.options == {"endpoint_url": s3}
@@ -88,7 +88,8 @@ def test_versioned_bucket_is_refused(s3, state, tmp_path):
     bucket = new_bucket(s3, versioned=True)
     _inputs(tmp_path)
     with pytest.raises(StoreError, match="versioning enabled"):
-        embed_into_store(tmp_path / "priv.npz", store_path=f"s3://{bucket}/s", extractor="vectors")
+        embed_into_store(tmp_path / "priv.npz", store_path=f"s3://{bucket}/s", extractor="vectors",
+                         label_names=["0", "1", "2"])
     assert raw_objects(s3, bucket) == {}  # nothing written
 
 
@@ -128,7 +129,7 @@ def test_cli_round_trip(s3, state, tmp_path):
         assert p.returncode == 0, p.stderr
         return p.stdout
 
-    line = indknn("embed", "priv.npz", "--store", url, "--extractor", "vectors")
+    line = indknn("embed", "priv.npz", "--store", url, "--extractor", "vectors", "--label-names", "0,1,2")
     assert json.loads(line)["store"] == url
     indknn("index", "--ledger", "led", "--kind", "lsh", "--eps", "1", "--delta", "1e-5", "--tau", "0.5",
            "--sigma2", "0.5", "--planned-queries", "100", stdin=line)

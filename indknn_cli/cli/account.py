@@ -45,8 +45,11 @@ def _print_subject(console, title: str, rec: dict) -> None:
             ("spent", _f(rec["spent"])), ("remaining", _f(rec["remaining"])), ("budget B", _f(rec["budget"])),
             ("next count charge", _f(rec["next_charge_at_least"])),
             ("times selected", str(rec["times_selected"]))]
+    tuned = rec.get("tuning") is not None  # privately tuned: the record's loss includes its share of the search
     for c, v in rec["realised_epsilon_by_conversion"].items():
-        rows.append((f"realised ε ({c})", f"{_f(v, '.4g')}  [{REALISED_LABEL}]"))  # escaped below
+        what = f"{c}, tuning + serving" if tuned and c == "rdp" else (
+            f"{c}: not applicable to tuning + serving" if tuned else c)
+        rows.append((f"realised ε ({what})", f"{_f(v, '.4g')}  [{REALISED_LABEL}]"))  # escaped below
     rows.append(("deleted", f"yes, at {rec['deleted_at']}" if rec["deleted"] else "no"))
     rows.append(("last change", rec["last_change"] or "—"))
     for k, v in rows:

@@ -31,7 +31,7 @@ def embed_command(
     user_column: Optional[str] = typer.Option(None, "--user-column", help="User id column (optional; .npz: users)."),
     image_column: Optional[str] = typer.Option(None, "--image-column", help="Image path column of a table of images (default: path; relative to the table's folder)."),
     vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed vectors in Parquet / JSON lines (default: vector; .npz: x)."),
-    label_names: Optional[str] = typer.Option(None, "--label-names", help="Comma-separated label names fixed at store creation (default: the sorted distinct labels of the input)."),
+    label_names: Optional[str] = typer.Option(None, "--label-names", help="Comma-separated class names, fixed at store creation: required when the store is created from private rows (every answer is one of them, so the list is declared, never read from private data); from --role public or test rows the default is their sorted distinct labels."),
     if_exists: str = typer.Option("error", "--if-exists", help="error | skip: what to do with a record id that is already in the store."),
     batch_id: Optional[str] = typer.Option(None, "--batch-id", help="Name of the stored query batch (--role query or test; default q-<sha256 of the input>, test-<sha256> for test): give it to serve-queries as QUERIES. Re-running the same input is a no-op."),
     batch: Optional[str] = typer.Option(None, "--batch", hidden=True, help="Deprecated spelling of --batch-id."),

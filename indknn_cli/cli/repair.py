@@ -50,3 +50,10 @@ def repair_command(
                          f"{count(result.records_retired, 'record')} "
                          f"retired (spent = B) and {count(result.store_rows_added_retired, 'store row')} brought in "
                          "retired: utility lost, no budget refunded"))
+        if result.answers_recovered:
+            err.print(escape(f"{count(result.answers_recovered, 'released answer')} of the quarantined events kept "
+                             "(still counted in queries answered; a re-run batch returns them)"))
+        if result.unreadable_events:
+            err.print(escape(f"warning: {count(len(result.unreadable_events), 'quarantined event')} cannot be read "
+                             f"({', '.join(result.unreadable_events)}): answers they released, if any, are no longer "
+                             "counted in queries answered; lower --max-queries by what you know was released"))
