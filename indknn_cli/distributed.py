@@ -279,8 +279,10 @@ class DaskFinder:
         except IndknnError:
             raise
         except Exception as exc:  # noqa: BLE001 - KilledWorker past allowed-failures, lost scheduler, ...
-            raise SchedulerError(f"the Dask candidate phase failed ({type(exc).__name__}: {exc}); nothing was "
-                                 "charged or released for this part") from None
+            # the exception's type only: a worker's message can quote shapes or values of the private chunk it
+            # read, and serve's stderr is not the operator's alone (audit 9, S3)
+            raise SchedulerError(f"the Dask candidate phase failed ({type(exc).__name__}); nothing was charged or "
+                                 "released for this part; the worker logs have the details") from None
         t1 = time.perf_counter()
         bound = self.spec.max_pairs
         if q.shape[0] > 1 and bound is not None and (any(p is None for p in parts)

@@ -312,3 +312,41 @@ def test_a_worker_that_cannot_see_the_store_is_a_scheduler_error(tmp_path):
     with pytest.raises(SchedulerError, match="cannot open the store"):
         distributed.score_range(missing, 0, 64, q)
     assert distributed.drop_run("run3") == 0 and not any(k[0] in ("run1", "run2") for k in distributed._PARTS)
+
+
+class _RaiseOnRead(WorkerPlugin):
+    """A worker plugin: the worker's range reader raises an error whose text quotes a value it read."""
+
+    name = "indknn-test-raise"
+
+    def setup(self, worker):
+        self.saved = distributed._range_scorer
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("record r0017 has kappa 0.8123 (secret-7)")
+
+        distributed._range_scorer = broken
+
+    def teardown(self, worker):
+        distributed._range_scorer = self.saved
+
+
+def test_a_failing_worker_task_is_named_by_its_exception_type_only(tmp_path, scheduler):
+    """Audit 9, S3: a worker's exception text can quote what it read; serve's stderr shows only its type."""
+    store_path, ledger_path = make_world(tmp_path, "flat")
+    store = FeatureStore.open(store_path)
+    led = BudgetLedger.open(ledger_path)
+    client = distributed.connect(scheduler)
+    try:
+        dask = distributed.DaskCandidates(client, tasks_per_worker=1)
+        finder = dask.factory(store, led)
+        client.register_plugin(_RaiseOnRead())  # each worker's range reader raises, quoting a "private" value
+        q = store.read("query", "features", 0, 4)
+        with pytest.raises(SchedulerError) as err:
+            finder(q, row_mask=np.ones(store.n_rows("private"), bool))
+        client.unregister_worker_plugin(_RaiseOnRead.name)
+        dask.release()
+    finally:
+        client.close()
+    msg = str(err.value)
+    assert "candidate phase failed (" in msg and "nothing was charged" in msg and "secret-7" not in msg

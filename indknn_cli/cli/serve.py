@@ -121,7 +121,7 @@ def serve_command(
             except ConcurrentChangeError:
                 if attempt == 2:
                     raise
-                err.print("the store was compacted while this command waited; re-opening")
+                err.print("the store changed while this command waited; re-opening")  # no word on erasures (audit 9, S2)
 
     def call_once():
         if queries == "-" and not upstream_line:
