@@ -34,7 +34,7 @@ import numpy as np
 
 from . import FORMAT_VERSION
 from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _check_delta, _check_epsilon,
-                         calibrate_budget, epsilon_for_budget, realised_epsilons)
+                         calibrate_budget, epsilon_for_budget)
 from . import ledger_history
 from . import ledger_integrity as integrity
 from .errors import BadInputError, BudgetExhaustedError, CheckFailedError
@@ -42,6 +42,7 @@ from .ledger_readonly import open_ledger_readonly
 from .wording import count
 from . import data_quality
 from .report_plot import PLOT_SUFFIXES, check_plot_path  # noqa: F401 (PLOT_SUFFIXES re-exported)
+from .realised import EXACT_CONVERSION_LIMIT, realised_loss  # noqa: F401 (re-exported: export, tests)
 
 REALISED_LABEL = "realised individual loss (descriptive, not a guarantee)"
 #: The privacy unit and the adjacency every printed ε is stated for (SPEC §8).
@@ -82,56 +83,7 @@ _GUARANTEE_KEYS = ("ledger", "format_version", "unit", "adjacency", "scope", "bu
                    "conversion", "conversion_label", "epsilon_by_conversion", "ledger_delta", "ledger_conversion",
                    "target_epsilon", "target_conversion", "guarantees", "next_charge_at_least")
 QUANTILES = (("min", 0.0), ("median", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
-#: Above this many distinct spent values the realised loss is looked up on
-#: accounting.realised_epsilons' grid (rounded up) instead of converted exactly.
-EXACT_CONVERSION_LIMIT = 256
-
-
 # -- conversions -----------------------------------------------------------------
-#: Grid of the realised loss of a privately tuned ledger above EXACT_CONVERSION_LIMIT distinct values (each point
-#: is one dp-accounting composition, ~6 ms).
-TUNED_GRID_POINTS = 257
-
-
-def realised_loss(spent, *, budget: float, delta: float, conversion: str, tuning: dict | None = None) -> np.ndarray:
-    """ε_i = conversion(min(spent_i, B), δ), rounded up (SPEC §3 "individual loss").
-
-    A privately tuned ledger (``tuning``: its metadata record, mode private): every record took part in the
-    search as well, so ε_i composes the search with spent_i by RDP, as the headline does
-    (``tuning.composed_epsilon``; audit 9, F2), and the Gaussian-DP conversion does not apply (NaN: shown as
-    null / "—").
-
-    Up to EXACT_CONVERSION_LIMIT distinct values are converted exactly;
-    more are looked up on the grid of :func:`accounting.realised_epsilons`
-    (the next grid point above: never understated, never above ε(B)).
-    """
-    s = np.clip(np.asarray(spent, dtype=np.float64), 0.0, budget)
-    if s.size == 0:
-        return s.copy()
-    tuned = bool(tuning) and tuning.get("mode") == "private"
-    if tuned and conversion != "rdp":
-        return np.full(s.shape, np.nan)
-
-    def eps_at(b: float) -> float:
-        if tuned:
-            from .tuning import composed_epsilon, check_shape
-
-            return composed_epsilon(rho_run=float(tuning["rho_run"]), mean_runs=float(tuning["mean_runs"]),
-                                    shape=check_shape(tuning["shape"]), budget_serve=b, delta=delta)
-        return epsilon_for_budget(budget=b, delta=delta, conversion=conversion)
-
-    uniq, inv = np.unique(s, return_inverse=True)
-    if uniq.size > EXACT_CONVERSION_LIMIT:
-        return realised_epsilons(s, budget=budget, delta=delta, conversion=conversion, epsilon_at=eps_at,
-                                 **({"grid_points": TUNED_GRID_POINTS} if tuned else {}))
-    vals = np.array([eps_at(float(u)) for u in uniq])
-    # The true ε(s) is non-decreasing in s and ε(B) is the guarantee; the computed one is monotone only
-    # up to ~1e-13 rounding noise. Enforce both, so no realised figure ever shows above the guarantee.
-    cap = eps_at(float(budget))
-    vals = np.minimum(np.maximum.accumulate(vals), cap)
-    return vals[inv.reshape(s.shape)]
-
-
 def _quantiles(values: np.ndarray) -> dict[str, float | None]:
     if values.size == 0:
         return {name: None for name, _ in QUANTILES}
