@@ -152,7 +152,7 @@ def embed_into_store(
         store = FeatureStore.open(store_path, mode="a")  # refuses other format versions and foreign folders
     elif role in ("query", TEST_ROLE):
         raise StoreError(f"{store_path}: no feature store here; queries go into an existing store "
-                         f"(embed the private set first: indknn embed DATA --role private --store {store_path})")
+                         f"(embed the private set first: indknn embed DATA --role private --label-names A,B,... --store {store_path})")
     reader_opts = dict(text_column=text_column, label_column=label_column, id_column=id_column,
                        user_column=user_column, image_column=image_column, vector_column=vector_column,
                        batch_rows=batch_rows, stdin=stdin)

@@ -46,6 +46,7 @@ class RepairResult:
     store_rows_added_retired: int = 0
     tombstones_written: int = 0
     answers_recovered: int = 0        # released answers of the quarantined events, written again (still counted)
+    answers_left_out: int = 0         # quarantined answer rows repeated or not fitting the store: not written
     unreadable_events: list[str] = field(default_factory=list)  # quarantined events whose answers are unknown
     dry_run: bool = False
 
@@ -101,6 +102,36 @@ def _answers_in_lost_events(paths: list[Path]) -> tuple["object", list[str]]:
             unreadable.append(p.name)
     parts = [t for t in parts if t.num_rows]
     return (pa.concat_tables(parts) if parts else None), unreadable
+
+
+def _checked_answers(table, store: FeatureStore, have: set) -> tuple["object", int]:
+    """The recovered answer rows that fit the store (a stored batch, the row inside it, query_index = row −
+    batch start, a label of the class list or the abstention, its name, a finite count), each (batch, query)
+    once and none the kept events already hold; and how many rows were left out. A quarantined file is not
+    verified, so nothing in it is trusted further than that (review 9)."""
+    import math
+
+    from .engine import ABSTAIN_LABEL, ABSTAIN_NAME
+
+    names = list(store.label_names)
+    batches = {}
+    keep, seen = [], set(have)
+    cols = table.to_pydict()
+    for i, (b, qi, row, lab, name, cnt) in enumerate(zip(cols["batch_id"], cols["query_index"], cols["query_row"],
+                                                       cols["label"], cols["label_name"],
+                                                       cols["released_count"])):
+        if b is None or qi is None or row is None or lab is None or cnt is None or (b, qi) in seen:
+            continue
+        if b not in batches:
+            batches[b] = store.query_batch(b)[:2] if b in store.batches() else None
+        span = batches[b]
+        if span is None or not (span[0] <= row < span[1]) or qi != row - span[0] or not math.isfinite(cnt):
+            continue
+        if not ((lab == ABSTAIN_LABEL and name == ABSTAIN_NAME) or (0 <= lab < len(names) and name == names[lab])):
+            continue
+        seen.add((b, qi))
+        keep.append(i)
+    return (table.take(keep) if keep else None), table.num_rows - len(keep)
 
 
 def _opens(path: Path, store_uuid: str) -> bool:
@@ -235,13 +266,11 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     tomb = np.concatenate([tomb, np.asarray(lost_tombs, np.int64)]).astype(np.int64)
     index_rid = dict(zip(add_li, add_rid))
     lost_answers, unreadable = _answers_in_lost_events([quarantine / p.name for p in moved])
-    if lost_answers is not None:  # never twice: an answer the kept events already hold is not written again
+    refused = 0
+    if lost_answers is not None:  # never twice, and only rows that fit the store (_checked_answers)
         have = {(b, int(q)) for b, q in zip(s.answer_column("batch_id", object), s.answer_column("query_index",
                                                                                                    np.int64))}
-        keep_rows = [i for i, (b, q) in enumerate(zip(lost_answers.column("batch_id").to_pylist(),
-                                                       lost_answers.column("query_index").to_pylist()))
-                     if (b, int(q)) not in have]
-        lost_answers = lost_answers.take(keep_rows) if keep_rows else None
+        lost_answers, refused = _checked_answers(lost_answers, store, have)
     nans = 0 if lost_answers is None else lost_answers.num_rows
     if not dry_run:
         led.mark_path = integrity.mark_path(store.path)  # the mark moves to the repair event
@@ -271,9 +300,10 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     led.commit_event(event_type="repair", info={
         "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
         "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
-        "unreadable_events": unreadable}, columns=columns)
+        "answers_left_out": refused, "unreadable_events": unreadable}, columns=columns)
     return RepairResult(ledger=str(shown_path), repaired=True, reason=reason, events_kept_through=
                         integrity.head_seq(led), quarantined=[p.name for p in moved],
                         quarantine_folder=None if dry_run or not moved else str(quarantine),
                         records_retired=nc, store_rows_added_retired=len(new_rows), tombstones_written=nt,
-                        answers_recovered=nans, unreadable_events=unreadable, dry_run=dry_run)
+                        answers_recovered=nans, answers_left_out=refused, unreadable_events=unreadable,
+                        dry_run=dry_run)

@@ -396,12 +396,17 @@ def build_account_report(
         if n:
             top = realised_q["max"]
             if top is not None and top > eps:
-                try:
-                    # ε(s) is non-decreasing in s: ε_i > E ⟺ spent_i > the largest s with ε(s) ≤ E
-                    threshold = calibrate_budget(epsilon=eps, delta=use_delta, conversion=use_conv)
-                except BadInputError:
-                    threshold = 0.0
-                over = int(np.count_nonzero(np.minimum(spent, budget) > threshold))
+                if tuning_share is not None:  # tuned: ε_i composes the search with spent_i (realised.py)
+                    over = int(np.count_nonzero(realised_loss(spent, budget=budget, delta=use_delta,
+                                                              conversion=use_conv,
+                                                              tuning=ledger.meta.get("tuning")) > eps))
+                else:
+                    try:
+                        # ε(s) is non-decreasing in s: ε_i > E ⟺ spent_i > the largest s with ε(s) ≤ E
+                        threshold = calibrate_budget(epsilon=eps, delta=use_delta, conversion=use_conv)
+                    except BadInputError:
+                        threshold = 0.0
+                    over = int(np.count_nonzero(np.minimum(spent, budget) > threshold))
         passed = epsilon is not None and math.isfinite(epsilon) and epsilon <= eps
         data["check_eps"] = {
             "eps": eps, "delta": use_delta, "conversion": use_conv, "epsilon": _finite(epsilon), "passed": passed,

@@ -262,7 +262,7 @@ def serve_queries(
         total = queries_answered(ledger)
     if allowance is not None:
         allowance = gate.Allowance(allowance.max_queries, allowance.source, total)
-    return ServeResult(batch_id, released, n_queries - already, already, seed, total, allowance)
+    return ServeResult(batch_id, released, q_stop - todo_start, already, seed, total, allowance)
 
 
 def check_min_margin(min_margin) -> float | None:

@@ -49,7 +49,7 @@ class FeatureStore:
         self.dim = int(attrs["dim"])
         self.extractor = ExtractorInfo(**attrs["extractor"])
         self.label_names: list[str] = list(attrs["label_names"])
-        #: "declared", "public rows", "test rows"; None for a store created before this was recorded.
+        #: "declared" or "public rows"; None for a store created before this was recorded ("unrecorded" after compaction).
         self.label_names_source: str | None = attrs.get("label_names_source")
         self.uuid: str = attrs["store_uuid"]
         self.chunk_rows = int(attrs["chunk_rows"])
@@ -109,7 +109,7 @@ class FeatureStore:
             "dim": int(dim),
             "extractor": extractor.as_dict(),
             "label_names": [str(n) for n in label_names],
-            # where the class list came from: "declared" (given), "public rows" or "test rows" (read from a
+            # where the class list came from: "declared" (given by the caller) or "public rows" (read from a
             # labelled file that is not private). Never the private rows: the list is released with every answer
             # (SPEC §1 takes the classes as public), so it must not depend on any private record.
             "label_names_source": str(label_names_source),

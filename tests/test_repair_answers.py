@@ -38,3 +38,48 @@ def test_repair_keeps_readable_answers_and_never_answers_a_released_query_again(
     lines = [json.loads(x) for x in again.stdout.splitlines()]
     assert sorted(a["query_index"] for a in lines) == sorted(kept)
     assert _answers(lp) == kept and public_allowance(ledger_path=lp).answered == 32
+
+
+def test_recovered_answers_are_checked_and_counted_once(world):
+    """Review 9: a stray copy of a quarantined event is not written twice; an answer row that does not fit the
+    store (a label outside the class list) is left out, and serving with reuse goes on."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sp, lp = world
+    released = _answers(lp)
+    ev = _events(lp)  # serve events of queries 0–7, 8–15, 16–23, 24–31, 32–39
+    shutil.copy(ev[3], lp / "events" / "00000099-serve-q1.parquet")  # a file manager's copy, after the others
+    t = pq.read_table(ev[4])
+    labels = t.column("label").to_pylist()
+    first = t.column("kind").to_pylist().index("answer")
+    labels[first] = 7  # 3 classes: no such label (the row for query 32)
+    pq.write_table(t.set_column(t.schema.get_field_index("label"), "label", pa.array(labels, pa.int32())), ev[4])
+    ev[1].write_bytes(ev[1].read_bytes()[:200])  # queries 8–15 cannot be read
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)
+    assert r["answers_recovered"] == 23 and r["answers_left_out"] == 9  # 8 repeated + 1 that does not fit
+    kept = _answers(lp)
+    assert sorted(kept) == list(range(8)) + [q for q in range(16, 40) if q != 32]
+    assert all(kept[q] == released[q] for q in kept)
+    served = _serve(sp, lp, "q2")  # reuse reads the recovered answers: no internal error
+    assert served.returncode == 0, served.stderr
+    assert len(served.stdout.splitlines()) == 40
+
+
+def test_a_batch_resumed_after_a_gap_counts_only_its_new_answers(world):
+    sp, lp = world
+    ev = _events(lp)
+    ev[4].unlink()  # the last serve event (32–39) is lost without a trace
+    ev[1].write_bytes(ev[1].read_bytes()[:200])  # and 8–15 cannot be read
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["answers_recovered"] == 16  # 16–31
+    again = _serve(sp, lp, "q1")
+    assert again.returncode == 0, again.stderr
+    assert sorted(json.loads(x)["query_index"] for x in again.stdout.splitlines()) == \
+        list(range(8)) + list(range(16, 40))  # the gap 8–15 is never answered again
+    assert "answered 8 queries" in " ".join(again.stderr.split())  # not 16 (40 − the 24 recorded)

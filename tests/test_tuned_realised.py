@@ -58,6 +58,13 @@ def test_realised_loss_of_a_tuned_ledger_composes_the_search(tmp_path):
     tab = pq.read_table(tmp_path / "e.parquet").to_pydict()
     assert all(v is None for v in tab["realised_epsilon_gdp"])
     assert min(tab["realised_epsilon_rdp"]) >= t["epsilon_tuning"]
+    # account --eps E counts the records whose composed figure is above E (review 9: it used serving alone)
+    for e in (0.5 * t["epsilon_tuning"], 0.5 * (t["epsilon_tuning"] + d["epsilon"]), 0.99 * d["epsilon"]):
+        want = sum(v > e for v in tab["realised_epsilon_rdp"])
+        got = build_account_report(ledger_path=tmp_path / "l", eps=e).data["check_eps"]
+        assert got["records_realised_above_eps"] == want
+    assert build_account_report(ledger_path=tmp_path / "l", eps=0.5 * t["epsilon_tuning"]).data[
+        "check_eps"]["records_realised_above_eps"] == len(spent)  # every record took part in the search
     res = runner.invoke(app, ["account", "--ledger", str(tmp_path / "l"), "--record", str(led.state.record_id[idle])])
     assert res.exit_code == 0, res.output
     assert "tuning + serving" in " ".join(res.stdout.split())
