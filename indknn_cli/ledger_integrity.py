@@ -313,7 +313,10 @@ def write_mark(path: Path, ledger) -> None:
 
     atomic_write_text(json.dumps({"ledger_uuid": ledger.meta["ledger_uuid"], "seq": head_seq(ledger),
                                   "sha256": ledger.head_sha256, "generation": int(ledger.generation),
-                                  "snapshot_sha256": ledger.snapshot_sha256, "time": time.time()}), Path(path))
+                                  "snapshot_sha256": ledger.snapshot_sha256, "time": time.time(),
+                                  # answers released through the ledger up to the head: what `repair` compares
+                                  # with what a damaged or rolled-back ledger still holds (audit 3, review 2)
+                                  "answers": int(ledger.state.n_answers())}), Path(path))
 
 
 @contextlib.contextmanager

@@ -48,6 +48,9 @@ class RepairResult:
     answers_recovered: int = 0        # released answers of the quarantined events, written again (still counted)
     answers_left_out: int = 0         # quarantined answer rows repeated or not fitting the store: not written
     unreadable_events: list[str] = field(default_factory=list)  # quarantined events whose answers are unknown
+    #: answers the store's high-water mark counted that the repaired ledger does not hold (a rolled-back copy or
+    #: unreadable events): released, but no longer counted in queries answered. None: the mark does not say.
+    answers_not_counted: int | None = None
     dry_run: bool = False
 
     def as_dict(self) -> dict:
@@ -205,6 +208,10 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
 
 
 def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, shown_path: Path) -> RepairResult:
+    try:
+        marked = (integrity.read_mark(store.path) or {}).get("answers")
+    except LedgerIntegrityError:
+        marked = None
     files = _event_files(path)
     bad_names = [p for s, p in files if s < 0]
     files = [(s, p) for s, p in files if s >= 0]
@@ -301,7 +308,10 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
         "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
         "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
         "answers_left_out": refused, "unreadable_events": unreadable}, columns=columns)
-    return RepairResult(ledger=str(shown_path), repaired=True, reason=reason, events_kept_through=
+    held = led.state.n_answers()
+    not_counted = max(0, int(marked) - held) if isinstance(marked, int) and not isinstance(marked, bool) else None
+    return RepairResult(answers_not_counted=not_counted, ledger=str(shown_path), repaired=True, reason=reason,
+                        events_kept_through=
                         integrity.head_seq(led), quarantined=[p.name for p in moved],
                         quarantine_folder=None if dry_run or not moved else str(quarantine),
                         records_retired=nc, store_rows_added_retired=len(new_rows), tombstones_written=nt,

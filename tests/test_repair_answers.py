@@ -83,3 +83,33 @@ def test_a_batch_resumed_after_a_gap_counts_only_its_new_answers(world):
     assert sorted(json.loads(x)["query_index"] for x in again.stdout.splitlines()) == \
         list(range(8)) + list(range(16, 40))  # the gap 8–15 is never answered again
     assert "answered 8 queries" in " ".join(again.stderr.split())  # not 16 (40 − the 24 recorded)
+
+
+def test_repair_names_the_answers_a_rolled_back_copy_no_longer_counts(world, tmp_path):
+    """Review 9, item 2: a restored older copy has no quarantined files; the store's high-water mark counted the
+    answers released since, and repair says how many are no longer counted."""
+    import shutil
+
+    from indknn_cli.serving import serve_queries
+
+    sp, lp = world
+    backup = tmp_path / "backup"
+    shutil.copytree(lp, backup)
+    serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", batch_size=8, seed=2)  # 40 more released
+    shutil.rmtree(lp)
+    shutil.copytree(backup, lp)
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["answers_not_counted"] == 40
+    err = " ".join(res.stderr.split())
+    assert "counted 40 more answers than the repaired ledger holds" in err and "lower --max-queries by 40" in err
+
+
+def test_repair_counts_the_answers_of_an_unreadable_event_as_not_counted(world):
+    sp, lp = world
+    ev = _events(lp)
+    ev[2].write_bytes(ev[2].read_bytes()[:200])  # queries 16–23; 24–39 are recovered
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)
+    assert r["answers_recovered"] == 16 and r["answers_not_counted"] == 8
