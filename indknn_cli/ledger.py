@@ -341,7 +341,7 @@ class BudgetLedger:
         answers_sha = atomic_write_parquet_tables(s.answer_tables(), schema,
                                                   self.path / f"answers-{generation:06d}.parquet")
         meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
-                    batches=s.batches, history=s.history[-100000:],
+                    batches=s.batches, history=s.history[-100000:], answers_not_held=int(s.answers_not_held),
                     **integrity.snapshot_chain_fields(self, answers_sha))
         table = ledger_snapshot.record_table(s, meta, c1=c1)
         self.snapshot_sha256 = self.chain_prev_sha256 = atomic_write_parquet(

@@ -104,6 +104,8 @@ def apply_table(s: LedgerState, table: pa.Table, info: dict, *, c1: float) -> No
     n_answers = int(ans.sum())
     if n_answers:
         s.extend_answers(table.filter(pa.array(ans)))
+    if info.get("type") == "repair":
+        s.answers_not_held += int(info.get("answers_not_recovered") or 0)
     if info.get("type") == "serve":
         s.add_batch(info.get("batch_id"))
         stats = info.get("state_after")

@@ -316,7 +316,7 @@ def write_mark(path: Path, ledger) -> None:
                                   "snapshot_sha256": ledger.snapshot_sha256, "time": time.time(),
                                   # answers released through the ledger up to the head: what `repair` compares
                                   # with what a damaged or rolled-back ledger still holds (audit 3, review 2)
-                                  "answers": int(ledger.state.n_answers())}), Path(path))
+                                  "answers": int(ledger.state.answers_released())}), Path(path))
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ class RepairResult:
     unreadable_events: list[str] = field(default_factory=list)  # quarantined events whose answers are unknown
     #: answers the store's high-water mark counted that the repaired ledger does not hold (a rolled-back copy or
     #: unreadable events): released, but no longer counted in queries answered. None: the mark does not say.
-    answers_not_counted: int | None = None
+    answers_not_recovered: int | None = None
     dry_run: bool = False
 
     def as_dict(self) -> dict:
@@ -279,6 +279,11 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
                                                                                                    np.int64))}
         lost_answers, refused = _checked_answers(lost_answers, store, have)
     nans = 0 if lost_answers is None else lost_answers.num_rows
+    # Released answers the mark counted that neither the kept events nor the recovered rows hold: they stay
+    # counted (state.answers_not_held), so queries answered never goes down (review 9, item 2).
+    after = s.answers_released() + nans
+    not_counted = (max(0, int(marked) - after)
+                   if isinstance(marked, int) and not isinstance(marked, bool) else None)
     if not dry_run:
         led.mark_path = integrity.mark_path(store.path)  # the mark moves to the repair event
     na, nc, nt = len(add_li), int(live.size), int(tomb.size)
@@ -307,10 +312,8 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     led.commit_event(event_type="repair", info={
         "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
         "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
-        "answers_left_out": refused, "unreadable_events": unreadable}, columns=columns)
-    held = led.state.n_answers()
-    not_counted = max(0, int(marked) - held) if isinstance(marked, int) and not isinstance(marked, bool) else None
-    return RepairResult(answers_not_counted=not_counted, ledger=str(shown_path), repaired=True, reason=reason,
+        "answers_left_out": refused, "unreadable_events": unreadable, "answers_not_recovered": not_counted or 0}, columns=columns)
+    return RepairResult(answers_not_recovered=not_counted, ledger=str(shown_path), repaired=True, reason=reason,
                         events_kept_through=
                         integrity.head_seq(led), quarantined=[p.name for p in moved],
                         quarantine_folder=None if dry_run or not moved else str(quarantine),

@@ -94,6 +94,7 @@ def read_snapshot(path: Path) -> Snapshot:
     state._answers_src = answers if answers.num_rows else None
     state.batches = list(meta.get("batches", []))
     state.history = list(meta.get("history", []))
+    state.answers_not_held = int(meta.get("answers_not_held", 0))
     return Snapshot(generation, snap_path, meta, state, snap_bytes, answers_bytes)
 
 

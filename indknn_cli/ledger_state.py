@@ -175,6 +175,9 @@ class LedgerState:
     last_change: np.ndarray
     batches: list[str] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
+    #: Answers released that no event holds any more (a repair after a rollback or an unreadable event: the
+    #: store's high-water mark counted them). Counted in queries answered, so that figure never goes down.
+    answers_not_held: int = 0
     # Answers released: the snapshot's (ledger_history.LazyAnswers: an Arrow table parsed on first use) plus one
     # Arrow table per event replayed or committed since. No Python object per answer unless someone asks for
     # ``answers`` (issue 21: a 2,000,000-query run holds its answers as Arrow columns, ~100 bytes each).
@@ -217,6 +220,10 @@ class LedgerState:
         if not self._answers_parts:
             return ANSWER_SCHEMA.empty_table()
         return pa.concat_tables(self._answers_parts)
+
+    def answers_released(self) -> int:
+        """Answers released through the ledger: those it holds plus those a repair could not recover."""
+        return self.n_answers() + int(self.answers_not_held)
 
     def n_answers(self) -> int:
         base = 0 if self._answers_src is None else self._answers_src.num_rows

@@ -316,8 +316,9 @@ def public_allowance(*, ledger_path: str | os.PathLike, max_queries: int | str |
 
 
 def queries_answered(ledger: BudgetLedger) -> int:
-    """Queries answered through this ledger, all batches (public: every answer released is counted)."""
-    return ledger.state.n_answers()
+    """Queries answered through this ledger, all batches (public: every answer released is counted, those a
+    repair could not recover included)."""
+    return ledger.state.answers_released()
 
 
 def _reuse_pool(store: FeatureStore, ledger: BudgetLedger) -> ReusePool:

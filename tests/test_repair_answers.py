@@ -32,12 +32,12 @@ def test_repair_keeps_readable_answers_and_never_answers_a_released_query_again(
     kept = _answers(lp)
     assert sorted(kept) == list(range(16)) + list(range(24, 40))
     assert all(kept[q] == released[q] for q in kept)  # the same answers, not re-drawn
-    assert public_allowance(ledger_path=lp).answered == 32  # 16 before this fix
+    assert public_allowance(ledger_path=lp).answered == 40  # 32 held + 8 not recovered (16 before this fix)
     again = _serve(sp, lp, "q1")  # a re-run returns what is recorded and answers nothing again
     assert again.returncode == 0, again.stderr
     lines = [json.loads(x) for x in again.stdout.splitlines()]
     assert sorted(a["query_index"] for a in lines) == sorted(kept)
-    assert _answers(lp) == kept and public_allowance(ledger_path=lp).answered == 32
+    assert _answers(lp) == kept and public_allowance(ledger_path=lp).answered == 40
 
 
 def test_recovered_answers_are_checked_and_counted_once(world):
@@ -100,9 +100,16 @@ def test_repair_names_the_answers_a_rolled_back_copy_no_longer_counts(world, tmp
     shutil.copytree(backup, lp)
     res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["answers_not_counted"] == 40
+    assert json.loads(res.stdout)["answers_not_recovered"] == 40
     err = " ".join(res.stderr.split())
-    assert "counted 40 more answers than the repaired ledger holds" in err and "lower --max-queries by 40" in err
+    assert "counted 40 more answers than the repaired ledger holds" in err and "new --batch-id" in err
+    assert public_allowance(ledger_path=lp).answered == 80  # 40 held + 40 not recovered: never goes down
+    compacted = _cli("delete", "--store", str(sp), "--ledger", str(lp), "--compact")  # through a snapshot too
+    assert compacted.returncode == 0, compacted.stderr
+    assert public_allowance(ledger_path=lp).answered == 80
+    again = _cli("repair", "--store", str(sp), "--ledger", str(lp))  # nothing to repair: counted once
+    assert again.returncode == 0 and json.loads(again.stdout)["repaired"] is False
+    assert public_allowance(ledger_path=lp).answered == 80
 
 
 def test_repair_counts_the_answers_of_an_unreadable_event_as_not_counted(world):
@@ -112,4 +119,5 @@ def test_repair_counts_the_answers_of_an_unreadable_event_as_not_counted(world):
     res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
     assert res.returncode == 0, res.stderr
     r = json.loads(res.stdout)
-    assert r["answers_recovered"] == 16 and r["answers_not_counted"] == 8
+    assert r["answers_recovered"] == 16 and r["answers_not_recovered"] == 8
+    assert public_allowance(ledger_path=lp).answered == 40  # 32 held + 8 not recovered

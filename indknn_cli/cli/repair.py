@@ -53,11 +53,12 @@ def repair_command(
         if result.answers_recovered:
             err.print(escape(f"{count(result.answers_recovered, 'released answer')} of the quarantined events kept "
                              "(still counted in queries answered; a re-run batch returns them)"))
-        if result.answers_not_counted:
-            err.print(escape(f"warning: the store's high-water mark counted {count(result.answers_not_counted, 'more answer')} "
-                             "than the repaired ledger holds (a rolled-back copy or unreadable events): they were "
-                             "released but are no longer counted in queries answered; lower --max-queries by "
-                             f"{result.answers_not_counted}, and do not re-run their batches under the same id"))
+        if result.answers_not_recovered:
+            err.print(escape(f"warning: the store's high-water mark counted {count(result.answers_not_recovered, 'more answer')} "
+                             "than the repaired ledger holds (a rolled-back copy or unreadable events): they stay "
+                             "counted in queries answered, but which queries they answered is lost; re-run those "
+                             "batches under a new --batch-id, or their lost queries are answered again with fresh "
+                             "noise"))
         if result.unreadable_events:
             err.print(escape(f"warning: {count(len(result.unreadable_events), 'quarantined event')} cannot be read "
                              f"({', '.join(result.unreadable_events)}): answers they released, if any, are no longer "
