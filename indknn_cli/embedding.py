@@ -296,7 +296,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     "in advance: every answer is one of these names, so it must not be read from the private "
                     "records); or create the store from labelled public rows (--role public) first")
             names = list(label_names) if label_names is not None else sort_label_names(present)
-            names_source = "declared" if label_names is not None else f"{TEST_ROLE if test else role} rows"
+            names_source = "declared" if label_names is not None else "public rows"  # only they may infer it
         name_index = {n: i for i, n in enumerate(names)}
         unknown = [v for v in present if v not in name_index]
         if unknown:

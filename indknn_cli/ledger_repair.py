@@ -49,7 +49,8 @@ class RepairResult:
     answers_left_out: int = 0         # quarantined answer rows repeated or not fitting the store: not written
     unreadable_events: list[str] = field(default_factory=list)  # quarantined events whose answers are unknown
     #: answers the store's high-water mark counted that the repaired ledger does not hold (a rolled-back copy or
-    #: unreadable events): released, but no longer counted in queries answered. None: the mark does not say.
+    #: unreadable events): released and still counted in queries answered (LedgerState.answers_not_held), but
+    #: which queries they answered is lost. None: the mark does not carry a count (written before it did).
     answers_not_recovered: int | None = None
     dry_run: bool = False
 
@@ -117,6 +118,7 @@ def _checked_answers(table, store: FeatureStore, have: set) -> tuple["object", i
     from .engine import ABSTAIN_LABEL, ABSTAIN_NAME
 
     names = list(store.label_names)
+    stored = store.batches()
     batches = {}
     keep, seen = [], set(have)
     cols = table.to_pydict()
@@ -126,7 +128,7 @@ def _checked_answers(table, store: FeatureStore, have: set) -> tuple["object", i
         if b is None or qi is None or row is None or lab is None or cnt is None or (b, qi) in seen:
             continue
         if b not in batches:
-            batches[b] = store.query_batch(b)[:2] if b in store.batches() else None
+            batches[b] = store.query_batch(b)[:2] if b in stored else None
         span = batches[b]
         if span is None or not (span[0] <= row < span[1]) or qi != row - span[0] or not math.isfinite(cnt):
             continue
@@ -282,8 +284,8 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # Released answers the mark counted that neither the kept events nor the recovered rows hold: they stay
     # counted (state.answers_not_held), so queries answered never goes down (review 9, item 2).
     after = s.answers_released() + nans
-    not_counted = (max(0, int(marked) - after)
-                   if isinstance(marked, int) and not isinstance(marked, bool) else None)
+    not_recovered = (max(0, int(marked) - after)
+                     if isinstance(marked, int) and not isinstance(marked, bool) else None)
     if not dry_run:
         led.mark_path = integrity.mark_path(store.path)  # the mark moves to the repair event
     na, nc, nt = len(add_li), int(live.size), int(tomb.size)
@@ -312,11 +314,11 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     led.commit_event(event_type="repair", info={
         "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
         "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
-        "answers_left_out": refused, "unreadable_events": unreadable, "answers_not_recovered": not_counted or 0}, columns=columns)
-    return RepairResult(answers_not_recovered=not_counted, ledger=str(shown_path), repaired=True, reason=reason,
-                        events_kept_through=
-                        integrity.head_seq(led), quarantined=[p.name for p in moved],
+        "answers_left_out": refused, "unreadable_events": unreadable,
+        "answers_not_recovered": not_recovered or 0}, columns=columns)
+    return RepairResult(ledger=str(shown_path), repaired=True, reason=reason,
+                        events_kept_through=integrity.head_seq(led), quarantined=[p.name for p in moved],
                         quarantine_folder=None if dry_run or not moved else str(quarantine),
                         records_retired=nc, store_rows_added_retired=len(new_rows), tombstones_written=nt,
                         answers_recovered=nans, answers_left_out=refused, unreadable_events=unreadable,
-                        dry_run=dry_run)
+                        answers_not_recovered=not_recovered, dry_run=dry_run)

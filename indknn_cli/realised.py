@@ -40,12 +40,15 @@ def realised_loss(spent, *, budget: float, delta: float, conversion: str, tuning
     if tuned and conversion != "rdp":
         return np.full(s.shape, np.nan)
 
+    if tuned:
+        from .tuning import check_shape, composed_epsilon
+
+        search = dict(rho_run=float(tuning["rho_run"]), mean_runs=float(tuning["mean_runs"]),
+                      shape=check_shape(tuning["shape"]))
+
     def eps_at(b: float) -> float:
         if tuned:
-            from .tuning import composed_epsilon, check_shape
-
-            return composed_epsilon(rho_run=float(tuning["rho_run"]), mean_runs=float(tuning["mean_runs"]),
-                                    shape=check_shape(tuning["shape"]), budget_serve=b, delta=delta)
+            return composed_epsilon(budget_serve=b, delta=delta, **search)
         return epsilon_for_budget(budget=b, delta=delta, conversion=conversion)
 
     uniq, inv = np.unique(s, return_inverse=True)

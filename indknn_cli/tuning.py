@@ -415,12 +415,15 @@ class TuneRequest:
     device: str = "cpu"
     extractor: str | None = None   # the store's extractor name (public): picks the default τ prior
 
+    def resolved_nu(self) -> float | None:
+        """ν as serving will use it: the given one, else the paper's e^1.5 for the RBF kernel (none for cosine)."""
+        return self.nu if self.nu is not None or self.kernel != "rbf" else math.exp(1.5)
+
     def tau_grid(self) -> tuple[tuple, str]:
         """(τ grid, rule): ``taus`` as given, else the extractor's prior (``tuning_grid.default_taus``)."""
         if self.taus is not None:
             return tuple(self.taus), "given"
-        nu = self.nu if self.nu is not None or self.kernel != "rbf" else math.exp(1.5)
-        return default_taus(extractor=self.extractor, kernel=self.kernel, nu=nu)
+        return default_taus(extractor=self.extractor, kernel=self.kernel, nu=self.resolved_nu())
 
     def check(self) -> "TuneRequest":
         if self.on not in ("private", "public"):
@@ -439,14 +442,12 @@ class TuneRequest:
 
 def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
     """Tune on ``store`` (a FeatureStore) as ``req`` says; returns (record for the ledger, serving params)."""
-    import math as _m
-
     if req.extractor is None:  # the store's extractor picks the τ prior (a public attribute, not the data)
         import dataclasses
 
         req = dataclasses.replace(req, extractor=store.extractor.name)
     req.check()
-    nu = req.nu if req.nu is not None or req.kernel != "rbf" else _m.exp(1.5)
+    nu = req.resolved_nu()
     taus, tau_rule = req.tau_grid()
     if req.on == "public":
         from .indexing import make_params
@@ -481,7 +482,7 @@ def private_tune_arrays(features, labels, record_ids, *, n_classes: int, req: Tu
     depends on N re-deals every record's shard when one record joins, and the score's sensitivity is then
     not 1 (AUDIT_FINDINGS_2.md P1). With fewer records than S, some shards are empty and score nothing."""
     req.check()
-    nu = req.nu if req.nu is not None or req.kernel != "rbf" else math.exp(1.5)
+    nu = req.resolved_nu()
     taus, tau_rule = req.tau_grid()
     return private_tune(
         features=features, labels=labels, record_ids=record_ids, n_classes=n_classes, epsilon=req.epsilon,
