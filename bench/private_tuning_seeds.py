@@ -1,14 +1,14 @@
 """What the private search is worth on average: the chosen point's serving accuracy over many tuning seeds.
 
     INDKNN_DATA=../shared/data python bench/private_tuning_seeds.py EPS[,EPS…] [SEEDS] [SPLIT_SEED] [--sigma2s A,B,C]
-        [--shape 0|1|poisson] [--runs MEAN] [--share FRACTION]
+        [--shape 0|1|poisson] [--runs MEAN] [--share FRACTION] [--queries SHARDS]
 
 For each ε: SEEDS tuning seeds (default 20) on the bench's AG News split SPLIT_SEED (default 0), each choice served
 on 3 query draws (`benchmarks.private_tuning.chosen_point_accuracy`); prints the mean ± standard error of the
 chosen point's accuracy beside the best grid point. Without ``--sigma2s`` the grid is index's budget-relative
 default; ``--sigma2s 0.5,0.8,1.2`` gives the fixed grid of earlier versions. ``--shape``, ``--runs`` and ``--share``
 override index's distribution of the number of runs, its mean and the search's share of ε (docs/TUNING.md, "Other
-run distributions and shares do no better").
+run distributions and shares do no better"); ``--queries`` the number of validation shards (index --tune-queries).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from indknn_cli.benchmarks.experiments import prepare, query_draws
 
 def main(argv: list[str]) -> None:
     opts = {}
-    for name in ("--sigma2s", "--shape", "--runs", "--share"):
+    for name in ("--sigma2s", "--shape", "--runs", "--share", "--queries"):
         if name in argv:
             i = argv.index(name)
             opts[name] = argv[i + 1]
@@ -33,7 +33,8 @@ def main(argv: list[str]) -> None:
     shape = opts.get("--shape")
     over = {"tune_shape": None if shape is None else (shape if shape == "poisson" else float(shape)),
             "tune_runs": float(opts["--runs"]) if "--runs" in opts else None,
-            "tune_share": float(opts["--share"]) if "--share" in opts else None}
+            "tune_share": float(opts["--share"]) if "--share" in opts else None,
+            "tune_queries": int(opts["--queries"]) if "--queries" in opts else None}
     epss = [float(e) for e in argv[0].split(",")]
     n_seeds = int(argv[1]) if len(argv) > 1 else 20
     split_seed = int(argv[2]) if len(argv) > 2 else 0

@@ -218,7 +218,7 @@ def build_index(
     warnings = warnings + ([sparse] if sparse else [])
     if created and store.label_names_source in (None, "unrecorded"):
         warnings.append("the store does not record where its class names came from (it was created before indknn "
-                        "recorded that): the guarantee assumes the class list was declared in advance, never read "
+                        "recorded that, or by a library call that did not say): the guarantee assumes the class list was declared in advance, never read "
                         "from the private rows (every answer is one of these names)")
     return IndexResult(store=str(store_path), ledger=str(ledger_path), records=len(ledger.state),
                        records_added=added, created=created, params=ledger.params, kind=plan.kind,

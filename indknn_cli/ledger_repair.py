@@ -5,7 +5,8 @@ removed, copied in or reordered) or the ledger is behind the store's high-water 
 restored). Removing the offending file by hand would refund the charges it held. Repair instead:
 
 1. finds the longest prefix of events that opens cleanly (the chain is prefix-monotone: if events up to k
-   verify, so does every shorter prefix — a binary search over k);
+   verify, so does every shorter prefix — a binary search over k), then drops its last event while the next
+   event's link or the store's high-water mark contradicts that event's bytes (an edited event);
 2. moves every later event file to ``quarantine/<time>/`` (kept for forensics, never replayed);
 3. commits one ``repair`` event that sets **every record not deleted to spent = B (retired)** and brings
    every store row the kept ledger does not know into it at spent = B: the quarantined events may have
@@ -139,22 +140,23 @@ def _checked_answers(table, store: FeatureStore, have: set) -> tuple["object", i
     return (table.take(keep) if keep else None), table.num_rows - len(keep)
 
 
-def _opens(path: Path, store_uuid: str) -> bool:
+def _opens(path: Path, store_uuid: str) -> BudgetLedger | None:
     try:
-        BudgetLedger.open(path, store_uuid=store_uuid)
-        return True
+        return BudgetLedger.open(path, store_uuid=store_uuid)
     except LedgerError:
-        return False
+        return None
 
 
-def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: str) -> int:
-    """Number of leading event files with which the ledger opens; moves files aside while it probes."""
+def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: str) -> tuple[int, int]:
+    """Number of leading event files with which the ledger opens, and the sequence number the snapshot folds
+    through; moves files aside while it probes."""
     aside = path / f".repair-probe-{os.getpid()}"
     aside.mkdir()
     try:
         for _, p in files:
             os.replace(p, aside / p.name)
-        if not _opens(path, store_uuid):
+        base = _opens(path, store_uuid)
+        if base is None:
             raise LedgerIntegrityError(f"{path}: the snapshot itself is damaged or edited; repair cannot rebuild it "
                                        "(restore the snapshot from a backup, then run repair)")
         lo, hi = 0, len(files)  # prefix lo opens; find the largest
@@ -166,7 +168,7 @@ def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: 
             for _, p in files[mid:present]:
                 os.replace(p, aside / p.name)
             present = mid
-            if _opens(path, store_uuid):
+            if _opens(path, store_uuid) is not None:
                 lo = mid
             else:
                 hi = mid - 1
@@ -174,11 +176,47 @@ def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: 
             os.replace(aside / p.name, p)
         for _, p in files[lo:present]:
             os.replace(p, aside / p.name)
-        return lo
+        return lo, int(base.snapshot_event_seq)
     finally:
         for p in aside.iterdir():  # whatever is still aside goes back; the caller quarantines it
             os.replace(p, path / "events" / p.name)
         aside.rmdir()
+
+
+def _prev_link(path: Path, seq: int) -> str | None:
+    """The ``prev_sha256`` that event file ``path`` (which should be event ``seq``) records, or None when it
+    cannot be read or names another event."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    try:
+        info = json.loads((pq.read_schema(path).metadata or {})[b"indknn_event"])
+    except Exception:  # noqa: BLE001 - a damaged file vouches for nothing
+        return None
+    link = info.get("prev_sha256") if isinstance(info, dict) and info.get("seq") == seq else None
+    return link if isinstance(link, str) else None
+
+
+def _linked_prefix(files: list[tuple[int, Path]], keep: int, snap_seq: int, mark: dict | None) -> int:
+    """Shorten the verified prefix while its last event is contradicted by what vouches for it (audit 3, C6).
+
+    Opening checks each event's link to the one before, so nothing in the prefix vouches for its *last*
+    event: an edited last event opens cleanly. Two things outside the prefix do: the next event file's
+    ``prev_sha256`` (when it can be read) and the store's high-water mark (when it points at that event).
+    If either disagrees with the event's bytes, the event was edited and goes to quarantine with the rest;
+    the event before it is then checked against the edited file's link in the same way. An event nothing
+    vouches for (the next file unreadable, the mark elsewhere) is kept, as before. Events the snapshot
+    folded are vouched for by the snapshot and never looked at."""
+    while keep > 0 and files[keep - 1][0] > snap_seq:
+        seq, p = files[keep - 1]
+        want = _prev_link(files[keep][1], seq + 1) if keep < len(files) else None
+        if want is None and mark is not None and mark.get("seq") == seq and isinstance(mark.get("sha256"), str):
+            want = mark["sha256"]
+        if want is None or want == integrity.sha256_bytes(p.read_bytes()):
+            break
+        keep -= 1
+    return keep
 
 
 def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLike, dry_run: bool = False,
@@ -211,13 +249,16 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
 
 def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, shown_path: Path) -> RepairResult:
     try:
-        marked = (integrity.read_mark(store.path) or {}).get("answers")
+        mark = integrity.read_mark(store.path)
     except LedgerIntegrityError:
-        marked = None
+        mark = None
+    mark = mark if isinstance(mark, dict) else None
+    marked = (mark or {}).get("answers")
     files = _event_files(path)
     bad_names = [p for s, p in files if s < 0]
     files = [(s, p) for s, p in files if s >= 0]
-    keep = _longest_good_prefix(path, files, store.uuid)
+    keep, snap_seq = _longest_good_prefix(path, files, store.uuid)
+    keep = _linked_prefix(files, keep, snap_seq, mark)
     quarantine = path / "quarantine" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     moved = [p for _, p in files[keep:]] + bad_names
     if moved:

@@ -74,7 +74,7 @@ class FeatureStore:
         dim: int,
         label_names: Sequence[str],
         chunk_rows: int | None = None,
-        label_names_source: str = "declared",
+        label_names_source: str = "unrecorded",
     ) -> "FeatureStore":
         path = object_store.local_path(path)
         loc = object_store.location(path)

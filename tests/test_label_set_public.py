@@ -107,3 +107,23 @@ def test_tuning_reads_the_number_of_classes_from_the_declared_list(tmp_path):
         a = tuning.emulated_correct(data, params=params, run_key=key, n_shards=200, planned_queries=100)
         b = tuning.emulated_correct(data_x, params=params, run_key=key, n_shards=200, planned_queries=100)
         assert abs(a - b) <= 1
+
+
+def test_a_library_created_store_that_does_not_say_where_its_names_came_from_is_unrecorded(tmp_path):
+    """Audit 3, S1: ``FeatureStore.create`` used to record "declared" for any caller that did not say, so a
+    library caller who built the list from private rows was never warned. It now records "unrecorded" unless the
+    caller declares it, and `index` warns when it creates a ledger on such a store."""
+    from indknn_cli.extractors import ExtractorInfo
+    from indknn_cli.indexing import build_index, make_params
+
+    x, y, _ = clustered(60, 8, 3, seed=2)
+    st = FeatureStore.create(tmp_path / "u.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                             label_names=["a", "b", "c"])
+    st.append("private", x, labels=y.astype(np.int32), record_ids=[f"r{i}" for i in range(60)])
+    assert FeatureStore.open(tmp_path / "u.zarr", mode="r").label_names_source == "unrecorded"
+    res = build_index(store_path=tmp_path / "u.zarr", ledger_path=tmp_path / "L",
+                      params=make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=2.0, planned_queries=10))
+    assert any("where its class names came from" in w for w in res.extra.get("warnings", []))
+    declared = FeatureStore.create(tmp_path / "d.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                                   label_names=["a", "b", "c"], label_names_source="declared")
+    assert declared.label_names_source == "declared"

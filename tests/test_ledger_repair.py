@@ -105,3 +105,52 @@ def test_damaged_ledger_with_a_pending_erasure_then_repair(world):
     led = BudgetLedger.open(lp)
     i = list(led.state.record_id).index("r5")
     assert led.state.deleted[i] and led.state.spent[i] == led.params.budget >= before["r5"]
+
+
+def _edit_event(path):
+    """Rewrite one event file with one answer's released count changed and its metadata (seq, links) kept: the
+    file still opens and still links to its predecessor, only its own bytes differ."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path)
+    i = pc.index(t.column("kind"), "answer").as_py()
+    assert i >= 0
+    counts = t.column("released_count").to_pylist()
+    counts[i] = counts[i] + 1000.0
+    j = t.schema.get_field_index("released_count")
+    t = t.set_column(j, t.schema.field(j), pa.array(counts, t.schema.field(j).type))
+    pq.write_table(t, path)
+
+
+def test_an_edited_middle_event_is_quarantined_not_kept(world):
+    """Audit 3, C6: the bisection keeps the longest prefix that opens, and opening checks each event's link to
+    the one before, so an edited event opens as the last of a prefix. The next event's link says it was edited:
+    repair must quarantine it too (before the fix only the events after it were)."""
+    sp, lp = world
+    ev = _events(lp)
+    _edit_event(ev[3])
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)
+    assert r["repaired"] and r["quarantined"] == [p.name for p in ev[3:]], r["quarantined"]
+    assert ev[3].name not in {p.name for p in _events(lp)}
+    assert verify_ledger(lp, store_path=sp)["verified"]
+    assert all(v == BudgetLedger.open(lp).params.budget for v in _spent_by_id(lp).values())
+    assert _serve(sp, lp, "q2").returncode == 0
+
+
+def test_an_edited_last_event_is_quarantined_by_the_high_water_mark(world):
+    """Audit 3, C6, the last event: no later event links to it, but the store's high-water mark names its
+    sha256. Repair must quarantine it, not keep it in the chain (before the fix: quarantined [])."""
+    sp, lp = world
+    ev = _events(lp)
+    _edit_event(ev[-1])
+    assert _serve(sp, lp, "q2").returncode == 1  # refused: the mark saw other bytes committed
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)
+    assert r["repaired"] and r["quarantined"] == [ev[-1].name], r["quarantined"]
+    assert verify_ledger(lp, store_path=sp)["verified"]
+    assert _serve(sp, lp, "q2").returncode == 0

@@ -55,7 +55,7 @@ def run(rows: int, d: int, *, role: str = "query") -> dict:
         src = tmp / ("q.npy" if role == "query" else "p.parquet")
         np.save(src, x) if role == "query" else _write_private(src, x)
         store = FeatureStore.create(tmp / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=d,
-                                    label_names=["a"])
+                                    label_names=["a"], label_names_source="declared")
         w0, t0 = _wchar(), time.perf_counter()
         if role == "query":
             name = embed_query_file(src, store=store, batch="b")

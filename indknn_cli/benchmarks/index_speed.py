@@ -96,7 +96,7 @@ def _unit(x):
 
 def make_store(path, x, y, q, qy, public, label_names):
     store = FeatureStore.create(path, extractor=ExtractorInfo("vectors", "bench", "1"), dim=x.shape[1],
-                                label_names=label_names)
+                                label_names=label_names, label_names_source="declared")
     app = store.appender("private")
     for lo in range(0, len(x), 131072):
         hi = min(len(x), lo + 131072)

@@ -183,7 +183,7 @@ def make_store(tmp: Path, n, d, m, tau):
     candidate phase and FAISS are timed on the serve's own data type, not on the float64 generator output)."""
     centres = class_centres(d)
     store = FeatureStore.create(tmp / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
-                                label_names=[str(i) for i in range(CLASSES)])
+                                label_names=[str(i) for i in range(CLASSES)], label_names_source="declared")
     app = store.appender("private")
     parts = []
     for lo in range(0, n, 50000):

@@ -76,7 +76,7 @@ def small_serve(*, n: int, d: int, m: int, repeat: int) -> dict:
         np.save(root / "x.npy", x)
         np.save(root / "q.npy", q)
         store = FeatureStore.create(base / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
-                                    label_names=[str(i) for i in range(10)])
+                                    label_names=[str(i) for i in range(10)], label_names_source="declared")
         store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(n)])
         store.append("query", q, record_ids=[f"q{i}" for i in range(m)], batch="small")
         build_index(store_path=base / "s.zarr", ledger_path=base / "L",

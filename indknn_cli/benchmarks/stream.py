@@ -104,7 +104,7 @@ def run(m: int, n: int, d: int, tau: float, reuse: bool, batch_size: int, fmt: s
         a, b = root / "streamed", root / "stored"
         a.mkdir(parents=True)
         store = FeatureStore.create(a / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
-                                    label_names=[str(i) for i in range(10)])
+                                    label_names=[str(i) for i in range(10)], label_names_source="declared")
         x, y = clustered(n, d, 10, np.random.default_rng(0))
         store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(n)])
         build_index(store_path=a / "s.zarr", ledger_path=a / "L",

@@ -48,7 +48,7 @@ def run(days: int, m: int, n: int, d: int, tau: float, reuse: bool, eps: float, 
         tmp = Path(keep) if keep else Path(tmp)
         sp, lp = tmp / "s.zarr", tmp / "L"
         store = FeatureStore.create(sp, extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
-                                    label_names=[str(i) for i in range(10)])
+                                    label_names=[str(i) for i in range(10)], label_names_source="declared")
         x, y = clustered(n, d, 10, np.random.default_rng(0))
         store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(n)])
         # every day's queries stored up front (one batch per day): the timed part is what cron pays per day
