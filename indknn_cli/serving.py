@@ -60,6 +60,9 @@ class ServeResult:
     #: and the allowance when ``max_queries`` was given. No count of private records is returned here.
     queries_answered_total: int = 0
     allowance: "gate.Allowance | None" = None
+    #: Queries of the batch before its last recorded answer that have none (lost in an event a repair could not
+    #: read): never answered again. A figure of the ledger's damage, not of the private data.
+    not_answered: int = 0
 
 
 def _answer_rows(table: pa.Table) -> list[dict]:
@@ -149,6 +152,7 @@ def serve_queries(
         # unreadable event but kept a later one leaves a gap, and those queries may have been released (audit 9,
         # F3). They are not answered again; with a prefix (the usual case) both are the same.
         todo_start = q_start + already if not already else max(q_start + already, int(done_rows.max()) + 1)
+        holes = min(todo_start, q_stop) - q_start - already
         allowance = gate.allowance(answered=queries_answered(ledger), planned_queries=params.planned_queries,
                                    max_queries=max_queries)
         released: list[dict] | None = [] if keep_answers else None
@@ -162,7 +166,7 @@ def serve_queries(
         if todo_start >= q_stop:
             for rows in _done_parts(done, batch_size):
                 release(rows)
-            return ServeResult(batch_id, released, 0, already, seed, queries_answered(ledger), allowance)
+            return ServeResult(batch_id, released, 0, already, seed, queries_answered(ledger), allowance, holes)
         gate.check(allowance, new_queries=q_stop - todo_start)  # public figures only, before any charge
         sync_ledger(ledger, store)
         state = ledger.state
@@ -262,7 +266,7 @@ def serve_queries(
         total = queries_answered(ledger)
     if allowance is not None:
         allowance = gate.Allowance(allowance.max_queries, allowance.source, total)
-    return ServeResult(batch_id, released, q_stop - todo_start, already, seed, total, allowance)
+    return ServeResult(batch_id, released, q_stop - todo_start, already, seed, total, allowance, holes)
 
 
 def check_min_margin(min_margin) -> float | None:

@@ -38,6 +38,8 @@ def test_repair_keeps_readable_answers_and_never_answers_a_released_query_again(
     lines = [json.loads(x) for x in again.stdout.splitlines()]
     assert sorted(a["query_index"] for a in lines) == sorted(kept)
     assert _answers(lp) == kept and public_allowance(ledger_path=lp).answered == 40
+    # audit 3, S4: the query-sender is told why 8 of 40 have no line (a figure of the damage, not of the data)
+    assert "8 queries before its last recorded answer have no answer" in " ".join(again.stderr.split())
 
 
 def test_recovered_answers_are_checked_and_counted_once(world):
@@ -83,6 +85,9 @@ def test_a_batch_resumed_after_a_gap_counts_only_its_new_answers(world):
     assert sorted(json.loads(x)["query_index"] for x in again.stdout.splitlines()) == \
         list(range(8)) + list(range(16, 40))  # the gap 8–15 is never answered again
     assert "answered 8 queries" in " ".join(again.stderr.split())  # not 16 (40 − the 24 recorded)
+    assert "8 queries before its last recorded answer have no answer" in " ".join(again.stderr.split())
+    first = _serve(sp, lp, "q2")  # an undamaged batch says nothing of the kind
+    assert first.returncode == 0 and "have no answer" not in first.stderr
 
 
 def test_repair_names_the_answers_a_rolled_back_copy_no_longer_counts(world, tmp_path):

@@ -166,5 +166,10 @@ def serve_command(
         err.print(escape(f"batch {result.batch_id!r}: answered {count(result.newly_answered, 'query')}"
                          f"{f' (resumed after {result.already_answered})' if result.already_answered else ''}; "
                          f"{result.queries_answered_total} answered through this ledger{left}"))
+    if result.not_answered:
+        # The ledger's damage, not the private data: which events a repair could not read.
+        err.print(escape(f"batch {result.batch_id!r}: {count(result.not_answered, 'query', 'queries')} before its "
+                         "last recorded answer have no answer (lost in a ledger event a repair could not read) "
+                         "and are not answered again"))
     if seed is not None:
         err.print(f"[yellow]seeded run (--seed {seed}): for experiments only, not for real answers[/]")
