@@ -338,13 +338,19 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
         with contextlib.ExitStack() as stack:
             existing: set[str] = set()
             app = None
+            generated_from = 0          # rows of the role that compactions removed (generated ids count them)
+            erased: set[str] = set()    # ids erased from the store: a generated id never takes one (audit 4, F2)
 
             def start_writing(st: FeatureStore):
-                nonlocal app, existing
+                nonlocal app, existing, generated_from, erased
                 if lock:
                     stack.enter_context(st.write_lock())
                 if role != "query":  # query ids are unique within their batch
                     existing = set(st.record_ids(role).tolist())
+                if role == "private":
+                    generated_from = sum(int(c.get("rows_removed", 0)) for c in st.root.attrs.get("compactions", [])
+                                         if isinstance(c, dict))
+                    erased = {rid for rid, _ in st.erased_ids()}
                 return st.appender(role, batch=batch)
 
             if store is not None:
@@ -407,8 +413,10 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     final_ids = []
                     for k, rid in enumerate(ids_k):
                         if rid is None:
-                            rid = f"{role}-{app.stop + k:08d}"
-                            if rid in existing or rid in seen:
+                            # numbered by the rows ever appended to the role (compacted ones too), so an id that
+                            # an erased record had is never handed to a new one (it would inherit its ledger row)
+                            rid = f"{role}-{app.stop + generated_from + k:08d}"
+                            if rid in existing or rid in seen or rid in erased:
                                 raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: generated id {rid!r} "
                                                     f"collides with an existing id; give an --id-column")
                         final_ids.append(rid)

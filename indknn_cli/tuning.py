@@ -8,7 +8,8 @@ negative binomial / logarithmic / geometric number of runs, Theorem 6 for Poisso
 
 **One base run** for a candidate θ = (τ, σ2), with per-run cost ρ (in the ledger's ρ units):
 
-* public coin (a hash of the tuning seed and the record id, so a record's coin depends on itself only):
+* public coin (a hash of the tuning seed and the record's own vector and label, so a record's coin depends on
+  itself only; not its id, which ``embed`` may derive from the row's position: audit 4, F1):
   every private record gets a shard s ∈ [0, S) and a rank u; in each shard the record with the smallest u is
   the shard's *validation record*, the others are its *P* records;
 * each shard answers its validation record's vector as serving would at full scale, emulated from the shard's
@@ -222,8 +223,8 @@ def draw_runs(*, mean_runs: float, shape: float, rng: np.random.Generator) -> in
 
 
 # -- the base run (tuning_base.py) ------------------------------------------------------------------------
-from .tuning_base import (BaseRunData, _coin, base_run_correct, emulated_correct,  # noqa: E402,F401 (re-exported)
-                          emulated_expected, flip_probability, score_noise, shard_split)
+from .tuning_base import (BaseRunData, _coin, base_run_correct, content_keys,  # noqa: E402,F401 (re-exported)
+                          emulated_correct, emulated_expected, flip_probability, score_noise, shard_split)
 
 
 # -- the search -----------------------------------------------------------------------------------------------
@@ -270,7 +271,7 @@ def _run_key(seed: int | None, tag: str) -> int:
 
 
 def private_tune(
-    *, features, labels, record_ids, n_classes: int, epsilon: float, delta: float, share: float, mean_runs: float,
+    *, features, labels, n_classes: int, epsilon: float, delta: float, share: float, mean_runs: float,
     shape, taus, sigma2s, n_val: int, kernel: str, nu: float | None, k_min: float, sigma1: float | None,
     planned_queries: int | None, seed: int | None = None, device: str = "cpu", tau_rule: str | None = None,
 ) -> tuple[TuningRecord, "object"]:
@@ -294,7 +295,7 @@ def private_tune(
         raise BadInputError(f"sigma1={sigma1:g}: one count charge 1/(2σ1²) exceeds the serving budget "
                             f"B={b_serve:.4g}; raise --sigma1 or --planned-queries, or lower the --tune-share")
     seed_text = "entropy:" + str(_run_key(None, "tune")) if seed is None else f"seed:{seed}"
-    data = BaseRunData.build(features, labels, record_ids, n_shards=n_val, seed_text=seed_text, n_classes=n_classes)
+    data = BaseRunData.build(features, labels, n_shards=n_val, seed_text=seed_text, n_classes=n_classes)
     master = np.random.default_rng(_run_key(seed, "tune:search"))
     k = draw_runs(mean_runs=mean_runs, shape=shape, rng=master)
     picks = [int(master.integers(len(grid))) for _ in range(k)]  # random search: data-independent
@@ -472,20 +473,21 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
     keep[store.erase_pending_rows("private")] = False
     rows = np.flatnonzero(keep)
     return private_tune_arrays(store.read("private", "features")[rows], store.read("private", "labels")[rows],
-                               store.read("private", "record_id")[rows], n_classes=len(store.label_names), req=req)
+                               n_classes=len(store.label_names), req=req)
 
 
-def private_tune_arrays(features, labels, record_ids, *, n_classes: int, req: TuneRequest):
+def private_tune_arrays(features, labels, *, n_classes: int, req: TuneRequest):
     """``--tune private`` on in-memory rows (index and bench both call this): (record, serving params).
 
     The number of shards S is the public ``req.n_val``, never clamped to the number of records: an S that
     depends on N re-deals every record's shard when one record joins, and the score's sensitivity is then
-    not 1 (AUDIT_FINDINGS_2.md P1). With fewer records than S, some shards are empty and score nothing."""
+    not 1 (AUDIT_FINDINGS_2.md P1). With fewer records than S, some shards are empty and score nothing. For the
+    same reason the shards are dealt by each record's vector and label, never by its id or row (audit 4, F1)."""
     req.check()
     nu = req.resolved_nu()
     taus, tau_rule = req.tau_grid()
     return private_tune(
-        features=features, labels=labels, record_ids=record_ids, n_classes=n_classes, epsilon=req.epsilon,
+        features=features, labels=labels, n_classes=n_classes, epsilon=req.epsilon,
         delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape,
         taus=taus, sigma2s=req.sigma2s, n_val=req.n_val, kernel=req.kernel,
         nu=nu, k_min=req.k_min, sigma1=req.sigma1, planned_queries=req.planned_queries, seed=req.seed,

@@ -94,15 +94,14 @@ def test_tuning_reads_the_number_of_classes_from_the_declared_list(tmp_path):
     """The shards' noise draws one value per class: with the list declared, x (labelled with a declared class no
     other record has) moves the noiseless score by at most 1, the bound the score's noise is calibrated for."""
     x, y, _ = clustered(800, 8, 3, seed=5)
-    ids = [f"r{i}" for i in range(800)]
     base = dict(epsilon=2.0, delta=1e-5, seed=1, taus=(0.3,), sigma2s=(0.5,), n_val=200, mean_runs=1.0,
                 planned_queries=100)
     req = tuning.TuneRequest(**base).check()
     n_classes = 4  # declared a, b, c, zeta; only x has zeta
-    data = tuning.BaseRunData.build(x, y, ids, n_shards=200, seed_text="seed:1", n_classes=n_classes)
-    data_x = tuning.BaseRunData.build(np.vstack([x, x[:1]]), np.r_[y, 3], ids + ["rzeta"], n_shards=200,
+    data = tuning.BaseRunData.build(x, y, n_shards=200, seed_text="seed:1", n_classes=n_classes)
+    data_x = tuning.BaseRunData.build(np.vstack([x, x[:1]]), np.r_[y, 3], n_shards=200,
                                       seed_text="seed:1", n_classes=n_classes)
-    rec, params = tuning.private_tune_arrays(x, y, ids, n_classes=n_classes, req=req)
+    rec, params = tuning.private_tune_arrays(x, y, n_classes=n_classes, req=req)
     for key in range(5):
         a = tuning.emulated_correct(data, params=params, run_key=key, n_shards=200, planned_queries=100)
         b = tuning.emulated_correct(data_x, params=params, run_key=key, n_shards=200, planned_queries=100)

@@ -129,7 +129,7 @@ def test_private_search_grid_is_fixed_by_public_figures_only(epsilon):
     for seed in (1, 2):
         x, y, _ = clustered(120 + 40 * seed, 8, 3, seed=seed)
         rec, params = tuning.private_tune_arrays(
-            x, y, [f"r{i}" for i in range(x.shape[0])], n_classes=3,
+            x, y, n_classes=3,
             req=tuning.TuneRequest(epsilon=epsilon, delta=1e-5, seed=seed, taus=(0.3,), n_val=20, mean_runs=2.0,
                                    planned_queries=400))
         assert rec.sigma2_grid.startswith("budget-relative")
@@ -137,7 +137,7 @@ def test_private_search_grid_is_fixed_by_public_figures_only(epsilon):
         assert params.sigma2 in [g[1] for g in rec.grid]
         grids.append(rec.grid)
     assert grids[0] == grids[1]
-    given, _ = tuning.private_tune_arrays(x, y, [f"r{i}" for i in range(x.shape[0])], n_classes=3,
+    given, _ = tuning.private_tune_arrays(x, y, n_classes=3,
                                           req=tuning.TuneRequest(epsilon=epsilon, delta=1e-5, seed=1, taus=(0.3,),
                                                                  sigma2s=(0.7,), n_val=20, mean_runs=2.0))
     assert given.grid == [[0.3, 0.7]] and given.sigma2_grid == "given"
@@ -186,7 +186,7 @@ def test_store_extractor_picks_the_tau_prior_and_the_ledger_records_it(tmp_path)
         assert sorted({g[0] for g in t["grid"]}) == list(want)
         assert t["tau_grid"] == ("prior for hog features" if name == "hog" else tuning.default_taus(extractor=name)[1])
         assert res.params.tau in want
-    rec, _ = tuning.private_tune_arrays(x, y, [f"r{i}" for i in range(300)], n_classes=3,
+    rec, _ = tuning.private_tune_arrays(x, y, n_classes=3,
                                         req=tuning.TuneRequest(epsilon=2.0, delta=1e-5, seed=1, taus=(0.3,), n_val=20,
                                                                mean_runs=2.0, extractor="hog"))
     assert rec.tau_grid == "given" and {g[0] for g in rec.grid} == {0.3}
@@ -210,7 +210,7 @@ def test_reproducible_under_seed(tune_store):
     b, pb = tuning.run_tuning(store, _req())
     assert a.as_dict() == b.as_dict() and pa_ == pb
     data = tuning.BaseRunData.build(store.read("private", "features"), store.read("private", "labels"),
-                                    store.read("private", "record_id"), n_shards=40, seed_text="seed:7",
+                                    n_shards=40, seed_text="seed:7",
                                     n_classes=3)
     key = tuning._run_key(7, "tune:run:0")
     s1 = tuning.base_run_correct(data, params=pa_, run_key=key) + tuning.score_noise(key, rho_run=a.rho_run)
@@ -226,7 +226,7 @@ def test_base_run_scores_track_accuracy(tune_store):
 
     store = FeatureStore.open(tune_store.path, mode="r")
     data = tuning.BaseRunData.build(store.read("private", "features"), store.read("private", "labels"),
-                                    store.read("private", "record_id"), n_shards=40, seed_text="seed:1",
+                                    n_shards=40, seed_text="seed:1",
                                     n_classes=3)
     def p(tau):
         return PrivacyParams(epsilon=8, delta=1e-5, conversion="rdp", budget=5.0, kernel="cosine", tau=tau,
@@ -253,12 +253,12 @@ def test_emulated_base_run_moves_by_at_most_one_when_a_record_leaves(tune_store,
                       sigma2=0.3, nu=None, k_min=5.0, planned_queries=100).validate()
 
     def score(keep):
-        data = tuning.BaseRunData.build(x[keep], y[keep], ids[keep], n_shards=n_shards, seed_text="seed:3",
+        data = tuning.BaseRunData.build(x[keep], y[keep], n_shards=n_shards, seed_text="seed:3",
                                         n_classes=3)
         return emulate(data, params=p, run_key=11, n_shards=n_shards, planned_queries=100)
 
     full = score(np.ones(len(ids), bool))
-    _, val = tuning.shard_split(ids, n_shards=n_shards, seed_text="seed:3")
+    _, val = tuning.shard_split(tuning.content_keys(x, y), n_shards=n_shards, seed_text="seed:3")
     leave = list(val[val >= 0][:6]) + [0, 1, 2, 299, 599]  # validation records and P records
     moved = []
     for r in leave:
@@ -277,7 +277,7 @@ def test_emulated_base_run_punishes_a_sigma2_that_runs_budgets_dry(tune_store):
 
     store = FeatureStore.open(tune_store.path, mode="r")
     data = tuning.BaseRunData.build(store.read("private", "features"), store.read("private", "labels"),
-                                    store.read("private", "record_id"), n_shards=60, seed_text="seed:1", n_classes=3)
+                                    n_shards=60, seed_text="seed:1", n_classes=3)
 
     def correct(s2, budget):
         p = PrivacyParams(epsilon=1, delta=1e-5, conversion="rdp", budget=budget, kernel="cosine", tau=0.3,
@@ -291,7 +291,7 @@ def test_emulated_base_run_punishes_a_sigma2_that_runs_budgets_dry(tune_store):
 
 def _tune_data(store, n_shards, seed_text="seed:1"):
     return tuning.BaseRunData.build(store.read("private", "features"), store.read("private", "labels"),
-                                    store.read("private", "record_id"), n_shards=n_shards, seed_text=seed_text,
+                                    n_shards=n_shards, seed_text=seed_text,
                                     n_classes=3)
 
 

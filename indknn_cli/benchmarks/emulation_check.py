@@ -47,8 +47,7 @@ def emulation_table(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray],
     b = tuning.serving_budget(epsilon=eps, delta=cfg.delta, rho_run=rho, mean_runs=req.mean_runs, shape=shape)
     grid = tuning.tuning_grid(taus=req.tau_grid()[0], sigma2s=req.sigma2s, budget=b, planned_queries=p.T)
     sigma1 = req.sigma1 if req.sigma1 is not None else default_sigma1(planned_queries=p.T, budget=b)
-    record_ids = [f"r{int(i)}" for i in p.split.private]
-    datas = [tuning.BaseRunData.build(p.priv_x, p.priv_y, record_ids, n_shards=min(req.n_val, len(record_ids)),
+    datas = [tuning.BaseRunData.build(p.priv_x, p.priv_y, n_shards=min(req.n_val, len(p.priv_y)),
                                       seed_text=f"seed:{cfg.seed * 1000 + d}", n_classes=p.ds.n_classes)
              for d in range(len(draws))]
     serving = {} if serving is None else serving

@@ -52,13 +52,12 @@ def private_rows(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray], pr
                  kcache: dict | None = None) -> list[dict]:
     """The privately tuned row at total ε (and the oracle row when ``cfg.oracle_grid``)."""
     kcache = {} if kcache is None else kcache
-    record_ids = [f"r{int(i)}" for i in p.split.private]  # the public coins hash the record id
     accs, records, secs = [], [], 0.0
     served: list = []
     for d, idx in enumerate(draws):
         req = tune_request(cfg, eps=eps, T=p.T, seed=cfg.seed * 1000 + d, extractor=p.ds.extractor)
         t0 = time.perf_counter()
-        rec, params = tuning.private_tune_arrays(p.priv_x, p.priv_y, record_ids, n_classes=p.ds.n_classes, req=req)
+        rec, params = tuning.private_tune_arrays(p.priv_x, p.priv_y, n_classes=p.ds.n_classes, req=req)
         secs += time.perf_counter() - t0
         accs.append(_serve(p, cfg, idx, params, tag=f"private-tuned:{eps}:{p.T}:{d}", kcache=kcache, d=d))
         records.append(rec.as_dict())
@@ -116,7 +115,6 @@ def chosen_point_accuracy(p, cfg: BenchConfig, *, eps: float, draws: list[np.nda
     cfg_tune = dataclasses.replace(cfg, tune_sigma2s=sigma2s)
     kcache: dict = {}
     served: dict = {}
-    record_ids = [f"r{int(i)}" for i in p.split.private]
 
     def serve(params) -> float:
         key = (params.tau, params.sigma2)
@@ -127,7 +125,7 @@ def chosen_point_accuracy(p, cfg: BenchConfig, *, eps: float, draws: list[np.nda
 
     chosen = []
     for s in tuning_seeds:
-        rec, params = tuning.private_tune_arrays(p.priv_x, p.priv_y, record_ids, n_classes=p.ds.n_classes,
+        rec, params = tuning.private_tune_arrays(p.priv_x, p.priv_y, n_classes=p.ds.n_classes,
                                                  req=tune_request(cfg_tune, eps=eps, T=p.T, seed=s,
                                                                   extractor=p.ds.extractor))
         chosen.append(serve(params))

@@ -101,6 +101,8 @@ def serve_command(
 
     sink: list = []  # the --out writer of the current attempt
 
+    printed: list = [0]  # answer lines this command has written to stdout (retry guard below)
+
     def emit(rows):  # called once per committed part: its answers go out now, nothing is kept
         if bar:
             bar[0](advance=len(rows))
@@ -108,6 +110,7 @@ def serve_command(
             sink[0].write(rows)
         else:
             emit_json_lines(rows)
+            printed[0] += len(rows)
 
     upstream_line: list = []
 
@@ -119,7 +122,10 @@ def serve_command(
             try:
                 return call_once()
             except ConcurrentChangeError:
-                if attempt == 2:
+                # A retry re-emits the batch's released answers first: once some went to stdout it would print
+                # them twice (the Dask candidate phase can raise this mid-run, after parts committed: audit 4,
+                # S1). --out is rewritten whole by each attempt, so only stdout stops here; a re-run finishes.
+                if attempt == 2 or printed[0]:
                     raise
                 err.print("the store changed while this command waited; re-opening")  # no word on erasures (audit 9, S2)
 
