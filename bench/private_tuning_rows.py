@@ -5,10 +5,11 @@ on the same split, query draws and seed, and prints the privately tuned row, the
 and the whole grid. Used for the README's figures when the full command could not finish on a loaded machine:
 
     INDKNN_DATA=../shared/data python bench/private_tuning_rows.py 1.0 5 [SEED] [--no-oracle] [--quick]
-        [--dataset ag_news|mnist|STORE] [--tune-taus A,B,...]
+        [--dataset ag_news|mnist|STORE] [--tune-taus A,B,...] [--tune-method exp-mech|random-search]
 
 ``--no-oracle`` skips serving every grid point (the yardstick), which is most of the run's time. ``--quick`` takes
-bench's quick settings (at most 20,000 private records). ``--tune-taus`` replaces the extractor's τ prior.
+bench's quick settings (at most 20,000 private records). ``--tune-taus`` replaces the extractor's τ prior;
+``--tune-method`` picks index's selection (default exp-mech).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from indknn_cli.benchmarks.experiments import majority_class, prepare, query_dra
 
 def main(argv: list[str]) -> None:
     opts = {}
-    for flag in ("--dataset", "--tune-taus"):
+    for flag in ("--dataset", "--tune-taus", "--tune-method"):
         if flag in argv:
             i = argv.index(flag)
             opts[flag] = argv[i + 1]
@@ -34,7 +35,8 @@ def main(argv: list[str]) -> None:
     eps, n_draws, seed = float(argv[0]), int(argv[1]) if len(argv) > 1 else 5, int(argv[2]) if len(argv) > 2 else 0
     ds = load_dataset(opts.get("--dataset", "ag_news"))
     taus = tuple(float(t) for t in opts["--tune-taus"].split(",")) if "--tune-taus" in opts else None
-    cfg = BenchConfig.make(quick=quick, seed=seed, epsilons=(eps,), draws=n_draws, tune_taus=taus)
+    cfg = BenchConfig.make(quick=quick, seed=seed, epsilons=(eps,), draws=n_draws, tune_taus=taus,
+                           tune_method=opts.get("--tune-method"))
     cfg.oracle_grid = oracle
     p = prepare(ds, make_split(ds, seed=seed, max_private=cfg.max_private), cfg)
     draws = query_draws(p.pool_x.shape[0], p.T, n_draws, seed)

@@ -124,12 +124,13 @@ def budget_matches(budget: float, params) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _tuned_certifies(budget: float, rho_run: float, mean_runs: float, shape, epsilon: float, delta: float) -> bool:
-    from .tuning import composed_epsilon
+def _tuned_certifies(budget: float, rho_run: float, mean_runs, shape, method: str, epsilon: float,
+                     delta: float) -> bool:
+    from .tuning_accounting import composed_epsilon
 
     try:
         return composed_epsilon(rho_run=rho_run, mean_runs=mean_runs, shape=shape, budget_serve=budget,
-                                delta=delta) <= epsilon
+                                delta=delta, method=method) <= epsilon
     except (BadInputError, TypeError, ValueError, OverflowError):
         return False
 
@@ -140,8 +141,11 @@ def tuned_budget_matches(budget: float, params, tuning: dict) -> bool:
     :func:`budget_matches`, on the composed curve (docs/TUNING.md)."""
     try:
         b, eps, delta = float(budget), float(params.epsilon), float(params.delta)
-        key = (float(tuning["rho_run"]), float(tuning["mean_runs"]), tuning["shape"])
-    except (KeyError, TypeError, ValueError):
+        from .tuning_accounting import search_args
+
+        a = search_args(tuning)
+        key = (a["rho_run"], a["mean_runs"], a["shape"], a["method"])
+    except (KeyError, TypeError, ValueError, BadInputError):
         return False
     if not (math.isfinite(b) and b > 0) or float(tuning.get("budget_serve", -1)) != b:
         return False

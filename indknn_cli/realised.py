@@ -41,10 +41,9 @@ def realised_loss(spent, *, budget: float, delta: float, conversion: str, tuning
         return np.full(s.shape, np.nan)
 
     if tuned:
-        from .tuning import check_shape, composed_epsilon
+        from .tuning_accounting import composed_epsilon, search_args
 
-        search = dict(rho_run=float(tuning["rho_run"]), mean_runs=float(tuning["mean_runs"]),
-                      shape=check_shape(tuning["shape"]))
+        search = search_args(tuning)
 
     def eps_at(b: float) -> float:
         if tuned:

@@ -1,10 +1,10 @@
 """Private choice of (τ, σ2) at a stated cost (issue 18; docs/TUNING.md has the derivation).
 
-Random search with a random number of runs, accounted with the theorems of Papernot & Steinke,
-"Hyperparameter tuning with Rényi differential privacy" (ICLR 2022, arXiv:2110.03620) as implemented by
-dp-accounting: ``dp_accounting.dp_event.RepeatAndSelectDpEvent(event, mean, shape)`` composed in
-``dp_accounting.rdp.RdpAccountant`` (its ``_compute_rdp_repeat_and_select``: Theorem 2 for the truncated
-negative binomial / logarithmic / geometric number of runs, Theorem 6 for Poisson). No bound is written here.
+The search's cost is accounted with dp-accounting only (:mod:`indknn_cli.tuning_accounting`): the exponential
+mechanism over the whole grid (``--tune-method exp-mech``, the default; one ``ZCDpEvent``), or the random
+search of Papernot & Steinke, "Hyperparameter tuning with Rényi differential privacy" (ICLR 2022,
+arXiv:2110.03620), ``RepeatAndSelectDpEvent(event, mean, shape)`` (``--tune-method random-search``), each
+composed with serving in ``dp_accounting.rdp.RdpAccountant``.
 
 **One base run** for a candidate θ = (τ, σ2), with per-run cost ρ (in the ledger's ρ units):
 
@@ -30,10 +30,14 @@ uses B_serve because that is what serving will use. (:func:`base_run_correct` an
 kept for tests and comparison.) The price of shards: each shard is ~N/S records, so its answer is a noisy
 stand-in for the full-scale one, and S trades that against the score's resolution (docs/TUNING.md).
 
-**Selection**: K runs, K ~ truncated negative binomial (shape η ≥ 0, mean m) or Poisson (mean m; K = 0
-gives the public default θ); each run draws θ uniformly from the grid (data-independent); the θ with the
-largest noisy score is kept. Only the chosen θ and its noisy score are released — never the other runs'
-scores (the theorem covers the best run's output only).
+**Selection** (``exp-mech``): every grid point is scored on the same shards with the same shard noise (a
+common run key, so the comparison between points is not blurred by independent draws); the index of the
+largest score + Gumbel(b), b = 1/sqrt(2ρ), is released, nothing else (no score). For fixed shard noise each of
+the scores moves by at most 1, so the selection is ρ-zCDP (tuning_accounting's docstring); mixing over the
+shard noise keeps it so, as above. (``random-search``): K runs, K ~ truncated negative binomial (shape η ≥ 0,
+mean m) or Poisson (mean m; K = 0 gives the public default θ); each run draws θ uniformly from the grid
+(data-independent); the θ with the largest noisy score is kept. Only the chosen θ and its noisy score are
+released — never the other runs' scores (the theorem covers the best run's output only).
 
 **Composition**: the tuning's RDP curve plus serving's α·B_serve, converted at δ by the RdpAccountant
 (Canonne, Kamath & Steinke 2020): B_serve is the largest value (bisection, rounded down) whose composed ε
@@ -48,41 +52,18 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .errors import BadInputError
-
-#: Rényi orders of every figure here. Fewer than accounting.rdp_epsilon's 1560: dp-accounting's
-#: repeat-and-select is quadratic in the number of orders (its monotonicity pass). A coarser grid only
-#: makes ε larger (min over fewer orders), never smaller, so it stays an upper bound.
-ORDERS = tuple(float(a) for a in np.concatenate([np.linspace(1.02, 8, 80), np.linspace(8.25, 64, 60),
-                                                  np.geomspace(66, 1e5, 40)]))
-POISSON = math.inf
-from .tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS,  # noqa: E402,F401
-                          DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE, REFERENCE_BUDGET_PER_QUERY,
+from .tuning_accounting import (EXP_MECH, METHODS, ORDERS, POISSON, RANDOM_SEARCH,  # noqa: F401 (re-exported)
+                                _accountant, _bisect_largest, _positive, check_method, check_shape, composed_epsilon,
+                                draw_runs, exp_mech_select, gumbel_scale, rho_for_share, search_args, serving_budget,
+                                tuning_epsilon, tuning_event)
+from .tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_METHOD, DEFAULT_TUNE_QUERIES,  # noqa: F401
+                          DEFAULT_TUNE_RUNS, DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE, REFERENCE_BUDGET_PER_QUERY,
                           budget_relative_sigma2s, default_taus)
+
 TUNING_FORMAT = 1
 
 
 # -- validation ---------------------------------------------------------------------------------------
-def _positive(name: str, value, *, lo: float = 0.0, hi: float = math.inf, lo_open: bool = True) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-    if ok:
-        ok = (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        raise BadInputError(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}")
-    return float(value)
-
-
-def check_shape(shape) -> float:
-    """η ≥ 0 (0: logarithmic, 1: geometric, inf: Poisson)."""
-    if isinstance(shape, str):
-        if shape.strip().lower() == "poisson":
-            return POISSON
-        try:
-            shape = float(shape)
-        except ValueError:
-            raise BadInputError(f"--tune-shape must be a number ≥ 0 or 'poisson', got {shape!r}") from None
-    return _positive("--tune-shape (η)", shape, lo=0.0, lo_open=False)
-
-
 def check_grid(taus, sigma2s) -> list[tuple[float, float]]:
     taus, sigma2s = list(taus), list(sigma2s)
     if not taus or not sigma2s:
@@ -109,119 +90,6 @@ def _grid_rule(sigma2s) -> str:
         f"budget-relative: {', '.join(f'{s:g}' for s in DEFAULT_SIGMA2S)} × sqrt({REFERENCE_BUDGET_PER_QUERY:g}·T/B)")
 
 
-# -- accounting (dp-accounting only) ----------------------------------------------------------------------
-def tuning_event(*, rho_run: float, mean_runs: float, shape: float):
-    """The whole search as a DpEvent: ``RepeatAndSelectDpEvent(ZCDpEvent(ρ_run), mean, shape)``.
-
-    ``ZCDpEvent(rho=ρ)`` is (α, α·ρ)-RDP at every α: one base run (module docstring). dp-accounting's
-    RepeatAndSelectDpEvent: "the total number of runs is randomized ... Poisson (shape=infinity), Geometric
-    (shape=1), Logarithmic (shape=0), or Truncated Negative binomial (0<shape<infinity)".
-    """
-    from dp_accounting import dp_event
-
-    rho_run = _positive("ρ_run", rho_run)
-    mean_runs = _positive("--tune-runs (mean number of runs)", mean_runs, lo=1.0, hi=1e4, lo_open=False)
-    shape = check_shape(shape)
-    return dp_event.RepeatAndSelectDpEvent(event=dp_event.ZCDpEvent(rho=rho_run), mean=mean_runs,
-                                                shape=shape)
-
-
-def _accountant(*events):
-    from dp_accounting.rdp import RdpAccountant
-
-    acc = RdpAccountant(orders=list(ORDERS))
-    for ev in events:
-        acc.compose(ev)
-    return acc
-
-
-def tuning_epsilon(*, rho_run: float, mean_runs: float, shape: float, delta: float) -> float:
-    """ε at δ of the search alone (RDP, dp-accounting RdpAccountant), rounded up."""
-    acc = _accountant(tuning_event(rho_run=rho_run, mean_runs=mean_runs, shape=shape))
-    return math.nextafter(float(acc.get_epsilon(delta)), math.inf)
-
-
-def composed_epsilon(*, rho_run: float, mean_runs: float, shape: float, budget_serve: float, delta: float) -> float:
-    """ε at δ of tuning then serving: the search's RDP curve + α·B_serve (``ZCDpEvent(B_serve)``), rounded up."""
-    from dp_accounting import dp_event
-
-    events = [tuning_event(rho_run=rho_run, mean_runs=mean_runs, shape=shape)]
-    if budget_serve > 0:
-        events.append(dp_event.ZCDpEvent(rho=float(budget_serve)))
-    return math.nextafter(float(_accountant(*events).get_epsilon(delta)), math.inf)
-
-
-def _bisect_largest(ok, *, hi0: float) -> float:
-    """Largest x in (0, ...) with ok(x), ok monotone decreasing; returns a value that was checked (or 0).
-
-    A value the accountant cannot evaluate (dp-accounting's repeat-and-select raises a math domain error when
-    a tiny ρ underflows, e.g. ε = 0.01 at δ = 1e-30) counts as not ok: never certified, so never chosen."""
-    from .accounting import bisect_largest
-
-    def certified(x: float) -> bool:
-        try:
-            return ok(x)
-        except (ValueError, OverflowError, ZeroDivisionError):
-            return False
-
-    return bisect_largest(certified, hi0=hi0, rel_tol=1e-12, too_large="the target ε is too large to calibrate")
-
-
-def rho_for_share(*, epsilon: float, delta: float, share: float, mean_runs: float, shape: float) -> float:
-    """Largest ρ_run (rounded down) whose search alone costs ε_tune ≤ share·ε at δ."""
-    share = _positive("--tune-share", share, hi=0.9)
-    target = share * epsilon
-    rho = _bisect_largest(lambda r: tuning_epsilon(rho_run=r, mean_runs=mean_runs, shape=shape, delta=delta)
-                          <= target, hi0=1e-3)
-    if rho <= 0:
-        raise BadInputError(f"--tune-share {share:g} of ε={epsilon:g} leaves no positive per-run budget at "
-                            f"δ={delta:g} with mean {mean_runs:g} runs; raise the share or lower --tune-runs")
-    return rho
-
-
-def serving_budget(*, epsilon: float, delta: float, rho_run: float, mean_runs: float, shape: float) -> float:
-    """Largest B_serve (rounded down, never overshooting) with composed ε(δ) ≤ epsilon; verified."""
-    def ok(b: float) -> bool:
-        return composed_epsilon(rho_run=rho_run, mean_runs=mean_runs, shape=shape, budget_serve=b,
-                                delta=delta) <= epsilon
-
-    try:
-        within = ok(0.0)
-    except (ValueError, OverflowError, ZeroDivisionError):
-        within = False
-    if not within:
-        raise BadInputError(f"the tuning alone costs more than ε={epsilon:g} at δ={delta:g}")
-    b = _bisect_largest(ok, hi0=1e-3)
-    if b <= 0 or not ok(b):
-        raise BadInputError(f"no positive serving budget is left of ε={epsilon:g} at δ={delta:g} after tuning")
-    return b
-
-
-# -- the number of runs -----------------------------------------------------------------------------------
-def draw_runs(*, mean_runs: float, shape: float, rng: np.random.Generator) -> int:
-    """K from the distribution dp-accounting accounts for (Papernot & Steinke 2022, §2).
-
-    Truncated negative binomial TNB(η, γ): P[K=k] ∝ C(k+η−1, k)·(1−γ)^k, k ≥ 1 (η = 0: logarithmic
-    P[K=k] ∝ (1−γ)^k / k); γ from the mean exactly as the accountant maps it
-    (``_gamma_truncated_negative_binomial``, which returns the conservative γ: the true mean is ≤ ``mean``,
-    the bound uses ``mean``). Poisson: K ~ Poisson(mean), K = 0 possible.
-    """
-    shape = check_shape(shape)
-    if shape == POISSON:
-        return int(rng.poisson(mean_runs))
-    from dp_accounting.rdp.rdp_privacy_accountant import _gamma_truncated_negative_binomial
-
-    gamma = _gamma_truncated_negative_binomial(shape, mean_runs)
-    if gamma >= 1.0:
-        return 1
-    if shape == 0:
-        return int(rng.logseries(1.0 - gamma))
-    while True:  # NB(η, γ) conditioned on K ≥ 1
-        k = int(rng.negative_binomial(shape, gamma))
-        if k >= 1:
-            return k
-
-
 # -- the base run (tuning_base.py) ------------------------------------------------------------------------
 from .tuning_base import (BaseRunData, _coin, base_run_correct, content_keys,  # noqa: E402,F401 (re-exported)
                           emulated_correct, emulated_expected, flip_probability, score_noise, shard_split)
@@ -237,10 +105,10 @@ class TuningRecord:
     chosen_sigma2: float
     grid: list
     seed: str | None               # None: OS entropy
-    runs_drawn: int | None = None  # K
-    thetas_tried: list = field(default_factory=list)   # data-independent random search order
+    runs_drawn: int | None = None  # K (random search); exp-mech: 1 (one selection over the whole grid)
+    thetas_tried: list = field(default_factory=list)   # random search: its data-independent order; exp-mech: grid
     chosen_run: int | None = None
-    chosen_noisy_score: float | None = None
+    chosen_noisy_score: float | None = None  # random search only: exp-mech releases the index alone
     validation_queries: int | None = None  # S (shards)
     rho_run: float | None = None
     mean_runs: float | None = None
@@ -255,6 +123,7 @@ class TuningRecord:
     public_accuracy: float | None = None
     sigma2_grid: str | None = None          # "budget-relative" (default grid scaled to B, T) or "given"
     tau_grid: str | None = None             # "prior for <extractor> features", "broad (...)" or "given"
+    method: str | None = None               # private: exp-mech or random-search (tuning_accounting)
     format: int = TUNING_FORMAT
 
     def as_dict(self) -> dict:
@@ -274,8 +143,9 @@ def private_tune(
     *, features, labels, n_classes: int, epsilon: float, delta: float, share: float, mean_runs: float,
     shape, taus, sigma2s, n_val: int, kernel: str, nu: float | None, k_min: float, sigma1: float | None,
     planned_queries: int | None, seed: int | None = None, device: str = "cpu", tau_rule: str | None = None,
+    method: str = DEFAULT_TUNE_METHOD,
 ) -> tuple[TuningRecord, "object"]:
-    """Accounted random search; returns (record, PrivacyParams for serving with B = B_serve, conversion rdp).
+    """Accounted search; returns (record, PrivacyParams for serving with B = B_serve, conversion rdp).
 
     ``sigma2s`` None: the budget-relative default grid for B_serve and T (:mod:`indknn_cli.tuning_grid`), fixed
     from public figures before any record is read."""
@@ -284,9 +154,14 @@ def private_tune(
 
     check_range("epsilon", epsilon)
     check_range("delta", delta)
-    shape = check_shape(shape)
-    rho = rho_for_share(epsilon=epsilon, delta=delta, share=share, mean_runs=mean_runs, shape=shape)
-    b_serve = serving_budget(epsilon=epsilon, delta=delta, rho_run=rho, mean_runs=mean_runs, shape=shape)
+    method = check_method(method)
+    if method == EXP_MECH:
+        mean_runs = shape = None  # one selection over the whole grid: no number of runs
+    else:
+        shape = check_shape(shape)
+    search = dict(mean_runs=mean_runs, shape=shape, method=method)
+    rho = rho_for_share(epsilon=epsilon, delta=delta, share=share, **search)
+    b_serve = serving_budget(epsilon=epsilon, delta=delta, rho_run=rho, **search)
     grid = tuning_grid(taus=taus, sigma2s=sigma2s, budget=b_serve, planned_queries=planned_queries)
     if sigma1 is None:
         sigma1 = default_sigma1(planned_queries=planned_queries or 1000, budget=b_serve)
@@ -297,33 +172,47 @@ def private_tune(
     seed_text = "entropy:" + str(_run_key(None, "tune")) if seed is None else f"seed:{seed}"
     data = BaseRunData.build(features, labels, n_shards=n_val, seed_text=seed_text, n_classes=n_classes)
     master = np.random.default_rng(_run_key(seed, "tune:search"))
-    k = draw_runs(mean_runs=mean_runs, shape=shape, rng=master)
-    picks = [int(master.integers(len(grid))) for _ in range(k)]  # random search: data-independent
-    best, best_score = None, -math.inf
-    for j, g in enumerate(picks):
+
+    def params_at(g: int):
         tau, s2 = grid[g]
-        # The base run answers as serving will (per-record budget B_serve): its privacy comes from the score's
+        # A shard answers as serving will (per-record budget B_serve): its privacy comes from the selection's
         # noise alone (sensitivity 1 whatever each shard computes; module docstring), not from this budget.
-        p = PrivacyParams(epsilon=epsilon, delta=delta, conversion="rdp", budget=b_serve, kernel=kernel, tau=tau,
-                          sigma1=sigma1, sigma2=s2, nu=nu, k_min=k_min, planned_queries=planned_queries).validate()
-        key = _run_key(seed, f"tune:run:{j}")
-        score = emulated_correct(data, params=p, run_key=key, n_shards=n_val,
-                                 planned_queries=planned_queries or 1000) + score_noise(key, rho_run=rho)
-        if score > best_score:
-            best, best_score = j, score
+        return PrivacyParams(epsilon=epsilon, delta=delta, conversion="rdp", budget=b_serve, kernel=kernel, tau=tau,
+                             sigma1=sigma1, sigma2=s2, nu=nu, k_min=k_min, planned_queries=planned_queries).validate()
+
+    def score_of(g: int, key: int) -> float:
+        return float(emulated_correct(data, params=params_at(g), run_key=key, n_shards=n_val,
+                                      planned_queries=planned_queries or 1000))
+
+    noisy_best = None
+    if method == EXP_MECH:
+        key = _run_key(seed, "tune:exp-mech")  # one shard noise for every grid point (common random numbers)
+        picks = list(range(len(grid)))
+        best = exp_mech_select([score_of(g, key) for g in picks], rho=rho, rng=master)
+        k, noise_std = 1, math.pi * gumbel_scale(rho) / math.sqrt(6.0)  # the Gumbel's standard deviation
+    else:
+        k = draw_runs(mean_runs=mean_runs, shape=shape, rng=master)
+        picks = [int(master.integers(len(grid))) for _ in range(k)]  # random search: data-independent
+        best, best_score = None, -math.inf
+        for j, g in enumerate(picks):
+            key = _run_key(seed, f"tune:run:{j}")
+            score = score_of(g, key) + score_noise(key, rho_run=rho)
+            if score > best_score:
+                best, best_score = j, score
+        noisy_best = None if best is None else float(best_score)
+        noise_std = 1.0 / math.sqrt(2.0 * rho)
     default_used = best is None  # Poisson K = 0: the public default (the grid's first point)
     tau, s2 = grid[picks[best]] if best is not None else grid[0]
     record = TuningRecord(
         mode="private", chosen_tau=tau, chosen_sigma2=s2, grid=[list(g) for g in grid],
-        sigma2_grid=_grid_rule(sigma2s), tau_grid=tau_rule,
+        sigma2_grid=_grid_rule(sigma2s), tau_grid=tau_rule, method=method,
         seed=None if seed is None else str(seed), runs_drawn=k, thetas_tried=[list(grid[g]) for g in picks],
-        chosen_run=best, chosen_noisy_score=None if best is None else float(best_score),
-        validation_queries=int(n_val), rho_run=rho, mean_runs=float(mean_runs), shape=shape,  # S: public
-        share=float(share), epsilon_tuning=tuning_epsilon(rho_run=rho, mean_runs=mean_runs, shape=shape, delta=delta),
-        budget_serve=b_serve,
-        epsilon_total=composed_epsilon(rho_run=rho, mean_runs=mean_runs, shape=shape, budget_serve=b_serve,
-                                       delta=delta),
-        default_used=default_used, score_noise_std=1.0 / math.sqrt(2.0 * rho),
+        chosen_run=None if method == EXP_MECH else best, chosen_noisy_score=noisy_best,
+        validation_queries=int(n_val), rho_run=rho, mean_runs=None if mean_runs is None else float(mean_runs),
+        shape=shape, share=float(share),  # S: public
+        epsilon_tuning=tuning_epsilon(rho_run=rho, delta=delta, **search), budget_serve=b_serve,
+        epsilon_total=composed_epsilon(rho_run=rho, budget_serve=b_serve, delta=delta, **search),
+        default_used=default_used, score_noise_std=noise_std,
     )
     if record.epsilon_total > epsilon:  # verified with the accountant (never overshoot)
         raise AssertionError("composed ε above the target")
@@ -378,17 +267,18 @@ def headline(tuning: dict | None, *, budget: float, delta: float) -> dict | None
     """The tuning share of a ledger's guarantee at ``delta`` (RDP composition), or None without private tuning."""
     if not tuning or tuning.get("mode") != "private":
         return None
-    shape = check_shape(tuning["shape"])
-    kw = dict(rho_run=float(tuning["rho_run"]), mean_runs=float(tuning["mean_runs"]), shape=shape, delta=delta)
+    kw = dict(search_args(tuning), delta=delta)
+    event = ("the exponential mechanism over the grid, dp-accounting ZCDpEvent" if kw["method"] == EXP_MECH else
+             "random search, dp-accounting RepeatAndSelectDpEvent, Papernot & Steinke 2022")
     return {
-        "mode": "private", "conversion": "rdp",
+        "mode": "private", "conversion": "rdp", "method": kw["method"],
         "epsilon_tuning": tuning_epsilon(**kw),
         "epsilon_total": composed_epsilon(budget_serve=budget, **kw),
         "chosen": {"tau": tuning["chosen_tau"], "sigma2": tuning["chosen_sigma2"]},
-        "runs_drawn": tuning.get("runs_drawn"), "mean_runs": tuning["mean_runs"], "shape": tuning["shape"],
+        "runs_drawn": tuning.get("runs_drawn"), "mean_runs": tuning.get("mean_runs"), "shape": tuning.get("shape"),
         "rho_run": tuning["rho_run"], "validation_queries": tuning.get("validation_queries"),
-        "note": ("the guarantee composes the tuning search (dp-accounting RepeatAndSelectDpEvent, Papernot & "
-                 "Steinke 2022) with serving's α·B by RDP; every record carries the tuning share"),
+        "note": (f"the guarantee composes the tuning search ({event}) with serving's α·B by RDP; every record "
+                 "carries the tuning share"),
     }
 
 
@@ -406,6 +296,7 @@ class TuneRequest:
     taus: tuple | None = None      # None: the prior of the store's extractor (tuning_grid.default_taus)
     sigma2s: tuple | None = None   # None: the budget-relative default (tuning_grid.budget_relative_sigma2s)
     n_val: int = DEFAULT_TUNE_QUERIES        # S: validation queries (shards)
+    method: str = DEFAULT_TUNE_METHOD        # private: exp-mech (default) or random-search
     seed: int | None = None        # experiments only; default OS entropy
     conversion: str = "rdp"        # public mode only (private tuning composes by RDP)
     kernel: str = "cosine"
@@ -434,6 +325,7 @@ class TuneRequest:
                                 f"rdp, got {self.conversion!r} (the selection is not a Gaussian mechanism)")
         check_grid(self.tau_grid()[0], DEFAULT_SIGMA2S if self.sigma2s is None else self.sigma2s)
         check_shape(self.shape)
+        check_method(self.method)
         _positive("--tune-runs", self.mean_runs, lo=1.0, hi=1e4, lo_open=False)
         _positive("--tune-share", self.share, hi=0.9)
         if isinstance(self.n_val, bool) or not isinstance(self.n_val, int) or not 1 <= self.n_val <= 10**7:
@@ -491,4 +383,4 @@ def private_tune_arrays(features, labels, *, n_classes: int, req: TuneRequest):
         delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape,
         taus=taus, sigma2s=req.sigma2s, n_val=req.n_val, kernel=req.kernel,
         nu=nu, k_min=req.k_min, sigma1=req.sigma1, planned_queries=req.planned_queries, seed=req.seed,
-        device=req.device, tau_rule=tau_rule)
+        device=req.device, tau_rule=tau_rule, method=req.method)

@@ -41,6 +41,8 @@ DEFAULT_TUNE_SHARE = 0.2
 DEFAULT_TUNE_RUNS = 10.0
 DEFAULT_TUNE_SHAPE = 0.0
 DEFAULT_TUNE_QUERIES = 500
+#: How the search selects θ (tuning_accounting.METHODS): the exponential mechanism over the whole grid.
+DEFAULT_TUNE_METHOD = "exp-mech"
 DEFAULT_PLANNED_QUERIES = 1000
 
 

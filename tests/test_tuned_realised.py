@@ -4,6 +4,7 @@ the users the filter keeps (audit 9, F4)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
@@ -30,10 +31,11 @@ def _store(path, n=300, user_ids=None):
     return st
 
 
-def test_realised_loss_of_a_tuned_ledger_composes_the_search(tmp_path):
+@pytest.mark.parametrize("method", ["exp-mech", "random-search"])
+def test_realised_loss_of_a_tuned_ledger_composes_the_search(tmp_path, method):
     st = _store(tmp_path / "s.zarr")
-    req = tuning.TuneRequest(epsilon=2.0, delta=1e-5, seed=3, taus=(0.3, 0.6), sigma2s=(0.5,), n_val=40,
-                             mean_runs=2.0, share=0.3, planned_queries=100)
+    req = tuning.TuneRequest(epsilon=2.0, delta=1e-5, seed=3, taus=(0.3,), sigma2s=(0.5,), n_val=40,
+                             mean_runs=2.0, share=0.3, planned_queries=100, method=method)
     build_index(store_path=st.path, ledger_path=tmp_path / "l", params=None, tune=req)
     serve_queries(store_path=st.path, ledger_path=tmp_path / "l", query_batch="q1", seed=1)
     led = BudgetLedger.open(tmp_path / "l")
@@ -41,7 +43,8 @@ def test_realised_loss_of_a_tuned_ledger_composes_the_search(tmp_path):
     spent = np.asarray(led.state.spent)
     idle, busy = int(np.argmin(spent)), int(np.argmax(spent))
     assert spent[idle] == 0.0 and spent[busy] > 0.0
-    kw = dict(rho_run=t["rho_run"], mean_runs=t["mean_runs"], shape=t["shape"], delta=1e-5)
+    kw = dict(tuning.search_args(t), delta=1e-5)
+    assert kw["method"] == method
     for i in (idle, busy):
         d = build_account_report(ledger_path=tmp_path / "l", record_id=str(led.state.record_id[i])).data
         got = d["realised_epsilon_by_conversion"]

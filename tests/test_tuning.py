@@ -63,6 +63,56 @@ def test_composed_epsilon_never_exceeds_the_target(epsilon, delta, mean, shape):
     assert tuning.composed_epsilon(budget_serve=b * (1 + 1e-6), **kw) > epsilon * (1 - 1e-5)  # tight, not wasteful
 
 
+def test_exp_mech_cost_is_dp_accountings_zcdp_figure():
+    """--tune-method exp-mech: the selection is one ZCDpEvent(ρ), ρ = 1/(2b²) for Gumbel scale b (ε-bounded range
+    with ε = 2/b, Durfee & Rogers 2019; ε-BR is ε²/8-zCDP, Cesar & Rogers 2021), composed in the same accountant."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import RdpAccountant
+
+    rho, delta = 3e-3, 1e-6
+    acc = RdpAccountant(orders=list(tuning.ORDERS))
+    acc.compose(dp_event.ZCDpEvent(rho=rho))
+    assert tuning.tuning_epsilon(rho_run=rho, delta=delta, method="exp-mech") == math.nextafter(
+        acc.get_epsilon(delta), math.inf)
+    acc.compose(dp_event.ZCDpEvent(rho=0.01))
+    assert tuning.composed_epsilon(rho_run=rho, budget_serve=0.01, delta=delta, method="exp-mech") == \
+        math.nextafter(acc.get_epsilon(delta), math.inf)
+    b = tuning.gumbel_scale(rho)
+    eps_br = 2.0 / b  # the exponential mechanism exp(u/b) with sensitivity 1
+    assert eps_br ** 2 / 8.0 == pytest.approx(rho, rel=1e-12)
+    # one selection over the whole grid costs less than a random search of mean 10 runs at the same ρ
+    assert tuning.tuning_epsilon(rho_run=rho, delta=delta, method="exp-mech") < \
+        tuning.tuning_epsilon(rho_run=rho, mean_runs=10.0, shape=0.0, delta=delta)
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("delta", [1e-5, 1e-9])
+@pytest.mark.parametrize("share", [0.05, 0.2, 0.5])
+def test_exp_mech_composed_epsilon_never_exceeds_the_target(epsilon, delta, share):
+    kw = dict(delta=delta, method="exp-mech")
+    rho = tuning.rho_for_share(epsilon=epsilon, share=share, **kw)
+    assert tuning.tuning_epsilon(rho_run=rho, **kw) <= share * epsilon
+    b = tuning.serving_budget(epsilon=epsilon, rho_run=rho, **kw)
+    assert tuning.composed_epsilon(rho_run=rho, budget_serve=b, **kw) <= epsilon
+    assert tuning.composed_epsilon(rho_run=rho, budget_serve=b * (1 + 1e-6), **kw) > epsilon * (1 - 1e-5)
+
+
+def test_exp_mech_select_draws_from_the_exponential_mechanism():
+    """Closed form: P[g] ∝ exp(score_g / b). Scores (0, b·ln 2, b·ln 4) → 1/7, 2/7, 4/7; reproducible under its rng."""
+    rho = 0.02
+    b = tuning.gumbel_scale(rho)
+    scores = [0.0, b * math.log(2.0), b * math.log(4.0)]
+    rng = np.random.default_rng(5)
+    picks = np.bincount([tuning.exp_mech_select(scores, rho=rho, rng=rng) for _ in range(21000)], minlength=3)
+    assert np.allclose(picks / picks.sum(), [1 / 7, 2 / 7, 4 / 7], atol=0.012)
+    a = [tuning.exp_mech_select(scores, rho=rho, rng=np.random.default_rng(9)) for _ in range(3)]
+    assert len(set(a)) == 1
+    with pytest.raises(ValueError):
+        tuning.exp_mech_select([], rho=rho, rng=rng)
+    with pytest.raises(BadInputError, match="tune-method"):
+        tuning.check_method("grid")
+
+
 def test_an_epsilon_the_accountant_cannot_evaluate_is_refused_not_a_traceback():
     """dp-accounting's repeat-and-select hits a math domain error for tiny ρ: a clear refusal, never a crash."""
     with pytest.raises(BadInputError, match="no positive per-run budget"):
@@ -327,15 +377,21 @@ def test_expected_emulation_sees_serving_noise_and_depletion(tune_store):
     assert tuning.flip_probability(1e6, 4) < 1e-5
 
 
-def test_index_tune_records_the_choice_before_any_charge(tune_store, tmp_path):
+@pytest.mark.parametrize("method", ["exp-mech", "random-search"])
+def test_index_tune_records_the_choice_before_any_charge(tune_store, tmp_path, method):
     ledger_path = tmp_path / "ledger"
-    res = build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+    res = build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req(method=method))
     led = BudgetLedger.open(ledger_path)
     t = led.meta["tuning"]
     # the chosen θ is recorded and is what the ledger serves with
     assert (t["chosen_tau"], t["chosen_sigma2"]) == (led.params.tau, led.params.sigma2)
     assert [t["chosen_tau"], t["chosen_sigma2"]] in t["thetas_tried"] or t["default_used"]
-    assert t["runs_drawn"] == len(t["thetas_tried"]) and t["seed"] == "7"
+    assert t["method"] == method and t["seed"] == "7"
+    if method == "exp-mech":  # every grid point scored; only the chosen index is released, no score
+        assert t["thetas_tried"] == t["grid"] and t["runs_drawn"] == 1 and t["chosen_noisy_score"] is None
+        assert t["mean_runs"] is None and t["shape"] is None
+    else:
+        assert t["runs_drawn"] == len(t["thetas_tried"])
     assert led.params.conversion == "rdp" and led.params.budget == t["budget_serve"]
     assert t["epsilon_total"] <= 2.0 and t["epsilon_tuning"] <= 0.3 * 2.0
     assert not any("score" in k and k not in ("chosen_noisy_score", "score_noise_std") for k in t)  # no other run's score
@@ -373,9 +429,10 @@ def test_tune_refused_on_an_existing_ledger_and_with_gdp(tune_store, tmp_path):
                     tune=_req(conversion="gdp"))
 
 
-def test_account_shows_the_tuning_share(tune_store, tmp_path):
+@pytest.mark.parametrize("method", ["exp-mech", "random-search"])
+def test_account_shows_the_tuning_share(tune_store, tmp_path, method):
     ledger_path = tmp_path / "ledger"
-    build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+    build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req(method=method))
     d = build_account_report(ledger_path=ledger_path).data
     t = d["tuning"]
     assert d["conversion"] == "rdp" and d["epsilon"] == t["epsilon_total"] <= 2.0
@@ -384,7 +441,10 @@ def test_account_shows_the_tuning_share(tune_store, tmp_path):
     res = runner.invoke(app, ["account", "--ledger", str(ledger_path)], env={"INDKNN_WIDTH": "200"})
     assert res.exit_code == 0, res.output
     assert "of which tuning" in res.stdout and "rdp" in res.stdout
-    assert "operator only" in " ".join(res.stdout.split())  # the run count K is not covered (audit 2, P6)
+    if method == "random-search":
+        assert "operator only" in " ".join(res.stdout.split())  # the run count K is not covered (audit 2, P6)
+    else:
+        assert "by the exponential mechanism" in " ".join(res.stdout.split()) and d["tuning"]["method"] == method
     res = runner.invoke(app, ["account", "--ledger", str(ledger_path), "--eps", "2", "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["check_eps"]["passed"]
     assert "runs_drawn" in json.loads(res.stdout)["operator_only"]  # audit 2, P6
@@ -414,7 +474,7 @@ def test_cli_index_tune(tune_store, tmp_path):
     res = runner.invoke(app, ["index", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l"),
                               "--eps", "2", "--tune", "private", "--tune-taus", "0.3,0.6", "--tune-sigma2s", "0.5",
                               "--tune-queries", "30", "--tune-runs", "2", "--tune-share", "0.3",
-                              "--planned-queries", "100", "--tune-seed", "3"])
+                              "--planned-queries", "100", "--tune-seed", "3", "--tune-method", "random-search"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["conversion"] == "rdp" and out["tuning"]["mode"] == "private" and out["epsilon"] <= 2.0
@@ -424,12 +484,20 @@ def test_cli_index_tune(tune_store, tmp_path):
     res = runner.invoke(app, ["index", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l2"),
                               "--eps", "2", "--tune", "private", "--conversion", "gdp"])
     assert res.exit_code == 2 and "rdp" in res.stderr
+    # the default selection has no number of runs: --tune-runs is refused, not silently ignored
+    res = runner.invoke(app, ["index", "--store", str(fresh), "--ledger", str(tmp_path / "l4"), "--eps", "2",
+                              "--tune", "private", "--tune-runs", "3"])
+    assert res.exit_code == 2 and "--tune-method random-search" in " ".join(res.stderr.split())
+    assert not (tmp_path / "l4").exists()
+    res = runner.invoke(app, ["index", "--store", str(fresh), "--ledger", str(tmp_path / "l5"), "--eps", "2",
+                              "--tune", "private", "--tune-method", "grid"])
+    assert res.exit_code == 2 and "tune-method" in res.stderr and not (tmp_path / "l5").exists()
     # without --tune-sigma2s the ledger records the budget-relative default grid, scaled to its own B and T
     from indknn_cli.tuning_grid import budget_relative_sigma2s
 
     res = runner.invoke(app, ["index", "--store", str(fresh), "--ledger", str(tmp_path / "l3"),
                               "--eps", "2", "--tune", "private", "--tune-taus", "0.3", "--tune-queries", "30",
-                              "--tune-runs", "2", "--planned-queries", "100", "--tune-seed", "3"])
+                              "--planned-queries", "100", "--tune-seed", "3"])
     assert res.exit_code == 0, res.output
     t = BudgetLedger.open(tmp_path / "l3").meta["tuning"]
     assert [g[1] for g in t["grid"]] == list(budget_relative_sigma2s(budget=t["budget_serve"], planned_queries=100))
@@ -541,8 +609,8 @@ def test_chosen_point_accuracy_averages_served_choices_below_the_best_grid_point
     cfg.tune_taus, cfg.tune_queries, cfg.tune_runs = (0.3, 0.6), 30, 3.0
     out = chosen_point_accuracy(p, cfg, eps=2.0, draws=draws, tuning_seeds=[1, 2, 3])
     assert out["tuning_seeds"] == 3 and out["sigma2_grid"].startswith("budget-relative")
-    rho = tuning.rho_for_share(epsilon=2.0, delta=cfg.delta, share=0.2, mean_runs=3.0, shape=0.0)
-    b = tuning.serving_budget(epsilon=2.0, delta=cfg.delta, rho_run=rho, mean_runs=3.0, shape=0.0)
+    rho = tuning.rho_for_share(epsilon=2.0, delta=cfg.delta, share=0.2, method="exp-mech")  # index's default
+    b = tuning.serving_budget(epsilon=2.0, delta=cfg.delta, rho_run=rho, method="exp-mech")
     assert sorted({g[1] for g in out["grid"]}) == sorted(budget_relative_sigma2s(budget=b, planned_queries=20))
     assert 0 < out["chosen_mean"] <= out["best_grid_point"] <= 1
     fixed = chosen_point_accuracy(p, cfg, eps=2.0, draws=draws, tuning_seeds=[1, 2], sigma2s=(0.5, 1.0))

@@ -4,8 +4,9 @@
 (``private-00000042``). The coin used to hash that id, so leaving one person out of an id-less input renamed
 every later record, re-dealt their shards and moved the un-noised score by up to 36 (sensitivity 1 assumed).
 The test goes through the real path: ``indknn embed`` of a ``.npz`` without ids, then ``index --tune private``'s
-``run_tuning`` with one run at one grid point, so the chosen run's noisy score differs between D and D − {x}
-by exactly the un-noised score's change (the same seed draws the same noise)."""
+``run_tuning`` with one random-search run at one grid point, so the chosen run's noisy score differs between D
+and D − {x} by exactly the un-noised score's change (the same seed draws the same noise). The exponential
+mechanism releases no score, but it scores on the same shards (``BaseRunData.build``, the same coin)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_one_record_left_out_of_an_id_less_input_moves_the_score_by_at_most_one(
     for store in (d, d_minus):
         for tau in (0.3, 0.5, 0.7):
             req = tuning.TuneRequest(epsilon=1.0, delta=1e-5, seed=seed, taus=(tau,), sigma2s=(0.6,), n_val=300,
-                                     mean_runs=1.0, planned_queries=1000)
+                                     mean_runs=1.0, planned_queries=1000, method="random-search")
             rec, _ = tuning.run_tuning(store, req)
             assert rec.runs_drawn == 1 and rec.chosen_run == 0
             scores.append(rec.chosen_noisy_score)

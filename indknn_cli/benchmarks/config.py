@@ -32,6 +32,7 @@ class BenchConfig:
     tune_runs: float | None = None
     tune_shape: float | str | None = None
     tune_queries: int | None = None
+    tune_method: str | None = None
     tune_taus: tuple | None = None
     tune_sigma2s: tuple | None = None
     oracle_grid: bool = True             # also serve every grid point at B_serve (the best one is the yardstick)

@@ -31,7 +31,7 @@ def tune_request(cfg: BenchConfig, *, eps: float, T: int, seed: int, extractor: 
     """index --tune private's request with the bench's overrides (None: index's default; the τ prior of the
     dataset's ``extractor``, as index takes the store's)."""
     over = {"share": cfg.tune_share, "mean_runs": cfg.tune_runs, "shape": cfg.tune_shape, "n_val": cfg.tune_queries,
-            "taus": cfg.tune_taus, "sigma2s": cfg.tune_sigma2s}
+            "taus": cfg.tune_taus, "sigma2s": cfg.tune_sigma2s, "method": cfg.tune_method}
     kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in over.items() if v is not None}
     if "shape" in kw:
         kw["shape"] = tuning.check_shape(kw["shape"])
@@ -67,10 +67,12 @@ def private_rows(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray], pr
              f"median accuracy {np.median(accs):.3f}")
     first = records[0]
     row = {"method": PRIVATE, "epsilon": float(eps), "delta": cfg.delta, "conversion": "rdp",
-           "privacy": ("total ε by RDP: the search (dp-accounting RepeatAndSelectDpEvent) composed with serving's "
-                       f"α·B_serve; {UNIT_TEXT}"), **UNIT,
+           "privacy": (f"total ε by RDP: the search ({first['method']}, dp-accounting "
+                       f"{'ZCDpEvent' if first['method'] == tuning.EXP_MECH else 'RepeatAndSelectDpEvent'}) composed "
+                       f"with serving's α·B_serve; {UNIT_TEXT}"), **UNIT,
            "hyper": {"chosen": [{"tau": t, "sigma2": s} for t, s in chosen], "budget_B_serve": first["budget_serve"],
-                     "rho_run": first["rho_run"], "mean_runs": first["mean_runs"], "shape": first["shape"],
+                     "method": first["method"], "rho_run": first["rho_run"], "mean_runs": first["mean_runs"],
+                     "shape": first["shape"],
                      "share": first["share"], "validation_queries": first["validation_queries"],
                      "grid": first["grid"], "sigma1": served[0].sigma1, "k_min": served[0].k_min,
                      "planned_queries": p.T},

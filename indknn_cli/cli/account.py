@@ -78,8 +78,10 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
               f"at δ = {d['ledger_delta']:g}")
     t = d.get("tuning")
     if t is not None:  # index --tune private: the headline composes the search with serving (RDP)
+        how = ("by the exponential mechanism" if t.get("method") == "exp-mech" else
+               f"{t['runs_drawn']} runs, a figure for the operator only")
         out.print(escape(f"of which tuning (τ={t['chosen']['tau']:g}, σ2={t['chosen']['sigma2']:g}, "
-                         f"{t['runs_drawn']} runs, a figure for the operator only): ε(rdp) = {_f(t['epsilon_tuning'], '.4g')} alone; serving "
+                         f"{how}): ε(rdp) = {_f(t['epsilon_tuning'], '.4g')} alone; serving "
                          f"alone ε(rdp) = {_f(t['epsilon_serving_alone'], '.4g')}; composed by RDP = "
                          f"{_f(t['epsilon_total'], '.6g')} at δ = {d['delta']:g}, {d['adjacency']} (gdp: not "
                          "applicable to the composition)"))

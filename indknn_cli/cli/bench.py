@@ -136,12 +136,14 @@ def accuracy_vs_eps(
     tune_runs: Optional[float] = typer.Option(None, "--tune-runs", help="As index --tune-runs (default: index's)."),
     tune_queries: Optional[int] = typer.Option(None, "--tune-queries", help="As index --tune-queries (default: "
                                                "index's)."),
+    tune_method: Optional[str] = typer.Option(None, "--tune-method", help="As index --tune-method (default: "
+                                              "index's, exp-mech)."),
 ) -> None:
     """Median accuracy over query draws per ε for every method, each tuned on a validation split (paper Fig. 1a, 2),
     next to Ind-KNN tuned privately at the same total ε, and the majority-class floor."""
     _run("accuracy-vs-eps", lambda: dict(epsilons=_floats(eps, "--eps")), private_tuning=private_tuning,
          oracle_grid=oracle, tune_share=tune_share, tune_runs=tune_runs, tune_queries=tune_queries,
-         **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, draws, queries,
+         tune_method=tune_method, **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, draws, queries,
                    n_queries, pknn_accountant, device, n_private, test_store))
 
 

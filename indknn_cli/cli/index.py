@@ -9,8 +9,9 @@ import typer
 from rich.markup import escape
 
 from ..errors import BadInputError
-from ..tuning_grid import (BROAD_TAUS, DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS, REFERENCE_BUDGET_PER_QUERY,
+from ..tuning_grid import (BROAD_TAUS, DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_METHOD, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS, REFERENCE_BUDGET_PER_QUERY,
                            DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
+from ..wording import count
 from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store,
                      run_library_call, stderr_console)
 
@@ -47,10 +48,11 @@ def index_command(
     privacy_unit: str = typer.Option("record", "--privacy-unit", help="record (default) or user: whose budget the filter keeps. With user, a person's records share one budget B and the guarantee is for adding or removing one user with all their records (SPEC §9)."),
     max_records_per_user: Optional[int] = typer.Option(None, "--max-records-per-user", help="user unit: only a user's k most similar records (largest κ) count per query (default: all)."),
     user_for_missing: str = typer.Option("refuse", "--user-for-missing", help="user unit: rows without a user id are refused (refuse, default) or each is its own user (record)."),
-    tune: Optional[str] = typer.Option(None, "--tune", help="Choose τ and σ2 when creating the ledger (docs/TUNING.md): private = random search on the private records, its cost composed into the ε target by RDP and recorded in the ledger; public = on the store's labelled public rows, free. --tau/--sigma2 are then ignored."),
+    tune: Optional[str] = typer.Option(None, "--tune", help="Choose τ and σ2 when creating the ledger (docs/TUNING.md): private = a private selection on the private records (--tune-method), its cost composed into the ε target by RDP and recorded in the ledger; public = on the store's labelled public rows, free. --tau/--sigma2 are then ignored."),
     tune_share: float = typer.Option(DEFAULT_TUNE_SHARE, "--tune-share", help="--tune private: fraction of --eps the search may cost (RDP, at --delta)."),
-    tune_runs: float = typer.Option(DEFAULT_TUNE_RUNS, "--tune-runs", help="--tune private: mean number of runs K."),
-    tune_shape: str = typer.Option(f"{DEFAULT_TUNE_SHAPE:g}", "--tune-shape", help="--tune private: distribution of K: η ≥ 0 of the truncated negative binomial (0 logarithmic, the default; 1 geometric) or 'poisson'."),
+    tune_method: str = typer.Option(DEFAULT_TUNE_METHOD, "--tune-method", help="--tune private: exp-mech (default: every grid point scored, the best chosen by the exponential mechanism, one zCDP event) or random-search (Papernot & Steinke: a random number of runs at random grid points, dp-accounting RepeatAndSelectDpEvent)."),
+    tune_runs: Optional[float] = typer.Option(None, "--tune-runs", help=f"--tune-method random-search: mean number of runs K (default {DEFAULT_TUNE_RUNS:g})."),
+    tune_shape: Optional[str] = typer.Option(None, "--tune-shape", help=f"--tune-method random-search: distribution of K: η ≥ 0 of the truncated negative binomial (0 logarithmic, the default {DEFAULT_TUNE_SHAPE:g}; 1 geometric) or 'poisson'."),
     tune_taus: Optional[str] = typer.Option(None, "--tune-taus", help="Comma-separated τ grid. Default: a public prior on the store's extractor (text " + ",".join(map(str, DEFAULT_TAUS)) + "; hog, pixels: see docs/TUNING.md; others a broad grid " + ",".join(map(str, BROAD_TAUS)) + "), mapped to κ for --kernel rbf."),
     tune_sigma2s: Optional[str] = typer.Option(None, "--tune-sigma2s", help=f"Comma-separated σ2 grid. Default: budget-relative, {','.join(map(str, DEFAULT_SIGMA2S))} × sqrt({REFERENCE_BUDGET_PER_QUERY:g}·T/B) for the ledger's B and planned queries T (public figures; docs/TUNING.md)."),
     tune_queries: int = typer.Option(DEFAULT_TUNE_QUERIES, "--tune-queries", help="--tune private: validation queries S per run (the private set is split in S shards by a public coin)."),
@@ -74,8 +76,13 @@ def index_command(
                 # the tuning's base run and its accounting are per record; never downgrade a user-unit request
                 raise BadInputError(f"--tune is not available with --privacy-unit {privacy_unit} yet: give --tau "
                                     "and --sigma2 (chosen on public data) for a user-unit ledger")
-            req = TuneRequest(epsilon=eps, delta=delta, on=tune, share=tune_share, mean_runs=tune_runs,
-                              shape=check_shape(tune_shape), taus=None if tune_taus is None else _floats(tune_taus, "--tune-taus"),
+            if tune_method != "random-search" and (tune_runs is not None or tune_shape is not None):
+                raise BadInputError("--tune-runs and --tune-shape set the random search's number of runs; "
+                                    f"--tune-method {tune_method} selects once over the whole grid (give "
+                                    "--tune-method random-search, or leave them out)")
+            req = TuneRequest(epsilon=eps, delta=delta, on=tune, share=tune_share, method=tune_method,
+                              mean_runs=DEFAULT_TUNE_RUNS if tune_runs is None else tune_runs,
+                              shape=check_shape(DEFAULT_TUNE_SHAPE if tune_shape is None else tune_shape), taus=None if tune_taus is None else _floats(tune_taus, "--tune-taus"),
                               sigma2s=None if tune_sigma2s is None else _floats(tune_sigma2s, "--tune-sigma2s"), n_val=tune_queries, seed=tune_seed,
                               conversion=conversion or ("rdp" if tune == "private" else "gdp"), kernel=kernel,
                               nu=nu, k_min=k_min, sigma1=sigma1, planned_queries=planned_queries)
@@ -95,8 +102,11 @@ def index_command(
     tuned = result.tuning or {}
     if tuned.get("mode") == "private" and result.created:
         stderr_console().print(escape(
-            f"tuned privately: τ={tuned['chosen_tau']:g}, σ2={tuned['chosen_sigma2']:g} after {tuned['runs_drawn']} "
-            f"runs (the run count is operator-only: the guarantee covers the chosen τ, σ2 and its noisy score); "
+            f"tuned privately: τ={tuned['chosen_tau']:g}, σ2={tuned['chosen_sigma2']:g} "
+            + (f"by the exponential mechanism over {count(len(tuned['grid']), 'grid point')}; "
+               if tuned.get("method") == "exp-mech" else
+               f"after {tuned['runs_drawn']} runs (the run count is operator-only: the guarantee covers the chosen "
+               "τ, σ2 and its noisy score); ") +
             f"the search costs ε={tuned['epsilon_tuning']:.4g} of the total ε={tuned['epsilon_total']:.4g} "
             f"at δ={delta:g} (RDP, record unit, add/remove one record); serving B={result.params.budget:.6g}"))
     elif tuned.get("mode") == "public" and result.created:

@@ -1,0 +1,222 @@
+"""The privacy cost of the private search (``index --tune private``), with dp-accounting only.
+
+Two ways to select θ = (τ, σ2) from the grid, each a DpEvent of dp-accounting composed with serving's
+α·B_serve (``ZCDpEvent(B_serve)``) in its ``RdpAccountant``; B_serve is the largest budget (bisection, rounded
+down) whose composed ε is ≤ the target at δ, verified once more at the end.
+
+* ``exp-mech`` (the default): every grid point is scored once on the same shards (sensitivity 1 per score,
+  docs/TUNING.md "Why one run costs ρ") and the argmax of score + Gumbel(b) is released, nothing else. That is
+  the exponential mechanism P[θ] ∝ exp(u(θ)/b) (Gumbel-max trick), which is ε-bounded-range with ε = 2Δ/b
+  (Durfee & Rogers, "Practical differentially private top-k selection with pay-what-you-get composition",
+  NeurIPS 2019, Lemma 4.2 and Def. 4.1: the log-ratio of two outputs' probabilities moves by at most 2Δ/b), and an
+  ε-bounded-range mechanism is ε²/8-zCDP (Cesar & Rogers, "Bounding, concentrating, and truncating: unifying
+  privacy loss composition for data analytics", ALT 2021, Lemma 3.2). With Δ = 1: ρ = 1/(2b²), i.e.
+  ``ZCDpEvent(rho=ρ)`` with b = 1/sqrt(2ρ), the same ρ as one Gaussian-noised score of σ_s = b. dp-accounting has
+  no exponential-mechanism event; this one-line conversion is the only privacy maths written here.
+* ``random-search``: Papernot & Steinke, "Hyperparameter tuning with Rényi differential privacy" (ICLR 2022):
+  K runs, K from a truncated negative binomial or Poisson distribution, each a random grid point with a
+  Gaussian-noised score, the best kept: ``RepeatAndSelectDpEvent(ZCDpEvent(ρ_run), mean, shape)`` (its
+  ``_compute_rdp_repeat_and_select``: Theorem 2 and Theorem 6 of the paper).
+
+Either way every record pays the search's RDP curve once; the ledger records ``method``, ``rho_run`` (ρ of one
+scoring: of the whole selection under exp-mech) and, for random search, ``mean_runs`` and ``shape``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .errors import BadInputError
+
+#: Rényi orders of every figure here. Fewer than accounting.rdp_epsilon's 1560: dp-accounting's
+#: repeat-and-select is quadratic in the number of orders (its monotonicity pass). A coarser grid only
+#: makes ε larger (min over fewer orders), never smaller, so it stays an upper bound.
+ORDERS = tuple(float(a) for a in np.concatenate([np.linspace(1.02, 8, 80), np.linspace(8.25, 64, 60),
+                                                  np.geomspace(66, 1e5, 40)]))
+POISSON = math.inf
+
+
+#: How the search selects θ: the exponential mechanism over the whole grid (default), or random search.
+EXP_MECH = "exp-mech"
+RANDOM_SEARCH = "random-search"
+METHODS = (EXP_MECH, RANDOM_SEARCH)
+
+
+def check_method(method) -> str:
+    if method not in METHODS:
+        raise BadInputError(f"--tune-method must be one of {', '.join(METHODS)}, got {method!r}")
+    return method
+
+
+# -- validation ---------------------------------------------------------------------------------------
+def _positive(name: str, value, *, lo: float = 0.0, hi: float = math.inf, lo_open: bool = True) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        raise BadInputError(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+def check_shape(shape) -> float:
+    """η ≥ 0 (0: logarithmic, 1: geometric, inf: Poisson)."""
+    if isinstance(shape, str):
+        if shape.strip().lower() == "poisson":
+            return POISSON
+        try:
+            shape = float(shape)
+        except ValueError:
+            raise BadInputError(f"--tune-shape must be a number ≥ 0 or 'poisson', got {shape!r}") from None
+    return _positive("--tune-shape (η)", shape, lo=0.0, lo_open=False)
+
+
+# -- the search's event ---------------------------------------------------------------------------------
+def tuning_event(*, rho_run: float, mean_runs: float | None = None, shape=None, method: str = RANDOM_SEARCH):
+    """The whole search as a DpEvent.
+
+    ``exp-mech``: ``ZCDpEvent(rho=ρ)``: one exponential-mechanism selection over the grid, ρ = 1/(2b²) (module
+    docstring). ``random-search``: ``RepeatAndSelectDpEvent(ZCDpEvent(ρ_run), mean, shape)``; ``ZCDpEvent(ρ)``
+    is (α, α·ρ)-RDP at every α, one base run. dp-accounting's RepeatAndSelectDpEvent: "the total number of runs
+    is randomized ... Poisson (shape=infinity), Geometric (shape=1), Logarithmic (shape=0), or Truncated
+    Negative binomial (0<shape<infinity)".
+    """
+    from dp_accounting import dp_event
+
+    rho_run = _positive("ρ_run", rho_run)
+    if check_method(method) == EXP_MECH:
+        return dp_event.ZCDpEvent(rho=rho_run)
+    mean_runs = _positive("--tune-runs (mean number of runs)", mean_runs, lo=1.0, hi=1e4, lo_open=False)
+    shape = check_shape(shape)
+    return dp_event.RepeatAndSelectDpEvent(event=dp_event.ZCDpEvent(rho=rho_run), mean=mean_runs,
+                                                shape=shape)
+
+
+def search_args(tuning: dict) -> dict:
+    """The keyword arguments of :func:`tuning_event` for a ledger's tuning record (its metadata ``tuning``).
+    Records written before ``method`` existed are random searches."""
+    method = check_method(tuning.get("method", RANDOM_SEARCH))
+    if method == EXP_MECH:
+        return {"rho_run": float(tuning["rho_run"]), "mean_runs": None, "shape": None, "method": method}
+    return {"rho_run": float(tuning["rho_run"]), "mean_runs": float(tuning["mean_runs"]),
+            "shape": check_shape(tuning["shape"]), "method": method}
+
+
+def _accountant(*events):
+    from dp_accounting.rdp import RdpAccountant
+
+    acc = RdpAccountant(orders=list(ORDERS))
+    for ev in events:
+        acc.compose(ev)
+    return acc
+
+
+def tuning_epsilon(*, rho_run: float, mean_runs: float | None = None, shape=None, delta: float,
+                   method: str = RANDOM_SEARCH) -> float:
+    """ε at δ of the search alone (RDP, dp-accounting RdpAccountant), rounded up."""
+    acc = _accountant(tuning_event(rho_run=rho_run, mean_runs=mean_runs, shape=shape, method=method))
+    return math.nextafter(float(acc.get_epsilon(delta)), math.inf)
+
+
+def composed_epsilon(*, rho_run: float, mean_runs: float | None = None, shape=None, budget_serve: float,
+                     delta: float, method: str = RANDOM_SEARCH) -> float:
+    """ε at δ of tuning then serving: the search's RDP curve + α·B_serve (``ZCDpEvent(B_serve)``), rounded up."""
+    from dp_accounting import dp_event
+
+    events = [tuning_event(rho_run=rho_run, mean_runs=mean_runs, shape=shape, method=method)]
+    if budget_serve > 0:
+        events.append(dp_event.ZCDpEvent(rho=float(budget_serve)))
+    return math.nextafter(float(_accountant(*events).get_epsilon(delta)), math.inf)
+
+
+def _bisect_largest(ok, *, hi0: float) -> float:
+    """Largest x in (0, ...) with ok(x), ok monotone decreasing; returns a value that was checked (or 0).
+
+    A value the accountant cannot evaluate (dp-accounting's repeat-and-select raises a math domain error when
+    a tiny ρ underflows, e.g. ε = 0.01 at δ = 1e-30) counts as not ok: never certified, so never chosen."""
+    from .accounting import bisect_largest
+
+    def certified(x: float) -> bool:
+        try:
+            return ok(x)
+        except (ValueError, OverflowError, ZeroDivisionError):
+            return False
+
+    return bisect_largest(certified, hi0=hi0, rel_tol=1e-12, too_large="the target ε is too large to calibrate")
+
+
+def rho_for_share(*, epsilon: float, delta: float, share: float, mean_runs: float | None = None, shape=None,
+                  method: str = RANDOM_SEARCH) -> float:
+    """Largest ρ_run (rounded down) whose search alone costs ε_tune ≤ share·ε at δ."""
+    share = _positive("--tune-share", share, hi=0.9)
+    target = share * epsilon
+    rho = _bisect_largest(lambda r: tuning_epsilon(rho_run=r, mean_runs=mean_runs, shape=shape, delta=delta,
+                                                   method=method) <= target, hi0=1e-3)
+    if rho <= 0:
+        runs = "" if method == EXP_MECH else f" with mean {mean_runs:g} runs"
+        raise BadInputError(f"--tune-share {share:g} of ε={epsilon:g} leaves no positive per-run budget at "
+                            f"δ={delta:g}{runs}; raise the share" + ("" if method == EXP_MECH else
+                                                                     " or lower --tune-runs"))
+    return rho
+
+
+def serving_budget(*, epsilon: float, delta: float, rho_run: float, mean_runs: float | None = None, shape=None,
+                   method: str = RANDOM_SEARCH) -> float:
+    """Largest B_serve (rounded down, never overshooting) with composed ε(δ) ≤ epsilon; verified."""
+    def ok(b: float) -> bool:
+        return composed_epsilon(rho_run=rho_run, mean_runs=mean_runs, shape=shape, budget_serve=b,
+                                delta=delta, method=method) <= epsilon
+
+    try:
+        within = ok(0.0)
+    except (ValueError, OverflowError, ZeroDivisionError):
+        within = False
+    if not within:
+        raise BadInputError(f"the tuning alone costs more than ε={epsilon:g} at δ={delta:g}")
+    b = _bisect_largest(ok, hi0=1e-3)
+    if b <= 0 or not ok(b):
+        raise BadInputError(f"no positive serving budget is left of ε={epsilon:g} at δ={delta:g} after tuning")
+    return b
+
+
+# -- the exponential mechanism's noise --------------------------------------------------------------------------
+def gumbel_scale(rho: float) -> float:
+    """b = 1/sqrt(2ρ): the Gumbel scale whose argmax selection is ρ-zCDP for scores of sensitivity 1."""
+    return 1.0 / math.sqrt(2.0 * _positive("ρ", rho))
+
+
+def exp_mech_select(scores, *, rho: float, rng: np.random.Generator) -> int:
+    """argmax of score + Gumbel(b), b = :func:`gumbel_scale`: the exponential mechanism P[g] ∝ exp(score_g / b).
+    Only the index is released (never a noisy score)."""
+    s = np.asarray(scores, dtype=np.float64)
+    if s.ndim != 1 or s.size == 0 or not np.all(np.isfinite(s)):
+        raise ValueError("exp_mech_select needs a non-empty vector of finite scores")
+    return int(np.argmax(s + rng.gumbel(loc=0.0, scale=gumbel_scale(rho), size=s.size)))
+
+
+# -- the number of runs -----------------------------------------------------------------------------------
+def draw_runs(*, mean_runs: float, shape: float, rng: np.random.Generator) -> int:
+    """K from the distribution dp-accounting accounts for (Papernot & Steinke 2022, §2).
+
+    Truncated negative binomial TNB(η, γ): P[K=k] ∝ C(k+η−1, k)·(1−γ)^k, k ≥ 1 (η = 0: logarithmic
+    P[K=k] ∝ (1−γ)^k / k); γ from the mean exactly as the accountant maps it
+    (``_gamma_truncated_negative_binomial``, which returns the conservative γ: the true mean is ≤ ``mean``,
+    the bound uses ``mean``). Poisson: K ~ Poisson(mean), K = 0 possible.
+    """
+    shape = check_shape(shape)
+    if shape == POISSON:
+        return int(rng.poisson(mean_runs))
+    from dp_accounting.rdp.rdp_privacy_accountant import _gamma_truncated_negative_binomial
+
+    gamma = _gamma_truncated_negative_binomial(shape, mean_runs)
+    if gamma >= 1.0:
+        return 1
+    if shape == 0:
+        return int(rng.logseries(1.0 - gamma))
+    while True:  # NB(η, γ) conditioned on K ≥ 1
+        k = int(rng.negative_binomial(shape, gamma))
+        if k >= 1:
+            return k
+
+
