@@ -39,7 +39,7 @@ def du(path: Path) -> int:
 
 def build_store(path: Path, *, rows: int, dim: int, seed: int) -> FeatureStore:
     store = FeatureStore.create(path, extractor=ExtractorInfo("vectors", "synthetic", "bench"), dim=dim,
-                                label_names=[f"c{i}" for i in range(10)])
+                                label_names=[f"c{i}" for i in range(10)], label_names_source="declared")
     rng = np.random.default_rng(seed)
     app = store.appender("private")
     for lo in range(0, rows, BLOCK):

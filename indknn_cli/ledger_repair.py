@@ -147,9 +147,9 @@ def _opens(path: Path, store_uuid: str) -> BudgetLedger | None:
         return None
 
 
-def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: str) -> tuple[int, int]:
-    """Number of leading event files with which the ledger opens, and the sequence number the snapshot folds
-    through; moves files aside while it probes."""
+def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: str) -> tuple[int, int, str]:
+    """Number of leading event files with which the ledger opens, the sequence number the snapshot folds
+    through and the ledger's uuid; moves files aside while it probes."""
     aside = path / f".repair-probe-{os.getpid()}"
     aside.mkdir()
     try:
@@ -176,7 +176,7 @@ def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: 
             os.replace(aside / p.name, p)
         for _, p in files[lo:present]:
             os.replace(p, aside / p.name)
-        return lo, int(base.snapshot_event_seq)
+        return lo, int(base.snapshot_event_seq), str(base.meta["ledger_uuid"])
     finally:
         for p in aside.iterdir():  # whatever is still aside goes back; the caller quarantines it
             os.replace(p, path / "events" / p.name)
@@ -208,11 +208,21 @@ def _linked_prefix(files: list[tuple[int, Path]], keep: int, snap_seq: int, mark
     the event before it is then checked against the edited file's link in the same way. An event nothing
     vouches for (the next file unreadable, the mark elsewhere) is kept, as before. Events the snapshot
     folded are vouched for by the snapshot and never looked at."""
+    def marked(seq: int) -> str | None:
+        m = mark if mark is not None and isinstance(mark.get("sha256"), str) else None
+        return m["sha256"] if m is not None and m.get("seq") == seq else None
+
     while keep > 0 and files[keep - 1][0] > snap_seq:
         seq, p = files[keep - 1]
-        want = _prev_link(files[keep][1], seq + 1) if keep < len(files) else None
-        if want is None and mark is not None and mark.get("seq") == seq and isinstance(mark.get("sha256"), str):
-            want = mark["sha256"]
+        want = None
+        if keep < len(files):
+            nxt = files[keep][1]
+            # the next file vouches only if the mark does not show it edited itself (its own link may be the edit)
+            seen = marked(seq + 1)
+            if seen is None or seen == integrity.sha256_bytes(nxt.read_bytes()):
+                want = _prev_link(nxt, seq + 1)
+        if want is None:
+            want = marked(seq)
         if want is None or want == integrity.sha256_bytes(p.read_bytes()):
             break
         keep -= 1
@@ -257,8 +267,8 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     files = _event_files(path)
     bad_names = [p for s, p in files if s < 0]
     files = [(s, p) for s, p in files if s >= 0]
-    keep, snap_seq = _longest_good_prefix(path, files, store.uuid)
-    keep = _linked_prefix(files, keep, snap_seq, mark)
+    keep, snap_seq, ledger_uuid = _longest_good_prefix(path, files, store.uuid)
+    keep = _linked_prefix(files, keep, snap_seq, mark if (mark or {}).get("ledger_uuid") == ledger_uuid else None)
     quarantine = path / "quarantine" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     moved = [p for _, p in files[keep:]] + bad_names
     if moved:

@@ -67,8 +67,9 @@ OPERATOR_ONLY_NOTE = ("operator-only: records, records_active, records_retired, 
                       "answers_at_k_min, spent_*, realised_epsilon and history are exact statistics of the private "
                       "data, for the data holder only; they must never drive what query-senders see (whether to "
                       "serve, what is released): gate serving on `account --queries-left` instead; "
-                      "tuning.runs_drawn, thetas_tried and chosen_run are not covered by the tuning guarantee "
-                      "(it covers the chosen τ, σ2 and its noisy score)")
+                      "under --tune-method random-search, tuning.runs_drawn, thetas_tried and chosen_run are not "
+                      "covered by the tuning guarantee (it covers the chosen τ, σ2 and its noisy score; under "
+                      "exp-mech every tuning field is public or the chosen τ, σ2)")
 
 
 def unit_figures(privacy_unit: str) -> dict:

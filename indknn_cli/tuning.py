@@ -54,8 +54,8 @@ import numpy as np
 from .errors import BadInputError
 from .tuning_accounting import (EXP_MECH, METHODS, ORDERS, POISSON, RANDOM_SEARCH,  # noqa: F401 (re-exported)
                                 _accountant, _bisect_largest, _positive, check_method, check_shape, composed_epsilon,
-                                draw_runs, exp_mech_select, gumbel_scale, rho_for_share, search_args, serving_budget,
-                                tuning_epsilon, tuning_event)
+                                draw_runs, exp_mech_select, gumbel_scale, rho_for_share, search_args, search_kwargs,
+                                serving_budget, tuning_epsilon, tuning_event)
 from .tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_METHOD, DEFAULT_TUNE_QUERIES,  # noqa: F401
                           DEFAULT_TUNE_RUNS, DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE, REFERENCE_BUDGET_PER_QUERY,
                           budget_relative_sigma2s, default_taus)
@@ -154,12 +154,8 @@ def private_tune(
 
     check_range("epsilon", epsilon)
     check_range("delta", delta)
-    method = check_method(method)
-    if method == EXP_MECH:
-        mean_runs = shape = None  # one selection over the whole grid: no number of runs
-    else:
-        shape = check_shape(shape)
-    search = dict(mean_runs=mean_runs, shape=shape, method=method)
+    search = search_kwargs(method=method, mean_runs=mean_runs, shape=shape)  # exp-mech: no number of runs
+    method, mean_runs, shape = search["method"], search["mean_runs"], search["shape"]
     rho = rho_for_share(epsilon=epsilon, delta=delta, share=share, **search)
     b_serve = serving_budget(epsilon=epsilon, delta=delta, rho_run=rho, **search)
     grid = tuning_grid(taus=taus, sigma2s=sigma2s, budget=b_serve, planned_queries=planned_queries)

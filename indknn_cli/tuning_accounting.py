@@ -18,7 +18,8 @@ down) whose composed ε is ≤ the target at δ, verified once more at the end.
   Gaussian-noised score, the best kept: ``RepeatAndSelectDpEvent(ZCDpEvent(ρ_run), mean, shape)`` (its
   ``_compute_rdp_repeat_and_select``: Theorem 2 and Theorem 6 of the paper).
 
-Either way every record pays the search's RDP curve once; the ledger records ``method``, ``rho_run`` (ρ of one
+Every function here takes ``method`` as a required keyword: a caller that forgets it is refused rather than
+accounted as the other method. Either way every record pays the search's RDP curve once; the ledger records ``method``, ``rho_run`` (ρ of one
 scoring: of the whole selection under exp-mech) and, for random search, ``mean_runs`` and ``shape``.
 """
 
@@ -73,7 +74,7 @@ def check_shape(shape) -> float:
 
 
 # -- the search's event ---------------------------------------------------------------------------------
-def tuning_event(*, rho_run: float, mean_runs: float | None = None, shape=None, method: str = RANDOM_SEARCH):
+def tuning_event(*, rho_run: float, method: str, mean_runs: float | None = None, shape=None):
     """The whole search as a DpEvent.
 
     ``exp-mech``: ``ZCDpEvent(rho=ρ)``: one exponential-mechanism selection over the grid, ρ = 1/(2b²) (module
@@ -93,14 +94,20 @@ def tuning_event(*, rho_run: float, mean_runs: float | None = None, shape=None, 
                                                 shape=shape)
 
 
+def search_kwargs(*, method: str, mean_runs: float | None = None, shape=None) -> dict:
+    """``method``, ``mean_runs`` and ``shape`` as the functions here take them: None for exp-mech (no number of
+    runs), checked values for random search."""
+    if check_method(method) == EXP_MECH:
+        return {"method": method, "mean_runs": None, "shape": None}
+    return {"method": method, "mean_runs": float(mean_runs), "shape": check_shape(shape)}
+
+
 def search_args(tuning: dict) -> dict:
     """The keyword arguments of :func:`tuning_event` for a ledger's tuning record (its metadata ``tuning``).
     Records written before ``method`` existed are random searches."""
-    method = check_method(tuning.get("method", RANDOM_SEARCH))
-    if method == EXP_MECH:
-        return {"rho_run": float(tuning["rho_run"]), "mean_runs": None, "shape": None, "method": method}
-    return {"rho_run": float(tuning["rho_run"]), "mean_runs": float(tuning["mean_runs"]),
-            "shape": check_shape(tuning["shape"]), "method": method}
+    return {"rho_run": float(tuning["rho_run"]),
+            **search_kwargs(method=tuning.get("method", RANDOM_SEARCH), mean_runs=tuning.get("mean_runs"),
+                            shape=tuning.get("shape"))}
 
 
 def _accountant(*events):
@@ -112,15 +119,15 @@ def _accountant(*events):
     return acc
 
 
-def tuning_epsilon(*, rho_run: float, mean_runs: float | None = None, shape=None, delta: float,
-                   method: str = RANDOM_SEARCH) -> float:
+def tuning_epsilon(*, rho_run: float, delta: float, method: str, mean_runs: float | None = None,
+                   shape=None) -> float:
     """ε at δ of the search alone (RDP, dp-accounting RdpAccountant), rounded up."""
     acc = _accountant(tuning_event(rho_run=rho_run, mean_runs=mean_runs, shape=shape, method=method))
     return math.nextafter(float(acc.get_epsilon(delta)), math.inf)
 
 
-def composed_epsilon(*, rho_run: float, mean_runs: float | None = None, shape=None, budget_serve: float,
-                     delta: float, method: str = RANDOM_SEARCH) -> float:
+def composed_epsilon(*, rho_run: float, budget_serve: float, delta: float, method: str,
+                     mean_runs: float | None = None, shape=None) -> float:
     """ε at δ of tuning then serving: the search's RDP curve + α·B_serve (``ZCDpEvent(B_serve)``), rounded up."""
     from dp_accounting import dp_event
 
@@ -146,8 +153,8 @@ def _bisect_largest(ok, *, hi0: float) -> float:
     return bisect_largest(certified, hi0=hi0, rel_tol=1e-12, too_large="the target ε is too large to calibrate")
 
 
-def rho_for_share(*, epsilon: float, delta: float, share: float, mean_runs: float | None = None, shape=None,
-                  method: str = RANDOM_SEARCH) -> float:
+def rho_for_share(*, epsilon: float, delta: float, share: float, method: str, mean_runs: float | None = None,
+                  shape=None) -> float:
     """Largest ρ_run (rounded down) whose search alone costs ε_tune ≤ share·ε at δ."""
     share = _positive("--tune-share", share, hi=0.9)
     target = share * epsilon
@@ -161,8 +168,8 @@ def rho_for_share(*, epsilon: float, delta: float, share: float, mean_runs: floa
     return rho
 
 
-def serving_budget(*, epsilon: float, delta: float, rho_run: float, mean_runs: float | None = None, shape=None,
-                   method: str = RANDOM_SEARCH) -> float:
+def serving_budget(*, epsilon: float, delta: float, rho_run: float, method: str, mean_runs: float | None = None,
+                   shape=None) -> float:
     """Largest B_serve (rounded down, never overshooting) with composed ε(δ) ≤ epsilon; verified."""
     def ok(b: float) -> bool:
         return composed_epsilon(rho_run=rho_run, mean_runs=mean_runs, shape=shape, budget_serve=b,

@@ -154,3 +154,21 @@ def test_an_edited_last_event_is_quarantined_by_the_high_water_mark(world):
     assert r["repaired"] and r["quarantined"] == [ev[-1].name], r["quarantined"]
     assert verify_ledger(lp, store_path=sp)["verified"]
     assert _serve(sp, lp, "q2").returncode == 0
+
+
+def test_an_edited_link_in_the_last_event_does_not_cost_the_event_before_it(world):
+    """Review 10: the last event's own prev_sha256 overwritten. The store's mark shows that file edited, so its
+    link vouches for nothing and the intact event before it stays (before: both were quarantined)."""
+    import pyarrow.parquet as pq
+
+    sp, lp = world
+    ev = _events(lp)
+    t = pq.read_table(ev[-1])
+    info = json.loads(t.schema.metadata[b"indknn_event"])
+    info["prev_sha256"] = "0" * 64
+    pq.write_table(t.replace_schema_metadata({**t.schema.metadata, b"indknn_event": json.dumps(info).encode()}),
+                   ev[-1])
+    res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["quarantined"] == [ev[-1].name]
+    assert verify_ledger(lp, store_path=sp)["verified"]

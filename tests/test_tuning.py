@@ -39,12 +39,12 @@ def test_tuning_cost_is_dp_accountings_figure(shape):
     sh = math.inf if shape == "poisson" else shape
     acc.compose(dp_event.RepeatAndSelectDpEvent(event=dp_event.ZCDpEvent(rho=rho), mean=mean, shape=sh))
     ref = acc.get_epsilon(delta)
-    got = tuning.tuning_epsilon(rho_run=rho, mean_runs=mean, shape=shape, delta=delta)
+    got = tuning.tuning_epsilon(rho_run=rho, mean_runs=mean, shape=shape, delta=delta, method="random-search")
     assert got == math.nextafter(ref, math.inf)
     # composed with serving: the same accountant with ZCDpEvent(B) added
     acc.compose(dp_event.ZCDpEvent(rho=0.01))
     assert tuning.composed_epsilon(rho_run=rho, mean_runs=mean, shape=shape, budget_serve=0.01,
-                                   delta=delta) == math.nextafter(acc.get_epsilon(delta), math.inf)
+                                   delta=delta, method="random-search") == math.nextafter(acc.get_epsilon(delta), math.inf)
     # repeat-and-select costs more than one run, never less
     acc1 = RdpAccountant(orders=list(tuning.ORDERS))
     acc1.compose(dp_event.ZCDpEvent(rho=rho))
@@ -55,10 +55,11 @@ def test_tuning_cost_is_dp_accountings_figure(shape):
 @pytest.mark.parametrize("delta", [1e-5, 1e-9])
 @pytest.mark.parametrize("mean,shape", [(2.0, 1.0), (10.0, "poisson"), (10.0, 0.0)])
 def test_composed_epsilon_never_exceeds_the_target(epsilon, delta, mean, shape):
-    rho = tuning.rho_for_share(epsilon=epsilon, delta=delta, share=0.25, mean_runs=mean, shape=shape)
-    assert tuning.tuning_epsilon(rho_run=rho, mean_runs=mean, shape=shape, delta=delta) <= 0.25 * epsilon
-    b = tuning.serving_budget(epsilon=epsilon, delta=delta, rho_run=rho, mean_runs=mean, shape=shape)
-    kw = dict(rho_run=rho, mean_runs=mean, shape=shape, delta=delta)
+    rs = dict(mean_runs=mean, shape=shape, method="random-search")
+    rho = tuning.rho_for_share(epsilon=epsilon, delta=delta, share=0.25, **rs)
+    assert tuning.tuning_epsilon(rho_run=rho, delta=delta, **rs) <= 0.25 * epsilon
+    b = tuning.serving_budget(epsilon=epsilon, delta=delta, rho_run=rho, **rs)
+    kw = dict(rho_run=rho, delta=delta, **rs)
     assert tuning.composed_epsilon(budget_serve=b, **kw) <= epsilon
     assert tuning.composed_epsilon(budget_serve=b * (1 + 1e-6), **kw) > epsilon * (1 - 1e-5)  # tight, not wasteful
 
@@ -82,7 +83,7 @@ def test_exp_mech_cost_is_dp_accountings_zcdp_figure():
     assert eps_br ** 2 / 8.0 == pytest.approx(rho, rel=1e-12)
     # one selection over the whole grid costs less than a random search of mean 10 runs at the same ρ
     assert tuning.tuning_epsilon(rho_run=rho, delta=delta, method="exp-mech") < \
-        tuning.tuning_epsilon(rho_run=rho, mean_runs=10.0, shape=0.0, delta=delta)
+        tuning.tuning_epsilon(rho_run=rho, mean_runs=10.0, shape=0.0, delta=delta, method="random-search")
 
 
 @pytest.mark.parametrize("epsilon", [0.5, 1.0, 2.0])
@@ -116,16 +117,19 @@ def test_exp_mech_select_draws_from_the_exponential_mechanism():
 def test_an_epsilon_the_accountant_cannot_evaluate_is_refused_not_a_traceback():
     """dp-accounting's repeat-and-select hits a math domain error for tiny ρ: a clear refusal, never a crash."""
     with pytest.raises(BadInputError, match="no positive per-run budget"):
-        tuning.rho_for_share(epsilon=0.01, delta=1e-30, share=0.01, mean_runs=10.0, shape="poisson")
+        tuning.rho_for_share(epsilon=0.01, delta=1e-30, share=0.01, mean_runs=10.0, shape="poisson",
+                             method="random-search")
 
 
 def test_share_too_large_or_nonsense_is_refused_naming_the_value():
     with pytest.raises(BadInputError, match="tune-share"):
-        tuning.rho_for_share(epsilon=1.0, delta=1e-5, share=1.5, mean_runs=5, shape=1)
+        tuning.rho_for_share(epsilon=1.0, delta=1e-5, share=1.5, mean_runs=5, shape=1, method="random-search")
     with pytest.raises(BadInputError, match="tune-shape"):
         tuning.check_shape("geometric")
     with pytest.raises(BadInputError, match="tune-runs"):
-        tuning.tuning_event(rho_run=1e-3, mean_runs=0.5, shape=1.0)
+        tuning.tuning_event(rho_run=1e-3, mean_runs=0.5, shape=1.0, method="random-search")
+    with pytest.raises(TypeError):  # the method is never implied: a caller that forgets it is refused
+        tuning.tuning_epsilon(rho_run=1e-3, mean_runs=10.0, shape=0.0, delta=1e-5)
 
 
 @pytest.mark.parametrize("shape", [0.0, 1.0, 3.0, "poisson"])
@@ -492,6 +496,12 @@ def test_cli_index_tune(tune_store, tmp_path):
     res = runner.invoke(app, ["index", "--store", str(fresh), "--ledger", str(tmp_path / "l5"), "--eps", "2",
                               "--tune", "private", "--tune-method", "grid"])
     assert res.exit_code == 2 and "tune-method" in res.stderr and not (tmp_path / "l5").exists()
+    res = runner.invoke(app, ["index", "--store", str(fresh), "--ledger", str(tmp_path / "l6"), "--eps", "2",
+                              "--tune", "private", "--tune-method", "grid", "--tune-runs", "3"])
+    assert res.exit_code == 2 and "must be one of" in res.stderr  # the unknown method is what is named
+    res = runner.invoke(app, ["index", "--store", str(fresh), "--ledger", str(tmp_path / "l7"), "--eps", "2",
+                              "--tune", "public", "--tune-method", "random-search"])
+    assert res.exit_code == 2 and "--tune private" in res.stderr and not (tmp_path / "l7").exists()
     # without --tune-sigma2s the ledger records the budget-relative default grid, scaled to its own B and T
     from indknn_cli.tuning_grid import budget_relative_sigma2s
 

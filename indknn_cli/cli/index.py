@@ -19,7 +19,7 @@ from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, r
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
     from ..serving import build_index, make_params
-    from ..tuning import TuneRequest, check_shape
+    from ..tuning import TuneRequest, check_method, check_shape
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)
 
@@ -76,7 +76,13 @@ def index_command(
                 # the tuning's base run and its accounting are per record; never downgrade a user-unit request
                 raise BadInputError(f"--tune is not available with --privacy-unit {privacy_unit} yet: give --tau "
                                     "and --sigma2 (chosen on public data) for a user-unit ledger")
-            if tune_method != "random-search" and (tune_runs is not None or tune_shape is not None):
+            if tune == "private":
+                check_method(tune_method)  # an unknown method is named before anything else is said of it
+            if tune != "private" and tune_method != DEFAULT_TUNE_METHOD:
+                raise BadInputError(f"--tune-method applies to --tune private (the {tune!r} tuning tries every grid "
+                                    "point on labelled public rows, free)")
+            if tune == "private" and tune_method != "random-search" and (tune_runs is not None
+                                                                         or tune_shape is not None):
                 raise BadInputError("--tune-runs and --tune-shape set the random search's number of runs; "
                                     f"--tune-method {tune_method} selects once over the whole grid (give "
                                     "--tune-method random-search, or leave them out)")
@@ -120,9 +126,10 @@ def index_command(
 
 
 OPERATOR_ONLY_NOTE = ("operator-only: records and records_added are exact counts of the private records (and "
-                      "warnings name private figures); tuning.runs_drawn, thetas_tried and chosen_run are not "
-                      "covered by the tuning guarantee (it covers the chosen τ, σ2 and its noisy score); for the "
-                      "data holder, never for query-senders")
+                      "warnings name private figures); under --tune-method random-search, tuning.runs_drawn, "
+                      "thetas_tried and chosen_run are not covered by the tuning guarantee (it covers the chosen τ, "
+                      "σ2 and its noisy score; under exp-mech every tuning field is public or the chosen τ, σ2); for "
+                      "the data holder, never for query-senders")
 
 
 def _floats(text: str, flag: str) -> tuple:

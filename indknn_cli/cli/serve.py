@@ -175,7 +175,7 @@ def serve_command(
     if result.not_answered:
         # The ledger's damage, not the private data: which events a repair could not read.
         err.print(escape(f"batch {result.batch_id!r}: {count(result.not_answered, 'query', 'queries')} before its "
-                         "last recorded answer have no answer (lost in a ledger event a repair could not read) "
-                         "and are not answered again"))
+                         "last recorded answer have no answer (lost in a ledger repair: an unreadable event, or "
+                         "answer rows it left out) and are not answered again"))
     if seed is not None:
         err.print(f"[yellow]seeded run (--seed {seed}): for experiments only, not for real answers[/]")
