@@ -60,8 +60,8 @@ class ServeResult:
     #: and the allowance when ``max_queries`` was given. No count of private records is returned here.
     queries_answered_total: int = 0
     allowance: "gate.Allowance | None" = None
-    #: Queries of the batch before its last recorded answer that have none (lost in an event a repair could not
-    #: read): never answered again. A figure of the ledger's damage, not of the private data.
+    #: Queries of the batch before its last recorded answer that have none (lost in a repair: an unreadable event,
+    #: or answer rows it left out): never answered again. A figure of the ledger's damage, not of the private data.
     not_answered: int = 0
 
 
