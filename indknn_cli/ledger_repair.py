@@ -40,7 +40,7 @@ class RepairResult:
     ledger: str
     repaired: bool
     reason: str | None = None
-    events_kept_through: int | None = None
+    events_kept_through: int | None = None  # the last event kept (the snapshot's when none after it is)
     quarantined: list[str] = field(default_factory=list)
     quarantine_folder: str | None = None
     records_retired: int = 0
@@ -368,7 +368,8 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
         "answers_left_out": refused, "unreadable_events": unreadable,
         "answers_not_recovered": not_recovered or 0}, columns=columns)
     return RepairResult(ledger=str(shown_path), repaired=True, reason=reason,
-                        events_kept_through=integrity.head_seq(led), quarantined=[p.name for p in moved],
+                        events_kept_through=files[keep - 1][0] if keep else snap_seq,
+                        quarantined=[p.name for p in moved],
                         quarantine_folder=None if dry_run or not moved else str(quarantine),
                         records_retired=nc, store_rows_added_retired=len(new_rows), tombstones_written=nt,
                         answers_recovered=nans, answers_left_out=refused, unreadable_events=unreadable,

@@ -170,5 +170,7 @@ def test_an_edited_link_in_the_last_event_does_not_cost_the_event_before_it(worl
                    ev[-1])
     res = _cli("repair", "--store", str(sp), "--ledger", str(lp))
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["quarantined"] == [ev[-1].name]
+    r = json.loads(res.stdout)
+    assert r["quarantined"] == [ev[-1].name]
+    assert r["events_kept_through"] == int(ev[-2].name.split("-")[0])  # the last kept event, not the repair's own
     assert verify_ledger(lp, store_path=sp)["verified"]
