@@ -54,8 +54,8 @@ import numpy as np
 from .errors import BadInputError
 from .tuning_accounting import (EXP_MECH, METHODS, ORDERS, POISSON, RANDOM_SEARCH,  # noqa: F401 (re-exported)
                                 _accountant, _bisect_largest, _positive, check_method, check_shape, composed_epsilon,
-                                draw_runs, exp_mech_select, gumbel_scale, rho_for_share, search_args, search_kwargs,
-                                serving_budget, tuning_epsilon, tuning_event)
+                                draw_runs, exp_mech_select, gumbel_scale, rho_for_share, score_noise_std,
+                                search_args, search_kwargs, serving_budget, tuning_epsilon, tuning_event)
 from .tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_METHOD, DEFAULT_TUNE_QUERIES,  # noqa: F401
                           DEFAULT_TUNE_RUNS, DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE, REFERENCE_BUDGET_PER_QUERY,
                           budget_relative_sigma2s, default_taus)
@@ -185,7 +185,7 @@ def private_tune(
         key = _run_key(seed, "tune:exp-mech")  # one shard noise for every grid point (common random numbers)
         picks = list(range(len(grid)))
         best = exp_mech_select([score_of(g, key) for g in picks], rho=rho, rng=master)
-        k, noise_std = 1, math.pi * gumbel_scale(rho) / math.sqrt(6.0)  # the Gumbel's standard deviation
+        k = 1
     else:
         k = draw_runs(mean_runs=mean_runs, shape=shape, rng=master)
         picks = [int(master.integers(len(grid))) for _ in range(k)]  # random search: data-independent
@@ -196,7 +196,6 @@ def private_tune(
             if score > best_score:
                 best, best_score = j, score
         noisy_best = None if best is None else float(best_score)
-        noise_std = 1.0 / math.sqrt(2.0 * rho)
     default_used = best is None  # Poisson K = 0: the public default (the grid's first point)
     tau, s2 = grid[picks[best]] if best is not None else grid[0]
     record = TuningRecord(
@@ -208,7 +207,7 @@ def private_tune(
         shape=shape, share=float(share),  # S: public
         epsilon_tuning=tuning_epsilon(rho_run=rho, delta=delta, **search), budget_serve=b_serve,
         epsilon_total=composed_epsilon(rho_run=rho, budget_serve=b_serve, delta=delta, **search),
-        default_used=default_used, score_noise_std=noise_std,
+        default_used=default_used, score_noise_std=score_noise_std(rho=rho, method=method),
     )
     if record.epsilon_total > epsilon:  # verified with the accountant (never overshoot)
         raise AssertionError("composed ε above the target")

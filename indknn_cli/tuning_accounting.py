@@ -193,6 +193,14 @@ def gumbel_scale(rho: float) -> float:
     return 1.0 / math.sqrt(2.0 * _positive("ρ", rho))
 
 
+def score_noise_std(*, rho: float, method: str) -> float:
+    """Standard deviation of the noise on one score: Gumbel(b) under exp-mech (π·b/√6), N(0, 1/(2ρ)) per run
+    under random search. A function of ρ alone (public)."""
+    if check_method(method) == EXP_MECH:
+        return math.pi * gumbel_scale(rho) / math.sqrt(6.0)
+    return 1.0 / math.sqrt(2.0 * _positive("ρ", rho))
+
+
 def exp_mech_select(scores, *, rho: float, rng: np.random.Generator) -> int:
     """argmax of score + Gumbel(b), b = :func:`gumbel_scale`: the exponential mechanism P[g] ∝ exp(score_g / b).
     Only the index is released (never a noisy score)."""

@@ -42,8 +42,7 @@ def emulation_table(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray],
     emulate = emulate or tuning.emulated_correct
     alternative = alternative or tuning.emulated_expected
     req = tune_request(cfg, eps=eps, T=p.T, seed=cfg.seed * 1000, extractor=p.ds.extractor)
-    shape = tuning.check_shape(req.shape)
-    search = tuning.search_kwargs(method=req.method, mean_runs=req.mean_runs, shape=shape)
+    search = tuning.search_kwargs(method=req.method, mean_runs=req.mean_runs, shape=req.shape)
     rho = tuning.rho_for_share(epsilon=eps, delta=cfg.delta, share=req.share, **search)
     b = tuning.serving_budget(epsilon=eps, delta=cfg.delta, rho_run=rho, **search)
     grid = tuning.tuning_grid(taus=req.tau_grid()[0], sigma2s=req.sigma2s, budget=b, planned_queries=p.T)
@@ -73,9 +72,8 @@ def emulation_table(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray],
     emu_v = [r["emulated"] for r in rows]
     alt_v = [r["expected"] for r in rows]
     srv_v = [r["serving"] for r in rows]
-    noise_std = (np.pi * tuning.gumbel_scale(rho) / np.sqrt(6.0) if search["method"] == tuning.EXP_MECH
-                 else 1.0 / np.sqrt(2.0 * rho))  # the selection's noise: Gumbel (exp-mech) or Gaussian (per run)
-    return {"epsilon": eps, "budget_serve": b, "rho_run": rho, "method": search["method"], "score_noise_std": noise_std,
+    return {"epsilon": eps, "budget_serve": b, "rho_run": rho, "method": search["method"],
+            "score_noise_std": tuning.score_noise_std(rho=rho, method=search["method"]),
             "shards": int((datas[0].val_row >= 0).sum()), "rows": rows, "spearman": _spearman(emu_v, srv_v),
             "serving_of_emulated_best": srv_v[int(np.argmax(emu_v))], "serving_best": max(srv_v),
             "spearman_expected": _spearman(alt_v, srv_v), "serving_of_expected_best": srv_v[int(np.argmax(alt_v))],
