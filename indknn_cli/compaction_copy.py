@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from . import object_store
+from .record_keys import KEY_ARRAY
 from .store import (CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks,
                     scan_rows_for)
 
@@ -33,10 +34,10 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
     attrs.update(store_uuid=new_uuid, compactions=history)
     new.root.attrs.update(attrs)
 
-    names = ("features", "labels", "record_id", "user_id", "deleted")
+    names = ("features", "labels", "record_id", "user_id", "deleted", KEY_ARRAY)
     # each array opened once (on object storage an open is two requests)
     src_group, dst_group = store.group("private"), new.group("private")
-    src, dst = {name: src_group[name] for name in names}, {name: dst_group[name] for name in names}
+    src, dst = {name: src_group[name] for name in names if name in src_group}, {name: dst_group[name] for name in names}
     m = int(keep.size)
     for name in names:
         dst[name].resize((m,) + tuple(dst[name].shape[1:]))
@@ -63,6 +64,9 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
         if sel.size == 0:
             continue
         for name in names:
+            if name not in src:  # a store made before content keys: its copy records none ("")
+                buf[name].append(np.full(sel.size, "", dtype=str))
+                continue
             buf[name].append(_read_chunks(store.path, "private", name, lambda: np.asarray(src[name][lo:hi]))[sel])
         buffered += sel.size
         flush(False)

@@ -21,6 +21,7 @@ from . import object_store
 from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .readers import Source, open_source
+from .record_keys import input_keys
 from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows
 
 IF_EXISTS = ("error", "skip")
@@ -422,7 +423,11 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                         final_ids.append(rid)
                     if dist is not None:
                         dist.submit(store, role, items, rows_k, ids_k, at=app.stop, name=src.name)
-                    app.write(xn, labels=lab_idx, record_ids=final_ids, user_ids=users)
+                    # each private record's key from its own input, before any model reads it: the private search
+                    # deals shards by it, and a batch-embedded vector's bytes depend on its batch (audit 5, F1)
+                    keys = (input_keys(items, lab_idx if lab_idx is not None else np.full(len(keep), -1))
+                            if role == "private" else None)
+                    app.write(xn, labels=lab_idx, record_ids=final_ids, user_ids=users, content_keys=keys)
                     rows_added += len(keep)
                 if progress is not None:
                     progress(rows_in, total)

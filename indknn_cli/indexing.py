@@ -158,6 +158,7 @@ def build_index(
         if BudgetLedger.exists(ledger_path):
             raise LedgerError(f"{ledger_path}: the ledger already exists; --tune chooses τ and σ2 once, when the "
                               "ledger is created (its parameters and budget cannot change afterwards)")
+        integrity.refuse_second_ledger(store, ledger_path)  # refused before the search, not after (audit 5, F3)
         with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
             if BudgetLedger.exists(ledger_path):
                 raise LedgerError(f"{ledger_path}: the ledger already exists; --tune runs only at creation")

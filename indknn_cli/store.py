@@ -23,6 +23,7 @@ import zarr
 
 from . import FORMAT_VERSION, locking, object_store
 from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
+from .record_keys import KEY_ARRAY
 
 ROLES = ("private", "public", "query")
 GROUP_OF_ROLE = {"private": "private", "public": "public", "query": "queries"}
@@ -102,6 +103,8 @@ class FeatureStore:
                            compressors=crc)
             if role == "query":
                 g.create_array("batch", shape=(0,), chunks=(chunk_rows * 4,), dtype=str, compressors=crc)
+            if role == "private":  # each record's own input hash (record_keys.py; the private search's coin)
+                g.create_array(KEY_ARRAY, shape=(0,), chunks=(chunk_rows * 4,), dtype=str, compressors=crc)
             g.attrs.update({"n_rows": 0, "role": role, "batches": {}})
         root.attrs.update({
             "format_version": FORMAT_VERSION,
@@ -262,6 +265,14 @@ class FeatureStore:
             yield start, _read_chunks(self.path, role, "features",
                                       lambda: np.asarray(arr[start:min(n, start + step)]))
 
+    def content_keys(self, rows: np.ndarray | None = None) -> np.ndarray | None:
+        """The private rows' content keys (record_keys.py; "" where none was recorded), or None for a store made
+        before they were recorded."""
+        if KEY_ARRAY not in self.group("private"):
+            return None
+        keys = self.read("private", KEY_ARRAY)
+        return keys if rows is None else keys[np.asarray(rows, np.int64)]
+
     def record_ids(self, role: str = "private") -> np.ndarray:
         return self.read(role, "record_id").astype(object)
 
@@ -293,17 +304,18 @@ class FeatureStore:
         record_ids: Sequence[str],
         user_ids: Sequence[str] | None = None,
         batch: str | None = None,
+        content_keys: Sequence[str] | None = None,
     ) -> tuple[int, int]:
-        """Append and commit one block of rows. Returns (start, stop)."""
+        """Append and commit one block of rows. Returns (start, stop). ``content_keys``: see Appender.write."""
         app = self.appender(role, batch=batch)
-        app.write(features, labels=labels, record_ids=record_ids, user_ids=user_ids)
+        app.write(features, labels=labels, record_ids=record_ids, user_ids=user_ids, content_keys=content_keys)
         return app.commit()
 
     #: What erasure writes over a row (SPEC §8 / issue 6: physical erasure, the row keeps its place).
-    ERASED = {"features": 0.0, "labels": -1, "record_id": "", "user_id": "", "deleted": True}
+    ERASED = {"features": 0.0, "labels": -1, "record_id": "", "user_id": "", "deleted": True, KEY_ARRAY: ""}
 
     def erase_rows(self, role: str, rows: np.ndarray) -> int:
-        """Physically overwrite rows: features := 0, label := −1, record_id/user_id := "", deleted := True.
+        """Physically overwrite rows: features := 0, label := −1, record_id/user_id/content_key := "", deleted := True.
 
         Every touched chunk is rewritten whole (zarr's LocalStore replaces a chunk
         file atomically: temp file, rename) and fsync'd with its folder, so the old
@@ -313,7 +325,9 @@ class FeatureStore:
         rows = self._check_rows(role, rows)
         if role == "private" and rows.size:
             self._log_erased_ids(rows)
-        return sum(self._overwrite_rows(role, name, rows, value) for name, value in self.ERASED.items())
+        group = self.group(role)
+        return sum(self._overwrite_rows(role, name, rows, value) for name, value in self.ERASED.items()
+                   if name in group)  # content_key: private rows of stores made since it was recorded
 
     #: Ids of erased private rows, one JSON line each, appended (fsync'd) *before* the row is overwritten: the
     #: erasure blanks the id in the store, and a ledger rolled back past the erasure's tombstone would otherwise

@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import BadInputError, StoreError
+from .record_keys import KEY_ARRAY, vector_keys
 from .store import FeatureStore, _read_chunks
 
 
@@ -38,9 +39,13 @@ class Appender:
         self._arrays: dict = {}
 
     def write(self, features: np.ndarray | None, *, labels: np.ndarray | None = None,
-              record_ids: Sequence[str], user_ids: Sequence[str] | None = None) -> None:
+              record_ids: Sequence[str], user_ids: Sequence[str] | None = None,
+              content_keys: Sequence[str] | None = None) -> None:
         """Buffer rows. ``features=None``: the features of these rows are written into the store by someone
-        else (the Dask workers of :mod:`.dask_embed`) before :meth:`commit`; the other arrays are written here."""
+        else (the Dask workers of :mod:`.dask_embed`) before :meth:`commit`; the other arrays are written here.
+
+        ``content_keys`` (private rows): each row's key from its own input (:mod:`.record_keys`; ``embed`` gives
+        them); None: the hash of each given vector and label, which are then the rows' input."""
         if features is None:
             self.external_features = True
             m = len(record_ids)
@@ -64,6 +69,12 @@ class Appender:
             arrays["features"] = feats
         if self.role == "query":
             arrays["batch"] = np.asarray([self.batch or ""] * m, dtype=str)
+        if self.role == "private" and self._has_keys():
+            if content_keys is None:
+                if features is None:
+                    raise BadInputError("private rows written without their vectors need their content keys")
+                content_keys = vector_keys(feats, arrays["labels"])
+            arrays[KEY_ARRAY] = np.asarray([str(k) for k in content_keys], dtype=str)
         for name, values in arrays.items():
             if len(values) != m:
                 raise BadInputError(f"{name}: {len(values)} values for {m} vectors")
@@ -73,6 +84,12 @@ class Appender:
             self._hash.update(feats.tobytes())
         self.stop = stop
         self._flush(final=False)
+
+    def _has_keys(self) -> bool:
+        """Whether the store records content keys (stores made before audit 5 have no such array)."""
+        if not hasattr(self, "_keys"):
+            self._keys = KEY_ARRAY in self.group
+        return self._keys
 
     def _flush(self, *, final: bool) -> None:
         """Write each array's buffered rows up to its last whole chunk boundary (``final``: all of them)."""

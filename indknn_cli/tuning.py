@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .errors import BadInputError
+from .record_keys import stored_keys
 from .tuning_accounting import (EXP_MECH, METHODS, ORDERS, POISSON, RANDOM_SEARCH,  # noqa: F401 (re-exported)
                                 _accountant, _bisect_largest, _positive, check_method, check_shape, composed_epsilon,
                                 draw_runs, exp_mech_select, gumbel_scale, rho_for_share, score_noise_std,
@@ -143,7 +144,7 @@ def private_tune(
     *, features, labels, n_classes: int, epsilon: float, delta: float, share: float, mean_runs: float,
     shape, taus, sigma2s, n_val: int, kernel: str, nu: float | None, k_min: float, sigma1: float | None,
     planned_queries: int | None, seed: int | None = None, device: str = "cpu", tau_rule: str | None = None,
-    method: str = DEFAULT_TUNE_METHOD,
+    method: str = DEFAULT_TUNE_METHOD, keys=None,
 ) -> tuple[TuningRecord, "object"]:
     """Accounted search; returns (record, PrivacyParams for serving with B = B_serve, conversion rdp).
 
@@ -166,7 +167,7 @@ def private_tune(
         raise BadInputError(f"sigma1={sigma1:g}: one count charge 1/(2σ1²) exceeds the serving budget "
                             f"B={b_serve:.4g}; raise --sigma1 or --planned-queries, or lower the --tune-share")
     seed_text = "entropy:" + str(_run_key(None, "tune")) if seed is None else f"seed:{seed}"
-    data = BaseRunData.build(features, labels, n_shards=n_val, seed_text=seed_text, n_classes=n_classes)
+    data = BaseRunData.build(features, labels, n_shards=n_val, seed_text=seed_text, n_classes=n_classes, keys=keys)
     master = np.random.default_rng(_run_key(seed, "tune:search"))
 
     def params_at(g: int):
@@ -359,17 +360,21 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
     keep = ~store.read("private", "deleted").astype(bool)
     keep[store.erase_pending_rows("private")] = False
     rows = np.flatnonzero(keep)
-    return private_tune_arrays(store.read("private", "features")[rows], store.read("private", "labels")[rows],
-                               n_classes=len(store.label_names), req=req)
+    features, labels = store.read("private", "features")[rows], store.read("private", "labels")[rows]
+    keys = stored_keys(keys=store.content_keys(rows), features=features, labels=labels,
+                       extractor=store.extractor.name, where=store.where)
+    return private_tune_arrays(features, labels, n_classes=len(store.label_names), req=req, keys=keys)
 
 
-def private_tune_arrays(features, labels, *, n_classes: int, req: TuneRequest):
+def private_tune_arrays(features, labels, *, n_classes: int, req: TuneRequest, keys=None):
     """``--tune private`` on in-memory rows (index and bench both call this): (record, serving params).
 
     The number of shards S is the public ``req.n_val``, never clamped to the number of records: an S that
     depends on N re-deals every record's shard when one record joins, and the score's sensitivity is then
     not 1 (AUDIT_FINDINGS_2.md P1). With fewer records than S, some shards are empty and score nothing. For the
-    same reason the shards are dealt by each record's vector and label, never by its id or row (audit 4, F1)."""
+    same reason the shards are dealt by each record's own key, never by its id or row (audit 4, F1): ``keys`` as
+    ``embed`` recorded them from each row's input (:mod:`.record_keys`; a batch-embedded vector's bytes depend on
+    its batch: audit 5, F1), or, None, each row's vector and label (rows given as vectors)."""
     req.check()
     nu = req.resolved_nu()
     taus, tau_rule = req.tau_grid()
@@ -378,4 +383,4 @@ def private_tune_arrays(features, labels, *, n_classes: int, req: TuneRequest):
         delta=req.delta, share=req.share, mean_runs=req.mean_runs, shape=req.shape,
         taus=taus, sigma2s=req.sigma2s, n_val=req.n_val, kernel=req.kernel,
         nu=nu, k_min=req.k_min, sigma1=req.sigma1, planned_queries=req.planned_queries, seed=req.seed,
-        device=req.device, tau_rule=tau_rule, method=req.method)
+        device=req.device, tau_rule=tau_rule, method=req.method, keys=keys)

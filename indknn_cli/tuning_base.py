@@ -35,19 +35,15 @@ def _coin(seed_text: str, key: str) -> int:
 
 
 def content_keys(features, labels) -> list[str]:
-    """What a private record's coin hashes: its own vector and label (sha256 of their bytes), nothing else.
+    """The key of rows given as vectors (:func:`record_keys.vector_keys`): sha256 of each vector and its label.
 
-    Not its record id: an id may depend on other records. ``embed`` generates ``private-00000042`` from the
-    row's position when the input has no id column, so one record left out of the input renames every record
-    after it, re-deals their shards and moved the un-noised score by up to 36 for a sensitivity of 1 (audit 4,
-    F1). Two records with the same vector and label share a coin, hence a shard and a rank; either one as the
-    validation record gives the shard the same term."""
-    x = np.ascontiguousarray(features, np.float32)
-    y = np.asarray(labels, np.int64).reshape(-1)
-    if x.ndim != 2 or x.shape[0] != y.shape[0]:
-        raise BadInputError(f"tuning: {x.shape[0] if x.ndim else 0} feature rows but {y.shape[0]} labels")
-    return [hashlib.sha256(int(lab).to_bytes(8, "little", signed=True) + row.tobytes()).hexdigest()
-            for row, lab in zip(x, y)]
+    Never the record id (an id may depend on other records: audit 4, F1) and, for a store, never the stored
+    vector of a batch-embedded row (its bytes depend on its batch: audit 5, F1): ``index`` reads the key ``embed``
+    recorded from the row's own input (:mod:`.record_keys`). Two records with the same key share a coin, hence a
+    shard and a rank; either one as the validation record gives the shard the same term."""
+    from .record_keys import vector_keys
+
+    return vector_keys(features, labels)
 
 
 def shard_split(keys, *, n_shards: int, seed_text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -119,11 +115,17 @@ class BaseRunData:
         return self._kappa[key]
 
     @classmethod
-    def build(cls, features, labels, *, n_shards: int, seed_text: str, n_classes: int) -> "BaseRunData":
-        """The shards of one search; each record's coin hashes its own vector and label (:func:`content_keys`)."""
+    def build(cls, features, labels, *, n_shards: int, seed_text: str, n_classes: int,
+              keys=None) -> "BaseRunData":
+        """The shards of one search; each record's coin hashes its own key: ``keys`` (one per row, what ``embed``
+        recorded from its input: :mod:`.record_keys`), or, None, its vector and label (:func:`content_keys`)."""
         if not (isinstance(n_shards, int) and 1 <= n_shards):
             raise BadInputError(f"--tune-queries must be a positive integer, got {n_shards!r}")
-        shard, val_row = shard_split(content_keys(features, labels), n_shards=n_shards, seed_text=seed_text)
+        if keys is None:
+            keys = content_keys(features, labels)
+        elif len(keys) != np.asarray(labels).shape[0]:
+            raise BadInputError(f"tuning: {len(keys)} record keys for {np.asarray(labels).shape[0]} rows")
+        shard, val_row = shard_split(keys, n_shards=n_shards, seed_text=seed_text)
         return cls(np.ascontiguousarray(features, np.float32), np.asarray(labels, np.int64), shard, val_row,
                    n_classes)
 

@@ -173,7 +173,8 @@ def test_layout_on_disk(tmp_path):
     for group in ("private", "public", "queries"):
         names = sorted(os.listdir(tmp_path / "s.zarr" / group))
         expected = ["deleted", "features", "labels", "record_id", "user_id", "zarr.json"]
-        assert names == sorted(expected + (["batch"] if group == "queries" else []))
+        assert names == sorted(expected + (["batch"] if group == "queries" else [])
+                               + (["content_key"] if group == "private" else []))
     feats = json.loads((tmp_path / "s.zarr" / "private" / "features" / "zarr.json").read_text())
     assert feats["data_type"] == "float32" and feats["chunk_grid"]["configuration"]["chunk_shape"] == [16, 8]
 

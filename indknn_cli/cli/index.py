@@ -115,6 +115,12 @@ def index_command(
                "τ, σ2 and its noisy score); ") +
             f"the search costs ε={tuned['epsilon_tuning']:.4g} of the total ε={tuned['epsilon_total']:.4g} "
             f"at δ={delta:g} (RDP, record unit, add/remove one record); serving B={result.params.budget:.6g}"))
+    if tuned.get("mode") == "private" and result.created and tuned.get("seed") is not None:
+        # audit 5, F2: the seed is in the ledger, and with it the search's coins and noise can be recomputed
+        stderr_console().print(escape(
+            f"warning: seeded private search (--tune-seed {tuned['seed']}): the seed is recorded in the ledger, and "
+            "whoever knows it can recompute the search's noise, so the chosen τ and σ2 have no privacy against "
+            "them; for experiments only, not for real data"), style="yellow")
     elif tuned.get("mode") == "public" and result.created:
         stderr_console().print(escape(
             f"tuned on the store's labelled public rows (free, no private record read): τ={tuned['chosen_tau']:g}, "

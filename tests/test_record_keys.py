@@ -1,0 +1,162 @@
+"""Audit 5, F1: the private search's coin must not depend on other records through the embedding batch.
+
+The text extractor embeds rows in padded batches, so a row's float32 vector changes in its last bits with the
+rows embedded beside it. The coin used to hash that vector: leaving one person out of 1,200 texts re-dealt 68
+other records' shards and moved the un-noised score by up to 9 (sensitivity 1 assumed). ``embed`` now records
+each private row's key from its own text and label (``record_keys.py``), and ``index --tune private`` deals
+shards by it. These tests run the real extractor (all-MiniLM-L6-v2 from disk) into real stores."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from indknn_cli import record_keys, tuning, tuning_base
+from indknn_cli.compaction_copy import _write_compacted_copy
+from indknn_cli.embedding import embed_into_store
+from indknn_cli.errors import BadInputError
+from indknn_cli.extractors import get_extractor
+from indknn_cli.store import FeatureStore
+
+from .conftest import clustered
+
+TOPICS = [["match", "goal", "team", "coach", "league", "season"], ["stock", "market", "bank", "shares", "profit"],
+          ["rocket", "science", "code", "chip", "data", "research"], ["vote", "minister", "war", "city", "talks"]]
+COMMON = "the a of in on with today new report says after".split()
+NAMES = ["W", "S", "B", "T"]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return get_extractor("text", device="cpu")
+
+
+def _texts(n: int, seed: int = 1) -> list[tuple[str, str, str]]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        y = int(rng.integers(4))
+        words = [str(rng.choice(TOPICS[y])) if rng.random() < 0.5 else str(rng.choice(TOPICS[int(rng.integers(4))]
+                                                                                      + COMMON))
+                 for _ in range(int(rng.integers(4, 40)))]
+        rows.append((f"u{i:05d}", " ".join(words), NAMES[y]))
+    return rows
+
+
+def _embed_csv(tmp_path, tag, rows, extractor):
+    import csv
+
+    src = tmp_path / f"{tag}.csv"
+    with open(src, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "text", "label"])
+        w.writerows(rows)
+    embed_into_store(src, store_path=tmp_path / f"{tag}.zarr", role="private", extractor=extractor,
+                     id_column="id", label_names=NAMES)
+    return FeatureStore.open(tmp_path / f"{tag}.zarr", mode="r")
+
+
+def _search_keys(store, monkeypatch) -> dict[str, str]:
+    """record id → the key the private search dealt that record's shard by (spied on ``shard_split``)."""
+    seen = []
+    real = tuning_base.shard_split
+
+    def spy(keys, **kw):
+        seen.append(list(keys))
+        return real(keys, **kw)
+
+    monkeypatch.setattr(tuning_base, "shard_split", spy)
+    req = tuning.TuneRequest(epsilon=1.0, delta=1e-5, seed=3, taus=(0.2,), sigma2s=(0.5,), n_val=100,
+                             planned_queries=200)
+    tuning.run_tuning(store, req)
+    ids = [str(r) for r in store.read("private", "record_id")]
+    assert len(seen) == 1 and len(seen[0]) == len(ids)
+    return dict(zip(ids, seen[0]))
+
+
+def test_leaving_one_text_out_changes_no_other_records_coin(tmp_path, minilm, monkeypatch):
+    rows = _texts(600)
+    d = _embed_csv(tmp_path, "d", rows, minilm)
+    d_minus = _embed_csv(tmp_path, "dm", rows[:10] + rows[11:], minilm)  # the person at row 10 opts out
+    x, xm = d.read("private", "features"), d_minus.read("private", "features")
+    keep = np.arange(600) != 10
+    # the premise: batching moved some other rows' vectors (if it stops doing so, this test proves less)
+    assert not np.array_equal(x[keep], xm), "the extractor no longer depends on the batch"
+    full, minus = _search_keys(d, monkeypatch), _search_keys(d_minus, monkeypatch)
+    changed = [rid for rid in minus if minus[rid] != full[rid]]
+    assert changed == [], f"{len(changed)} other records were re-dealt"
+
+
+def test_the_key_is_the_rows_own_input_and_label():
+    a = record_keys.input_keys(["Stocks fell", "Team won", "Stocks fell"], [0, 1, 1])
+    assert a[0] != a[2]  # same text, other label: another record
+    assert record_keys.input_keys(["Team won"], [1]) == a[1:2]  # no key depends on another row
+    v = np.arange(6.0).reshape(2, 3)
+    assert record_keys.input_keys(v, [0, 0])[1] == record_keys.input_keys(v[1:], [0])[0]
+    with pytest.raises(BadInputError, match="2 input items but 1 labels"):
+        record_keys.input_keys(["a", "b"], [0])
+
+
+def test_a_store_without_keys_is_refused_for_text_and_falls_back_to_vectors_for_row_wise(tmp_path, minilm):
+    import zarr
+
+    d = _embed_csv(tmp_path, "old", _texts(40), minilm)
+    group = zarr.open_group(str(tmp_path / "old.zarr" / "private"), mode="r+")
+    del group[record_keys.KEY_ARRAY]  # as a store written before keys were recorded
+    old = FeatureStore.open(tmp_path / "old.zarr", mode="r")
+    assert old.content_keys() is None
+    req = tuning.TuneRequest(epsilon=1.0, delta=1e-5, seed=1, n_val=20, planned_queries=100)
+    with pytest.raises(BadInputError, match="no recorded content key .* re-embed the private rows"):
+        tuning.run_tuning(old, req)
+    assert d.n_rows("private") == 40
+    # row-wise extractor (vectors): the vector's hash is the key, as before
+    x, y, _ = clustered(60, 8, 3, seed=2)
+    keys = record_keys.stored_keys(keys=None, features=x, labels=y, extractor="vectors", where="s")
+    assert keys == tuning.content_keys(x, y)
+
+
+def test_erasure_blanks_the_key_and_compaction_keeps_the_others(tmp_path):
+    from indknn_cli.store import ExtractorInfo
+
+    x, y, _ = clustered(30, 8, 3, seed=4)
+    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                                label_names=["a", "b", "c"], label_names_source="declared")
+    given = [f"{i:064x}" for i in range(30)]
+    store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(30)], content_keys=given)
+    assert list(store.content_keys()) == given
+    with store.write_lock():
+        store.erase_rows("private", np.array([3, 7]))
+    keys = list(store.content_keys())
+    assert keys[3] == keys[7] == "" and keys[:3] == given[:3] and keys[8:] == given[8:]
+    # appended as vectors without keys: keyed by the vector and label given
+    store.append("private", x[:2], labels=y[:2], record_ids=["n0", "n1"])
+    assert list(store.content_keys(np.array([30, 31]))) == tuning.content_keys(x[:2], y[:2])
+    # compaction: the kept rows keep their keys, in order
+    keep = np.setdiff1d(np.arange(32), [3, 7])
+    _write_compacted_copy(store, tmp_path / "c.zarr", keep, "c" * 32)
+    assert list(FeatureStore.open(tmp_path / "c.zarr", mode="r").content_keys()) == [keys[i] if i < 30 else
+                                                                                   tuning.content_keys(x[:2], y[:2])[i - 30]
+                                                                                   for i in keep]
+
+
+def test_compacting_a_store_made_before_keys_records_none(tmp_path):
+    import zarr
+
+    from indknn_cli.store import ExtractorInfo
+
+    x, y, _ = clustered(20, 8, 3, seed=5)
+    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                                label_names=["a", "b", "c"], label_names_source="declared")
+    del zarr.open_group(str(tmp_path / "s.zarr" / "private"), mode="r+")[record_keys.KEY_ARRAY]
+    store = FeatureStore.open(tmp_path / "s.zarr", mode="a")
+    store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(20)])  # no key array: none written
+    with store.write_lock():
+        store.erase_rows("private", np.array([0]))
+    assert store.content_keys() is None
+    _write_compacted_copy(store, tmp_path / "c.zarr", np.arange(1, 20), "d" * 32)
+    c = FeatureStore.open(tmp_path / "c.zarr", mode="r")
+    assert list(c.content_keys()) == [""] * 19
+    # a row-wise store falls back to the vectors' hash for them
+    assert record_keys.stored_keys(keys=c.content_keys(), features=c.read("private", "features"),
+                                   labels=c.read("private", "labels"), extractor="vectors",
+                                   where="c") == tuning.content_keys(x[1:], y[1:])
