@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import BadInputError
+from .wording import count
 
 #: The store array holding each private row's key (64 hex digits; "" = not recorded).
 KEY_ARRAY = "content_key"
@@ -90,8 +91,8 @@ def stored_keys(*, keys: np.ndarray | None, features: np.ndarray, labels: np.nda
         return out
     if extractor not in ROW_WISE:
         raise BadInputError(
-            f"{where}: {len(missing)} private row(s) have no recorded content key (the store was written before "
-            f"indknn recorded one). Its extractor {extractor!r} embeds rows in batches, so a vector's bytes depend "
+            f"{where}: {count(len(missing), 'private row')} without a recorded content key (the store was written "
+            f"before indknn recorded one). Its extractor {extractor!r} embeds rows in batches, so a vector's bytes depend "
             "on the rows embedded with it and cannot deal the private search's shards: re-embed the private rows "
             "into a new store, or tune on public rows (--tune public), or give --tau and --sigma2")
     sub = np.asarray(missing, np.int64)

@@ -74,14 +74,18 @@ def _search_keys(store, monkeypatch) -> dict[str, str]:
     return dict(zip(ids, seen[0]))
 
 
-def test_leaving_one_text_out_changes_no_other_records_coin(tmp_path, minilm, monkeypatch):
+@pytest.mark.parametrize("batch_size", [64, 1])
+def test_leaving_one_text_out_changes_no_other_records_coin(tmp_path, minilm, monkeypatch, batch_size):
+    """batch_size 64: an extractor whose vectors depend on their batch (as the text extractor's did): the keys
+    still do not. 1 (the default now): the other records' vectors do not change either."""
+    monkeypatch.setattr(minilm, "batch_size", batch_size)
     rows = _texts(600)
     d = _embed_csv(tmp_path, "d", rows, minilm)
     d_minus = _embed_csv(tmp_path, "dm", rows[:10] + rows[11:], minilm)  # the person at row 10 opts out
     x, xm = d.read("private", "features"), d_minus.read("private", "features")
     keep = np.arange(600) != 10
-    # the premise: batching moved some other rows' vectors (if it stops doing so, this test proves less)
-    assert not np.array_equal(x[keep], xm), "the extractor no longer depends on the batch"
+    # batched: some other rows' vectors moved in their last bits; one by one: none did
+    assert np.array_equal(x[keep], xm) == (batch_size == 1)
     full, minus = _search_keys(d, monkeypatch), _search_keys(d_minus, monkeypatch)
     changed = [rid for rid in minus if minus[rid] != full[rid]]
     assert changed == [], f"{len(changed)} other records were re-dealt"
@@ -106,7 +110,7 @@ def test_a_store_without_keys_is_refused_for_text_and_falls_back_to_vectors_for_
     old = FeatureStore.open(tmp_path / "old.zarr", mode="r")
     assert old.content_keys() is None
     req = tuning.TuneRequest(epsilon=1.0, delta=1e-5, seed=1, n_val=20, planned_queries=100)
-    with pytest.raises(BadInputError, match="no recorded content key .* re-embed the private rows"):
+    with pytest.raises(BadInputError, match="40 private rows without a recorded content key .* re-embed the private rows"):
         tuning.run_tuning(old, req)
     assert d.n_rows("private") == 40
     # row-wise extractor (vectors): the vector's hash is the key, as before
@@ -160,3 +164,11 @@ def test_compacting_a_store_made_before_keys_records_none(tmp_path):
     assert record_keys.stored_keys(keys=c.content_keys(), features=c.read("private", "features"),
                                    labels=c.read("private", "labels"), extractor="vectors",
                                    where="c") == tuning.content_keys(x[1:], y[1:])
+
+
+def test_a_texts_vector_does_not_depend_on_the_texts_embedded_with_it(minilm):
+    texts = [t for _, t, _ in _texts(70, seed=9)]
+    alone = np.vstack([minilm.embed([t]) for t in texts[:5]])
+    together = minilm.embed(texts)[:5]
+    shuffled = minilm.embed(texts[:5][::-1] + texts[40:])[:5][::-1]
+    assert np.array_equal(alone, together) and np.array_equal(alone, shuffled)

@@ -157,7 +157,8 @@ def test_answers_read_lazily_match_lists(tmp_path, monkeypatch):
 
 def _store_arrays(store, role):
     n = store.n_rows(role)
-    names = ("features", "labels", "record_id", "user_id", "deleted") + (("batch",) if role == "query" else ())
+    names = ("features", "labels", "record_id", "user_id", "deleted") + (("batch",) if role == "query" else
+                                                                         ("content_key",))
     return {name: store.read(role, name, 0, n) for name in names}
 
 
