@@ -273,8 +273,13 @@ def headline(tuning: dict | None, *, budget: float, delta: float) -> dict | None
         "chosen": {"tau": tuning["chosen_tau"], "sigma2": tuning["chosen_sigma2"]},
         "runs_drawn": tuning.get("runs_drawn"), "mean_runs": tuning.get("mean_runs"), "shape": tuning.get("shape"),
         "rho_run": tuning["rho_run"], "validation_queries": tuning.get("validation_queries"),
+        # audit 5, F2: the recorded seed recomputes the search's coins and noise
+        "seeded": tuning.get("seed") is not None,
         "note": (f"the guarantee composes the tuning search ({event}) with serving's α·B by RDP; every record "
-                 "carries the tuning share"),
+                 "carries the tuning share" + ("; the search was seeded (--tune-seed, recorded in the ledger): "
+                                               "whoever knows the seed can recompute its noise, so the chosen τ, σ2 "
+                                               "have no privacy against them" if tuning.get("seed") is not None
+                                               else "")),
     }
 
 

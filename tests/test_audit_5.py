@@ -54,3 +54,16 @@ def test_f2_a_seeded_private_search_warns_that_its_choice_has_no_privacy(tmp_pat
                               capture_output=True, text=True, timeout=300)
     assert unseeded.returncode == 0, unseeded.stderr
     assert "seeded private" not in unseeded.stderr
+    # account flags it too, in the text report and in --json
+    acc = [sys.executable, "-m", "indknn_cli", "account", "--ledger"]
+    text = subprocess.run(acc + [str(tmp_path / "L")], capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0 and "the search was seeded" in " ".join(text.stdout.split()), text.stderr
+    import json
+
+    js = json.loads(subprocess.run(acc + [str(tmp_path / "L"), "--json"], capture_output=True, text=True,
+                                   timeout=300).stdout)
+    js2 = json.loads(subprocess.run(acc + [str(tmp_path / "L2"), "--json"], capture_output=True, text=True,
+                                    timeout=300).stdout)
+    assert js["tuning"]["seeded"] is True and js2["tuning"]["seeded"] is False
+    assert "was seeded" not in subprocess.run(acc + [str(tmp_path / "L2")], capture_output=True, text=True,
+                                              timeout=300).stdout
