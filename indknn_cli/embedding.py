@@ -425,8 +425,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                         dist.submit(store, role, items, rows_k, ids_k, at=app.stop, name=src.name)
                     # each private record's key from its own input, before any model reads it: the private search
                     # deals shards by it, and a batch-embedded vector's bytes depend on its batch (audit 5, F1)
-                    keys = (input_keys(items, lab_idx if lab_idx is not None else np.full(len(keep), -1))
-                            if role == "private" else None)
+                    keys = (input_keys(items, lab_idx if lab_idx is not None else np.full(len(keep), -1),
+                                       salt=store.key_salt) if role == "private" else None)
                     app.write(xn, labels=lab_idx, record_ids=final_ids, user_ids=users, content_keys=keys)
                     rows_added += len(keep)
                 if progress is not None:

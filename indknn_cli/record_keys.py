@@ -23,7 +23,9 @@ row-wise extractors (:data:`ROW_WISE`), whose key is then the stored vector's ha
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,6 +36,22 @@ from .wording import count
 
 #: The store array holding each private row's key (64 hex digits; "" = not recorded).
 KEY_ARRAY = "content_key"
+#: Root attribute of a store that records keys: the random salt of its keyed hash (HMAC-SHA256). Drawn when the
+#: store is created, before any record (so a key still depends on its record alone), and carried by compaction.
+#: A key is then no plain hash of a text that anyone could recompute without the store, and one person's keys do
+#: not link across stores. It is in the store beside the vectors: it does not hide a record from whoever holds
+#: the store (its vector does not either).
+SALT_ATTR = "content_key_salt"
+
+
+def new_salt() -> str:
+    return secrets.token_hex(32)
+
+
+def _digest(salt: str | None, data: bytes) -> str:
+    if salt is None:
+        return hashlib.sha256(data).hexdigest()
+    return hmac.new(bytes.fromhex(salt), data, hashlib.sha256).hexdigest()
 #: Extractors whose stored vector is a function of its own input row only (no batch, no padding): a vector's
 #: bytes then identify the record as well as its input does.
 ROW_WISE = frozenset({"vectors", "hog", "pixels"})
@@ -58,24 +76,25 @@ def _item_bytes(item: Any) -> bytes:
     return b"vector\0" + str(arr.shape).encode() + b"\0" + arr.tobytes()
 
 
-def input_keys(items: Any, labels: Sequence[int]) -> list[str]:
-    """One key per input item: sha256 of the item's own bytes and its label index (``embed``'s private rows)."""
+def input_keys(items: Any, labels: Sequence[int], *, salt: str | None = None) -> list[str]:
+    """One key per input item: the keyed hash (``salt``: the store's) of the item's own bytes and its label index
+    (``embed``'s private rows)."""
     rows = list(items) if not isinstance(items, np.ndarray) else [items[i] for i in range(items.shape[0])]
     labs = np.asarray(labels, np.int64).reshape(-1)
     if len(rows) != labs.size:
         raise BadInputError(f"record keys: {len(rows)} input items but {labs.size} labels")
-    return [hashlib.sha256(_DOMAIN + int(lab).to_bytes(8, "little", signed=True) + _item_bytes(it)).hexdigest()
+    return [_digest(salt, _DOMAIN + int(lab).to_bytes(8, "little", signed=True) + _item_bytes(it))
             for it, lab in zip(rows, labs)]
 
 
-def vector_keys(features, labels) -> list[str]:
-    """One key per stored vector: sha256 of its float32 bytes and its label (rows given as vectors)."""
+def vector_keys(features, labels, *, salt: str | None = None) -> list[str]:
+    """One key per vector: the keyed hash (``salt``: the store's; None: plain sha256) of its float32 bytes and its
+    label (rows given as vectors)."""
     x = np.ascontiguousarray(features, np.float32)
     y = np.asarray(labels, np.int64).reshape(-1)
     if x.ndim != 2 or x.shape[0] != y.shape[0]:
         raise BadInputError(f"record keys: {x.shape[0] if x.ndim else 0} feature rows but {y.shape[0]} labels")
-    return [hashlib.sha256(int(lab).to_bytes(8, "little", signed=True) + row.tobytes()).hexdigest()
-            for row, lab in zip(x, y)]
+    return [_digest(salt, int(lab).to_bytes(8, "little", signed=True) + row.tobytes()) for row, lab in zip(x, y)]
 
 
 def stored_keys(*, keys: np.ndarray | None, features: np.ndarray, labels: np.ndarray, extractor: str,
@@ -92,8 +111,8 @@ def stored_keys(*, keys: np.ndarray | None, features: np.ndarray, labels: np.nda
     if extractor not in ROW_WISE:
         raise BadInputError(
             f"{where}: {count(len(missing), 'private row')} without a recorded content key (the store was written "
-            f"before indknn recorded one). Its extractor {extractor!r} embeds rows in batches, so a vector's bytes depend "
-            "on the rows embedded with it and cannot deal the private search's shards: re-embed the private rows "
+            f"before indknn recorded one). Its extractor {extractor!r} embedded rows in batches then, so a vector's bytes "
+            "depend on the rows embedded with it and cannot deal the private search's shards: re-embed the private rows "
             "into a new store, or tune on public rows (--tune public), or give --tau and --sigma2")
     sub = np.asarray(missing, np.int64)
     for i, k in zip(missing, vector_keys(np.asarray(features)[sub], np.asarray(labels)[sub])):

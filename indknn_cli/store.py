@@ -23,7 +23,7 @@ import zarr
 
 from . import FORMAT_VERSION, locking, object_store
 from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
-from .record_keys import KEY_ARRAY
+from .record_keys import KEY_ARRAY, SALT_ATTR, new_salt
 
 ROLES = ("private", "public", "query")
 GROUP_OF_ROLE = {"private": "private", "public": "public", "query": "queries"}
@@ -119,6 +119,7 @@ class FeatureStore:
             "normalized": True,
             "chunk_rows": int(chunk_rows),
             "checksums": CHECKSUM,
+            SALT_ATTR: new_salt(),  # the store records content keys (record_keys.py): private/content_key is required
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
         if loc is None:
@@ -268,10 +269,19 @@ class FeatureStore:
     def content_keys(self, rows: np.ndarray | None = None) -> np.ndarray | None:
         """The private rows' content keys (record_keys.py; "" where none was recorded), or None for a store made
         before they were recorded."""
-        if KEY_ARRAY not in self.group("private"):
+        if self.key_salt is None:
             return None
         keys = self.read("private", KEY_ARRAY)
+        if keys.shape[0] != self.n_rows("private"):
+            raise StoreError(f"{self.where}: private/{KEY_ARRAY} has {keys.shape[0]} rows for "
+                             f"{self.n_rows('private')} records (damaged); restore the store from a backup")
         return keys if rows is None else keys[np.asarray(rows, np.int64)]
+
+    @property
+    def key_salt(self) -> str | None:
+        """The salt of the store's content keys, or None for a store made before they were recorded."""
+        salt = self.root.attrs.get(SALT_ATTR)
+        return str(salt) if salt else None
 
     def record_ids(self, role: str = "private") -> np.ndarray:
         return self.read(role, "record_id").astype(object)
@@ -325,9 +335,9 @@ class FeatureStore:
         rows = self._check_rows(role, rows)
         if role == "private" and rows.size:
             self._log_erased_ids(rows)
-        group = self.group(role)
+        keyed = role == "private" and self.key_salt is not None  # stores made since keys were recorded
         return sum(self._overwrite_rows(role, name, rows, value) for name, value in self.ERASED.items()
-                   if name in group)  # content_key: private rows of stores made since it was recorded
+                   if name != KEY_ARRAY or keyed)
 
     #: Ids of erased private rows, one JSON line each, appended (fsync'd) *before* the row is overwritten: the
     #: erasure blanks the id in the store, and a ledger rolled back past the erasure's tombstone would otherwise
@@ -407,8 +417,10 @@ ARRAYS = ("features", "labels", "record_id", "user_id", "deleted")
 
 def _check_arrays(path: Path, root: zarr.Group) -> None:
     """Every array's metadata (zarr.json) must be readable: a truncated one is a clear StoreError at open."""
+    keyed = bool(root.attrs.get(SALT_ATTR))  # a store that records content keys must have them (not lose them)
     for role, group in GROUP_OF_ROLE.items():
-        for name in ARRAYS + (("batch",) if role == "query" else ()):
+        for name in ARRAYS + (("batch",) if role == "query" else ()) + ((KEY_ARRAY,) if keyed and role == "private"
+                                                                         else ()):
             try:
                 root[group][name]
             except KeyError:

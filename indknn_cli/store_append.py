@@ -73,7 +73,7 @@ class Appender:
             if content_keys is None:
                 if features is None:
                     raise BadInputError("private rows written without their vectors need their content keys")
-                content_keys = vector_keys(feats, arrays["labels"])
+                content_keys = vector_keys(feats, arrays["labels"], salt=self.store.key_salt)
             arrays[KEY_ARRAY] = np.asarray([str(k) for k in content_keys], dtype=str)
         for name, values in arrays.items():
             if len(values) != m:
@@ -88,7 +88,7 @@ class Appender:
     def _has_keys(self) -> bool:
         """Whether the store records content keys (stores made before audit 5 have no such array)."""
         if not hasattr(self, "_keys"):
-            self._keys = KEY_ARRAY in self.group
+            self._keys = self.store.key_salt is not None  # its array checked at open (store._check_arrays)
         return self._keys
 
     def _flush(self, *, final: bool) -> None:

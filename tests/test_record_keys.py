@@ -43,8 +43,15 @@ def _texts(n: int, seed: int = 1) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _embed_csv(tmp_path, tag, rows, extractor):
+def _embed_csv(tmp_path, tag, rows, extractor, salt=None):
+    """``salt``: the content keys' salt of another store (a random draw of the mechanism, coupled between D and
+    D − {x} as the tuning seed is); None: the new store's own."""
     import csv
+
+    if salt is not None:
+        st = FeatureStore.create(tmp_path / f"{tag}.zarr", extractor=extractor.info, dim=extractor.dim,
+                                 label_names=NAMES, label_names_source="declared")
+        st.root.attrs.update({record_keys.SALT_ATTR: salt})
 
     src = tmp_path / f"{tag}.csv"
     with open(src, "w", newline="", encoding="utf-8") as f:
@@ -74,6 +81,18 @@ def _search_keys(store, monkeypatch) -> dict[str, str]:
     return dict(zip(ids, seen[0]))
 
 
+def _make_old(path):
+    """The store as one written before content keys: no salt attribute, no key array."""
+    import zarr
+
+    root = zarr.open_group(str(path), mode="r+")
+    attrs = dict(root.attrs)
+    del attrs[record_keys.SALT_ATTR]
+    root.attrs.clear()
+    root.attrs.update(attrs)
+    del root["private"][record_keys.KEY_ARRAY]
+
+
 @pytest.mark.parametrize("batch_size", [64, 1])
 def test_leaving_one_text_out_changes_no_other_records_coin(tmp_path, minilm, monkeypatch, batch_size):
     """batch_size 64: an extractor whose vectors depend on their batch (as the text extractor's did): the keys
@@ -81,7 +100,7 @@ def test_leaving_one_text_out_changes_no_other_records_coin(tmp_path, minilm, mo
     monkeypatch.setattr(minilm, "batch_size", batch_size)
     rows = _texts(600)
     d = _embed_csv(tmp_path, "d", rows, minilm)
-    d_minus = _embed_csv(tmp_path, "dm", rows[:10] + rows[11:], minilm)  # the person at row 10 opts out
+    d_minus = _embed_csv(tmp_path, "dm", rows[:10] + rows[11:], minilm, salt=d.key_salt)  # row 10 opts out
     x, xm = d.read("private", "features"), d_minus.read("private", "features")
     keep = np.arange(600) != 10
     # batched: some other rows' vectors moved in their last bits; one by one: none did
@@ -102,11 +121,8 @@ def test_the_key_is_the_rows_own_input_and_label():
 
 
 def test_a_store_without_keys_is_refused_for_text_and_falls_back_to_vectors_for_row_wise(tmp_path, minilm):
-    import zarr
-
     d = _embed_csv(tmp_path, "old", _texts(40), minilm)
-    group = zarr.open_group(str(tmp_path / "old.zarr" / "private"), mode="r+")
-    del group[record_keys.KEY_ARRAY]  # as a store written before keys were recorded
+    _make_old(tmp_path / "old.zarr")
     old = FeatureStore.open(tmp_path / "old.zarr", mode="r")
     assert old.content_keys() is None
     req = tuning.TuneRequest(epsilon=1.0, delta=1e-5, seed=1, n_val=20, planned_queries=100)
@@ -134,24 +150,45 @@ def test_erasure_blanks_the_key_and_compaction_keeps_the_others(tmp_path):
     assert keys[3] == keys[7] == "" and keys[:3] == given[:3] and keys[8:] == given[8:]
     # appended as vectors without keys: keyed by the vector and label given
     store.append("private", x[:2], labels=y[:2], record_ids=["n0", "n1"])
-    assert list(store.content_keys(np.array([30, 31]))) == tuning.content_keys(x[:2], y[:2])
-    # compaction: the kept rows keep their keys, in order
+    salted = record_keys.vector_keys(x[:2], y[:2], salt=store.key_salt)
+    assert list(store.content_keys(np.array([30, 31]))) == salted
+    assert salted != tuning.content_keys(x[:2], y[:2])  # keyed by the store's salt, not a plain hash
+    # compaction: the kept rows keep their keys, in order, and the salt
     keep = np.setdiff1d(np.arange(32), [3, 7])
     _write_compacted_copy(store, tmp_path / "c.zarr", keep, "c" * 32)
-    assert list(FeatureStore.open(tmp_path / "c.zarr", mode="r").content_keys()) == [keys[i] if i < 30 else
-                                                                                   tuning.content_keys(x[:2], y[:2])[i - 30]
-                                                                                   for i in keep]
+    c = FeatureStore.open(tmp_path / "c.zarr", mode="r")
+    assert c.key_salt == store.key_salt
+    assert list(c.content_keys()) == [keys[i] if i < 30 else salted[i - 30] for i in keep]
+
+
+def test_a_store_that_records_keys_and_lost_them_is_refused(tmp_path):
+    import shutil
+
+    import zarr
+
+    from indknn_cli.errors import StoreError
+    from indknn_cli.store import ExtractorInfo
+
+    x, y, _ = clustered(20, 8, 3, seed=4)
+    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                                label_names=["a", "b", "c"], label_names_source="declared")
+    store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(20)])
+    shutil.copytree(tmp_path / "s.zarr", tmp_path / "short.zarr")
+    zarr.open_array(str(tmp_path / "short.zarr" / "private" / record_keys.KEY_ARRAY), mode="r+").resize((12,))
+    with pytest.raises(StoreError, match="content_key has 12 rows for 20 records"):
+        FeatureStore.open(tmp_path / "short.zarr", mode="r").content_keys()
+    shutil.rmtree(tmp_path / "s.zarr" / "private" / record_keys.KEY_ARRAY)
+    with pytest.raises(StoreError, match="content_key is missing"):
+        FeatureStore.open(tmp_path / "s.zarr", mode="a")  # not taken for a store made before keys
 
 
 def test_compacting_a_store_made_before_keys_records_none(tmp_path):
-    import zarr
-
     from indknn_cli.store import ExtractorInfo
 
     x, y, _ = clustered(20, 8, 3, seed=5)
-    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
-                                label_names=["a", "b", "c"], label_names_source="declared")
-    del zarr.open_group(str(tmp_path / "s.zarr" / "private"), mode="r+")[record_keys.KEY_ARRAY]
+    FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                        label_names=["a", "b", "c"], label_names_source="declared")
+    _make_old(tmp_path / "s.zarr")
     store = FeatureStore.open(tmp_path / "s.zarr", mode="a")
     store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(20)])  # no key array: none written
     with store.write_lock():
@@ -172,3 +209,21 @@ def test_a_texts_vector_does_not_depend_on_the_texts_embedded_with_it(minilm):
     together = minilm.embed(texts)[:5]
     shuffled = minilm.embed(texts[:5][::-1] + texts[40:])[:5][::-1]
     assert np.array_equal(alone, together) and np.array_equal(alone, shuffled)
+
+
+def test_a_texts_vector_does_not_depend_on_torchs_thread_count(minilm):
+    """A Dask worker (one thread) and this process (all cores) embed a text into the same bits (review of audit 5:
+    109 of 300 AG News rows differed between 1 and 2 threads before each pass ran on one)."""
+    import torch
+
+    texts = [t for _, t, _ in _texts(60, seed=11)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = minilm.embed(texts)
+        torch.set_num_threads(2)
+        two = minilm.embed(texts)
+        assert torch.get_num_threads() == 2  # restored after the passes
+    finally:
+        torch.set_num_threads(before)
+    assert np.array_equal(one, two)

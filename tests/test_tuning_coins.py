@@ -22,10 +22,17 @@ from indknn_cli.store import FeatureStore
 from .conftest import clustered
 
 
-def _store_without_ids(tmp_path, tag, x, y):
+def _store_without_ids(tmp_path, tag, x, y, salt=None):
+    """``salt``: D's content-key salt for D − {x} (a random draw of the mechanism, coupled as the seed is)."""
     src = tmp_path / f"{tag}.npz"
     np.savez(src, x=x.astype(np.float32), y=y.astype(np.int64))  # no ids: embed generates them from the row
     store = tmp_path / f"{tag}.zarr"
+    if salt is not None:
+        from indknn_cli.extractors import get_extractor
+
+        st = FeatureStore.create(store, extractor=get_extractor("vectors").info, dim=x.shape[1],
+                                 label_names=["0", "1", "2"], label_names_source="declared")
+        st.root.attrs.update({"content_key_salt": salt})
     res = subprocess.run([sys.executable, "-m", "indknn_cli", "embed", str(src), "--store", str(store), "--role",
                           "private", "--extractor", "vectors", "--label-names", "0,1,2"],
                          capture_output=True, text=True, timeout=300)
@@ -38,7 +45,7 @@ def test_one_record_left_out_of_an_id_less_input_moves_the_score_by_at_most_one(
     x, y, _ = clustered(1200, 16, 3, seed=7)
     d = _store_without_ids(tmp_path, "d", x, y)
     keep = np.arange(1200) != 10  # the person at input row 10 opts out: every later generated id shifts
-    d_minus = _store_without_ids(tmp_path, "dm", x[keep], y[keep])
+    d_minus = _store_without_ids(tmp_path, "dm", x[keep], y[keep], salt=d.key_salt)
     assert list(d_minus.read("private", "record_id")[10:11]) == list(d.read("private", "record_id")[10:11])
     scores = []
     for store in (d, d_minus):
