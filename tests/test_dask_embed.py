@@ -45,6 +45,8 @@ def _pair(tmp_path: Path, n: int = 1000, d: int = 16):
     for name in ("inproc", "dask"):
         st = FeatureStore.create(tmp_path / name, extractor=get_extractor("vectors").info, dim=d,
                                  label_names=["0", "1", "2"], chunk_rows=64)
+        if stores:  # one content-key salt for both (a random draw per store), so their keys are comparable
+            st.root.attrs.update({"content_key_salt": stores[0].key_salt})
         st.append("private", pre, labels=py, record_ids=[f"p{i}" for i in range(37)])
         stores.append(st)
     return x, stores
@@ -128,9 +130,13 @@ def test_text_on_workers_is_bit_identical(cluster, tmp_path):
         w.writeheader()
         w.writerows(rows)
     ex = get_extractor("text")
+    salt = None
     for name in ("inproc", "dask"):
-        FeatureStore.create(tmp_path / name, extractor=ex.info, dim=ex.dim,
-                            label_names=sorted({r["label"] for r in rows}), chunk_rows=64)
+        st = FeatureStore.create(tmp_path / name, extractor=ex.info, dim=ex.dim,
+                                 label_names=sorted({r["label"] for r in rows}), chunk_rows=64)
+        if salt is not None:  # one content-key salt for both, so their key chunks are comparable
+            st.root.attrs.update({"content_key_salt": salt})
+        salt = st.key_salt
     embed_into_store(tmp_path / "t.csv", store_path=tmp_path / "inproc", batch_rows=40)
     embed_into_store(tmp_path / "t.csv", store_path=tmp_path / "dask", batch_rows=40, scheduler=cluster)
     fa, fb = _store_files(tmp_path / "inproc"), _store_files(tmp_path / "dask")
