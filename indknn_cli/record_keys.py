@@ -6,12 +6,12 @@ run"). Two earlier keys broke that:
 
 * the record id (audit 4, F1): ``embed`` numbers rows without an id column by their position, so leaving one
   person out renamed every later record;
-* the stored float32 vector (audit 5, F1): the text extractor embeds rows in padded batches, so a row's vector
-  changes in its last bits with the rows that share its batch; leaving one person out of 1,200 texts changed
+* the stored float32 vector (audit 5, F1): the text extractor embedded rows in padded batches, so a row's vector
+  changed in its last bits with the rows that shared its batch (it now embeds each text alone); leaving one person out of 1,200 texts changed
   the vector bytes, hence the shard, of 68 *other* records, and the un-noised score moved by up to 9.
 
 So ``embed`` hashes what the record *is* before any model reads it: the text, the image file's bytes or the
-vector as given, with the label, and stores the key beside the row (array ``private/content_key``, FORMAT.md).
+vector as given, with the label (HMAC-SHA256 under the store's random salt), and stores the key beside the row (array ``private/content_key``, FORMAT.md).
 Rows appended with their vectors directly (``FeatureStore.append``, bench, tests) are keyed by the vector they
 were given, which is then their input. Erasure blanks the key with the row; compaction carries it.
 
@@ -42,6 +42,10 @@ KEY_ARRAY = "content_key"
 #: not link across stores. It is in the store beside the vectors: it does not hide a record from whoever holds
 #: the store (its vector does not either).
 SALT_ATTR = "content_key_salt"
+#: Extractors whose stored vector is a function of its own input row only (no batch, no padding): a vector's
+#: bytes then identify the record as well as its input does.
+ROW_WISE = frozenset({"vectors", "hog", "pixels"})
+_DOMAIN = b"indknn-record-key-v1\0"
 
 
 def new_salt() -> str:
@@ -52,10 +56,6 @@ def _digest(salt: str | None, data: bytes) -> str:
     if salt is None:
         return hashlib.sha256(data).hexdigest()
     return hmac.new(bytes.fromhex(salt), data, hashlib.sha256).hexdigest()
-#: Extractors whose stored vector is a function of its own input row only (no batch, no padding): a vector's
-#: bytes then identify the record as well as its input does.
-ROW_WISE = frozenset({"vectors", "hog", "pixels"})
-_DOMAIN = b"indknn-record-key-v1\0"
 
 
 def _item_bytes(item: Any) -> bytes:
