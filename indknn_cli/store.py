@@ -269,13 +269,24 @@ class FeatureStore:
     def content_keys(self, rows: np.ndarray | None = None) -> np.ndarray | None:
         """The private rows' content keys (record_keys.py; "" where none was recorded), or None for a store made
         before they were recorded."""
-        if self.key_salt is None:
+        if not self.records_keys:
             return None
+        self.check_key_rows()
         keys = self.read("private", KEY_ARRAY)
-        if keys.shape[0] != self.n_rows("private"):
-            raise StoreError(f"{self.where}: private/{KEY_ARRAY} has {keys.shape[0]} rows for "
-                             f"{self.n_rows('private')} records (damaged); restore the store from a backup")
         return keys if rows is None else keys[np.asarray(rows, np.int64)]
+
+    @property
+    def records_keys(self) -> bool:
+        """Whether the store keeps a content key per private row: it has the salt (the array is then required at
+        open), or the array (stores of the few commits that kept unsalted keys)."""
+        return self.key_salt is not None or KEY_ARRAY in self.group("private")
+
+    def check_key_rows(self) -> None:
+        """StoreError unless private/content_key covers every committed private row (a damaged store)."""
+        have, n = int(self.group("private")[KEY_ARRAY].shape[0]), self.n_rows("private")
+        if have < n:
+            raise StoreError(f"{self.where}: private/{KEY_ARRAY} has {have} rows for {n} records (damaged); "
+                             "restore the store from a backup")
 
     @property
     def key_salt(self) -> str | None:
@@ -335,7 +346,7 @@ class FeatureStore:
         rows = self._check_rows(role, rows)
         if role == "private" and rows.size:
             self._log_erased_ids(rows)
-        keyed = role == "private" and self.key_salt is not None  # stores made since keys were recorded
+        keyed = role == "private" and self.records_keys  # stores made since keys were recorded
         return sum(self._overwrite_rows(role, name, rows, value) for name, value in self.ERASED.items()
                    if name != KEY_ARRAY or keyed)
 

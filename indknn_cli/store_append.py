@@ -88,7 +88,9 @@ class Appender:
     def _has_keys(self) -> bool:
         """Whether the store records content keys (stores made before audit 5 have no such array)."""
         if not hasattr(self, "_keys"):
-            self._keys = self.store.key_salt is not None  # its array checked at open (store._check_arrays)
+            self._keys = self.store.records_keys
+            if self._keys:  # a short array would be extended past its gap and then look whole
+                self.store.check_key_rows()
         return self._keys
 
     def _flush(self, *, final: bool) -> None:

@@ -227,3 +227,84 @@ def test_a_texts_vector_does_not_depend_on_torchs_thread_count(minilm):
     finally:
         torch.set_num_threads(before)
     assert np.array_equal(one, two)
+
+
+def test_a_short_key_array_is_refused_by_append_and_compaction_before_anything_is_written(tmp_path):
+    import shutil
+
+    import zarr
+
+    from indknn_cli.deletion_compact import compact
+    from indknn_cli.errors import StoreError
+    from indknn_cli.store import ExtractorInfo
+
+    x, y, _ = clustered(20, 8, 3, seed=8)
+    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                                label_names=["a", "b", "c"], label_names_source="declared")
+    store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(20)])
+    with store.write_lock():
+        store.mark_deleted("private", np.array([2]))
+    zarr.open_array(str(tmp_path / "s.zarr" / "private" / record_keys.KEY_ARRAY), mode="r+").resize((12,))
+    store = FeatureStore.open(tmp_path / "s.zarr", mode="a")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(StoreError, match="has 12 rows for 20 records"):
+        store.append("private", x[:2], labels=y[:2], record_ids=["n0", "n1"])
+    with pytest.raises(StoreError, match="has 12 rows for 20 records"):
+        compact(store, None, fault=lambda step: None, use_exchange=False, index_hook=lambda name: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and store.n_rows("private") == 20
+    shutil.rmtree(tmp_path / "s.zarr")
+
+
+def test_a_store_with_unsalted_keys_still_keeps_them(tmp_path):
+    """Stores of the commits that kept keys before the salt: the array decides, keys stay unsalted."""
+    import zarr
+
+    from indknn_cli.store import ExtractorInfo
+
+    x, y, _ = clustered(10, 8, 3, seed=9)
+    FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                        label_names=["a", "b", "c"], label_names_source="declared")
+    root = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
+    attrs = dict(root.attrs)
+    del attrs[record_keys.SALT_ATTR]
+    root.attrs.clear()
+    root.attrs.update(attrs)
+    store = FeatureStore.open(tmp_path / "s.zarr", mode="a")
+    store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(10)])
+    assert list(store.content_keys()) == tuning.content_keys(x, y)
+    with store.write_lock():
+        store.erase_rows("private", np.array([4]))
+    assert store.content_keys()[4] == ""
+
+
+def test_a_models_default_prompt_is_applied_one_text_at_a_time(tmp_path):
+    """The direct forward pass skips what ``encode`` adds (review 12, R3): a model with a default prompt goes
+    through ``encode`` one text at a time."""
+    import json
+    import shutil
+
+    import torch
+
+    from indknn_cli.extractors import TextExtractor, _bundled_minilm_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(_bundled_minilm_path(), folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    cfg = folder / "config_sentence_transformers.json"
+    meta = json.loads(cfg.read_text()) if cfg.exists() else {}
+    cfg.write_text(json.dumps({**meta, "prompts": {"document": "passage: "}, "default_prompt_name": "document"}))
+    ex = TextExtractor(str(folder), device="cpu")
+    texts = ["the match ended with a late goal", "stock market shares fell"]
+    got = ex.embed(texts)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = np.vstack([ex._model.encode([t], batch_size=1, normalize_embeddings=False) for t in texts])
+        bare = np.vstack([ex._model.encode([t], batch_size=1, normalize_embeddings=False, prompt="") for t in texts])
+    finally:
+        torch.set_num_threads(before)
+    assert np.array_equal(got, want) and not np.array_equal(got, bare)
+
+
+def test_a_lone_surrogate_is_bad_input(minilm):
+    with pytest.raises(BadInputError, match="text item 1: not valid Unicode"):
+        minilm.embed(["fine", "bad \ud800 text"])
