@@ -205,7 +205,8 @@ class _ThreadsGate:
 
 
 _THREADS_GATE = _ThreadsGate()
-_TOKENIZER_LOCK = threading.Lock()
+#: Texts tokenized ahead of their forward passes (about 35 KiB each at 122 tokens: ~9 MiB).
+TOKENIZE_WINDOW = 256
 
 
 def _embed_texts_alone(model, texts: list[str]) -> np.ndarray:
@@ -216,8 +217,8 @@ def _embed_texts_alone(model, texts: list[str]) -> np.ndarray:
     per vector). They also depended on torch's thread count, so a Dask worker with other settings embedded the
     same text differently (review of audit 5). So every pass runs on one intra-op thread, and the machine's
     threads embed different texts at once instead (a pool of torch.get_num_threads() Python threads; torch
-    releases the GIL inside its kernels). On this 2-core CPU, 384 AG News test texts: 1.19× the time of batches of
-    64 for descriptions (4.33 s / 3.63 s), 2.58× for the short titles (2.02 s / 0.78 s): bench/embed_row_wise.py.
+    releases the GIL inside its kernels). On this 2-core CPU, 384 AG News test texts, bench/embed_row_wise.py over
+    three runs: 1.02–1.19× the time of batches of 64 for descriptions, 2.6–3.4× for the short titles.
 
     ``torch.set_num_threads`` is process-wide: while texts are embedded on several threads, other threads of the
     process that use torch run on one intra-op thread too (it is restored afterwards). With one thread already
@@ -234,8 +235,9 @@ def _embed_texts_alone(model, texts: list[str]) -> np.ndarray:
         if special:
             return model.encode([text], batch_size=1, convert_to_numpy=True, normalize_embeddings=False,
                                 show_progress_bar=False)[0]
-        with _TOKENIZER_LOCK:  # the tokenizer is not thread-safe; the forward pass is
-            f = prep([text])
+        return forward(prep([text]))
+
+    def forward(f):
         with torch.inference_mode():
             return model(f)["sentence_embedding"].float().numpy()[0]
 
@@ -250,9 +252,12 @@ def _embed_texts_alone(model, texts: list[str]) -> np.ndarray:
         try:
             if special or threads == 1:  # encode tokenizes inside: one text after another
                 return np.vstack([one(t) for t in texts])
+            out = []
             with ThreadPoolExecutor(max_workers=min(threads, len(texts))) as pool:
-                # pool.map submits every text at once, but each is tokenized only when its pass starts
-                return np.vstack(list(pool.map(one, texts)))
+                for lo in range(0, len(texts), TOKENIZE_WINDOW):  # tokenized here (the tokenizer is not
+                    feats = [prep([t]) for t in texts[lo:lo + TOKENIZE_WINDOW]]  # thread-safe), a window at a time
+                    out.extend(pool.map(forward, feats))
+            return np.vstack(out)
         finally:
             torch.set_num_threads(threads)
 
