@@ -337,6 +337,10 @@ CASES: list[Case] = [
     Case("serve-truncated-array-meta", "serve-queries", "a truncated zarr.json of a store array",
          lambda w: (truncate(w / "s.zarr" / "private" / "labels" / "zarr.json", 30),
                     ["serve-queries", "q2", *SL(w)])[1], 2, "corrupt"),
+    Case("serve-content-key-array-lost", "serve-queries", "a store that records content keys without its "
+         "private/content_key array (audit 5)",
+         lambda w: (shutil.rmtree(w / "s.zarr" / "private" / "content_key"), ["serve-queries", "q2", *SL(w)])[1], 2,
+         "content_key is missing", "refused when the store is opened; nothing charged"),
     Case("serve-batch-id-reused", "serve-queries", "--batch-id of an answered batch, for other queries",
          lambda w: ["serve-queries", "q2", *SL(w), "--batch-id", "q1"], 2, "already used"),
     Case("serve-out-missing-folder", "serve-queries", "--out into a folder that does not exist",
