@@ -205,6 +205,7 @@ class _ThreadsGate:
 
 
 _THREADS_GATE = _ThreadsGate()
+_TOKENIZER_LOCK = threading.Lock()
 #: Texts tokenized ahead of their forward passes (about 35 KiB each at 122 tokens: ~9 MiB).
 TOKENIZE_WINDOW = 256
 
@@ -231,11 +232,13 @@ def _embed_texts_alone(model, texts: list[str]) -> np.ndarray:
     special = getattr(model, "default_prompt_name", None) or getattr(model, "truncate_dim", None)
     prep = getattr(model, "preprocess", None) or model.tokenize  # sentence-transformers ≥ 5.2 renamed tokenize
 
-    def one(text):
-        if special:
-            return model.encode([text], batch_size=1, convert_to_numpy=True, normalize_embeddings=False,
-                                show_progress_bar=False)[0]
-        return forward(prep([text]))
+    def one(text):  # callers on the shared path may run at once: the tokenizer is not thread-safe
+        with _TOKENIZER_LOCK:
+            if special:  # encode tokenizes inside
+                return model.encode([text], batch_size=1, convert_to_numpy=True, normalize_embeddings=False,
+                                    show_progress_bar=False)[0]
+            f = prep([text])
+        return forward(f)
 
     def forward(f):
         with torch.inference_mode():

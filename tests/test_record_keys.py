@@ -308,3 +308,34 @@ def test_a_models_default_prompt_is_applied_one_text_at_a_time(tmp_path):
 def test_a_lone_surrogate_is_bad_input(minilm):
     with pytest.raises(BadInputError, match="text item 1: not valid Unicode"):
         minilm.embed(["fine", "bad \ud800 text"])
+
+
+def test_concurrent_embeds_on_one_thread_give_the_same_vectors(minilm):
+    """Two callers at once on the shared path (torch on one thread, as on a Dask worker running two tasks): the
+    tokenizer is used by one at a time, and each gets the vectors it would get alone."""
+    import threading
+
+    import torch
+
+    texts = [t for _, t, _ in _texts(80, seed=12)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = minilm.embed(texts)
+        got, errors = {}, []
+
+        def run(k):
+            try:
+                got[k] = minilm.embed(texts[k::2])
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        torch.set_num_threads(before)
+    assert errors == []
+    assert np.array_equal(got[0], alone[0::2]) and np.array_equal(got[1], alone[1::2])
