@@ -21,9 +21,8 @@ UNRECORDED_LABEL_SOURCE = "unrecorded"
 
 
 def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new_uuid: str) -> None:
-    """The store without its deleted private rows, under ``new_uuid`` (the caller fsyncs it)."""
-    if store.records_keys:
-        store.check_key_rows()  # a short key array: a clear StoreError before anything is written
+    """The store without its deleted private rows, under ``new_uuid`` (the caller fsyncs it; :func:`compact`
+    has checked the key array)."""
     if store.remote is not None:  # the copy goes under a new prefix, named by dest's remote.json
         object_store.new_generation(store, dest)
     new = FeatureStore.create(dest, extractor=store.extractor, dim=store.dim, label_names=store.label_names,

@@ -103,8 +103,7 @@ def compact(store: FeatureStore, ledger: BudgetLedger | None, *, fault: Callable
         if ledger is not None:
             out["ledger_events_folded"] = ledger.compact()
         return out
-    if store.records_keys:
-        store.check_key_rows()  # a damaged key array: refused before the copy's folder exists
+    store.check_key_rows()  # a damaged key array: refused before the copy's folder exists
     keep = np.flatnonzero(~flagged)
     new_row_of = np.full(n, -1, dtype=np.int64)
     new_row_of[keep] = np.arange(keep.size)

@@ -269,9 +269,8 @@ class FeatureStore:
     def content_keys(self, rows: np.ndarray | None = None) -> np.ndarray | None:
         """The private rows' content keys (record_keys.py; "" where none was recorded), or None for a store made
         before they were recorded."""
-        if not self.records_keys:
+        if not self.check_key_rows():
             return None
-        self.check_key_rows()
         keys = self.read("private", KEY_ARRAY)
         return keys if rows is None else keys[np.asarray(rows, np.int64)]
 
@@ -281,12 +280,16 @@ class FeatureStore:
         open), or the array (stores of the few commits that kept unsalted keys)."""
         return self.key_salt is not None or KEY_ARRAY in self.group("private")
 
-    def check_key_rows(self) -> None:
-        """StoreError unless private/content_key covers every committed private row (a damaged store)."""
+    def check_key_rows(self) -> bool:
+        """Whether the store records content keys (:attr:`records_keys`); StoreError when it does and
+        private/content_key does not cover every committed private row (a damaged store)."""
+        if not self.records_keys:
+            return False
         have, n = int(self.group("private")[KEY_ARRAY].shape[0]), self.n_rows("private")
         if have < n:
             raise StoreError(f"{self.where}: private/{KEY_ARRAY} has {have} rows for {n} records (damaged); "
                              "restore the store from a backup")
+        return True
 
     @property
     def key_salt(self) -> str | None:

@@ -37,6 +37,9 @@ class Appender:
         self.bytes_written = 0
         self.external_features = False
         self._arrays: dict = {}
+        # private rows of a store that records content keys (not one made before audit 5); a short key array is
+        # refused here, or the append would extend it past its gap and it would look whole
+        self._keys = role == "private" and store.check_key_rows()
 
     def write(self, features: np.ndarray | None, *, labels: np.ndarray | None = None,
               record_ids: Sequence[str], user_ids: Sequence[str] | None = None,
@@ -69,7 +72,7 @@ class Appender:
             arrays["features"] = feats
         if self.role == "query":
             arrays["batch"] = np.asarray([self.batch or ""] * m, dtype=str)
-        if self.role == "private" and self._has_keys():
+        if self._keys:
             if content_keys is None:
                 if features is None:
                     raise BadInputError("private rows written without their vectors need their content keys")
@@ -84,14 +87,6 @@ class Appender:
             self._hash.update(feats.tobytes())
         self.stop = stop
         self._flush(final=False)
-
-    def _has_keys(self) -> bool:
-        """Whether the store records content keys (stores made before audit 5 have no such array)."""
-        if not hasattr(self, "_keys"):
-            self._keys = self.store.records_keys
-            if self._keys:  # a short array would be extended past its gap and then look whole
-                self.store.check_key_rows()
-        return self._keys
 
     def _flush(self, *, final: bool) -> None:
         """Write each array's buffered rows up to its last whole chunk boundary (``final``: all of them)."""

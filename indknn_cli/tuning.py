@@ -259,6 +259,11 @@ def public_tune(*, features, labels, record_ids, n_classes: int, params_for, gri
 
 
 # -- what account shows -----------------------------------------------------------------------------------------
+#: Said wherever a seeded private search is reported (index, account; audit 5, F2).
+SEEDED_NOTE = ("whoever knows the seed (--tune-seed, recorded in the ledger) can recompute the search's noise, so "
+               "the chosen τ and σ2 have no privacy against them")
+
+
 def headline(tuning: dict | None, *, budget: float, delta: float) -> dict | None:
     """The tuning share of a ledger's guarantee at ``delta`` (RDP composition), or None without private tuning."""
     if not tuning or tuning.get("mode") != "private":
@@ -276,10 +281,8 @@ def headline(tuning: dict | None, *, budget: float, delta: float) -> dict | None
         # audit 5, F2: the recorded seed recomputes the search's coins and noise
         "seeded": tuning.get("seed") is not None,
         "note": (f"the guarantee composes the tuning search ({event}) with serving's α·B by RDP; every record "
-                 "carries the tuning share" + ("; the search was seeded (--tune-seed, recorded in the ledger): "
-                                               "whoever knows the seed can recompute its noise, so the chosen τ, σ2 "
-                                               "have no privacy against them" if tuning.get("seed") is not None
-                                               else "")),
+                 "carries the tuning share" + (f"; the search was seeded: {SEEDED_NOTE}"
+                                               if tuning.get("seed") is not None else "")),
     }
 
 

@@ -86,9 +86,9 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
                          f"{_f(t['epsilon_total'], '.6g')} at δ = {d['delta']:g}, {d['adjacency']} (gdp: not "
                          "applicable to the composition)"))
         if t.get("seeded"):
-            out.print("[yellow]warning:[/] " + escape("the search was seeded (--tune-seed, recorded in the ledger): "
-                                                       "whoever knows the seed can recompute its noise, so the chosen "
-                                                       "τ and σ2 have no privacy against them"))
+            from ..tuning import SEEDED_NOTE
+
+            out.print("[yellow]warning:[/] " + escape(f"the search was seeded: {SEEDED_NOTE}"))
     if d.get("subject") == "record":
         _print_subject(out, f"Record {d['record_id']}", d)
     if d.get("subject") == "user":

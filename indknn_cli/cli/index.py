@@ -19,7 +19,7 @@ from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, r
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
     from ..serving import build_index, make_params
-    from ..tuning import TuneRequest, check_method, check_shape
+    from ..tuning import SEEDED_NOTE, TuneRequest, check_method, check_shape
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)
 
@@ -118,9 +118,8 @@ def index_command(
     if tuned.get("mode") == "private" and result.created and tuned.get("seed") is not None:
         # audit 5, F2: the seed is in the ledger, and with it the search's coins and noise can be recomputed
         stderr_console().print(escape(
-            f"warning: seeded private search (--tune-seed {tuned['seed']}): the seed is recorded in the ledger, and "
-            "whoever knows it can recompute the search's noise, so the chosen τ and σ2 have no privacy against "
-            "them; for experiments only, not for real data"), style="yellow")
+            f"warning: seeded private search (--tune-seed {tuned['seed']}): {SEEDED_NOTE}; for experiments only, "
+            "not for real data"), style="yellow")
     elif tuned.get("mode") == "public" and result.created:
         stderr_console().print(escape(
             f"tuned on the store's labelled public rows (free, no private record read): τ={tuned['chosen_tau']:g}, "
