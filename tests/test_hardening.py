@@ -232,9 +232,9 @@ def test_a_store_made_before_checksums_keeps_working_and_says_unchecked(tmp_path
 # -- §6 no custom model code -------------------------------------------------------------------------
 def _model_folder(tmp_path: Path, variant: str) -> Path:
     """The bundled all-MiniLM-L6-v2 files (linked), plus custom code in one of three forms."""
-    from indknn_cli.extractors import _bundled_minilm_path
+    from indknn_cli.text_model import bundled_minilm_path
 
-    src = _bundled_minilm_path()
+    src = bundled_minilm_path()
     dst = tmp_path / f"model-{variant}"
     for p in src.rglob("*"):
         if p.is_file():
@@ -285,9 +285,9 @@ def test_a_store_naming_a_model_folder_with_custom_code_is_refused(tmp_path, var
 
 
 def test_the_bundled_model_folder_is_not_refused():
-    from indknn_cli.extractors import _bundled_minilm_path, refuse_custom_code
+    from indknn_cli.text_model import bundled_minilm_path, refuse_custom_code
 
-    refuse_custom_code(_bundled_minilm_path())
+    refuse_custom_code(bundled_minilm_path())
 
 
 # -- §3 a damaged ledger does not block erasure ---------------------------------------------------

@@ -285,10 +285,11 @@ def test_a_models_default_prompt_is_applied_one_text_at_a_time(tmp_path):
 
     import torch
 
-    from indknn_cli.extractors import TextExtractor, _bundled_minilm_path
+    from indknn_cli.extractors import TextExtractor
+    from indknn_cli.text_model import bundled_minilm_path
 
     folder = tmp_path / "model"
-    shutil.copytree(_bundled_minilm_path(), folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    shutil.copytree(bundled_minilm_path(), folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     cfg = folder / "config_sentence_transformers.json"
     meta = json.loads(cfg.read_text()) if cfg.exists() else {}
     cfg.write_text(json.dumps({**meta, "prompts": {"document": "passage: "}, "default_prompt_name": "document"}))
