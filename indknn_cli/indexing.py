@@ -17,6 +17,7 @@ from . import accounting, data_quality, indexes
 from . import ledger_integrity as integrity
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
+from .ledger_rows import check_rows_hold_records
 from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import user_keys
@@ -91,10 +92,14 @@ def make_params(
 
 
 def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
-    """Bring private store rows that the ledger does not know into it (budget B, no refunds)."""
+    """Bring private store rows that the ledger does not know into it (budget B, no refunds).
+
+    First checks that the rows the ledger charges still hold its records (:mod:`indknn_cli.ledger_rows`).
+    """
     n = store.n_rows("private")
-    known = ledger.store_row_map(n) >= 0
     deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
+    check_rows_hold_records(ledger, store, n_rows=n, deleted_rows=deleted_rows)
+    known = ledger.store_row_map(n) >= 0
     new_rows = np.flatnonzero(~known & ~deleted_rows)
     if new_rows.size:
         # Only the new rows' identifiers, read run by run (appended rows sit at the end): a serve of a store

@@ -266,7 +266,10 @@ class BudgetLedger:
                 if s.deleted[i] and s.user_id[i] and s.user_id[i] != uid:
                     continue  # an erased id under another user: stays out (see user_moves; `index` refuses it)
                 if not s.deleted[i] and s.row[i] >= 0 and s.row[i] != row:
-                    raise LedgerError(f"record id {rid!r} is already active in the ledger at another row")
+                    raise LedgerError(  # names no id (a serve's stderr is a job log): audit 6
+                        f"store row {int(row)} holds a record id the ledger has live at another row: the store's "
+                        "private rows were restored from an older copy or rewritten outside indknn; run `indknn "
+                        "repair --ledger LEDGER --store STORE`")
                 if not s.deleted[i] and s.row[i] == row:
                     continue
                 spent0 = float(s.spent[i])

@@ -320,7 +320,17 @@ def write_mark(path: Path, ledger) -> None:
                                   "snapshot_sha256": ledger.snapshot_sha256, "time": time.time(),
                                   # answers released through the ledger up to the head: what `repair` compares
                                   # with what a damaged or rolled-back ledger still holds (audit 3, review 2)
-                                  "answers": int(ledger.state.answers_released())}), Path(path))
+                                  "answers": int(ledger.state.answers_released()),
+                                  # the store rows the ledger maps lie below this: rows already in the store
+                                  # when the mark was written, so a copy of the store taken then holds them
+                                  # too; a restored copy is checked from here on (audit 6, F1)
+                                  "rows": rows_mapped(ledger)}), Path(path))
+
+
+def rows_mapped(ledger) -> int:
+    """One past the highest store row a live ledger record is mapped to (0 when none is)."""
+    rows = ledger.state.row
+    return int(rows.max()) + 1 if rows.size and int(rows.max()) >= 0 else 0
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ import numpy as np
 from . import ledger_integrity as integrity
 from .errors import LedgerError, LedgerIntegrityError
 from .ledger import BudgetLedger
+from .ledger_rows import check_rows_hold_records
 from .store import FeatureStore
 
 
@@ -242,6 +243,9 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
         try:
             led = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
             integrity.check_binding(store, led, ledger_path)
+            n = store.n_rows("private")
+            check_rows_hold_records(led, store, n_rows=n, deleted_rows=store.read("private", "deleted").astype(bool)
+                                    if n else np.zeros(0, bool))
             return RepairResult(ledger=str(ledger_path), repaired=False, dry_run=dry_run)
         except LedgerIntegrityError as exc:
             reason = str(exc)
@@ -292,9 +296,14 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
         r = int(s.row[i])
         gone[i] = not (0 <= r < n_store) or bool(deleted_rows[r]) or str(ids[r]) != str(s.record_id[i])
     live = np.flatnonzero(~s.deleted & ~gone & (s.spent < B))
-    tomb = np.flatnonzero(gone)
-    known = led.store_row_map(n_store) >= 0
+    row_map = led.store_row_map(n_store)
+    known = row_map >= 0
+    known[known] = ~gone[row_map[known]]  # a row mapped to a gone record holds another one (a restored store)
     new_rows = np.flatnonzero(~known & ~deleted_rows)
+    # A gone record whose id the store now holds at another row (a restored store, rows embedded again in
+    # another order) is mapped there at spent = B by `add` below, not tombstoned (audit 6, F1).
+    held = {str(ids[r]) for r in new_rows}
+    tomb = np.asarray([i for i in np.flatnonzero(gone) if str(s.record_id[i]) not in held], np.int64)
     index_of = {rid: i for i, rid in enumerate(s.record_id)}
     add_li, add_rid, add_uid, add_row, nxt = [], [], [], [], len(s)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import check_binding, head_seq, read_mark, snapshot_is_chained
+from .ledger_rows import check_rows_hold_records
 from .wording import count
 
 def verify_ledger(ledger_path, *, store_path=None) -> dict:
@@ -41,12 +42,16 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
         if store is not None:
             info = check_binding(store, ledger, ledger_path, mark=mark)
             m = info["mark"]
+            n = store.n_rows("private")
+            compared = check_rows_hold_records(ledger, store, n_rows=n, every_row=True,
+                                               deleted_rows=store.read("private", "deleted").astype(bool))
             out["store"] = {
                 "path": str(store.path), "store_uuid": store.uuid, "recorded_by_ledger": not explicit,
                 "bound": info["bound"], "bound_ledger_uuid": (info["binding"] or {}).get("ledger_uuid"),
                 "bound_ledger_path": (info["binding"] or {}).get("ledger_path"),
                 "high_water_mark": None if m is None else {"seq": m["seq"], "sha256": m.get("sha256")},
                 "ledger_ahead_of_mark_by": None if m is None else head_seq(ledger) - m["seq"],
+                "records_at_their_rows": compared,  # live records whose store row holds their id (every one)
             }
         else:
             out["store"] = None
@@ -116,4 +121,7 @@ def verification_lines(r: dict) -> list[str]:
         lines.append("  high-water mark: none" if m is None else
                      f"  high-water mark: event {m['seq']} sha256 {m['sha256']}; the ledger reaches it"
                      f"{' and is ' + count(ahead, 'event') + ' ahead' if (ahead := s['ledger_ahead_of_mark_by']) else ''}")
+        if "records_at_their_rows" in s:
+            lines.append(f"  store rows: each of the {count(s['records_at_their_rows'], 'live record')} sits at a row "
+                         "holding its own record id")
     return lines
