@@ -244,6 +244,8 @@ def delete_records(
         with integrity.writer_lock(store_path, timeout=lock_timeout), store.write_lock(timeout=lock_timeout):
             try:
                 ledger = _recover(store, ledger_path)
+                if ledger is None:
+                    _refuse_missing_bound_ledger(store, ledger_path)
                 if ledger is not None:  # one store, one ledger; a rolled-back ledger is refused (ledger_integrity)
                     try:
                         integrity.attach(store, ledger, ledger_path, bind=True, locked_store=store)
@@ -265,6 +267,21 @@ def delete_records(
                         users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
                         record_ids=plan.record_ids, bytes_rewritten=written, dry_run=False,
                         pending_completed=pending, compaction=compaction, physical_erasure=note)
+
+
+def _refuse_missing_bound_ledger(store: FeatureStore, ledger_path: Path) -> None:
+    """No ledger at ``ledger_path``, but the store is bound to one (``--ledger`` forgotten or mistyped, or the
+    ledger lost): the erasure goes ahead as with an unreadable ledger, its rows kept in ``erase_pending`` so
+    the next command that reads the bound ledger writes their tombstones (UX review 7, finding 1: the rows
+    were erased with no tombstone and no pending request, so `account` showed the record active and
+    compaction was blocked for good)."""
+    b = integrity.binding_of(store) or integrity.binding_trace(store)
+    if b is None and not integrity.mark_path(store.path).is_file():
+        return
+    bound = (b or {}).get("ledger_path")
+    raise _LedgerUnreadable(LedgerError(
+        f"{ledger_path}: no ledger here, but the store is bound to the ledger "
+        f"{bound or '(path not recorded)'}; give it with --ledger (or $INDKNN_LEDGER)"))
 
 
 def _open_readable(ledger_path: Path, store: FeatureStore) -> BudgetLedger | None:

@@ -23,6 +23,7 @@ from .extractors import Extractor, extractor_from_info, get_extractor, input_kin
 from .readers import Source, open_source
 from .record_keys import input_keys
 from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows
+from .wording import count
 
 IF_EXISTS = ("error", "skip")
 BATCH_INPUTS_ATTR = "batch_inputs"  # queries group attr: {batch name: sha256 of the input bytes}
@@ -362,6 +363,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
             dim = store.dim if store is not None else None
             seen: set[str] = set()
             rows_in = rows_skipped = rows_added = empty = 0
+            erased_skipped = erased_readmitted = 0  # ids erased from the store (UX review 7, finding 2)
             for rb in src.batches(labels=use_labels):
                 n = len(rb)
                 rows = list(range(rb.start, rb.start + n))
@@ -379,6 +381,12 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                                     f"{store_path}; pass --if-exists skip to skip such rows")
                             rows_skipped += 1
                             continue
+                        if rid in erased:
+                            if if_exists == "skip":  # a re-run import never brings back people who were erased
+                                erased_skipped += 1
+                                rows_skipped += 1
+                                continue
+                            erased_readmitted += 1
                     keep.append(j)
                 rows_in += n
                 if keep:
@@ -433,6 +441,13 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     progress(rows_in, total)
             if rows_in == 0:
                 raise BadInputError(f"{src.name}: empty input (0 rows)")
+            if erased_skipped:
+                warnings.append(f"{src.name}: {count(erased_skipped, 'row')} skipped: their ids were erased from "
+                                "this store (--if-exists skip never brings an erased record back; to re-admit one, "
+                                "e.g. to relabel it, embed it without --if-exists skip)")
+            if erased_readmitted:
+                warnings.append(f"{src.name}: {count(erased_readmitted, 'id')} erased from this store before "
+                                "embedded again: re-admitted, each keeping the budget it had spent")
             start = stop = store.n_rows(role) if store is not None else 0
             if rows_added:
                 if dist is not None:

@@ -6,13 +6,15 @@ Exit codes (documented in README and `indknn --help`):
     1  runtime error (I/O failure such as a full disk or a read-only file system, lock timeout, ...),
        and a damaged or rolled-back ledger (LedgerIntegrityError: a broken hash chain, a missing,
        duplicated, edited, reordered, truncated or unreadable event or snapshot, edited budgets, a
-       ledger behind the store's high-water mark; `account --verify` failing); nothing was written
+       ledger behind the store's high-water mark, a store restored from an older copy whose rows no longer
+       hold the ledger's records; `account --verify` failing); nothing was written
     2  usage error / bad input, including a missing, foreign (not what indknn writes) or newer-format
        store or ledger, and a second ledger for a store bound to another one (nothing was written)
     3  stop serving: the public query allowance is used up (`serve-queries --max-queries`,
        `account --queries-left`), or, for the operator only, fewer active records than
        `account --min-active`. `serve-queries` never exits 3 because records are retired.
     4  budget check failed (`indknn account --eps E`: the guarantee is above E)
+  130  interrupted (SIGINT): what was committed stays; re-running resumes
 """
 
 from __future__ import annotations

@@ -48,9 +48,9 @@ def parse_max_queries(value: str | int | None) -> int | str | None:
         try:
             n = int(text)
         except ValueError:
-            raise BadInputError(f"--max-queries must be a positive integer or 'planned', got {value!r}") from None
+            raise BadInputError(f"--max-queries (or $INDKNN_MAX_QUERIES) must be a positive integer or 'planned', got {value!r}") from None
     if n < 1:
-        raise BadInputError(f"--max-queries must be a positive integer or 'planned', got {value!r}")
+        raise BadInputError(f"--max-queries (or $INDKNN_MAX_QUERIES) must be a positive integer or 'planned', got {value!r}")
     return n
 
 

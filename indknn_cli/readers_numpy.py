@@ -21,7 +21,9 @@ class NumpySource(Source):
                  vector_column: str | None):
         super().__init__(extractor_kind=extractor_kind, batch_rows=batch_rows)
         if extractor_kind != "vector":
-            raise BadInputError(f"{display}: a {fmt} file holds precomputed vectors; use --extractor vectors")
+            raise BadInputError(f"{display}: a .{fmt} file holds precomputed vectors, but this store's extractor "
+                                f"takes {extractor_kind} input; vectors go into a store made with `embed "
+                                "--extractor vectors`")
         self.kind, self.name, self.bytes_path = fmt, display, path
         self.labels_arr = self.ids_arr = self.users_arr = None
         self.requested_label_column = label_column or NPZ_DEFAULTS["label"]

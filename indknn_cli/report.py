@@ -62,6 +62,11 @@ USER_SCOPE = ("the guarantee is per user (the ledger's privacy unit), for neighb
 USER_UNIT_NOTE = ("per user: the filter charges this user as one unit (SPEC §9); every record of the user carries "
                   "the user's spent, and the realised ε below is the user's")
 
+#: What a data subject's view (--record / --user) is: exact figures of that record or user alone.
+SUBJECT_NOTE = ("operator-only: spent, remaining, times_selected, status and realised_epsilon are exact, noise-free "
+                "figures of this record (user) from the private data, for the data holder and the data subject "
+                "(an access request); never shown to query-senders")
+
 #: What the exact figures of a full report are (SPEC §8): printed by `account` before them, and in its JSON.
 OPERATOR_ONLY_NOTE = ("operator-only: records, records_active, records_retired, records_deleted, answers_by_label, "
                       "answers_at_k_min, spent_*, realised_epsilon and history are exact statistics of the private "
@@ -442,7 +447,7 @@ def build_account_report(
         if hits.size == 0:
             raise BadInputError(f"record id {record_id!r} is not in the ledger {ledger_path}")
         rec = _subject_record(ledger, int(hits[-1]), status=status, budget=budget, delta=use_delta, c1=c1)
-        data = {**base, "subject": "record", **rec}
+        data = {**base, "subject": "record", **rec, "operator_only": SUBJECT_NOTE}
     if user_id is not None:
         hits = np.flatnonzero(s.user_id == user_id) if n else np.empty(0, np.int64)
         if hits.size == 0 or not user_id:
@@ -459,6 +464,7 @@ def build_account_report(
             "realised_label": REALISED_LABEL,
             "deleted": all(r["deleted"] for r in recs),
             "record_list": recs,
+            "operator_only": SUBJECT_NOTE,
         }
 
     report = AccountReport(data=data, history_points=points,

@@ -91,8 +91,10 @@ def test_account_check_is_one_line_off_a_terminal(vector_store, tmp_path):
         assert res.returncode == code, res.stderr
         assert res.stdout == "" and len(res.stderr.strip().splitlines()) == 1, res.stderr
         assert ("FAILED" in res.stderr) == bool(code)
-    res = cli("account", "--ledger", ledger, "--eps", "1", "-q")  # a passed check under -q: still its one line
-    assert res.returncode == 0 and res.stdout == "" and len(res.stderr.strip().splitlines()) == 1
+    res = cli("account", "--ledger", ledger, "--eps", "1", "-q")  # a passed check under -q: silent (cron mails
+    assert res.returncode == 0 and res.stdout == "" and res.stderr == ""  # stderr; UX review 7); the exit code says it
+    res = cli("account", "--ledger", ledger, "--eps", "0.5", "-q")  # a failed one: still its line
+    assert res.returncode == 4 and len(res.stderr.strip().splitlines()) == 1 and "FAILED" in res.stderr
 
 
 def test_bench_audit_bad_input_is_exit_2_without_traceback():

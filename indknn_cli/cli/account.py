@@ -75,7 +75,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     for c in ("gdp", "rdp"):
         out.print(escape(f"  {c}: {CONVERSION_LABEL[c]}"))
     out.print(f"the ledger was calibrated for ε({d['target_conversion']}) = {d['target_epsilon']:g} "
-              f"at δ = {d['ledger_delta']:g}")
+              f"at δ = {d['ledger_delta']:g}, {escape(d['adjacency'])}")
     t = d.get("tuning")
     if t is not None:  # index --tune private: the headline composes the search with serving (RDP)
         how = ("by the exponential mechanism" if t.get("method") == "exp-mech" else
@@ -89,6 +89,8 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
             from ..tuning import SEEDED_NOTE
 
             out.print("[yellow]warning:[/] " + escape(f"the search was seeded: {SEEDED_NOTE}"))
+    if d.get("subject") in ("record", "user"):
+        out.print(escape(f"[OPERATOR ONLY] {d['operator_only']}"))
     if d.get("subject") == "record":
         _print_subject(out, f"Record {d['record_id']}", d)
     if d.get("subject") == "user":
@@ -168,7 +170,9 @@ def _one_line_check(report: AccountReport) -> None:
     if chk is not None:
         parts.append(f"--min-active {chk['min_active']} check {'passed' if chk['passed'] else 'FAILED'}: "
                      f"{chk['records_active']} active (need {chk['required']}; operator-only figure)")
-    say("; ".join(parts), errors=True)  # the verdict is what a check is run for: shown under --quiet too
+    # A failed check is an error, shown under --quiet too; a passed one is a message, silenced by -q (cron
+    # mails whatever reaches stderr: UX review 7, finding 4). The exit code says it either way.
+    say("; ".join(parts), errors=bool(report.failures))
     if report.failures:
         raise typer.Exit(code=report.failures[0][0].exit_code)  # --eps wins when both fail (exit 4)
     raise typer.Exit(code=0)

@@ -14,7 +14,7 @@ app = typer.Typer(
         "charged only when it helps answer a query.\n\n"
         "Exit codes: 0 ok, 1 runtime error, 2 usage error / bad input (nothing written), "
         "3 stop serving (public --max-queries allowance used up; operator's --min-active), "
-        "4 `account --eps` check failed."
+        "4 `account --eps` check failed, 130 interrupted (committed work stays)."
     ),
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},

@@ -183,6 +183,16 @@ def resolve_ledger(path: Path | None) -> Path:
     return Path(os.environ.get("INDKNN_LEDGER") or DEFAULT_LEDGER)
 
 
+def stdin_is_pipe() -> bool:
+    """Whether stdin is a pipe (``a | b``), not a terminal, a file or /dev/null."""
+    import stat
+
+    try:
+        return sys.stdin is not None and stat.S_ISFIFO(os.fstat(sys.stdin.fileno()).st_mode)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def read_json_line_from_stdin() -> dict | None:
     """The JSON line of an upstream `indknn embed` on a pipe (None when stdin is a terminal or empty)."""
     if sys.stdin is None or sys.stdin.isatty():

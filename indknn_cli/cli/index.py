@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -12,7 +13,7 @@ from ..errors import BadInputError
 from ..tuning_grid import (BROAD_TAUS, DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_METHOD, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS, REFERENCE_BUDGET_PER_QUERY,
                            DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
 from ..wording import count
-from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, resolve_ledger, resolve_store,
+from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, stdin_is_pipe, resolve_ledger, resolve_store,
                      run_library_call, stderr_console)
 
 
@@ -66,6 +67,11 @@ def index_command(
         if store_path is None:
             upstream = read_json_line_from_stdin()
             store_path = resolve_store(upstream["store"]) if upstream and "store" in upstream else resolve_store(None)
+            if (upstream is None and stdin_is_pipe() and not os.environ.get("INDKNN_STORE")
+                    and not (Path(store_path) / "zarr.json").is_file()):
+                # `embed … | index` whose embed failed: say so, not "not an indknn feature store" (UX review 7)
+                raise BadInputError(f"no line from `indknn embed` arrived on stdin (did the command before the "
+                                    f"pipe fail?), and there is no store at {store_path}: give --store")
         params = None
         if planned_queries < 1:  # make_params would take 0 for "not given" and use 1000
             raise BadInputError(f"--planned-queries must be ≥ 1, got {planned_queries}")
