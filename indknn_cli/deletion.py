@@ -192,6 +192,7 @@ def delete_records(
     record_ids: Iterable[str] = (),
     user_ids: Iterable[str] = (),
     dry_run: bool = False,
+    finish_pending: bool = False,  # no ids and no --compact: only finish a recorded, unfinished erasure
     strict: bool = False,
     compact: bool = False,
     lock_timeout: float = 60.0,
@@ -206,7 +207,7 @@ def delete_records(
     user_ids = list(dict.fromkeys(str(u) for u in user_ids))
     if any(not r.strip() for r in record_ids + user_ids):
         raise BadInputError("an empty record or user id was given")
-    if not record_ids and not user_ids and not compact:
+    if not record_ids and not user_ids and not compact and not finish_pending:
         raise BadInputError("nothing to delete: give --record, --user, --ids-file or --users-file (or --compact)")
     store_path, ledger_path = object_store.local_path(store_path), Path(ledger_path)
 

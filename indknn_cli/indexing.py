@@ -17,7 +17,6 @@ from . import accounting, data_quality, indexes
 from . import ledger_integrity as integrity
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
-from .ledger_rows import check_rows_hold_records
 from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import user_keys
@@ -94,12 +93,12 @@ def make_params(
 def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
     """Bring private store rows that the ledger does not know into it (budget B, no refunds).
 
-    First checks that the rows the ledger charges still hold its records (:mod:`indknn_cli.ledger_rows`).
+    The caller has checked that the store is a later state of the one the ledger last recorded
+    (:func:`indknn_cli.ledger_integrity.attach`, :mod:`indknn_cli.store_versions`): row numbers mean what they meant.
     """
     n = store.n_rows("private")
-    deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
-    check_rows_hold_records(ledger, store, n_rows=n, deleted_rows=deleted_rows)
     known = ledger.store_row_map(n) >= 0
+    deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
     new_rows = np.flatnonzero(~known & ~deleted_rows)
     if new_rows.size:
         # Only the new rows' identifiers, read run by run (appended rows sit at the end): a serve of a store

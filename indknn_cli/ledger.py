@@ -59,6 +59,9 @@ class BudgetLedger:
         self.event_sha256: dict[int, str] = {}
         self.unchained_events = 0  # events written before chaining existed (accepted, reported by --verify)
         self.mark_path: Path | None = None  # store's high-water mark, rewritten after each commit
+        #: () -> {"store_uuid", "version"} of the store now (store_versions.current), recorded by every commit;
+        #: set by ledger_integrity.attach after it checked the store against what the ledger last recorded
+        self.store_version = None
 
     # -- opening -----------------------------------------------------------
     @staticmethod
@@ -213,6 +216,10 @@ class BudgetLedger:
                 data[f.name] = pa.array(vals, type=f.type)
         self._check_record_indices(pa.table({"kind": data["kind"], "ledger_index": data["ledger_index"]}))
         seq = self._next_seq()
+        if self.store_version is not None:
+            seen = self.store_version()
+            if seen is not None:
+                info = dict(info, store_seen=seen)
         if event_type == "serve":
             stats = ledger_events.stats_after_serve(self.state, data, self.params)
             if stats:
@@ -345,6 +352,7 @@ class BudgetLedger:
                                                   self.path / f"answers-{generation:06d}.parquet")
         meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
                     batches=s.batches, history=s.history[-100000:], answers_not_held=int(s.answers_not_held),
+                    store_seen=s.store_seen,
                     **integrity.snapshot_chain_fields(self, answers_sha))
         table = ledger_snapshot.record_table(s, meta, c1=c1)
         self.snapshot_sha256 = self.chain_prev_sha256 = atomic_write_parquet(

@@ -104,6 +104,8 @@ def apply_table(s: LedgerState, table: pa.Table, info: dict, *, c1: float) -> No
     n_answers = int(ans.sum())
     if n_answers:
         s.extend_answers(table.filter(pa.array(ans)))
+    if isinstance(info.get("store_seen"), dict):  # the store's version at this commit (store_versions.py)
+        s.store_seen = info["store_seen"]
     if info.get("type") == "repair":
         s.answers_not_held += int(info.get("answers_not_recovered") or 0)
     if info.get("type") == "serve":

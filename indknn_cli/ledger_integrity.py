@@ -53,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import store_versions
 from .accounting import epsilon_for_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
 from .wording import count
@@ -320,17 +321,7 @@ def write_mark(path: Path, ledger) -> None:
                                   "snapshot_sha256": ledger.snapshot_sha256, "time": time.time(),
                                   # answers released through the ledger up to the head: what `repair` compares
                                   # with what a damaged or rolled-back ledger still holds (audit 3, review 2)
-                                  "answers": int(ledger.state.answers_released()),
-                                  # the store rows the ledger maps lie below this: rows already in the store
-                                  # when the mark was written, so a copy of the store taken then holds them
-                                  # too; a restored copy is checked from here on (audit 6, F1)
-                                  "rows": rows_mapped(ledger)}), Path(path))
-
-
-def rows_mapped(ledger) -> int:
-    """One past the highest store row a live ledger record is mapped to (0 when none is)."""
-    rows = ledger.state.row
-    return int(rows.max()) + 1 if rows.size and int(rows.max()) >= 0 else 0
+                                  "answers": int(ledger.state.answers_released())}), Path(path))
 
 
 @contextlib.contextmanager
@@ -436,9 +427,11 @@ def attach(store, ledger, ledger_path, *, bind: bool, lock_timeout: float = 60.0
     The caller holds the ledger lock (and, when ``bind`` is False, may hold the store lock).
     """
     check_binding(store, ledger, ledger_path)
+    store_versions.check(store, ledger)  # a store restored from an older copy is refused (audit 6, F1)
     if bind and (binding_of(store) is None or binding_trace(store) is None):
         _bind(store.path, ledger, ledger_path, lock_timeout, locked_store=locked_store)
     ledger.mark_path = mark_path(store.path)
+    ledger.store_version = lambda: store_versions.current(store)
 
 
 def _bind(store_path, ledger, ledger_path, lock_timeout: float, *, locked_store=None) -> None:

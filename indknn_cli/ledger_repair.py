@@ -32,6 +32,7 @@ import numpy as np
 from . import ledger_integrity as integrity
 from .errors import LedgerError, LedgerIntegrityError
 from .ledger import BudgetLedger
+from . import store_versions
 from .ledger_rows import check_rows_hold_records
 from .store import FeatureStore
 
@@ -54,6 +55,9 @@ class RepairResult:
     #: unreadable events): released and still counted in queries answered (LedgerState.answers_not_held), but
     #: which queries they answered is lost. None: the mark does not carry a count (written before it did).
     answers_not_recovered: int | None = None
+    #: unflagged store rows holding an id the kept ledger has erased (a store restored from a copy older than the
+    #: erasure): flagged and erased again here (an id embedded again and not yet served is erased too)
+    rows_erased_again: int = 0
     dry_run: bool = False
 
     def as_dict(self) -> dict:
@@ -243,9 +247,8 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
         try:
             led = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
             integrity.check_binding(store, led, ledger_path)
-            n = store.n_rows("private")
-            check_rows_hold_records(led, store, n_rows=n, deleted_rows=store.read("private", "deleted").astype(bool)
-                                    if n else np.zeros(0, bool))
+            store_versions.check(store, led)  # a store restored from an older copy (audit 6)
+            check_rows_hold_records(led, store)
             return RepairResult(ledger=str(ledger_path), repaired=False, dry_run=dry_run)
         except LedgerIntegrityError as exc:
             reason = str(exc)
@@ -302,6 +305,11 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     new_rows = np.flatnonzero(~known & ~deleted_rows)
     # A gone record whose id the store now holds at another row (a restored store, rows embedded again in
     # another order) is mapped there at spent = B by `add` below, not tombstoned (audit 6, F1).
+    # Rows holding an id the kept ledger erased: a store restored from a copy older than the erasure brought the
+    # record back. They are erased again below, never brought into the ledger (audit 6 review).
+    erased_ids = {str(r) for r in s.record_id[s.deleted]}
+    back = np.asarray([r for r in new_rows if str(ids[r]) in erased_ids], np.int64)
+    new_rows = np.setdiff1d(new_rows, back)
     held = {str(ids[r]) for r in new_rows}
     tomb = np.asarray([i for i in np.flatnonzero(gone) if str(s.record_id[i]) not in held], np.int64)
     index_of = {rid: i for i, rid in enumerate(s.record_id)}
@@ -348,6 +356,7 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
                      if isinstance(marked, int) and not isinstance(marked, bool) else None)
     if not dry_run:
         led.mark_path = integrity.mark_path(store.path)  # the mark moves to the repair event
+    led.store_version = lambda: store_versions.current(store)  # the repair event records the store as it is now
     na, nc, nt = len(add_li), int(live.size), int(tomb.size)
     columns = {
         "kind": ["add"] * na + ["charge"] * nc + ["delete"] * nt,
@@ -375,11 +384,16 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
         "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
         "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
         "answers_left_out": refused, "unreadable_events": unreadable,
-        "answers_not_recovered": not_recovered or 0}, columns=columns)
+        "answers_not_recovered": not_recovered or 0, "rows_erased_again": int(back.size)}, columns=columns)
+    if back.size and not dry_run:
+        wst = FeatureStore.open(store.path, mode="a")
+        with wst.write_lock(timeout=60.0):
+            wst.mark_deleted("private", back)
+            wst.erase_rows("private", back)
     return RepairResult(ledger=str(shown_path), repaired=True, reason=reason,
                         events_kept_through=files[keep - 1][0] if keep else snap_seq,
                         quarantined=[p.name for p in moved],
                         quarantine_folder=None if dry_run or not moved else str(quarantine),
                         records_retired=nc, store_rows_added_retired=len(new_rows), tombstones_written=nt,
                         answers_recovered=nans, answers_left_out=refused, unreadable_events=unreadable,
-                        answers_not_recovered=not_recovered, dry_run=dry_run)
+                        answers_not_recovered=not_recovered, rows_erased_again=int(back.size), dry_run=dry_run)

@@ -95,6 +95,8 @@ def read_snapshot(path: Path) -> Snapshot:
     state.batches = list(meta.get("batches", []))
     state.history = list(meta.get("history", []))
     state.answers_not_held = int(meta.get("answers_not_held", 0))
+    seen = meta.get("store_seen")
+    state.store_seen = seen if isinstance(seen, dict) else None
     return Snapshot(generation, snap_path, meta, state, snap_bytes, answers_bytes)
 
 

@@ -178,6 +178,8 @@ class LedgerState:
     #: Answers released that no event holds any more (a repair after a rollback or an unreadable event: the
     #: store's high-water mark counted them). Counted in queries answered, so that figure never goes down.
     answers_not_held: int = 0
+    #: The store's state at the latest commit that recorded it: {"store_uuid", "version"} (store_versions.py).
+    store_seen: dict | None = None
     # Answers released: the snapshot's (ledger_history.LazyAnswers: an Arrow table parsed on first use) plus one
     # Arrow table per event replayed or committed since. No Python object per answer unless someone asks for
     # ``answers`` (issue 21: a 2,000,000-query run holds its answers as Arrow columns, ~100 bytes each).

@@ -11,6 +11,7 @@ from pathlib import Path
 from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import check_binding, head_seq, read_mark, snapshot_is_chained
+from . import store_versions
 from .ledger_rows import check_rows_hold_records
 from .wording import count
 
@@ -42,9 +43,8 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
         if store is not None:
             info = check_binding(store, ledger, ledger_path, mark=mark)
             m = info["mark"]
-            n = store.n_rows("private")
-            compared = check_rows_hold_records(ledger, store, n_rows=n, every_row=True,
-                                               deleted_rows=store.read("private", "deleted").astype(bool))
+            store_versions.check(store, ledger)  # the store the ledger last wrote against (not an older copy)
+            compared = check_rows_hold_records(ledger, store)
             out["store"] = {
                 "path": str(store.path), "store_uuid": store.uuid, "recorded_by_ledger": not explicit,
                 "bound": info["bound"], "bound_ledger_uuid": (info["binding"] or {}).get("ledger_uuid"),

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import zarr
 
-from . import FORMAT_VERSION, locking, object_store
+from . import FORMAT_VERSION, locking, object_store, store_versions
 from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
 from .record_keys import KEY_ARRAY, SALT_ATTR, new_salt
 
@@ -105,7 +105,8 @@ class FeatureStore:
                 g.create_array("batch", shape=(0,), chunks=(chunk_rows * 4,), dtype=str, compressors=crc)
             if role == "private":  # each record's own input hash (record_keys.py; the private search's coin)
                 g.create_array(KEY_ARRAY, shape=(0,), chunks=(chunk_rows * 4,), dtype=str, compressors=crc)
-            g.attrs.update({"n_rows": 0, "role": role, "batches": {}})
+            g.attrs.update({"n_rows": 0, "role": role, "batches": {},
+                            **(store_versions.appended(g) if role == "private" else {})})
         root.attrs.update({
             "format_version": FORMAT_VERSION,
             "store_uuid": uuid.uuid4().hex,
@@ -350,8 +351,11 @@ class FeatureStore:
         if role == "private" and rows.size:
             self._log_erased_ids(rows)
         keyed = role == "private" and self.records_keys  # stores made since keys were recorded
-        return sum(self._overwrite_rows(role, name, rows, value) for name, value in self.ERASED.items()
-                   if name != KEY_ARRAY or keyed)
+        written = sum(self._overwrite_rows(role, name, rows, value) for name, value in self.ERASED.items()
+                      if name != KEY_ARRAY or keyed)
+        if role == "private" and rows.size:
+            store_versions.bump(self)
+        return written
 
     #: Ids of erased private rows, one JSON line each, appended (fsync'd) *before* the row is overwritten: the
     #: erasure blanks the id in the store, and a ledger rolled back past the erasure's tombstone would otherwise
@@ -395,7 +399,11 @@ class FeatureStore:
 
     def mark_deleted(self, role: str, rows: np.ndarray) -> int:
         """Set ``deleted`` only (no data touched), fsync'd: the first step of a deletion."""
-        return self._overwrite_rows(role, "deleted", self._check_rows(role, rows), True)
+        rows = self._check_rows(role, rows)
+        written = self._overwrite_rows(role, "deleted", rows, True)
+        if role == "private" and rows.size:
+            store_versions.bump(self)
+        return written
 
     def _check_rows(self, role: str, rows) -> np.ndarray:
         rows = np.unique(np.asarray(rows, dtype=np.int64))

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from . import store_versions
 from .errors import BadInputError, StoreError
 from .record_keys import KEY_ARRAY, vector_keys
 from .store import FeatureStore, _read_chunks
@@ -130,5 +131,7 @@ class Appender:
             attrs["batches"] = batches
         if extra_attrs:
             attrs.update(extra_attrs)
+        if self.role == "private":  # a new version of the private rows (store_versions.py), in the same replace
+            attrs.update(store_versions.appended(self.group))
         self.group.attrs.update(attrs)  # the commit point: one atomic zarr.json replace
         return self.start, self.stop

@@ -2,7 +2,10 @@
 
 The ledger maps each record to a store row by row number. A store restored from an older copy carries its own
 older high-water mark, so the ledger-rollback check passed, and the rows appended after the backup, embedded
-again in another order, were charged against other records' budgets: one person paid up to 2·B.
+again in another order, were charged against other records' budgets: one person paid up to 2·B. The first fix
+(compare ids from the mark's row count on) was bypassed by any commit before the check, by the roll-forward of a
+pending erasure, and by generated ids (review 13); the store now keeps a version log that every ledger commit
+records (store_versions.py), and these tests run each of those paths.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 
 import numpy as np
 
-from indknn_cli import ledger_integrity as integrity
+from indknn_cli import store_versions
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.store import FeatureStore
 
@@ -90,27 +93,9 @@ def test_a_restored_store_is_refused_before_anything_is_charged_and_names_no_rec
     # `index` (which also brings new rows into the ledger) refuses it the same way
     q = _cli("index", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path)
     assert q.returncode == 1 and "restored" in q.stderr and "'n0'" not in q.stderr
-    # `account --verify` (a reviewer's check) reports it, and compares every row whatever the mark says
+    # `account --verify` (a reviewer's check) reports it
     v = _cli("account", "--ledger", "L", "--store", "s.zarr", "--verify", cwd=tmp_path)
     assert v.returncode == 1 and "NOT verified" in v.stdout and "restored" in v.stdout and "'n0'" not in v.stdout
-    # a mark written before it recorded the rows the ledger maps: every row is compared
-    mark_file = tmp_path / "s.zarr" / integrity.MARK_NAME
-    mark = json.loads(mark_file.read_text())
-    assert mark["rows"] == 6  # the backup's: the ledger mapped rows 0-5 when it was taken
-    del mark["rows"]
-    mark_file.write_text(json.dumps(mark))
-    r = _cli("serve-queries", "b3", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path)
-    assert r.returncode == 1 and "restored" in r.stderr and "'n0'" not in r.stderr
-    assert _spent(tmp_path) == before
-
-
-def test_the_ledger_knows_every_row_on_a_normal_serve_so_none_is_read_again(tmp_path):
-    """The mark after a commit covers every row the ledger maps: the comparison reads no record id."""
-    _world(tmp_path)
-    led = BudgetLedger.open(tmp_path / "L")
-    assert integrity.read_mark(tmp_path / "s.zarr")["rows"] == integrity.rows_mapped(led) == 8
-    v = _ok(_cli("account", "--ledger", "L", "--store", "s.zarr", "--verify", cwd=tmp_path))
-    assert "each of the 8 live records sits at a row holding its own record id" in " ".join(v.stdout.split())
 
 
 def test_repair_after_a_restored_store_refunds_nothing_and_serving_charges_each_person_once(tmp_path):
@@ -131,3 +116,99 @@ def test_repair_after_a_restored_store_refunds_nothing_and_serving_charges_each_
     # nobody's spent went down, and nobody is above B
     assert float(s.spent.max()) <= budget
     assert _vector_a_paid(tmp_path) >= 0.9 * budget
+
+
+def test_a_normal_day_passes_and_verify_compares_every_row(tmp_path):
+    _world(tmp_path)
+    v = _ok(_cli("account", "--ledger", "L", "--store", "s.zarr", "--verify", cwd=tmp_path))
+    assert "each of the 8 live records sits at a row holding its own record id" in " ".join(v.stdout.split())
+    led = BudgetLedger.open(tmp_path / "L")
+    st = FeatureStore.open(tmp_path / "s.zarr", mode="r")
+    assert led.state.store_seen["version"] == store_versions.versions(st)[-1]
+
+
+def _refused_then_repaired(tmp_path, budget, *, batch="b3"):
+    p = _cli("serve-queries", batch, "--store", "s.zarr", "--ledger", "L", cwd=tmp_path)
+    assert p.returncode == 1 and "restored from an older copy" in p.stderr, (p.returncode, p.stderr)
+    assert p.stdout == ""
+    rep = _ok(_cli("repair", "--ledger", "L", "--store", "s.zarr", cwd=tmp_path))
+    assert json.loads(rep.stdout.splitlines()[-1])["repaired"] is True
+    _ok(_cli("serve-queries", batch, "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
+    assert float(BudgetLedger.open(tmp_path / "L").state.spent.max()) <= budget
+
+
+def test_a_delete_before_the_serve_does_not_let_the_restored_store_through(tmp_path):
+    """Review 13, 1: an erasure (or a nightly `delete --compact`) committed against the restored store before the
+    next serve moved the mark past the unchecked rows, and the serve charged person A a second B."""
+    _world(tmp_path)
+    budget = BudgetLedger.open(tmp_path / "L").params.budget
+    _restore_and_reembed(tmp_path)
+    before = _spent(tmp_path)
+    d = _cli("delete", "--record", "r3", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path)
+    assert d.returncode == 0 and "cannot be read" in d.stderr  # an erasure is never blocked: tombstone pending
+    c = _cli("delete", "--compact", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path)
+    assert c.returncode == 1 and "restored from an older copy" in c.stderr
+    assert _spent(tmp_path) == before  # nothing charged, nothing refunded
+    _refused_then_repaired(tmp_path, budget)
+
+
+def test_a_pending_erasure_is_not_rolled_forward_onto_a_restored_store(tmp_path):
+    """Review 13, 2: the serve's roll-forward of a pending erasure mapped the pending row to a ledger record by row
+    number, tombstoning n0 instead of n1 and committing before any check."""
+    _world(tmp_path)
+    budget = BudgetLedger.open(tmp_path / "L").params.budget
+    _restore_and_reembed(tmp_path)
+    _ok(_cli("delete", "--record", "n1", "--store", "s.zarr", "--ledger", "typo", cwd=tmp_path))  # pending
+    before = _spent(tmp_path)
+    p = _cli("serve-queries", "b3", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path)
+    assert p.returncode == 1 and "restored from an older copy" in p.stderr
+    assert _spent(tmp_path) == before and not BudgetLedger.open(tmp_path / "L").state.deleted.any()
+    _refused_then_repaired(tmp_path, budget)
+
+
+def test_generated_ids_do_not_hide_a_restored_store(tmp_path):
+    """Review 13, 3: ids that embed generates from row positions repeat in a re-embedded store, so comparing ids
+    let the restored store through."""
+    base = np.eye(D)[2:8]
+    np.savez(tmp_path / "base.npz", x=base, y=np.zeros(6, int))
+    _ok(_cli("embed", "base.npz", "--store", "s.zarr", "--extractor", "vectors", "--label-names", "0,1",
+             "--id-column", "", cwd=tmp_path))
+    _ok(_cli("index", "--store", "s.zarr", "--ledger", "L", "--eps", "1", "--tau", "0.9", "--planned-queries", "40",
+             cwd=tmp_path))
+    shutil.copytree(tmp_path / "s.zarr", tmp_path / "backup.zarr")
+    np.savez(tmp_path / "new.npz", x=np.stack([A, B]), y=np.array([1, 0]))
+    _ok(_cli("embed", "new.npz", "--store", "s.zarr", "--id-column", "", cwd=tmp_path))
+    np.savez(tmp_path / "qa.npz", x=np.tile(A, (40, 1)))
+    _ok(_cli("embed", "qa.npz", "--store", "s.zarr", "--role", "query", "--batch-id", "b2", cwd=tmp_path))
+    _ok(_cli("serve-queries", "b2", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
+    budget = BudgetLedger.open(tmp_path / "L").params.budget
+    shutil.rmtree(tmp_path / "s.zarr")
+    shutil.copytree(tmp_path / "backup.zarr", tmp_path / "s.zarr")
+    np.savez(tmp_path / "new2.npz", x=np.stack([B, A]), y=np.array([0, 1]))
+    _ok(_cli("embed", "new2.npz", "--store", "s.zarr", "--id-column", "", cwd=tmp_path))
+    np.savez(tmp_path / "qa3.npz", x=np.tile(A, (40, 1)) + 1e-3)
+    _ok(_cli("embed", "qa3.npz", "--store", "s.zarr", "--role", "query", "--batch-id", "b3", cwd=tmp_path))
+    before = _spent(tmp_path)
+    assert before["private-00000007"] == 0.0 and before["private-00000006"] > 0.9 * budget
+    v = _cli("account", "--ledger", "L", "--store", "s.zarr", "--verify", cwd=tmp_path)
+    assert v.returncode == 1 and "restored from an older copy" in v.stdout
+    _refused_then_repaired(tmp_path, budget)
+
+
+def test_a_store_restored_from_before_an_erasure_is_refused_and_repair_erases_again(tmp_path):
+    """Review 13, 5: a store restored from a copy taken before an erasure brought the erased record back as a
+    candidate (charged, its vector served from)."""
+    _world(tmp_path)
+    shutil.rmtree(tmp_path / "backup.zarr")
+    shutil.copytree(tmp_path / "s.zarr", tmp_path / "backup.zarr")
+    _ok(_cli("delete", "--record", "r3", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
+    shutil.rmtree(tmp_path / "s.zarr")
+    shutil.copytree(tmp_path / "backup.zarr", tmp_path / "s.zarr")
+    np.savez(tmp_path / "q3.npz", x=np.tile(np.eye(D)[5], (5, 1)))  # r3's vector
+    _ok(_cli("embed", "q3.npz", "--store", "s.zarr", "--role", "query", "--batch-id", "b4", cwd=tmp_path))
+    budget = BudgetLedger.open(tmp_path / "L").params.budget
+    _refused_then_repaired(tmp_path, budget, batch="b4")
+    st = FeatureStore.open(tmp_path / "s.zarr", mode="r")
+    assert st.read("private", "deleted")[3] and not np.any(st.read("private", "features")[3])
+    s = BudgetLedger.open(tmp_path / "L").state
+    assert s.deleted[list(s.record_id).index("r3")]

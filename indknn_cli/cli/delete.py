@@ -59,14 +59,14 @@ def delete_command(
             rids += _read_file(ids_file, "--ids-file")
         if users_file is not None:
             uids += _read_file(users_file, "--users-file")
-        if (ids_file is not None or users_file is not None) and not (rids or uids or compact):
+        empty_day = (ids_file is not None or users_file is not None) and not (rids or uids or compact)
+        if empty_day and not FeatureStore.open(resolve_store(store), mode="r").erase_pending_rows("private").size:
             # a day without erasure requests: the files are empty, nothing to do (exit 0), the store checked
-            FeatureStore.open(resolve_store(store), mode="r")
             return DeleteResult(records_erased=0, users=[], ids_not_found=[], users_not_found=[], already_deleted=[],
                                 record_ids=[], bytes_rewritten=0, dry_run=dry_run)
         return delete_records(store_path=resolve_store(store), ledger_path=resolve_ledger(ledger), record_ids=rids,
                               user_ids=uids, dry_run=dry_run, strict=strict, compact=compact,
-                              lock_timeout=lock_timeout)
+                              lock_timeout=lock_timeout, finish_pending=empty_day)
 
     result = run_library_call(call)
     err = stderr_console()
@@ -77,8 +77,8 @@ def delete_command(
     if result.ledger_unreadable is not None:
         err.print(f"[yellow]Warning:[/] the ledger cannot be read ({escape(str(result.ledger_unreadable))}). The erasure was "
                   "recorded and the vectors erased from the store; the tombstones of "
-                  f"{count(result.tombstones_pending, 'row')} are written by the next `indknn delete` that can "
-                  "read the ledger (any ids, or --compact)"
+                  f"{count(result.tombstones_pending, 'row')} are written by the next `indknn delete`, `index` or "
+                  "`serve-queries` that can read the ledger"
                   f"{'; --compact was skipped' if result.compaction else ''}", soft_wrap=True)
     if result.pending_completed and not dry_run:
         err.print(f"finished an interrupted deletion of {count(result.pending_completed, 'row')} first",
