@@ -20,6 +20,7 @@ it from a backup; repair refuses).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -34,7 +35,7 @@ from .errors import LedgerError, LedgerIntegrityError
 from .ledger import BudgetLedger
 from . import store_versions
 from .ledger_rows import check_rows_hold_records
-from .store import FeatureStore
+from .store import ERASE_PENDING_ATTR, FeatureStore
 
 
 @dataclass
@@ -305,9 +306,12 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     new_rows = np.flatnonzero(~known & ~deleted_rows)
     # A gone record whose id the store now holds at another row (a restored store, rows embedded again in
     # another order) is mapped there at spent = B by `add` below, not tombstoned (audit 6, F1).
-    # Rows holding an id the kept ledger erased: a store restored from a copy older than the erasure brought the
-    # record back. They are erased again below, never brought into the ledger (audit 6 review).
-    erased_ids = {str(r) for r in s.record_id[s.deleted]}
+    # Rows holding an id the kept ledger erased that the store's own erasure log does not name: a store restored
+    # from a copy older than the erasure brought the record back. They are erased again below, never brought into
+    # the ledger (audit 6 review). An id the store's log names was erased in this store and embedded again since
+    # (a re-admission the kept ledger lost in a rollback): kept, brought in retired like any other row (review 14).
+    logged = {rid for rid, _ in store.erased_ids()}
+    erased_ids = {str(r) for r in s.record_id[s.deleted]} - logged
     back = np.asarray([r for r in new_rows if str(ids[r]) in erased_ids], np.int64)
     new_rows = np.setdiff1d(new_rows, back)
     held = {str(ids[r]) for r in new_rows}
@@ -380,20 +384,41 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
             tail = (lost_answers.column(f.name).combine_chunks() if f.name in ANSWER_SCHEMA.names
                     else pa.array(["answer"] * nans if f.name == "kind" else [None] * nans, type=f.type))
             columns[f.name] = pa.concat_arrays([head, tail.cast(f.type)])
-    led.commit_event(event_type="repair", info={
-        "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
-        "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
-        "answers_left_out": refused, "unreadable_events": unreadable,
-        "answers_not_recovered": not_recovered or 0, "rows_erased_again": int(back.size)}, columns=columns)
+    wst = None
+    stack = contextlib.ExitStack()
     if back.size and not dry_run:
+        # Flagged (a new store version) and recorded as a pending erasure *before* the repair event, which then
+        # records a version the restored copy lacks: an interrupted re-erasure is finished by the next command,
+        # and the copy restored again is refused (review 14, 1). The store lock is taken before anything is written.
         wst = FeatureStore.open(store.path, mode="a")
-        with wst.write_lock(timeout=60.0):
-            wst.mark_deleted("private", back)
-            wst.erase_rows("private", back)
+        stack.enter_context(wst.write_lock(timeout=60.0))
+        pending_before = [int(r) for r in wst.erase_pending_rows("private")]
+        wst.group("private").attrs.update({ERASE_PENDING_ATTR: sorted(set(pending_before) | set(back.tolist()))})
+        wst.mark_deleted("private", back)
+    with stack:
+        result = _commit_repair(led, columns, reason, moved, nc, new_rows, nt, nans, refused, unreadable,
+                                not_recovered, back, wst, pending_before if wst is not None else [])
     return RepairResult(ledger=str(shown_path), repaired=True, reason=reason,
                         events_kept_through=files[keep - 1][0] if keep else snap_seq,
                         quarantined=[p.name for p in moved],
                         quarantine_folder=None if dry_run or not moved else str(quarantine),
                         records_retired=nc, store_rows_added_retired=len(new_rows), tombstones_written=nt,
                         answers_recovered=nans, answers_left_out=refused, unreadable_events=unreadable,
-                        answers_not_recovered=not_recovered, rows_erased_again=int(back.size), dry_run=dry_run)
+                        answers_not_recovered=not_recovered, rows_erased_again=result, dry_run=dry_run)
+
+
+def _commit_repair(led, columns, reason, moved, nc, new_rows, nt, nans, refused, unreadable, not_recovered, back,
+                   wst, pending_before) -> int:
+    """The repair event, then (the caller holding the store lock) the re-erasure it recorded as pending."""
+    led.commit_event(event_type="repair", info={
+        "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
+        "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
+        "answers_left_out": refused, "unreadable_events": unreadable,
+        "answers_not_recovered": not_recovered or 0, "rows_erased_again": int(back.size)}, columns=columns)
+    if wst is not None:
+        wst.erase_rows("private", back)
+        from . import indexes
+
+        indexes.remove_rows(wst, back)  # their LSH codes / IVF entries too (review 14, 2)
+        wst.group("private").attrs.update({ERASE_PENDING_ATTR: pending_before})
+    return int(back.size)

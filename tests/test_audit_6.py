@@ -212,3 +212,38 @@ def test_a_store_restored_from_before_an_erasure_is_refused_and_repair_erases_ag
     assert st.read("private", "deleted")[3] and not np.any(st.read("private", "features")[3])
     s = BudgetLedger.open(tmp_path / "L").state
     assert s.deleted[list(s.record_id).index("r3")]
+
+
+def test_repair_records_the_re_erasure_so_a_second_restore_is_refused(tmp_path):
+    """Review 14, 1: repair committed before it erased the rows again, recording the restored copy's own version;
+    the same copy restored once more then passed every check and the erased record was served again."""
+    _world(tmp_path)
+    shutil.rmtree(tmp_path / "backup.zarr")
+    shutil.copytree(tmp_path / "s.zarr", tmp_path / "backup.zarr")
+    _ok(_cli("delete", "--record", "r3", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
+    for _ in range(2):
+        shutil.rmtree(tmp_path / "s.zarr")
+        shutil.copytree(tmp_path / "backup.zarr", tmp_path / "s.zarr")
+        p = _cli("serve-queries", "b2", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path)
+        assert p.returncode == 1 and "restored from an older copy" in p.stderr
+        rep = _ok(_cli("repair", "--ledger", "L", "--store", "s.zarr", cwd=tmp_path))
+        assert json.loads(rep.stdout.splitlines()[-1])["rows_erased_again"] == 1 and "erased again" in rep.stderr
+    s = BudgetLedger.open(tmp_path / "L").state
+    assert s.deleted[list(s.record_id).index("r3")]
+
+
+def test_repair_after_a_ledger_rollback_keeps_a_record_embedded_again_after_its_erasure(tmp_path):
+    """Review 14, 3: a re-admission (erased, then embedded again with consent) lost by a ledger rollback was erased
+    by repair; the store's own erasure log shows the id was erased in this store, so its new row stays."""
+    _world(tmp_path)
+    _ok(_cli("delete", "--record", "r3", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
+    shutil.copytree(tmp_path / "L", tmp_path / "L.bak", ignore=shutil.ignore_patterns("LOCK"))
+    np.savez(tmp_path / "r3.npz", x=np.eye(D)[5][None], y=np.array([0]), ids=np.array(["r3"]))
+    assert "re-admitted" in _ok(_cli("embed", "r3.npz", "--store", "s.zarr", cwd=tmp_path)).stderr
+    _ok(_cli("index", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
+    shutil.rmtree(tmp_path / "L")
+    shutil.copytree(tmp_path / "L.bak", tmp_path / "L")  # the ledger rolled back past the re-admission
+    rep = _ok(_cli("repair", "--ledger", "L", "--store", "s.zarr", cwd=tmp_path))
+    assert json.loads(rep.stdout.splitlines()[-1])["rows_erased_again"] == 0
+    st = FeatureStore.open(tmp_path / "s.zarr", mode="r")
+    assert not st.read("private", "deleted")[8] and np.any(st.read("private", "features")[8])

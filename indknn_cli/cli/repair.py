@@ -50,6 +50,9 @@ def repair_command(
                          f"{count(result.records_retired, 'record')} "
                          f"retired (spent = B) and {count(result.store_rows_added_retired, 'store row')} brought in "
                          "retired: utility lost, no budget refunded"))
+        if result.rows_erased_again:
+            err.print(escape(f"{count(result.rows_erased_again, 'store row')} held records the ledger had erased (a store "
+                             f"restored from an older copy): {'would be ' if result.dry_run else ''}erased again"))
         if result.answers_recovered:
             err.print(escape(f"{count(result.answers_recovered, 'released answer')} of the quarantined events kept "
                              "(still counted in queries answered; a re-run batch returns them)"))
