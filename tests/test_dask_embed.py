@@ -63,6 +63,9 @@ def test_embed_on_workers_is_bit_identical(cluster, tmp_path):
     embed_into_store(tmp_path / "q.npz", store_path=b.path, role="query", batch="qb", batch_rows=8, scheduler=cluster)
     fa, fb = _store_files(a.path), _store_files(b.path)
     assert len(fa) > 20 and fa.keys() == fb.keys()
+    # the private group's version log holds random tokens (store_versions.py): as many in each, the rest equal
+    va, vb = (json.loads(f.pop("private/zarr.json"))["attributes"] for f in (fa, fb))
+    assert len(va.pop("versions")) == len(vb.pop("versions")) and va == vb
     assert [k for k in fa if fa[k] != fb[k]] == []
     assert np.array_equal(FeatureStore.open(b.path).read("private", "features")[37:], normalize_rows(x))
     assert FeatureStore.open(b.path).batches() == FeatureStore.open(a.path).batches()  # same vectors' sha256
