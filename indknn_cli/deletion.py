@@ -192,7 +192,8 @@ def delete_records(
     record_ids: Iterable[str] = (),
     user_ids: Iterable[str] = (),
     dry_run: bool = False,
-    finish_pending: bool = False,  # no ids and no --compact: only finish a recorded, unfinished erasure
+    finish_pending: bool = False,  # ids read from files: none is a day without requests (exit 0), which still
+                                   # finishes a recorded, unfinished erasure
     strict: bool = False,
     compact: bool = False,
     lock_timeout: float = 60.0,
@@ -210,6 +211,11 @@ def delete_records(
     if not record_ids and not user_ids and not compact and not finish_pending:
         raise BadInputError("nothing to delete: give --record, --user, --ids-file or --users-file (or --compact)")
     store_path, ledger_path = object_store.local_path(store_path), Path(ledger_path)
+    if finish_pending and not (record_ids or user_ids or compact) and \
+            not FeatureStore.open(store_path, mode="r").erase_pending_rows("private").size:
+        # a day without erasure requests (empty --ids-file): nothing to do, the store checked (UX review 7)
+        return DeleteResult(records_erased=0, users=[], ids_not_found=[], users_not_found=[], already_deleted=[],
+                            record_ids=[], bytes_rewritten=0, dry_run=dry_run)
 
     if dry_run or strict:  # a lock-free look first: --dry-run and --strict refusals write nothing at all
         store = FeatureStore.open(store_path, mode="r")
@@ -276,13 +282,10 @@ def _refuse_missing_bound_ledger(store: FeatureStore, ledger_path: Path) -> None
     the next command that reads the bound ledger writes their tombstones (UX review 7, finding 1: the rows
     were erased with no tombstone and no pending request, so `account` showed the record active and
     compaction was blocked for good)."""
-    b = integrity.binding_of(store) or integrity.binding_trace(store)
-    if b is None and not integrity.mark_path(store.path).is_file():
-        return
-    bound = (b or {}).get("ledger_path")
-    raise _LedgerUnreadable(LedgerError(
-        f"{ledger_path}: no ledger here, but the store is bound to the ledger "
-        f"{bound or '(path not recorded)'}; give it with --ledger (or $INDKNN_LEDGER)"))
+    try:
+        integrity.refuse_second_ledger(store, ledger_path)  # the store is bound, or shows it was
+    except LedgerError as exc:
+        raise _LedgerUnreadable(exc) from None
 
 
 def _open_readable(ledger_path: Path, store: FeatureStore) -> BudgetLedger | None:

@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 
 from . import ledger_integrity as integrity
+from . import store_versions
 from .errors import LedgerError, LedgerIntegrityError
 from .ledger import BudgetLedger
-from . import store_versions
-from .ledger_rows import check_rows_hold_records
+from .ledger_rows import check_rows_hold_records, compare_rows
 from .store import ERASE_PENDING_ATTR, FeatureStore
 
 
@@ -296,9 +296,8 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # Records the kept ledger holds as live whose store row is gone (erased in a lost event, or by a delete
     # run while the ledger was unreadable): tombstoned at B, so their erasure and compaction go on.
     gone = np.zeros(len(s), bool)
-    for i in np.flatnonzero(~s.deleted):
-        r = int(s.row[i])
-        gone[i] = not (0 <= r < n_store) or bool(deleted_rows[r]) or str(ids[r]) != str(s.record_id[i])
+    li, other, flagged = compare_rows(s, ids=ids, deleted_rows=deleted_rows)
+    gone[li] = other | flagged
     live = np.flatnonzero(~s.deleted & ~gone & (s.spent < B))
     row_map = led.store_row_map(n_store)
     known = row_map >= 0
@@ -384,41 +383,30 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
             tail = (lost_answers.column(f.name).combine_chunks() if f.name in ANSWER_SCHEMA.names
                     else pa.array(["answer"] * nans if f.name == "kind" else [None] * nans, type=f.type))
             columns[f.name] = pa.concat_arrays([head, tail.cast(f.type)])
-    wst = None
-    stack = contextlib.ExitStack()
-    if back.size and not dry_run:
-        # Flagged (a new store version) and recorded as a pending erasure *before* the repair event, which then
-        # records a version the restored copy lacks: an interrupted re-erasure is finished by the next command,
-        # and the copy restored again is refused (review 14, 1). The store lock is taken before anything is written.
-        wst = FeatureStore.open(store.path, mode="a")
-        stack.enter_context(wst.write_lock(timeout=60.0))
-        pending_before = [int(r) for r in wst.erase_pending_rows("private")]
-        wst.group("private").attrs.update({ERASE_PENDING_ATTR: sorted(set(pending_before) | set(back.tolist()))})
-        wst.mark_deleted("private", back)
-    with stack:
-        result = _commit_repair(led, columns, reason, moved, nc, new_rows, nt, nans, refused, unreadable,
-                                not_recovered, back, wst, pending_before if wst is not None else [])
+    # Rows erased again are flagged (a new store version) and recorded as a pending erasure *before* the repair
+    # event, which then records a version the restored copy lacks: an interrupted re-erasure is finished by the
+    # next command, and the copy restored again is refused (review 14, 1). The store lock is taken first.
+    wst = FeatureStore.open(store.path, mode="a") if back.size and not dry_run else None
+    with wst.write_lock(timeout=60.0) if wst is not None else contextlib.nullcontext():
+        if wst is not None:
+            pending_before = [int(r) for r in wst.erase_pending_rows("private")]
+            wst.group("private").attrs.update({ERASE_PENDING_ATTR: sorted(set(pending_before) | set(back.tolist()))})
+            wst.mark_deleted("private", back)
+        led.commit_event(event_type="repair", info={
+            "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
+            "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
+            "answers_left_out": refused, "unreadable_events": unreadable,
+            "answers_not_recovered": not_recovered or 0, "rows_erased_again": int(back.size)}, columns=columns)
+        if wst is not None:
+            wst.erase_rows("private", back)
+            from . import indexes
+
+            indexes.remove_rows(wst, back)  # their LSH codes / IVF entries too (review 14, 2)
+            wst.group("private").attrs.update({ERASE_PENDING_ATTR: pending_before})
     return RepairResult(ledger=str(shown_path), repaired=True, reason=reason,
                         events_kept_through=files[keep - 1][0] if keep else snap_seq,
                         quarantined=[p.name for p in moved],
                         quarantine_folder=None if dry_run or not moved else str(quarantine),
                         records_retired=nc, store_rows_added_retired=len(new_rows), tombstones_written=nt,
                         answers_recovered=nans, answers_left_out=refused, unreadable_events=unreadable,
-                        answers_not_recovered=not_recovered, rows_erased_again=result, dry_run=dry_run)
-
-
-def _commit_repair(led, columns, reason, moved, nc, new_rows, nt, nans, refused, unreadable, not_recovered, back,
-                   wst, pending_before) -> int:
-    """The repair event, then (the caller holding the store lock) the re-erasure it recorded as pending."""
-    led.commit_event(event_type="repair", info={
-        "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
-        "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
-        "answers_left_out": refused, "unreadable_events": unreadable,
-        "answers_not_recovered": not_recovered or 0, "rows_erased_again": int(back.size)}, columns=columns)
-    if wst is not None:
-        wst.erase_rows("private", back)
-        from . import indexes
-
-        indexes.remove_rows(wst, back)  # their LSH codes / IVF entries too (review 14, 2)
-        wst.group("private").attrs.update({ERASE_PENDING_ATTR: pending_before})
-    return int(back.size)
+                        answers_not_recovered=not_recovered, rows_erased_again=int(back.size), dry_run=dry_run)

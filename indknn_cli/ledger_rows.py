@@ -14,24 +14,32 @@ from .errors import LedgerIntegrityError
 from .wording import count
 
 
+def compare_rows(state, *, ids: np.ndarray, deleted_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every record the ledger has not deleted: (its ledger index, whether its store row is missing or holds
+    another id, whether that row is flagged deleted). ``ids`` and ``deleted_rows``: the store's private columns."""
+    li = np.flatnonzero(~state.deleted)
+    rows = state.row[li]
+    inside = (rows >= 0) & (rows < len(ids))
+    other = ~inside
+    flagged = np.zeros(li.size, bool)
+    r = rows[inside]
+    other[inside] = np.asarray(ids, dtype=object)[r] != np.asarray(state.record_id[li[inside]]).astype(object)
+    flagged[inside] = np.asarray(deleted_rows, dtype=bool)[r]
+    return li, other, flagged
+
+
 def check_rows_hold_records(ledger, store) -> int:
     """Refuse (LedgerIntegrityError, naming no id) when a live ledger record's store row holds another record id
     or is gone; returns the number of live records compared. Rows flagged deleted or pending erasure are skipped
     (an erasure blanks the id before the next command writes the tombstone)."""
-    n_rows = store.n_rows("private")
     s = ledger.state
     live = np.flatnonzero((s.row >= 0) & ~s.deleted)
     if live.size == 0:
         return 0
-    rows = s.row[live]
-    inside = rows < n_rows
-    bad = int((~inside).sum())
-    r_in, li_in = rows[inside], live[inside]
-    if r_in.size:
-        ids = np.asarray(store.read("private", "record_id")).astype(object)[r_in]
-        skip = (np.asarray(store.read("private", "deleted")).astype(bool)[r_in]
-                | np.isin(r_in, store.erase_pending_rows("private")))
-        bad += int(((ids != np.asarray(s.record_id[li_in]).astype(object)) & ~skip).sum())
+    li, other, flagged = compare_rows(s, ids=store.read("private", "record_id"),
+                                      deleted_rows=store.read("private", "deleted"))
+    skip = flagged | (s.row[li] < 0) | np.isin(s.row[li], store.erase_pending_rows("private"))
+    bad = int((other & ~skip).sum())
     if bad:
         raise LedgerIntegrityError(
             f"{store.path}: {count(bad, 'record')} of the ledger are not at the store rows where it charges them "

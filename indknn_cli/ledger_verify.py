@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import store_versions
 from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import check_binding, head_seq, read_mark, snapshot_is_chained
-from . import store_versions
 from .ledger_rows import check_rows_hold_records
 from .wording import count
 

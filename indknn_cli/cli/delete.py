@@ -16,8 +16,7 @@ from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store
 
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
-    from ..deletion import DeleteResult, delete_records, read_ids
-    from ..store import FeatureStore
+    from ..deletion import delete_records, read_ids
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)
 
@@ -59,14 +58,10 @@ def delete_command(
             rids += _read_file(ids_file, "--ids-file")
         if users_file is not None:
             uids += _read_file(users_file, "--users-file")
-        empty_day = (ids_file is not None or users_file is not None) and not (rids or uids or compact)
-        if empty_day and not FeatureStore.open(resolve_store(store), mode="r").erase_pending_rows("private").size:
-            # a day without erasure requests: the files are empty, nothing to do (exit 0), the store checked
-            return DeleteResult(records_erased=0, users=[], ids_not_found=[], users_not_found=[], already_deleted=[],
-                                record_ids=[], bytes_rewritten=0, dry_run=dry_run)
         return delete_records(store_path=resolve_store(store), ledger_path=resolve_ledger(ledger), record_ids=rids,
                               user_ids=uids, dry_run=dry_run, strict=strict, compact=compact,
-                              lock_timeout=lock_timeout, finish_pending=empty_day)
+                              lock_timeout=lock_timeout,
+                              finish_pending=ids_file is not None or users_file is not None)
 
     result = run_library_call(call)
     err = stderr_console()
