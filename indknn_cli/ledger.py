@@ -214,7 +214,7 @@ class BudgetLedger:
                 data[f.name] = vals if vals.type == f.type else vals.cast(f.type)
             else:
                 data[f.name] = pa.array(vals, type=f.type)
-        self._check_record_indices(pa.table({"kind": data["kind"], "ledger_index": data["ledger_index"]}))
+        self._check_record_indices(pa.table({k: data[k] for k in ("kind", "ledger_index", "user_id")}))
         seq = self._next_seq()
         if self.store_version is not None:
             seen = self.store_version()

@@ -4,8 +4,9 @@ Pure functions over :class:`~.ledger_state.LedgerState` and an event's Arrow tab
 event (:meth:`.ledger.BudgetLedger.commit_event`) and replaying it (:meth:`.ledger.BudgetLedger.open`), so
 that a committed event and its replay give the same state:
 
-- :func:`check_record_indices` refuses charge or delete rows that name no record (before an event is
-  written, and again when one is replayed): a null index is never applied to another record;
+- :func:`check_record_indices` refuses charge or delete rows that name no record, and add rows that give an
+  existing record to another user (before an event is written, and again when one is replayed): a null index is
+  never applied to another record, and a tombstone's spent never leaves its user (audit 7, F1);
 - :func:`apply_table` replays an event: spent only grows, tombstones are kept, answers are appended;
 - :func:`stats_after_serve` gives the history figures of the state a serve event leads to, recorded in
   the event (``state_after``) so that replay needs no O(N) median per event.
@@ -39,11 +40,23 @@ def ledger_indices(table: pa.Table) -> np.ndarray:
 
 
 def check_record_indices(state: LedgerState, table: pa.Table, *, where: Path) -> None:
-    """Refuse (LedgerError) charge or delete rows whose ledger index is null or names no record: before an
-    event is written and when one is replayed; never applied to another record."""
+    """Refuse (LedgerError) charge or delete rows whose ledger index is null or names no record, and add rows
+    that give an existing record to another user: before an event is written and when one is replayed."""
     idx = ledger_indices(table)
     adds = kind_mask(table, "add")
     known = max(len(state), int(idx[adds].max()) + 1 if adds.any() else 0)  # records this event adds too
+    # An add row never gives an existing record to another user: that would move its spent (a tombstone's
+    # included) away from the person it belongs to (SPEC §8; audit 7, F1).
+    old = adds & (idx >= 0) & (idx < len(state))
+    if old.any():
+        li = idx[old].astype(np.int64)
+        users = np.asarray(table.column("user_id").to_pylist(), dtype=object)[old] if "user_id" in \
+            table.column_names else np.full(int(old.sum()), None, object)
+        was = state.user_id[li]
+        moved = [k for k in range(li.size) if was[k] and str(was[k]) != str(users[k] or "")]
+        if moved:
+            raise LedgerError(f"{where}: an add row gives record {int(li[moved[0]])} of this ledger to another user; "
+                              "nothing applied")
     for name in ("charge", "delete"):
         bad = kind_mask(table, name) & ((idx < 0) | (idx >= known))
         if bad.any():

@@ -313,6 +313,13 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     erased_ids = {str(r) for r in s.record_id[s.deleted]} - logged
     back = np.asarray([r for r in new_rows if str(ids[r]) in erased_ids], np.int64)
     new_rows = np.setdiff1d(new_rows, back)
+    # A row whose id the kept ledger holds under another (non-empty) user stays out of the ledger, as `add_records`
+    # keeps it out and `index` refuses it: an `add` would move the record, its tombstone and its spent, to the new
+    # user, and the first user would come back afresh (audit 7, F1).
+    owner = {str(r): str(u or "") for r, u in zip(s.record_id, s.user_id)}
+    other_user = np.asarray([r for r in new_rows if owner.get(str(ids[r])) not in (None, "", str(users[r] or ""))],
+                            np.int64)
+    new_rows = np.setdiff1d(new_rows, other_user)
     held = {str(ids[r]) for r in new_rows}
     tomb = np.asarray([i for i in np.flatnonzero(gone) if str(s.record_id[i]) not in held], np.int64)
     index_of = {rid: i for i, rid in enumerate(s.record_id)}
@@ -396,7 +403,8 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
             "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
             "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
             "answers_left_out": refused, "unreadable_events": unreadable,
-            "answers_not_recovered": not_recovered or 0, "rows_erased_again": int(back.size)}, columns=columns)
+            "answers_not_recovered": not_recovered or 0, "rows_erased_again": int(back.size),
+            "rows_left_out_other_user": int(other_user.size)}, columns=columns)
         if wst is not None:
             wst.erase_rows("private", back)
             from . import indexes
