@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import ledger_history
-from .errors import LedgerError
+from .errors import LedgerError, LedgerIntegrityError
 from .ledger_state import LedgerState, PrivacyParams
 
 __all__ = ["apply_table", "check_record_indices", "kind_mask", "ledger_indices", "stats_after_serve"]
@@ -55,8 +55,9 @@ def check_record_indices(state: LedgerState, table: pa.Table, *, where: Path) ->
         was = state.user_id[li]
         moved = [k for k in range(li.size) if was[k] and str(was[k]) != str(users[k] or "")]
         if moved:
-            raise LedgerError(f"{where}: an add row gives record {int(li[moved[0]])} of this ledger to another user; "
-                              "nothing applied")
+            raise LedgerIntegrityError(
+                f"{where}: an add row gives record {int(li[moved[0]])} of this ledger to another user; nothing "
+                "applied. Run `indknn repair --ledger LEDGER --store STORE`")
     for name in ("charge", "delete"):
         bad = kind_mask(table, name) & ((idx < 0) | (idx >= known))
         if bad.any():

@@ -59,6 +59,9 @@ class RepairResult:
     #: unflagged store rows holding an id the kept ledger has erased (a store restored from a copy older than the
     #: erasure): flagged and erased again here (an id embedded again and not yet served is erased too)
     rows_erased_again: int = 0
+    #: store rows whose id belongs to a record of another user (an erased id embedded again under someone else):
+    #: kept out of the ledger, as serving and `index` keep them out, so the tombstone stays its user's (audit 7)
+    rows_left_out_other_user: int = 0
     dry_run: bool = False
 
     def as_dict(self) -> dict:
@@ -316,7 +319,11 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # A row whose id the kept ledger holds under another (non-empty) user stays out of the ledger, as `add_records`
     # keeps it out and `index` refuses it: an `add` would move the record, its tombstone and its spent, to the new
     # user, and the first user would come back afresh (audit 7, F1).
+    # Ids the kept ledger lost (a rollback, lost events) keep their first owner from the readable quarantined events
+    # and the store's erasure log (review 15, 1).
     owner = {str(r): str(u or "") for r, u in zip(s.record_id, s.user_id)}
+    for rid, uid in _ids_in_lost_events([quarantine / p.name for p in moved]) + store.erased_ids():
+        owner.setdefault(str(rid), str(uid or ""))
     other_user = np.asarray([r for r in new_rows if owner.get(str(ids[r])) not in (None, "", str(users[r] or ""))],
                             np.int64)
     new_rows = np.setdiff1d(new_rows, other_user)
@@ -417,4 +424,5 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
                         quarantine_folder=None if dry_run or not moved else str(quarantine),
                         records_retired=nc, store_rows_added_retired=len(new_rows), tombstones_written=nt,
                         answers_recovered=nans, answers_left_out=refused, unreadable_events=unreadable,
-                        answers_not_recovered=not_recovered, rows_erased_again=int(back.size), dry_run=dry_run)
+                        answers_not_recovered=not_recovered, rows_erased_again=int(back.size),
+                        rows_left_out_other_user=int(other_user.size), dry_run=dry_run)

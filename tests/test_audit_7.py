@@ -101,3 +101,52 @@ def test_an_add_row_that_gives_a_record_to_another_user_is_refused_when_written_
     pq.write_table(t, newest)
     with pytest.raises(LedgerError, match="another user"):
         BudgetLedger.open(tmp_path / "L")
+
+
+@pytest.mark.parametrize("damage", ["rollback", "lost-event"])
+def test_repair_keeps_the_tombstone_when_the_kept_ledger_never_saw_the_erased_id(tmp_path, damage):
+    """Review 15, 1: the ledger is rolled back to a copy made before alice joined (or the event before her add is
+    torn), so the kept ledger does not know her erased id; the store's erasure log and the quarantined events
+    still name her as its owner, so bob's row with that id stays out and her tombstone is written."""
+    import shutil
+
+    rng = np.random.default_rng(0)
+    v = np.eye(D)[0]
+    x = rng.standard_normal((11, D))
+    x[:, 0] = 0
+    np.savez(tmp_path / "priv.npz", x=x, y=rng.integers(0, 2, 11), ids=np.array([f"r{i}" for i in range(11)]),
+             users=np.array([f"u{i}" for i in range(11)]))
+    _ok(_cli("embed", "priv.npz", "--store", "s.zarr", "--extractor", "vectors", "--label-names", "0,1", "-q",
+             cwd=tmp_path))
+    _ok(_cli("index", "--store", "s.zarr", "--ledger", "L", "--eps", "1", "--privacy-unit", "user", "--tau", "0.9",
+             "--planned-queries", "120", "-q", cwd=tmp_path))
+    np.savez(tmp_path / "q0.npz", x=rng.standard_normal((3, D)))
+    _ok(_cli("serve-queries", "q0.npz", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
+    shutil.copytree(tmp_path / "L", tmp_path / "L_backup")
+    before = sorted(os.listdir(tmp_path / "L" / "events"))
+    np.savez(tmp_path / "alice.npz", x=v[None, :], y=[0], ids=np.array(["ra"]), users=np.array(["alice"]))
+    _ok(_cli("embed", "alice.npz", "--store", "s.zarr", "-q", cwd=tmp_path))
+    np.savez(tmp_path / "q1.npz", x=np.tile(v, (120, 1)) + 1e-3 * rng.standard_normal((120, D)))
+    _ok(_cli("serve-queries", "q1.npz", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
+    budget = BudgetLedger.open(tmp_path / "L").params.budget
+    paid = _records(tmp_path, "alice")["ra"][0]
+    assert paid > 0.9 * budget
+    _ok(_cli("delete", "--record", "ra", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
+    np.savez(tmp_path / "back.npz", x=v[None, :], y=[0], ids=np.array(["ra"]), users=np.array(["bob"]))
+    _ok(_cli("embed", "back.npz", "--store", "s.zarr", "-q", cwd=tmp_path))
+    if damage == "rollback":
+        shutil.rmtree(tmp_path / "L")
+        shutil.copytree(tmp_path / "L_backup", tmp_path / "L")
+    else:
+        torn = tmp_path / "L" / "events" / before[-1]
+        torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    p = _ok(_cli("repair", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
+    assert "another user" in p.stderr
+    assert _records(tmp_path, "alice").get("ra", (0.0, False))[1] is True
+    assert "ra" not in _records(tmp_path, "bob")
+    np.savez(tmp_path / "alice2.npz", x=v[None, :], y=[0], ids=np.array(["a2"]), users=np.array(["alice"]))
+    _ok(_cli("embed", "alice2.npz", "--store", "s.zarr", "-q", cwd=tmp_path))
+    np.savez(tmp_path / "q4.npz", x=np.tile(v, (120, 1)) + 1e-3 * rng.standard_normal((120, D)))
+    _ok(_cli("serve-queries", "q4.npz", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
+    # her tombstone was written at B by repair (lost history: no refund), and her new record starts there
+    assert _records(tmp_path, "alice")["a2"][0] >= paid - 1e-12

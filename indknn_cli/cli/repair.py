@@ -53,6 +53,10 @@ def repair_command(
         if result.rows_erased_again:
             err.print(escape(f"{count(result.rows_erased_again, 'store row')} held records the ledger had erased (a store "
                              f"restored from an older copy): {'would be ' if result.dry_run else ''}erased again"))
+        if result.rows_left_out_other_user:
+            err.print(escape(f"{count(result.rows_left_out_other_user, 'store row')} held a record id of another user (an "
+                             "erased id embedded again under someone else): left out of the ledger, as serving does; "
+                             "the tombstone stays with its user"))
         if result.answers_recovered:
             err.print(escape(f"{count(result.answers_recovered, 'released answer')} of the quarantined events kept "
                              "(still counted in queries answered; a re-run batch returns them)"))
