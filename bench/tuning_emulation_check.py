@@ -3,8 +3,8 @@
     INDKNN_DATA=../shared/data python bench/tuning_emulation_check.py EPS [DRAWS [KEYS [SEED]]]
 
 For the total ε given: B_serve as ``index --tune private`` computes it, then for every (τ, σ2) of the default grid
-the mean fraction of shards the search's emulation answers correctly ("emulated": ``emulated_correct``) and the
-mean chance of the alternative ("expected": ``emulated_expected``) (no score noise; KEYS run keys × DRAWS seeds)
+the mean fraction of shards the earlier emulation answers correctly ("emulated": ``emulated_correct``) and the
+mean chance the search now scores ("expected": ``emulated_expected``) (no score noise; KEYS run keys × DRAWS seeds)
 and the median serving accuracy at B_serve over DRAWS query draws of `bench accuracy-vs-eps`'s split. A search
 that tracks serving ranks the grid points in the same order (Spearman ρ printed). See docs/TUNING.md.
 ``INDKNN_SERVING_CACHE=FILE`` keeps the serving accuracies (they do not depend on the emulation) between runs.

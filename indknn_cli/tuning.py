@@ -15,10 +15,11 @@ composed with serving in ``dp_accounting.rdp.RdpAccountant``.
 * each shard answers its validation record's vector as serving would at full scale, emulated from the shard's
   own records and public figures only (:mod:`indknn_cli.tuning_base`: candidates κ ≥ τ among its P records
   stand for S times as many, with the serving budget B_serve, σ1, K_min and the depletion of T planned queries);
-* score = number of shards answered correctly (:func:`indknn_cli.tuning_base.emulated_correct`) + N(0, σ_s²),
-  σ_s = 1/sqrt(2ρ). (:func:`~indknn_cli.tuning_base.emulated_expected`, a sum of per-shard chances in [0, 1]
-  with serving's vote noise modelled, ranks the grid closer to serving but did not choose better; it is kept
-  for ``bench/tuning_emulation_check.py``, docs/TUNING.md.)
+* score = the sum over shards of the chance that serving answers the shard's validation record right
+  (:func:`indknn_cli.tuning_base.emulated_expected`: serving's vote noise modelled with a margin share from the
+  label agreement of the shard's pairs within τ; each term in [0, 1]) + N(0, σ_s²), σ_s = 1/sqrt(2ρ).
+  (:func:`~indknn_cli.tuning_base.emulated_correct`, the count of shards whose one emulated answer is right, was
+  the score before 2026-11-27; it is kept for ``bench/tuning_emulation_check.py``, docs/TUNING.md.)
 
 Why this is (α, α·ρ)-RDP for every record: a record's coin puts it in one shard, and whatever a shard computes
 reads only that shard's records and noise keyed by the shard's index. Adding or removing one record therefore
@@ -96,6 +97,11 @@ from .tuning_base import (BaseRunData, _coin, base_run_correct, content_keys,  #
                           emulated_correct, emulated_expected, flip_probability, score_noise, shard_split)
 
 
+#: The search's shard score and its name in the ledger's tuning record (docs/TUNING.md, "What a shard computes").
+emulated_score = emulated_expected
+EMULATION = "expected, margin share from label agreement"
+
+
 # -- the search -----------------------------------------------------------------------------------------------
 @dataclass
 class TuningRecord:
@@ -125,6 +131,7 @@ class TuningRecord:
     sigma2_grid: str | None = None          # "budget-relative" (default grid scaled to B, T) or "given"
     tau_grid: str | None = None             # "prior for <extractor> features", "broad (...)" or "given"
     method: str | None = None               # private: exp-mech or random-search (tuning_accounting)
+    emulation: str | None = None            # private: the shard score (EMULATION); None: written before it was named
     format: int = TUNING_FORMAT
 
     def as_dict(self) -> dict:
@@ -178,8 +185,8 @@ def private_tune(
                              sigma1=sigma1, sigma2=s2, nu=nu, k_min=k_min, planned_queries=planned_queries).validate()
 
     def score_of(g: int, key: int) -> float:
-        return float(emulated_correct(data, params=params_at(g), run_key=key, n_shards=n_val,
-                                      planned_queries=planned_queries or 1000))
+        return float(emulated_score(data, params=params_at(g), run_key=key, n_shards=n_val,
+                                    planned_queries=planned_queries or 1000))
 
     noisy_best = None
     if method == EXP_MECH:
@@ -208,7 +215,7 @@ def private_tune(
         shape=shape, share=float(share),  # S: public
         epsilon_tuning=tuning_epsilon(rho_run=rho, delta=delta, **search), budget_serve=b_serve,
         epsilon_total=composed_epsilon(rho_run=rho, budget_serve=b_serve, delta=delta, **search),
-        default_used=default_used, score_noise_std=score_noise_std(rho=rho, method=method),
+        default_used=default_used, score_noise_std=score_noise_std(rho=rho, method=method), emulation=EMULATION,
     )
     if record.epsilon_total > epsilon:  # verified with the accountant (never overshoot)
         raise AssertionError("composed ε above the target")

@@ -14,6 +14,11 @@ serving would answer it, from the shard's own records and public figures only (S
   of this neighbourhood), paying c1 + κ̄²/(2σ2²K̂) each time (κ̄ their mean κ), so r = max(0, B − that);
 * votes: S·Σ_{i∈C_s} min(κ_i, σ2·sqrt(2·K̂·r)) e_{y_i} + N(0, σ2²·K̂) per class; the answer is the argmax.
 
+That is :func:`emulated_correct` (a 0/1 answer per shard), the search's score until 2026-11-27. The search now scores
+with :func:`emulated_expected`: the shard's *chance* of being answered right, with serving's vote noise modelled
+(the margin share read from the label agreement of the shard's pairs within τ), which a shard's own one or two
+candidates cannot show (docs/TUNING.md, "What a shard computes").
+
 Privacy does not rest on any of this: the score counts shards answered correctly, and one record changes at
 most its own shard's answer, whatever the shard computes (tuning.py), so the count's sensitivity is 1.
 """
@@ -215,9 +220,9 @@ POSITIONS = 16
 
 def flip_probability(a, n_classes: int):
     """Chance that N(0, σ2²K) vote noise moves the argmax off the noiseless answer, for a margin share Δπ
-    uniform on [0, 1] (no prior knowledge of how mixed the neighbourhood is): ``a`` = W / (σ2·sqrt(2K)) with W
-    the total vote weight. Two classes: ∫₀¹ Φ̄(a·x) dx = Φ̄(a) + (φ(0) − φ(a))/a (½ at a = 0); scaled by
-    2(n−1)/n so that no votes leave 1/n of the answers right."""
+    uniform on [0, 1]: ``a`` = W / (σ2·sqrt(2K)) with W the total vote weight (a margin share uniform on [0, m]
+    is ``a·m``). Two classes: ∫₀¹ Φ̄(a·x) dx = Φ̄(a) + (φ(0) − φ(a))/a (½ at a = 0); scaled by 2(n−1)/n so
+    that no votes leave 1/n of the answers right."""
     from scipy.special import ndtr
 
     a = np.asarray(a, np.float64)
@@ -227,7 +232,24 @@ def flip_probability(a, n_classes: int):
     return f2 * (2.0 * (n_classes - 1) / n_classes)
 
 
-def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_queries: int) -> float:
+def margin_share_bound(near: np.ndarray, labels: np.ndarray) -> float:
+    """Upper end m of the margin share Δπ (taken uniform on [0, m]) from the label agreement of a shard's pairs
+    within τ: ``near`` the m×m "κ ≥ τ" matrix of the shard's first members, ``labels`` theirs.
+
+    With class shares π in a neighbourhood, two of its records agree with chance a = Σπ_c²; for two classes
+    a = ½(1 + Δπ²), so Δ̄ = sqrt(max(0, 2a − 1)) estimates the margin share, and [0, min(1, 2Δ̄)] has mean Δ̄.
+    Mixed neighbourhoods (low τ) thus get small margins that serving's vote noise flips, which a shard's own
+    one or two candidates never show. No pair within τ: m = 1 (no knowledge, the flat prior)."""
+    offd = near & ~np.eye(near.shape[0], dtype=bool)
+    pairs = int(offd.sum())
+    if pairs == 0:
+        return 1.0
+    agree = float((offd & (labels[:, None] == labels[None, :])).sum()) / pairs
+    return min(1.0, 2.0 * math.sqrt(max(0.0, 2.0 * agree - 1.0)))
+
+
+def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_queries: int,
+                      margin_prior: str = "agreement") -> float:
     """Sum over shards of the chance that serving at full scale answers the shard's validation record right.
 
     As in :func:`emulated_correct`, the query's count is K̂ = max(S·|C_s| + σ1·z, K_min) and its candidates have
@@ -237,10 +259,12 @@ def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_quer
     that the budget's death threshold turned its noise into depletion serving does not have. With w_i the
     candidates' clipped weights, the *noiseless* full-scale answer is the argmax of S·Σ w_i e_{y_i}. Serving adds N(0, σ2²K) per class, and that noise is what the shard cannot show: its own
     vote margin is a sample of one or two records, far wider than serving's margin relative to its noise. So
-    the noise enters through :func:`flip_probability` of a = S·Σw_i / (σ2·sqrt(2K̂)) (serving's signal to noise
-    for a neighbourhood of that size and weight, the margin share taken uniform), and the shard's term is
-    (1 − f) when the noiseless answer is right and f/(n−1) when it is wrong (1/n with no candidate). The query's
-    position u is averaged over :data:`POSITIONS` slices instead of drawn.
+    the noise enters through :func:`flip_probability` of a = m·S·Σw_i / (σ2·sqrt(2K̂)) (serving's signal to noise
+    for a neighbourhood of that size and weight, the margin share uniform on [0, m], m from the label agreement of
+    the shard's pairs within τ: :func:`margin_share_bound`), and the shard's term is (1 − f) when the noiseless
+    answer is right and f/(n−1) when it is wrong (1/n with no candidate). The query's position u is averaged over
+    :data:`POSITIONS` slices instead of drawn. This is the search's score (docs/TUNING.md); ``margin_prior="flat"``
+    is the earlier m = 1, kept for the diagnostic.
 
     Each term lies in [0, 1] and reads only the shard's records and public figures (S, T, B, σ1, σ2, τ, K_min),
     so the sum moves by at most 1 when one record is added or removed (docs/TUNING.md "Why one run costs ρ").
@@ -271,6 +295,7 @@ def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_quer
         near = pairs[j] >= params.tau
         m = near.shape[0]
         p_rec = float(near.sum() - np.trace(near)) / max(m * (m - 1), 1)
+        share = margin_share_bound(near, data.labels[np.r_[v, rows][:m]]) if margin_prior == "agreement" else 1.0
         k_rec = max(S * rows.size * p_rec, params.k_min)
         spent = u * T * p_rec * (c1 + float(np.mean(k * k)) / (2.0 * s2 * s2 * k_rec))
         r = np.maximum(0.0, B - spent)
@@ -278,6 +303,6 @@ def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_quer
         onehot = np.eye(n_cls)[data.labels[rows[sel]]]
         votes = w @ onehot
         right = np.argmax(votes, axis=1) == int(data.labels[v])
-        f = flip_probability(S * w.sum(axis=1) / (s2 * np.sqrt(2.0 * k_hat)), n_cls)
+        f = flip_probability(share * S * w.sum(axis=1) / (s2 * np.sqrt(2.0 * k_hat)), n_cls)
         total += float(np.mean(np.where(right, 1.0 - f, f / (n_cls - 1))))
     return total

@@ -625,3 +625,69 @@ def test_chosen_point_accuracy_averages_served_choices_below_the_best_grid_point
     assert 0 < out["chosen_mean"] <= out["best_grid_point"] <= 1
     fixed = chosen_point_accuracy(p, cfg, eps=2.0, draws=draws, tuning_seeds=[1, 2], sigma2s=(0.5, 1.0))
     assert {g[1] for g in fixed["grid"]} == {0.5, 1.0} and fixed["sigma2_grid"] == "given"
+
+
+def test_margin_share_bound_closed_forms():
+    """m = min(1, 2·sqrt(2a − 1)) from the label agreement a of the ordered pairs within τ (a = Σπ² for class
+    shares π: two classes at shares π, 1 − π give a = ½(1 + Δπ²))."""
+    from indknn_cli.tuning_base import margin_share_bound
+
+    near = np.ones((4, 4), bool)
+    assert margin_share_bound(near, np.array([0, 0, 0, 0])) == 1.0            # one class: a = 1
+    assert margin_share_bound(near, np.array([0, 0, 1, 1])) == 0.0            # a = 4/12 < ½: no margin
+    assert margin_share_bound(near, np.array([0, 0, 0, 1])) == pytest.approx(0.0)  # a = 6/12
+    five = np.ones((5, 5), bool)  # a = (4·3 + 1·0)/20 = 0.6 → Δ̄ = sqrt(0.2), m = 2·sqrt(0.2)
+    assert margin_share_bound(five, np.array([0, 0, 0, 0, 1])) == pytest.approx(2 * np.sqrt(0.2))
+    assert margin_share_bound(np.eye(3, dtype=bool), np.array([0, 1, 2])) == 1.0  # no pair within τ: flat prior
+
+
+def test_a_mixed_neighbourhood_is_flipped_more_by_serving_noise(tune_store):
+    """The label-agreement prior lowers a shard's chance where its pairs disagree, and more so for a larger σ2;
+    the flat prior (margin share uniform on [0, 1]) is its upper bound."""
+    from indknn_cli.ledger import PrivacyParams
+
+    store = FeatureStore.open(tune_store.path, mode="r")
+    data = _tune_data(store, 60)
+
+    def score(s2, prior):
+        p = PrivacyParams(epsilon=1, delta=1e-5, conversion="rdp", budget=1e4, kernel="cosine", tau=0.3,
+                          sigma1=30.0, sigma2=s2, nu=None, k_min=10.0, planned_queries=300).validate()
+        return np.mean([tuning.emulated_expected(data, params=p, run_key=k, n_shards=60, planned_queries=300,
+                                                 margin_prior=prior) for k in range(3)])
+
+    for s2 in (0.3, 3.0):
+        assert score(s2, "agreement") <= score(s2, "flat") + 1e-9
+    assert score(3.0, "flat") - score(3.0, "agreement") > score(0.3, "flat") - score(0.3, "agreement")
+
+
+def test_the_search_scores_with_the_named_emulation(monkeypatch):
+    """private_tune calls tuning.emulated_score once per grid point and names it in the ledger's record."""
+    import indknn_cli.tuning as tmod
+
+    from .conftest import clustered
+
+    calls = []
+    real = tmod.emulated_score
+
+    def spy(data, **kw):
+        calls.append(kw["params"].sigma2)
+        return real(data, **kw)
+
+    monkeypatch.setattr(tmod, "emulated_score", spy)
+    x, y, _ = clustered(80, 16, 3, seed=2, spread=0.6)
+    req = tuning.TuneRequest(epsilon=2.0, delta=1e-5, seed=1, taus=(0.2, 0.5), sigma2s=(0.3, 1.0), n_val=50,
+                             planned_queries=50)
+    rec, _ = tuning.private_tune_arrays(x, y, n_classes=3, req=req)
+    assert len(calls) == 4 and rec.emulation == tmod.EMULATION
+    assert tmod.emulated_score is not tmod.emulated_correct
+
+
+def test_selection_ceiling_closed_forms():
+    from indknn_cli.benchmarks.private_tuning import selection_ceiling
+    from indknn_cli.tuning_accounting import gumbel_scale
+
+    assert selection_ceiling([0.8, 0.8, 0.8], shards=500, rho=1e-3) == pytest.approx(0.8)
+    assert selection_ceiling([0.9, 0.5], shards=10**6, rho=1e-3) == pytest.approx(0.9)
+    b = gumbel_scale(1e-3)  # two points b·ln 2 / S apart: chosen 2/3 and 1/3 of the time
+    hi, lo = 0.8 + b * np.log(2) / 500, 0.8
+    assert selection_ceiling([hi, lo], shards=500, rho=1e-3) == pytest.approx((2 * hi + lo) / 3)

@@ -4,10 +4,11 @@ For one total ε: the tuning's ρ_run and B_serve exactly as ``index --tune priv
 every grid point
 
 * **emulated**: the fraction of shards answered correctly by :func:`indknn_cli.tuning_base.emulated_correct`
-  *without* the score's noise (mean over ``keys`` run keys and over the query draws' tuning seeds), i.e. what
-  the search's count estimates before it is noised;
+  *without* the score's noise (mean over ``keys`` run keys and over the query draws' tuning seeds), the
+  search's score until 2026-11-27;
 * **expected**: the same with :func:`indknn_cli.tuning_base.emulated_expected` (per-shard chances with serving's
-  vote noise modelled; the alternative docs/TUNING.md compares);
+  vote noise modelled, the margin share from the label agreement of the shard's pairs): the search's score now
+  (``tuning.emulated_score``), before it is noised;
 * **serving**: the accuracy of serving the draw's T queries at B_serve with that grid point (median over draws).
 
 Nothing here is private: it reads the reported queries' labels (like the oracle row). It exists to see where
