@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from indknn_cli import store_versions
 from indknn_cli.ledger import BudgetLedger
@@ -35,7 +36,7 @@ def _ok(p):
     return p
 
 
-def _world(tmp_path):
+def _build_world(tmp_path):
     """A bound store and its ledger, a backup of the store, then two people appended and one of them spent."""
     base = np.eye(D)[2:8]
     np.savez(tmp_path / "base.npz", x=base, y=np.zeros(6, int), ids=np.array([f"r{i}" for i in range(6)]))
@@ -51,6 +52,20 @@ def _world(tmp_path):
     np.savez(tmp_path / "qa.npz", x=np.tile(A, (40, 1)))
     _ok(_cli("embed", "qa.npz", "--store", "s.zarr", "--role", "query", "--batch-id", "b2", cwd=tmp_path))
     _ok(_cli("serve-queries", "b2", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))  # n0 (vector A) spends B
+
+
+@pytest.fixture(scope="module")
+def _world_template(tmp_path_factory):
+    """The world is built once per module (eight CLI processes) and copied into each test's folder."""
+    root = tmp_path_factory.mktemp("audit6-world")
+    _build_world(root)
+    return root
+
+
+@pytest.fixture
+def world(tmp_path, _world_template):
+    shutil.copytree(_world_template, tmp_path, dirs_exist_ok=True)
+    return tmp_path
 
 
 def _restore_and_reembed(tmp_path):
@@ -73,8 +88,7 @@ def _vector_a_paid(tmp_path) -> float:
     return float(led.state.spent[list(led.state.record_id).index("n0")])
 
 
-def test_a_restored_store_is_refused_before_anything_is_charged_and_names_no_record(tmp_path):
-    _world(tmp_path)
+def test_a_restored_store_is_refused_before_anything_is_charged_and_names_no_record(tmp_path, world):
     budget = BudgetLedger.open(tmp_path / "L").params.budget
     before = _spent(tmp_path)
     assert before["n0"] > 0.9 * budget and before["n1"] == 0.0
@@ -98,8 +112,7 @@ def test_a_restored_store_is_refused_before_anything_is_charged_and_names_no_rec
     assert v.returncode == 1 and "NOT verified" in v.stdout and "restored" in v.stdout and "'n0'" not in v.stdout
 
 
-def test_repair_after_a_restored_store_refunds_nothing_and_serving_charges_each_person_once(tmp_path):
-    _world(tmp_path)
+def test_repair_after_a_restored_store_refunds_nothing_and_serving_charges_each_person_once(tmp_path, world):
     budget = BudgetLedger.open(tmp_path / "L").params.budget
     _restore_and_reembed(tmp_path)
     rep = _cli("repair", "--ledger", "L", "--store", "s.zarr", cwd=tmp_path)
@@ -118,8 +131,7 @@ def test_repair_after_a_restored_store_refunds_nothing_and_serving_charges_each_
     assert _vector_a_paid(tmp_path) >= 0.9 * budget
 
 
-def test_a_normal_day_passes_and_verify_compares_every_row(tmp_path):
-    _world(tmp_path)
+def test_a_normal_day_passes_and_verify_compares_every_row(tmp_path, world):
     v = _ok(_cli("account", "--ledger", "L", "--store", "s.zarr", "--verify", cwd=tmp_path))
     assert "each of the 8 live records sits at a row holding its own record id" in " ".join(v.stdout.split())
     led = BudgetLedger.open(tmp_path / "L")
@@ -137,10 +149,9 @@ def _refused_then_repaired(tmp_path, budget, *, batch="b3"):
     assert float(BudgetLedger.open(tmp_path / "L").state.spent.max()) <= budget
 
 
-def test_a_delete_before_the_serve_does_not_let_the_restored_store_through(tmp_path):
+def test_a_delete_before_the_serve_does_not_let_the_restored_store_through(tmp_path, world):
     """Review 13, 1: an erasure (or a nightly `delete --compact`) committed against the restored store before the
     next serve moved the mark past the unchecked rows, and the serve charged person A a second B."""
-    _world(tmp_path)
     budget = BudgetLedger.open(tmp_path / "L").params.budget
     _restore_and_reembed(tmp_path)
     before = _spent(tmp_path)
@@ -152,10 +163,9 @@ def test_a_delete_before_the_serve_does_not_let_the_restored_store_through(tmp_p
     _refused_then_repaired(tmp_path, budget)
 
 
-def test_a_pending_erasure_is_not_rolled_forward_onto_a_restored_store(tmp_path):
+def test_a_pending_erasure_is_not_rolled_forward_onto_a_restored_store(tmp_path, world):
     """Review 13, 2: the serve's roll-forward of a pending erasure mapped the pending row to a ledger record by row
     number, tombstoning n0 instead of n1 and committing before any check."""
-    _world(tmp_path)
     budget = BudgetLedger.open(tmp_path / "L").params.budget
     _restore_and_reembed(tmp_path)
     _ok(_cli("delete", "--record", "n1", "--store", "s.zarr", "--ledger", "typo", cwd=tmp_path))  # pending
@@ -195,10 +205,9 @@ def test_generated_ids_do_not_hide_a_restored_store(tmp_path):
     _refused_then_repaired(tmp_path, budget)
 
 
-def test_a_store_restored_from_before_an_erasure_is_refused_and_repair_erases_again(tmp_path):
+def test_a_store_restored_from_before_an_erasure_is_refused_and_repair_erases_again(tmp_path, world):
     """Review 13, 5: a store restored from a copy taken before an erasure brought the erased record back as a
     candidate (charged, its vector served from)."""
-    _world(tmp_path)
     shutil.rmtree(tmp_path / "backup.zarr")
     shutil.copytree(tmp_path / "s.zarr", tmp_path / "backup.zarr")
     _ok(_cli("delete", "--record", "r3", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
@@ -214,10 +223,9 @@ def test_a_store_restored_from_before_an_erasure_is_refused_and_repair_erases_ag
     assert s.deleted[list(s.record_id).index("r3")]
 
 
-def test_repair_records_the_re_erasure_so_a_second_restore_is_refused(tmp_path):
+def test_repair_records_the_re_erasure_so_a_second_restore_is_refused(tmp_path, world):
     """Review 14, 1: repair committed before it erased the rows again, recording the restored copy's own version;
     the same copy restored once more then passed every check and the erased record was served again."""
-    _world(tmp_path)
     shutil.rmtree(tmp_path / "backup.zarr")
     shutil.copytree(tmp_path / "s.zarr", tmp_path / "backup.zarr")
     _ok(_cli("delete", "--record", "r3", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
@@ -232,10 +240,9 @@ def test_repair_records_the_re_erasure_so_a_second_restore_is_refused(tmp_path):
     assert s.deleted[list(s.record_id).index("r3")]
 
 
-def test_repair_after_a_ledger_rollback_keeps_a_record_embedded_again_after_its_erasure(tmp_path):
+def test_repair_after_a_ledger_rollback_keeps_a_record_embedded_again_after_its_erasure(tmp_path, world):
     """Review 14, 3: a re-admission (erased, then embedded again with consent) lost by a ledger rollback was erased
     by repair; the store's own erasure log shows the id was erased in this store, so its new row stays."""
-    _world(tmp_path)
     _ok(_cli("delete", "--record", "r3", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
     shutil.copytree(tmp_path / "L", tmp_path / "L.bak", ignore=shutil.ignore_patterns("LOCK"))
     np.savez(tmp_path / "r3.npz", x=np.eye(D)[5][None], y=np.array([0]), ids=np.array(["r3"]))
