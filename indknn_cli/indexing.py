@@ -195,7 +195,9 @@ def build_index(
                 raise LedgerError(
                     f"{ledger_path}: the ledger already exists with fixed parameters "
                     f"(ε={ledger.params.epsilon}, δ={ledger.params.delta}, B={ledger.params.budget:.6g}, "
-                    f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation"
+                    f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation. To "
+                    f"add new records, run `indknn index --ledger {ledger_path}` without --eps and the other "
+                    "privacy flags"
                 )
         else:
             if params is None:

@@ -15,7 +15,7 @@ composed with serving in ``dp_accounting.rdp.RdpAccountant``.
 * each shard answers its validation record's vector as serving would at full scale, emulated from the shard's
   own records and public figures only (:mod:`indknn_cli.tuning_base`: candidates κ ≥ τ among its P records
   stand for S times as many, with the serving budget B_serve, σ1, K_min and the depletion of T planned queries);
-* score = the sum over shards of the chance that serving answers the shard's validation record right
+* score = the sum over shards of (the chance that serving answers the shard's validation record right) ** 4
   (:func:`indknn_cli.tuning_base.emulated_expected`: serving's vote noise modelled with a margin share from the
   label agreement of the shard's pairs within τ; each term in [0, 1]) + N(0, σ_s²), σ_s = 1/sqrt(2ρ).
   (:func:`~indknn_cli.tuning_base.emulated_correct`, the count of shards whose one emulated answer is right, was
@@ -93,13 +93,14 @@ def _grid_rule(sigma2s) -> str:
 
 
 # -- the base run (tuning_base.py) ------------------------------------------------------------------------
-from .tuning_base import (BaseRunData, _coin, base_run_correct, content_keys,  # noqa: E402,F401 (re-exported)
-                          emulated_correct, emulated_expected, flip_probability, score_noise, shard_split)
+from .tuning_base import (SHARPEN, BaseRunData, _coin, base_run_correct,  # noqa: E402,F401 (re-exported)
+                          content_keys, emulated_correct, emulated_expected, flip_probability, score_noise,
+                          shard_split)
 
 
 #: The search's shard score and its name in the ledger's tuning record (docs/TUNING.md, "What a shard computes").
 emulated_score = emulated_expected
-EMULATION = "expected, margin share from label agreement"
+EMULATION = f"expected chance ** {SHARPEN:g}, margin share from label agreement"
 
 
 # -- the search -----------------------------------------------------------------------------------------------

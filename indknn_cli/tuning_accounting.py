@@ -32,8 +32,9 @@ import numpy as np
 from .errors import BadInputError
 
 #: Rényi orders of every figure here. Fewer than accounting.rdp_epsilon's 1560: dp-accounting's
-#: repeat-and-select is quadratic in the number of orders (its monotonicity pass). A coarser grid only
-#: makes ε larger (min over fewer orders), never smaller, so it stays an upper bound.
+#: repeat-and-select is quadratic in the number of orders (its monotonicity pass). ε at δ is a minimum over
+#: the orders given, each a valid bound, so any grid gives an upper bound; a different grid (dp-accounting's
+#: default orders, say) gives a slightly different one (docs/TUNING.md, "Accounting").
 ORDERS = tuple(float(a) for a in np.concatenate([np.linspace(1.02, 8, 80), np.linspace(8.25, 64, 60),
                                                   np.geomspace(66, 1e5, 40)]))
 POISSON = math.inf

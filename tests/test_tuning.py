@@ -691,3 +691,19 @@ def test_selection_ceiling_closed_forms():
     b = gumbel_scale(1e-3)  # two points b·ln 2 / S apart: chosen 2/3 and 1/3 of the time
     hi, lo = 0.8 + b * np.log(2) / 500, 0.8
     assert selection_ceiling([hi, lo], shards=500, rho=1e-3) == pytest.approx((2 * hi + lo) / 3)
+
+
+def test_sharpening_keeps_each_term_in_zero_one(tune_store):
+    """c ** SHARPEN ≤ c for every shard's chance c in [0, 1]: the sharpened score is at most the sum of chances and
+    at least 0, and sharpen = 1 is the chance itself (the sensitivity test above runs the default)."""
+    from indknn_cli.ledger import PrivacyParams
+    from indknn_cli.tuning_base import SHARPEN
+
+    store = FeatureStore.open(tune_store.path, mode="r")
+    data = _tune_data(store, 40)
+    p = PrivacyParams(epsilon=1, delta=1e-5, conversion="rdp", budget=0.05, kernel="cosine", tau=0.3, sigma1=20.0,
+                      sigma2=0.5, nu=None, k_min=5.0, planned_queries=100).validate()
+    one = tuning.emulated_expected(data, params=p, run_key=3, n_shards=40, planned_queries=100, sharpen=1.0)
+    sharp = tuning.emulated_expected(data, params=p, run_key=3, n_shards=40, planned_queries=100)
+    assert SHARPEN > 1 and 0 <= sharp < one <= 40
+    assert f"** {SHARPEN:g}" in tuning.EMULATION

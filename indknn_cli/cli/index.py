@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -75,6 +76,16 @@ def index_command(
         params = None
         if planned_queries < 1:  # make_params would take 0 for "not given" and use 1000
             raise BadInputError(f"--planned-queries must be ≥ 1, got {planned_queries}")
+        given = [flag for flag, on in (("--tune-share", tune_share != DEFAULT_TUNE_SHARE),
+                                       ("--tune-method", tune_method != DEFAULT_TUNE_METHOD),
+                                       ("--tune-runs", tune_runs is not None), ("--tune-shape", tune_shape is not None),
+                                       ("--tune-taus", tune_taus is not None),
+                                       ("--tune-sigma2s", tune_sigma2s is not None),
+                                       ("--tune-queries", tune_queries != DEFAULT_TUNE_QUERIES),
+                                       ("--tune-seed", tune_seed is not None)) if on]
+        if tune is None and given:  # silently ignored before (review 16, F3)
+            raise BadInputError(f"{given[0]} applies to --tune private (or public): give --tune, or leave "
+                                f"{given[0]} out")
         if tune is not None:
             if eps is None:
                 raise BadInputError("--tune needs --eps (the total ε, tuning included)")
@@ -121,6 +132,15 @@ def index_command(
                "τ, σ2 and its noisy score); ") +
             f"the search costs ε={tuned['epsilon_tuning']:.4g} of the total ε={tuned['epsilon_total']:.4g} "
             f"at δ={delta:g} (RDP, record unit, add/remove one record); serving B={result.params.budget:.6g}"))
+    if tuned.get("mode") == "private" and result.created and tuned.get("method") == "exp-mech":
+        # public figures only (ε, share, S): how much a better grid point is preferred (review 16, F1)
+        odds = math.exp(0.05 * tuned["validation_queries"] * math.sqrt(2.0 * tuned["rho_run"]))
+        if odds < 1.5:
+            stderr_console().print(escape(
+                f"warning: at this ε the search's noise is large against its {tuned['validation_queries']} shards: a "
+                f"grid point right on 5 % more of them is chosen only {odds:.2f}× as often as another, so the choice "
+                "is close to a random pick from the grid; prefer --tau/--sigma2 chosen on public data, --tune public, "
+                "or a larger --tune-share"), style="yellow")
     if tuned.get("mode") == "private" and result.created and tuned.get("seed") is not None:
         # audit 5, F2: the seed is in the ledger, and with it the search's coins and noise can be recomputed
         stderr_console().print(escape(
@@ -144,10 +164,13 @@ OPERATOR_ONLY_NOTE = ("operator-only: records and records_added are exact counts
 
 
 def _floats(text: str, flag: str) -> tuple:
+    items = [v.strip() for v in text.split(",")]
+    if any(not v for v in items):  # "0.1,,0.2" or "0.3,": a typo, not a grid (review 16, F2)
+        raise BadInputError(f"{flag} must be comma-separated numbers without empty items, got {text!r}")
     try:
-        vals = tuple(float(v) for v in text.split(",") if v.strip())
+        vals = tuple(float(v) for v in items)
     except ValueError:
         raise BadInputError(f"{flag} must be comma-separated numbers, got {text!r}") from None
-    if not vals:
-        raise BadInputError(f"{flag} must list at least one number, got {text!r}")
+    if len(set(vals)) != len(vals):  # a repeated point would count twice in the exponential mechanism
+        raise BadInputError(f"{flag} lists a value twice, got {text!r}")
     return vals

@@ -164,7 +164,9 @@ def serve_command(
     result = run_library_call(call)
     if result.already_answered and not result.newly_answered:
         err.print(escape(f"batch {result.batch_id!r} was already answered: returned its "
-                         f"{count(result.already_answered, 'released answer')}; nothing charged, no new noise"))
+                         f"{count(result.already_answered, 'released answer')}; nothing charged, no new noise"
+                         + ("; they are returned as released, whatever this run's --min-margin (it applies to new "
+                            "answers only)" if min_margin is not None else "")))
     else:
         # Public figures only (SPEC §8): this message may reach whoever reads the job's output.
         left = (f"; {result.allowance.left} of T = {result.allowance.max_queries} left"
