@@ -19,8 +19,8 @@ with :func:`emulated_expected`: the shard's *chance* of being answered right, wi
 (the margin share read from the label agreement of the shard's pairs within τ), which a shard's own one or two
 candidates cannot show (docs/TUNING.md, "What a shard computes").
 
-Privacy does not rest on any of this: the score counts shards answered correctly, and one record changes at
-most its own shard's answer, whatever the shard computes (tuning.py), so the count's sensitivity is 1.
+Privacy does not rest on any of this: the score is a sum of per-shard terms in [0, 1], and one record changes at
+most its own shard's term, whatever the shard computes (tuning.py), so the score's sensitivity is 1.
 """
 
 from __future__ import annotations
