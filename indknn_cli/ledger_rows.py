@@ -48,3 +48,20 @@ def check_rows_hold_records(ledger, store) -> int:
             "repair --ledger LEDGER --store STORE`: it retires every record at its budget (no refund) and "
             "brings the store's rows in as they are now")
     return int(live.size)
+
+
+def check_erased_owners(ledger, store) -> int:
+    """Refuse (LedgerIntegrityError, naming no id) when the ledger holds a record id under another user than the one
+    the store's erasure log erased it for: a ``repair`` before audit 7 could hand an erased user's tombstone (and
+    its spent) to another user, and a compaction since leaves no event row behind to show it (review 15, 2).
+    Returns the number of erasure-log entries compared."""
+    owner = {str(r): str(u or "") for r, u in zip(ledger.state.record_id, ledger.state.user_id)}
+    logged = [(str(r), str(u or "")) for r, u in store.erased_ids() if u]
+    moved = {r for r, u in logged if owner.get(r) not in (None, "", u)}
+    if moved:
+        raise LedgerIntegrityError(
+            f"{store.path}: {count(len(moved), 'record id')} the store erased for one user the ledger now holds under "
+            "another (a `repair` by a version before audit 7 moved the tombstone): the first user's later records "
+            "do not start at what they had spent. Not repairable automatically; see AUDIT_FINDINGS_7.md (review 15, "
+            "2) and compare the store's erased-ids.jsonl with `indknn account --export`")
+    return len(logged)

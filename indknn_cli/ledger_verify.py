@@ -12,7 +12,7 @@ from . import store_versions
 from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import check_binding, head_seq, read_mark, snapshot_is_chained
-from .ledger_rows import check_rows_hold_records
+from .ledger_rows import check_erased_owners, check_rows_hold_records
 from .wording import count
 
 def verify_ledger(ledger_path, *, store_path=None) -> dict:
@@ -45,6 +45,7 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
             m = info["mark"]
             store_versions.check(store, ledger)  # the store the ledger last wrote against (not an older copy)
             compared = check_rows_hold_records(ledger, store)
+            check_erased_owners(ledger, store)
             out["store"] = {
                 "path": str(store.path), "store_uuid": store.uuid, "recorded_by_ledger": not explicit,
                 "bound": info["bound"], "bound_ledger_uuid": (info["binding"] or {}).get("ledger_uuid"),

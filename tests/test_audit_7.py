@@ -150,3 +150,23 @@ def test_repair_keeps_the_tombstone_when_the_kept_ledger_never_saw_the_erased_id
     _ok(_cli("serve-queries", "q4.npz", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
     # her tombstone was written at B by repair (lost history: no refund), and her new record starts there
     assert _records(tmp_path, "alice")["a2"][0] >= paid - 1e-12
+
+
+def test_verify_reports_an_erased_id_held_by_another_user(tmp_path):
+    """Review 15, 2: a ledger in which an earlier version's repair moved an erased user's record to another user
+    (compacted since, so no event row shows it) is reported by `account --verify` (exit 1, no id named); the store's
+    erasure log is the evidence. Simulated by an erasure-log line naming another user for a live record."""
+    import json
+
+    np.savez(tmp_path / "p.npz", x=np.eye(D)[:4], y=[0, 1, 0, 1], ids=np.array(["r0", "r1", "r2", "r3"]),
+             users=np.array(["u0", "u1", "u2", "u3"]))
+    _ok(_cli("embed", "p.npz", "--store", "s.zarr", "--extractor", "vectors", "--label-names", "0,1", "-q",
+             cwd=tmp_path))
+    _ok(_cli("index", "--store", "s.zarr", "--ledger", "L", "--eps", "1", "-q", cwd=tmp_path))
+    _ok(_cli("delete", "--record", "r0", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
+    assert _cli("account", "--ledger", "L", "--store", "s.zarr", "--verify", cwd=tmp_path).returncode == 0
+    with open(tmp_path / "s.zarr" / "erased-ids.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"record_id": "r1", "user_id": "alice"}) + "\n")
+    p = _cli("account", "--ledger", "L", "--store", "s.zarr", "--verify", cwd=tmp_path)
+    assert p.returncode == 1 and "holds under another" in (p.stdout + p.stderr)
+    assert "r1" not in p.stdout + p.stderr and "alice" not in p.stdout + p.stderr
