@@ -312,7 +312,9 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # from a copy older than the erasure brought the record back. They are erased again below, never brought into
     # the ledger (audit 6 review). An id the store's log names was erased in this store and embedded again since
     # (a re-admission the kept ledger lost in a rollback): kept, brought in retired like any other row (review 14).
-    logged = {rid for rid, _ in store.erased_ids()}
+    quarantined = [quarantine / p.name for p in moved]
+    lost_ids, store_erased = _ids_in_lost_events(quarantined), store.erased_ids()  # each read once
+    logged = {rid for rid, _ in store_erased}
     erased_ids = {str(r) for r in s.record_id[s.deleted]} - logged
     back = np.asarray([r for r in new_rows if str(ids[r]) in erased_ids], np.int64)
     new_rows = np.setdiff1d(new_rows, back)
@@ -322,7 +324,7 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # Ids the kept ledger lost (a rollback, lost events) keep their first owner from the readable quarantined events
     # and the store's erasure log (review 15, 1).
     owner = {str(r): str(u or "") for r, u in zip(s.record_id, s.user_id)}
-    for rid, uid in _ids_in_lost_events([quarantine / p.name for p in moved]) + store.erased_ids():
+    for rid, uid in lost_ids + store_erased:
         owner.setdefault(str(rid), str(uid or ""))
     other_user = np.asarray([r for r in new_rows if owner.get(str(ids[r])) not in (None, "", str(users[r] or ""))],
                             np.int64)
@@ -348,18 +350,18 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # erased there must keep a tombstone at B, or a returning id (or user) would start afresh (SPEC §8).
     live_ids = {str(ids[r]) for r in new_rows}
     lost_tombs = []
-    for rid, uid in _ids_in_lost_events([quarantine / p.name for p in moved]):
+    for rid, uid in lost_ids:
         if rid not in index_of and rid not in live_ids:
             lost_tombs.append(add(rid, uid, -1))
     # Ids the store erased that the kept ledger does not know: added and erased in events that are gone (a
     # rollback removes them; no quarantined file names them). The erasure blanked them in the store, its log
     # kept them (FeatureStore.erased_ids): tombstoned at B like the others.
-    for rid, uid in store.erased_ids():
+    for rid, uid in store_erased:
         if rid not in index_of and rid not in live_ids:
             lost_tombs.append(add(rid, uid, -1))
     tomb = np.concatenate([tomb, np.asarray(lost_tombs, np.int64)]).astype(np.int64)
     index_rid = dict(zip(add_li, add_rid))
-    lost_answers, unreadable = _answers_in_lost_events([quarantine / p.name for p in moved])
+    lost_answers, unreadable = _answers_in_lost_events(quarantined)
     refused = 0
     if lost_answers is not None:  # never twice, and only rows that fit the store (_checked_answers)
         have = {(b, int(q)) for b, q in zip(s.answer_column("batch_id", object), s.answer_column("query_index",

@@ -26,6 +26,20 @@ def _records(tmp_path, user):
             if str(u or "") == user}
 
 
+def _alice_spends_then_her_erased_id_returns_under_bob(tmp_path, rid, v, rng) -> tuple[float, float]:
+    """120 queries at alice's vector spend her record ``rid`` to about B; it is erased, then embedded again under
+    bob (the row stays out of the ledger). Returns (what she had paid, B)."""
+    np.savez(tmp_path / "q1.npz", x=np.tile(v, (120, 1)) + 1e-3 * rng.standard_normal((120, D)))
+    _ok(_cli("serve-queries", "q1.npz", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
+    budget = BudgetLedger.open(tmp_path / "L").params.budget
+    paid = _records(tmp_path, "alice")[rid][0]
+    assert paid > 0.9 * budget
+    _ok(_cli("delete", "--record", rid, "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
+    np.savez(tmp_path / "back.npz", x=v[None, :], y=[0], ids=np.array([rid]), users=np.array(["bob"]))
+    _ok(_cli("embed", "back.npz", "--store", "s.zarr", "-q", cwd=tmp_path))
+    return paid, budget
+
+
 @pytest.mark.parametrize("unit", ["user", "record"])
 def test_repair_keeps_an_erased_users_tombstone_when_its_id_comes_back_under_another_user(tmp_path, unit):
     rng = np.random.default_rng(0)
@@ -40,15 +54,7 @@ def test_repair_keeps_an_erased_users_tombstone_when_its_id_comes_back_under_ano
              cwd=tmp_path))
     _ok(_cli("index", "--store", "s.zarr", "--ledger", "L", "--eps", "1", "--privacy-unit", unit, "--tau", "0.9",
              "--planned-queries", "120", "-q", cwd=tmp_path))
-    np.savez(tmp_path / "q1.npz", x=np.tile(v, (120, 1)) + 1e-3 * rng.standard_normal((120, D)))
-    _ok(_cli("serve-queries", "q1.npz", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
-    budget = BudgetLedger.open(tmp_path / "L").params.budget
-    paid = _records(tmp_path, "alice")["r1"][0]
-    assert paid > 0.9 * budget
-    _ok(_cli("delete", "--record", "r1", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
-    # the erased id comes back under another user: the row stays out of the ledger
-    np.savez(tmp_path / "back.npz", x=v[None, :], y=[0], ids=np.array(["r1"]), users=np.array(["bob"]))
-    _ok(_cli("embed", "back.npz", "--store", "s.zarr", "-q", cwd=tmp_path))
+    paid, budget = _alice_spends_then_her_erased_id_returns_under_bob(tmp_path, "r1", v, rng)
     np.savez(tmp_path / "q2.npz", x=rng.standard_normal((5, D)))
     _ok(_cli("serve-queries", "q2.npz", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
     # ordinary damage: a crash leaves the newest event half written; repair
@@ -126,14 +132,7 @@ def test_repair_keeps_the_tombstone_when_the_kept_ledger_never_saw_the_erased_id
     before = sorted(os.listdir(tmp_path / "L" / "events"))
     np.savez(tmp_path / "alice.npz", x=v[None, :], y=[0], ids=np.array(["ra"]), users=np.array(["alice"]))
     _ok(_cli("embed", "alice.npz", "--store", "s.zarr", "-q", cwd=tmp_path))
-    np.savez(tmp_path / "q1.npz", x=np.tile(v, (120, 1)) + 1e-3 * rng.standard_normal((120, D)))
-    _ok(_cli("serve-queries", "q1.npz", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
-    budget = BudgetLedger.open(tmp_path / "L").params.budget
-    paid = _records(tmp_path, "alice")["ra"][0]
-    assert paid > 0.9 * budget
-    _ok(_cli("delete", "--record", "ra", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
-    np.savez(tmp_path / "back.npz", x=v[None, :], y=[0], ids=np.array(["ra"]), users=np.array(["bob"]))
-    _ok(_cli("embed", "back.npz", "--store", "s.zarr", "-q", cwd=tmp_path))
+    paid, _ = _alice_spends_then_her_erased_id_returns_under_bob(tmp_path, "ra", v, rng)
     if damage == "rollback":
         shutil.rmtree(tmp_path / "L")
         shutil.copytree(tmp_path / "L_backup", tmp_path / "L")
