@@ -392,7 +392,7 @@ def find_candidates(
 
 
 def _find_on_gpu(queries, source, dev, *, kernel, tau, nu, threshold, row_mask, strictly_before, max_pairs,
-                 fp16=None) -> Candidates:
+                 fp16=None, fused=None) -> Candidates:
     """find_candidates on a CUDA device (:mod:`indknn_cli.gpu_screen`): the same candidates and κ, bit for bit.
 
     The store's rows stay on the device for the run where they fit (_resident_blocks), else each chunk is
@@ -408,14 +408,36 @@ def _find_on_gpu(queries, source, dev, *, kernel, tau, nu, threshold, row_mask, 
                               fp32_margin=screening_margin(d), row_mask=row_mask, strictly_before=strictly_before,
                               fp16=fp16)
     resident = _resident_blocks(source, dev)
-    blocks = resident if resident is not None else (
-        (start, torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev))
-        for start, block in source.chunks() if block.shape[0])
     rows_total = _source_rows(source)
     # With a pair bound, each step counts its passing pairs before making any (TooManyPairs past the bound):
     # the device then holds the step's scores and mask (sized by the batch, public) and at most max_pairs
     # pairs. Without one, the step is sized for every pair passing.
     counted = max_pairs is not None and m > 1
+    forced = fused is True  # (tests) a failure of the fused path is raised, not covered by gpu_screen's path
+    if fused is None:  # the fused kernels (gpu_fused): rows resident as one tensor, a pair bound, fp16 usable
+        from . import gpu_fused
+
+        fused = (counted and gs.fp16 and resident is not None and len(resident) == 1 and resident[0][0] == 0
+                 and resident[0][1].shape[0] < 2**31 and gpu_fused.wanted(dev) and gpu_fused.usable(dev, d))
+    if fused:
+        from . import gpu_fused
+
+        if resident is None:  # every row in one tensor (tests on torch's CPU device, in Triton's interpreter)
+            resident = [(0, torch.from_numpy(np.ascontiguousarray(
+                np.concatenate([b for _s, b in source.chunks()]), dtype=np.float32)).to(dev))]
+        try:
+            qi, rows, sums = gpu_fused.find_pass(gs, resident[0][1],
+                                                 max_pass=max_pairs if counted else m * rows_total)
+        except Exception as exc:  # nothing is charged or released here: gpu_screen's path, the same candidates
+            if forced or isinstance(exc, TooManyPairs):
+                raise
+            gpu_fused.mark_unusable(dev, d)
+        else:
+            qi, rows, kap = gs.collect([qi], [rows], [sums])
+            return CsrCandidates(np.searchsorted(qi, np.arange(m + 1)).astype(np.int64), rows, kap)
+    blocks = resident if resident is not None else (
+        (start, torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32)).to(dev))
+        for start, block in source.chunks() if block.shape[0])
     per_pair = gpu_screen.STEP_PAIR_BYTES_COUNTED if counted else gpu_screen.STEP_PAIR_BYTES_ALL
     step = gpu_screen.step_rows(m, rows_total if rows_total is not None else 1 << 30,
                                 budget=gpu_screen.step_bytes(dev), per_pair=per_pair)

@@ -135,6 +135,21 @@ def _leaf_sums(view):
     return s
 
 
+def leaf_tree(leaf, plan: np.ndarray):
+    """numpy's sums from the (P, leaves) sums of a plan's uniform leaves (:func:`_uniform_leaves`): the plan's
+    tree adds them in its order, then the reduction's identity 0.0 is added (−0.0 → +0.0)."""
+    stack = []
+    k = 0
+    for a, _n in plan.tolist():
+        if a < 0:
+            right = stack.pop()
+            stack.append(stack.pop() + right)
+        else:
+            stack.append(leaf[:, k])
+            k += 1
+    return stack[0] + 0.0
+
+
 def numpy_order_sums(terms, plan: np.ndarray):
     """Row sums of a (P, d) float64 tensor in numpy's pairwise order (``exact_jit.pairwise_plan(d)``): each
     addition a separate elementwise IEEE operation, so the bits are numpy's ``terms.sum(axis=1)``. Leaves of
@@ -147,16 +162,7 @@ def numpy_order_sums(terms, plan: np.ndarray):
     n_uniform = _uniform_leaves(plan)
     if n_uniform is not None:
         n_leaves = int((plan[:, 0] >= 0).sum())
-        leaf = _leaf_sums(terms[:, :n_leaves * n_uniform].reshape(p, n_leaves, n_uniform))  # (P, leaves)
-        k = 0
-        for a, _n in plan.tolist():
-            if a < 0:
-                right = stack.pop()
-                stack.append(stack.pop() + right)
-            else:
-                stack.append(leaf[:, k])
-                k += 1
-        return stack[0] + 0.0
+        return leaf_tree(_leaf_sums(terms[:, :n_leaves * n_uniform].reshape(p, n_leaves, n_uniform)), plan)
     for a, n in plan.tolist():
         if a < 0:
             right = stack.pop()
@@ -305,8 +311,10 @@ class GpuScreen:
         if fp16 is None:
             fp16 = fp16_usable(dev, self.dim)
         self.fp16 = bool(fp16 and math.isfinite(q_norm) and q_norm <= MAX_QUERY_NORM)
+        self.threshold = float(threshold)
         if self.fp16:
-            margin = SAFETY * fp16_screen_margin(dim=self.dim, norm_x=NORM_SLACK, norm_q=NORM_SLACK * q_norm)
+            self.fp16_margin = fp16_screen_margin(dim=self.dim, norm_x=NORM_SLACK, norm_q=NORM_SLACK * q_norm)
+            margin = SAFETY * self.fp16_margin
             self.level = torch.tensor(_round_down_f16(threshold - margin), dtype=torch.float16, device=dev)
             self.q_s = self.q_t.to(torch.float16)
         else:

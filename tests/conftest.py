@@ -36,6 +36,46 @@ def queries_at_level(x: np.ndarray, *, level: float, count: int, seed: int, spre
     return np.asarray(out, dtype=np.float32)
 
 
+def threshold_world(kernel: str, tau: float, nu, *, rows: int, queries: int, chunk: int, d: int = 96):
+    """Clustered rows (a chunked ArraySource), queries around them, 20 private rows as queries and ``queries``
+    placed at the kernel's dot threshold, and a row mask dropping every 7th row: (q, source, mask, threshold)."""
+    from indknn_cli.candidates import ArraySource, dot_threshold
+
+    x, _, _ = clustered(rows, d, 4, seed=3)
+    thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
+    q, _, _ = clustered(queries, d, 4, seed=4)
+    at = queries_at_level(x, level=thr, count=queries, seed=5, spread=5)
+    q = np.concatenate([q, x[:20], at]).astype(np.float32)
+    mask = np.ones(len(x), bool)
+    mask[::7] = False
+    return q, ArraySource(x, rows=chunk), mask, thr
+
+
+def reuse_world():
+    """800 rows and 200 of them as queries, each query's rows limited to those before row index + 300 (the
+    reuse pool's ``strictly_before``): (x, q, limit)."""
+    x, _, _ = clustered(800, 32, 3, seed=6)
+    return x, x[:200] + 0.0, np.arange(len(x))[:200] + 300
+
+
+def one_way_rounding_world():
+    """Rows of k components a = 0.0625 + 2^-15 − 2^-24, each rounded down to 0.0625 in fp16, and τ the exact x·x
+    of row 40: a screen without its margin loses (query 10, row 40). (x, q, τ)."""
+    a = np.float32(0.0625 + 2.0**-15 - 2.0**-24)
+    x = np.zeros((137, 256), np.float32)
+    for i, k in enumerate(range(120, 257)):
+        x[i, :k] = a
+    return x, x[30:50].copy(), float(x[40].astype(np.float64) @ x[40].astype(np.float64))
+
+
+def assert_same_candidates(a, b):
+    """Two Candidates equal: rows, and κ bit for bit, query by query."""
+    assert len(a.rows) == len(b.rows)
+    for t in range(len(a.rows)):
+        assert np.array_equal(a.rows[t], b.rows[t]), t
+        assert np.array_equal(a.kappa[t].view(np.int64), b.kappa[t].view(np.int64)), t
+
+
 @pytest.fixture
 def vector_store(tmp_path):
     """A store of 300 clustered private vectors (d=16, 3 classes) and a 40-query batch `q1`."""

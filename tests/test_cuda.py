@@ -128,3 +128,32 @@ def test_cli_serve_on_cuda_equals_cpu(tmp_path):
     for name in ("spent", "times_selected", "deleted"):
         assert np.array_equal(getattr(a.state, name), getattr(b.state, name)), name
     assert a.state.answers == b.state.answers
+
+
+@pytest.mark.parametrize("d", [384, 768])
+@pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.55, None), ("rbf", 0.4, 1.0)])
+def test_fused_kernels_give_the_cpu_candidates_on_cuda(tmp_path, monkeypatch, d, kernel, tau, nu):
+    """The fused kernels (gpu_fused), compiled: their probe passes on this GPU, a pass over a resident store
+    with a pair bound takes them (spied), and the candidates and κ are the CPU's, bit for bit."""
+    pytest.importorskip("triton")
+    from indknn_cli import gpu_fused
+
+    assert gpu_fused.usable(torch.device("cuda"), d)
+    x, y, _ = clustered(7000, d, 4, seed=13)
+    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=d,
+                                label_names=list("abcd"), chunk_rows=1000)
+    store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(len(x))])
+    mask = np.ones(len(x), bool)
+    mask[::5] = False
+    calls = []
+    real = gpu_fused.find_pass
+    monkeypatch.setattr(gpu_fused, "find_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    src = StoreSource(FeatureStore.open(store.path))
+    for seed in (50, 51):
+        q = _stream(x, d, level=dot_threshold(kernel=kernel, tau=tau, nu=nu), seed=seed)
+        cpu = find_candidates(q, ArraySource(x, rows=1000), kernel=kernel, tau=tau, nu=nu, device="cpu", row_mask=mask)
+        gpu = find_candidates(q, src, kernel=kernel, tau=tau, nu=nu, device="cuda", row_mask=mask, max_pairs=10**7)
+        assert sum(r.size for r in cpu.rows) > 0
+        for t in range(len(q)):
+            assert np.array_equal(cpu.rows[t], gpu.rows[t]) and np.array_equal(cpu.kappa[t], gpu.kappa[t]), t
+    assert len(calls) == 2

@@ -16,7 +16,7 @@ from indknn_cli import candidates, gpu_screen
 from indknn_cli.candidates import ArraySource, TooManyPairs, dot_threshold, exact_sums, find_candidates
 from indknn_cli.exact_jit import pairwise_plan
 
-from .conftest import clustered, queries_at_level
+from .conftest import assert_same_candidates, clustered, one_way_rounding_world, reuse_world, threshold_world
 
 CPU = torch.device("cpu")
 
@@ -47,60 +47,36 @@ def test_pair_sums_equal_exact_sums(kernel, d):
     assert np.array_equal(got.view(np.int64), want.view(np.int64))
 
 
-def _same(a, b):
-    assert len(a.rows) == len(b.rows)
-    for t in range(len(a.rows)):
-        assert np.array_equal(a.rows[t], b.rows[t]), t
-        assert np.array_equal(a.kappa[t].view(np.int64), b.kappa[t].view(np.int64)), t
-
-
 @pytest.mark.parametrize("fp16", [True, False])
 @pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.55, None), ("rbf", 0.4, 1.0), ("rbf", 0.3, 0.05)])
 def test_device_path_gives_the_cpu_candidates(kernel, tau, nu, fp16):
-    d = 96
-    x, _, _ = clustered(3000, d, 4, seed=3)
-    thr = dot_threshold(kernel=kernel, tau=tau, nu=nu)
-    q, _, _ = clustered(300, d, 4, seed=4)
-    at = queries_at_level(x, level=thr, count=300, seed=5, spread=5)
-    q = np.concatenate([q, x[:20], at]).astype(np.float32)
-    src = ArraySource(x, rows=1000)
-    mask = np.ones(len(x), bool)
-    mask[::7] = False
+    q, src, mask, thr = threshold_world(kernel, tau, nu, rows=3000, queries=300, chunk=1000)
     want = find_candidates(q, src, kernel=kernel, tau=tau, nu=nu, device="cpu", row_mask=mask)
     got = candidates._find_on_gpu(q, src, CPU, kernel=kernel, tau=tau, nu=nu, threshold=thr, row_mask=mask,
                                   strictly_before=None, max_pairs=None, fp16=fp16)
     assert sum(r.size for r in want.rows) > 100
-    _same(want, got)
+    assert_same_candidates(want, got)
 
 
 def test_strictly_before_as_the_reuse_pool_uses_it():
-    d = 32
-    x, _, _ = clustered(800, d, 3, seed=6)
-    limit = np.arange(len(x))[:200] + 300
-    q = x[:200] + 0.0
+    x, q, limit = reuse_world()
     want = find_candidates(q, ArraySource(x), kernel="cosine", tau=0.6, nu=None, device="cpu", strictly_before=limit)
     got = candidates._find_on_gpu(q, ArraySource(x), CPU, kernel="cosine", tau=0.6, nu=None, threshold=0.6,
                                   row_mask=None, strictly_before=limit, max_pairs=None, fp16=True)
-    _same(want, got)
+    assert_same_candidates(want, got)
 
 
 def test_the_fp16_margin_is_what_keeps_pairs_at_the_threshold(monkeypatch):
     """Rounding that runs one way: rows of k components a = 0.0625 + 2^-15 − 2^-24, each rounded down to 0.0625
     in fp16, and τ = the exact x·x of one of them. Without the margin the fp16 screen drops the pair whose exact
     dot is τ (the test can fail); with it, the candidates are the CPU path's."""
-    d = 256
-    a = np.float32(0.0625 + 2.0**-15 - 2.0**-24)
-    x = np.zeros((137, d), np.float32)
-    for i, k in enumerate(range(120, 257)):
-        x[i, :k] = a
-    tau = float(x[40].astype(np.float64) @ x[40].astype(np.float64))
-    q = x[30:50].copy()
+    x, q, tau = one_way_rounding_world()
     src = ArraySource(x)
     want = find_candidates(q, src, kernel="cosine", tau=tau, nu=None, device="cpu")
     assert 40 in want.rows[10]
     kw = dict(kernel="cosine", tau=tau, nu=None, threshold=tau, row_mask=None, strictly_before=None, max_pairs=None,
               fp16=True)
-    _same(want, candidates._find_on_gpu(q, src, CPU, **kw))
+    assert_same_candidates(want, candidates._find_on_gpu(q, src, CPU, **kw))
     monkeypatch.setattr(gpu_screen, "SAFETY", 0.0)
     lost = candidates._find_on_gpu(q, src, CPU, **kw)
     assert 40 not in lost.rows[10]
