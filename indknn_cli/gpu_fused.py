@@ -46,8 +46,15 @@ MAX_GRID_Y = 65535
 #: Device bytes of one launch's fp16 copy of rows.
 LAUNCH_BYTES = 1 << 30
 
+#: Largest pair bound of one pass: positions and the arrays' length stay int32 (a larger bound is clamped to
+#: it; more passing pairs than that raise TooManyPairs, the batch halves, the same answers).
+MAX_CAP = 2**31 - 1
+
 _lock = threading.Lock()
 _usable: dict[tuple[str, int], bool] = {}
+#: Held while a kernel is launched (and, the first time, compiled): the pass screened ahead and a part screening
+#: itself may launch at once, and Triton's compile is not known to be safe from two threads (review 17).
+_launch_lock = threading.Lock()
 
 
 def _kernels():
@@ -94,9 +101,10 @@ def _launch_screen(q16, x16, *, row0: int, level: float, mask, out_q, out_r, cou
     m, d = q16.shape
     n = x16.shape[0]
     grid = (triton_cdiv(m, BM), triton_cdiv(n, BN))
-    k.screen[grid](q16, x16, mask if mask is not None else count, m, n, row0, level, out_q, out_r, count, cap,
-                   D=d, HAS_MASK=mask is not None, SCORES=scores, BM=BM, BN=BN, BK=BK,
-                   num_warps=WARPS, num_stages=STAGES)
+    with _launch_lock:
+        k.screen[grid](q16, x16, mask if mask is not None else count, m, n, row0, level, out_q, out_r, count, cap,
+                       D=d, HAS_MASK=mask is not None, SCORES=scores, BM=BM, BN=BN, BK=BK,
+                       num_warps=WARPS, num_stages=STAGES, enable_fp_fusion=False)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -113,8 +121,9 @@ def leaf_pair_sums(x_t, ri, q_t, qi, *, kernel: str, plan: np.ndarray):
     p = int(ri.shape[0])
     out = torch.empty((p, leaves), dtype=torch.float64, device=x_t.device)
     if p:
-        _kernels().leaf_sums[(triton_cdiv(p, BP),)](x_t, q_t, ri, qi, p, out, D=d, LEAF=leaf, NLEAF=leaves,
-                                                     RBF=kernel != "cosine", BP=BP, enable_fp_fusion=False)
+        with _launch_lock:
+            _kernels().leaf_sums[(triton_cdiv(p, BP),)](x_t, q_t, ri, qi, p, out, D=d, LEAF=leaf, NLEAF=leaves,
+                                                         RBF=kernel != "cosine", BP=BP, enable_fp_fusion=False)
     return gpu_screen.leaf_tree(out, plan)
 
 
@@ -134,7 +143,7 @@ def find_pass(gs, x_t, *, max_pass: int):
     if x_t.dtype != torch.float32 or not x_t.is_contiguous():
         raise TypeError(f"find_pass needs contiguous float32 rows, got {x_t.dtype}")
     dev = gs.dev
-    cap = max(1, int(max_pass))
+    cap = max(1, min(int(max_pass), MAX_CAP))
     out_q = torch.empty(cap, dtype=torch.int32, device=dev)
     out_r = torch.empty(cap, dtype=torch.int32, device=dev)
     count = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -153,9 +162,18 @@ def find_pass(gs, x_t, *, max_pass: int):
     if gs.before_t is not None:
         keep = rows.long() < gs.before_t[qi.long()]
         qi, rows = qi[keep], rows[keep]
-    sums = leaf_pair_sums(x_t, rows, gs.q_t, qi, kernel=gs.kernel, plan=gs.plan)
-    ok = sums >= gs.tau if gs.limit is None else sums <= gs.limit
-    return qi[ok].long(), rows[ok].long(), sums[ok]
+    # The recompute in slices of gs.slice pairs (gpu_screen.RECOMPUTE_BYTES of device memory each, as
+    # gpu_screen's): its float64 leaf sums are held for one slice at a time, whatever the pairs passed (review 17).
+    out_q, out_r, out_s = [], [], []
+    for lo in range(0, int(qi.shape[0]), gs.slice):
+        sq, sr = qi[lo:lo + gs.slice], rows[lo:lo + gs.slice]
+        sums = leaf_pair_sums(x_t, sr, gs.q_t, sq, kernel=gs.kernel, plan=gs.plan)
+        ok = sums >= gs.tau if gs.limit is None else sums <= gs.limit
+        out_q.append(sq[ok].long()); out_r.append(sr[ok].long()); out_s.append(sums[ok])
+    if not out_q:
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        return empty, empty, torch.empty(0, dtype=torch.float64, device=dev)
+    return torch.cat(out_q), torch.cat(out_r), torch.cat(out_s)
 
 
 def _probe(dev, dim: int) -> bool:
@@ -199,14 +217,18 @@ def _probe(dev, dim: int) -> bool:
     _launch_screen(q16, x16, row0=0, level=level, mask=None, out_q=out_q, out_r=out_r, count=count, cap=cap)
     if not _same_pairs(out_q, out_r, count, np.argwhere(got >= level)):
         return False
-    keep = np.arange(rows) % 3 != 1  # with a row mask (the variant serve-queries launches)
+    # With a row mask (the variant serve-queries launches), the rows in two launches (the second from row 333:
+    # row0 > 0 offsets both the mask and the rows written).
+    keep = np.arange(rows) % 3 != 1
+    mask_t = torch.from_numpy(keep.astype(np.uint8)).to(dev)
     count.zero_()
-    _launch_screen(q16, x16, row0=0, level=level, mask=torch.from_numpy(keep.astype(np.uint8)).to(dev),
-                   out_q=out_q, out_r=out_r, count=count, cap=cap)
+    for lo, hi in ((0, 333), (333, rows)):
+        _launch_screen(q16, x16[lo:hi].contiguous(), row0=lo, level=level, mask=mask_t, out_q=out_q, out_r=out_r,
+                       count=count, cap=cap)
     if not _same_pairs(out_q, out_r, count, np.argwhere((got >= level) & keep[None, :])):
         return False
-    ri = torch.from_numpy(rng.integers(0, rows, 4096).astype(np.int32)).to(dev)
-    qi = torch.from_numpy(rng.integers(0, queries, 4096).astype(np.int32)).to(dev)
+    ri = torch.from_numpy(rng.integers(0, rows, 4093).astype(np.int32)).to(dev)  # a last program part empty
+    qi = torch.from_numpy(rng.integers(0, queries, 4093).astype(np.int32)).to(dev)
     plan = gpu_screen.pairwise_plan(dim)
     for kernel in ("cosine", "rbf"):
         a = leaf_pair_sums(x32, ri, q32, qi, kernel=kernel, plan=plan).cpu().numpy()

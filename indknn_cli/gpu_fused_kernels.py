@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Sizes are not specialised on (Triton compiles a variant per "divisible by 16" of each integer otherwise), so
+# the variant gpu_fused._probe compiles and checks is the one serving launches (review 17).
+@triton.jit(do_not_specialize=["m", "n", "row0", "cap"])
 def screen(q_ptr, x_ptr, mask_ptr, m, n, row0, level, out_q, out_r, count_ptr, cap,
            D: tl.constexpr, HAS_MASK: tl.constexpr, SCORES: tl.constexpr,
            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -54,14 +56,14 @@ def screen(q_ptr, x_ptr, mask_ptr, m, n, row0, level, out_q, out_r, count_ptr, c
             tl.store(out_r + pos, rr, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["p"])
 def leaf_sums(x_ptr, q_ptr, ri_ptr, qi_ptr, p, out_ptr,
               D: tl.constexpr, LEAF: tl.constexpr, NLEAF: tl.constexpr, RBF: tl.constexpr, BP: tl.constexpr):
     """out[p, j] = numpy's sum of leaf j (terms [j·LEAF, (j + 1)·LEAF), LEAF a multiple of 8) of pair p: eight
     running sums started at the first eight terms, each term added in order, then ((r0 + r1) + (r2 + r3)) +
     ((r4 + r5) + (r6 + r7)). Launched with fp-fusion off: every product and sum rounded on its own, as numpy."""
     pid = tl.program_id(0)
-    offs = pid * BP + tl.arange(0, BP)
+    offs = pid.to(tl.int64) * BP + tl.arange(0, BP)
     live = offs < p
     ri = tl.load(ri_ptr + offs, mask=live, other=0).to(tl.int64)
     qi = tl.load(qi_ptr + offs, mask=live, other=0).to(tl.int64)
@@ -89,4 +91,4 @@ def leaf_sums(x_ptr, q_ptr, ri_ptr, qi_ptr, p, out_ptr,
         a, b = tl.split(tl.reshape(s, (BP, 2, 2)))  # a = (r0 + r1), (r4 + r5); b = (r2 + r3), (r6 + r7)
         s = a + b
         a, b = tl.split(s)
-        tl.store(out_ptr + offs.to(tl.int64) * NLEAF + leaf, a + b, mask=live)
+        tl.store(out_ptr + offs * NLEAF + leaf, a + b, mask=live)

@@ -118,9 +118,11 @@ def test_compiled_filter_equals_the_query_loop(seed, classes, monkeypatch):
                  parts=False)
 
 
+# k_min within the range the ledger accepts (accounting.PARAM_RANGES: ≥ 1); below it a released count of 0 made
+# the charge 0/0 (a RuntimeWarning in every run of this test), which no ledger can reach.
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10**6), budget=st.floats(0.001, 3.0), sigma1=st.floats(0.5, 40.0),
-       sigma2=st.floats(0.05, 5.0), k_min=st.floats(0.0, 5.0), classes=st.integers(1, 12))
+       sigma2=st.floats(0.05, 5.0), k_min=st.floats(1.0, 5.0), classes=st.integers(1, 12))
 def test_compiled_filter_property(seed, budget, sigma1, sigma2, k_min, classes):
     world = _world(seed, m=60, n=120, classes=classes, budget=budget, sigma1=sigma1, sigma2=sigma2, k_min=k_min)
     with pytest.MonkeyPatch.context() as mp:

@@ -33,7 +33,7 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("kernel", ["cosine", "rbf"])
-@pytest.mark.parametrize("d", [8, 96, 256, 384])
+@pytest.mark.parametrize("d", [8, 96, 256, 384, 768, 1024])
 def test_leaf_pair_sums_are_numpys_bits(kernel, d):
     rng = np.random.default_rng(d)
     x = (rng.standard_normal((300, d)) * 10.0 ** rng.uniform(-6, 6, (300, d))).astype(np.float32)
@@ -93,13 +93,42 @@ def test_the_margin_is_what_keeps_pairs_at_the_threshold(monkeypatch):
     assert 40 not in lost.rows[10]
 
 
-def test_more_pairs_than_the_bound_raise_and_nothing_past_it_is_written():
+@pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.55, None), ("rbf", 0.4, 1.0)])
+def test_many_launches_and_recompute_slices_give_the_cpu_candidates(monkeypatch, kernel, tau, nu):
+    """Rows in launches of 128 (the second and later from row0 > 0: the mask and the rows written are offset) and
+    the recompute in slices of 1,024 pairs: the CPU's candidates (review 17: dropping row0 passed every test)."""
+    q, src, mask, thr = threshold_world(kernel, tau, nu, rows=2000, queries=200, chunk=700)
+    want = find_candidates(q, src, kernel=kernel, tau=tau, nu=nu, device="cpu", row_mask=mask)
+    monkeypatch.setattr(gpu_fused, "LAUNCH_BYTES", 1)  # BN = 128 rows per launch: 16 launches
+    monkeypatch.setattr(gpu_screen, "RECOMPUTE_BYTES", 1)  # 1,024 pairs per slice
+    got = candidates._find_on_gpu(q, src, CPU, kernel=kernel, tau=tau, nu=nu, threshold=thr, row_mask=mask,
+                                  strictly_before=None, max_pairs=10**7, fp16=True, fused=True)
+    assert sum(r.size for r in want.rows) > 10 * 1024
+    assert_same_candidates(want, got)
+
+
+def test_the_screen_writes_nothing_past_its_bound_and_counts_every_pair():
+    x, _, _ = clustered(500, 16, 2, seed=1)
+    x = torch.from_numpy(x.astype(np.float32))
+    q16 = x[:50].clone().to(torch.float16)
+    x16 = x.to(torch.float16)
+    sentinel = -7
+    out_q = torch.full((6000,), sentinel, dtype=torch.int32)
+    out_r = torch.full((6000,), sentinel, dtype=torch.int32)
+    count = torch.zeros(1, dtype=torch.int64)
+    gpu_fused._launch_screen(q16, x16, row0=0, level=0.1, mask=None, out_q=out_q, out_r=out_r, count=count, cap=5000)
+    total = int(count.item())
+    assert total > 5000  # more pairs pass than the bound: all counted
+    assert (out_q[:5000] >= 0).all() and (out_r[:5000] >= 0).all()
+    assert (out_q[5000:] == sentinel).all() and (out_r[5000:] == sentinel).all()  # nothing written past it
+
+
+def test_more_pairs_than_the_bound_raise_and_the_bound_itself_is_kept():
     x, _, _ = clustered(500, 16, 2, seed=1)
     x = x.astype(np.float32)
     with pytest.raises(TooManyPairs):
         candidates._find_on_gpu(x[:50], ArraySource(x), CPU, kernel="cosine", tau=0.1, nu=None, threshold=0.1,
                                 row_mask=None, strictly_before=None, max_pairs=100, fp16=True, fused=True)
-    # At the bound exactly: every pair kept (the counter counts them all, the arrays hold max_pass).
     src = ArraySource(x)
     want = find_candidates(x[:50], src, kernel="cosine", tau=0.1, nu=None, device="cpu")
     n = sum(r.size for r in want.rows)
@@ -107,10 +136,16 @@ def test_more_pairs_than_the_bound_raise_and_nothing_past_it_is_written():
     gs = gpu_screen.GpuScreen(x[:50].copy(), CPU, kernel="cosine", tau=0.1, nu=None, threshold=0.1,
                               fp32_margin=candidates.screening_margin(16), row_mask=None, strictly_before=None,
                               fp16=True)
-    qi, rows, _ = gpu_fused.find_pass(gs, torch.from_numpy(x), max_pass=50 * 500)
+    count = torch.zeros(1, dtype=torch.int64)  # the pairs the screen passes (a superset of the n candidates)
+    big = torch.empty(50 * 500, dtype=torch.int32)
+    gpu_fused._launch_screen(gs.q_s, torch.from_numpy(x).to(torch.float16), row0=0, level=gpu_fused.fused_level(gs),
+                             mask=None, out_q=big, out_r=big.clone(), count=count, cap=50 * 500)
+    screened = int(count.item())
+    assert screened >= n
+    qi, rows, _ = gpu_fused.find_pass(gs, torch.from_numpy(x), max_pass=screened)  # at the bound exactly
     assert qi.shape[0] == n
     with pytest.raises(TooManyPairs):
-        gpu_fused.find_pass(gs, torch.from_numpy(x), max_pass=n - 1)
+        gpu_fused.find_pass(gs, torch.from_numpy(x), max_pass=screened - 1)
 
 
 def test_probe_passes_here_and_fails_when_the_accumulation_bound_is_too_tight(monkeypatch):
