@@ -241,6 +241,18 @@ def remove(folder) -> None:
             fs.rm(loc.url, recursive=True)
         except FileNotFoundError:
             pass
+        # A bulk delete reports per-key failures inside a successful response, which s3fs ignores: list the
+        # prefix again, past any cache, and keep the state folder (the only pointer to those objects) while
+        # anything is left, so that the removal can be retried (audit 8, F2).
+        fs.invalidate_cache(loc.url)
+        try:
+            left = fs.find(loc.url)
+        except FileNotFoundError:
+            left = []
+        if left:
+            raise StoreError(f"{loc.name}: {len(left)} object(s) under the store's prefix could not be removed (a "
+                             "role without delete permission?); the state folder is kept so that the removal can "
+                             f"be run again: {folder}")
     shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -417,7 +417,10 @@ class FeatureStore:
         """Rewrite each chunk of ``name`` holding one of ``rows`` with ``value`` at those rows; fsync."""
         if rows.size == 0:
             return 0
-        arr = self.group(role)[name]
+        # Every chunk rewritten as a real write, an all-fill one too: zarr otherwise deletes such a chunk, which on
+        # object storage goes through a bulk delete whose per-key errors s3fs ignores, so an erasure could report
+        # success and leave the vectors in place (audit 8, F2); a failed write raises.
+        arr = self.group(role)[name].with_config({"write_empty_chunks": True})
         step = int(arr.chunks[0])
         folder = self.path / GROUP_OF_ROLE[role] / name / "c"
         written = 0
@@ -429,7 +432,7 @@ class FeatureStore:
             arr[lo:hi] = block  # the whole chunk: written without a read, file replaced atomically
             written += sum(4 + len(str(v).encode()) for v in block) if block.dtype.kind in "OUT" else block.nbytes
             chunk_file = folder / str(int(chunk)) / "0" if arr.ndim == 2 else folder / str(int(chunk))
-            _fsync_path(chunk_file)  # absent when zarr dropped an all-fill chunk
+            _fsync_path(chunk_file)  # absent on object storage (no local file)
             _fsync_path(chunk_file.parent)
         return written
 
