@@ -100,6 +100,36 @@ def open_worker_store(loc: StoreLocation):
 # -- worker side ---------------------------------------------------------------------------
 _PARTS: dict = {}  # (run token, lo, hi) → scorer of that row range, kept for the run's later batches
 _PARTS_LOCK = threading.Lock()
+_USED: dict = {}  # run token → time.monotonic() of its last task on this worker
+#: A run's cached rows are dropped once no task of it has come for this long: a coordinator that died (kill -9)
+#: never sends its release, and the rows (erased since, perhaps) would otherwise stay in the worker's memory until
+#: another run's first task (audit 8, F3). Longer than any pause between two batches of one run.
+IDLE_SECONDS = 300.0
+_sweeper: threading.Thread | None = None
+
+
+def _sweep_idle(now: float | None = None) -> int:
+    """Drop the cached ranges of runs idle past IDLE_SECONDS; how many ranges were dropped."""
+    now = time.monotonic() if now is None else now
+    with _PARTS_LOCK:
+        idle = {run for run, t in _USED.items() if now - t > IDLE_SECONDS}
+        keys = [k for k in _PARTS if k[0] in idle]
+        for k in keys:
+            del _PARTS[k]
+        for run in idle:
+            del _USED[run]
+    return len(keys)
+
+
+def _start_sweeper() -> None:
+    global _sweeper
+    if _sweeper is None or not _sweeper.is_alive():
+        def loop():
+            while True:
+                time.sleep(min(30.0, IDLE_SECONDS / 4))
+                _sweep_idle()
+        _sweeper = threading.Thread(target=loop, name="indknn-drop-idle-ranges", daemon=True)
+        _sweeper.start()
 
 
 @dataclass(frozen=True)
@@ -120,6 +150,11 @@ class RangeSpec:
     #: rule of --max-memory, SPEC §5): the number of pairs is private, a worker or coordinator killed by it
     #: would make the exit code and the number of answers depend on the private data (AUDIT_FINDINGS_2.md P3).
     max_pairs: int | None = None
+    #: The coordinator's pinned private row count and the store's newest version token (store_versions): a
+    #: worker whose copy has fewer rows or lacks the token sees an older copy of the store (same uuid) and
+    #: refuses, as the coordinator refuses a restored store (audit 8, F4).
+    n_rows: int | None = None
+    version: str | None = None
 
 
 class _Offset:
@@ -155,6 +190,12 @@ def _range_scorer(spec: RangeSpec, lo: int, hi: int):
     if store.uuid != spec.store_uuid:
         raise SchedulerError(f"{where}: the worker sees another store (uuid {store.uuid}, the coordinator's is "
                              f"{spec.store_uuid}); every worker must see the coordinator's store at the same path")
+    from .store_versions import versions
+
+    if (spec.n_rows is not None and store.n_rows("private") < spec.n_rows) or (
+            spec.version is not None and spec.version not in set(versions(store))):
+        raise SchedulerError(f"{where}: the worker sees an older copy of the coordinator's store (same uuid, an "
+                             "earlier state); every worker must see the coordinator's store itself, not a copy")
     if spec.kind == "flat":
         source = _Offset(store, lo, hi, cache=(hi - lo) * store.dim * 4 <= spec.cache_bytes)
         return lambda q, max_pairs=None: find_candidates(q, source, kernel=spec.kernel, tau=spec.tau, nu=spec.nu,
@@ -173,8 +214,8 @@ def _range_scorer(spec: RangeSpec, lo: int, hi: int):
         finder = LshFinder(structure, x, np.asarray(group["codes"][lo:hi]), live, kernel=spec.kernel, tau=spec.tau,
                            nu=spec.nu)
 
-        def scan(q, max_pairs=None):
-            c = finder(q)
+        def scan(q, max_pairs=None):  # the bound as in process: TooManyPairs before every pair is made (audit 8, F5)
+            c = finder(q, max_pairs=max_pairs)
             return Candidates([r + lo for r in c.rows], c.kappa)
         return scan
     lists = np.asarray(group["lists"][lo:hi]).astype(np.int64)
@@ -184,7 +225,7 @@ def _range_scorer(spec: RangeSpec, lo: int, hi: int):
     offsets = np.searchsorted(lists[order], np.arange(structure.nlist + 1)).astype(np.int64)
     ivf = IvfFinder(structure, np.ascontiguousarray(x[order]), order.astype(np.int64) + lo, offsets,
                     nprobe=spec.nprobe, kernel=spec.kernel, tau=spec.tau, nu=spec.nu)
-    return lambda q, max_pairs=None: ivf(q)
+    return lambda q, max_pairs=None: ivf(q, max_pairs=max_pairs)
 
 
 def score_range(spec: RangeSpec, lo: int, hi: int, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -196,11 +237,16 @@ def score_range(spec: RangeSpec, lo: int, hi: int, queries: np.ndarray) -> tuple
     with _PARTS_LOCK:
         for old in [k for k in _PARTS if k[0] != spec.run]:  # a later run: the earlier run's ranges are stale
             del _PARTS[old]
+        for run in [r for r in _USED if r != spec.run]:
+            del _USED[run]
+        _USED[spec.run] = time.monotonic()
         scorer = _PARTS.get(key)
     if scorer is None:
         scorer = _range_scorer(spec, lo, hi)
         with _PARTS_LOCK:
             _PARTS[key] = scorer
+            _USED[spec.run] = time.monotonic()
+        _start_sweeper()
     m = int(queries.shape[0])
     bound = spec.max_pairs if m > 1 else None
     try:
@@ -221,6 +267,7 @@ def drop_run(run: str) -> int:
         keys = [k for k in _PARTS if k[0] == run]
         for k in keys:
             del _PARTS[k]
+        _USED.pop(run, None)
     return len(keys)
 
 
@@ -239,6 +286,24 @@ def plan_ranges(n: int, chunk_rows: int, tasks: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + per * chunk_rows)) for lo in range(0, n, per * chunk_rows)]
 
 
+def check_part(part, lo: int, hi: int, m: int, tau: float | None) -> None:
+    """A worker's triples must be what :func:`score_range` makes: queries in [0, m), rows in its range [lo, hi),
+    κ ≥ τ (cosine and RBF alike), each (query, row) once. Anything else (a broken or altered worker) is refused
+    before anything is charged, never merged (audit 8, F7: row −1 passed the mask as the last row)."""
+    qi, rows, kap = part
+    ok = qi.shape == rows.shape == kap.shape
+    if ok and qi.size:
+        ok = (int(qi.min()) >= 0 and int(qi.max()) < m and int(rows.min()) >= lo and int(rows.max()) < hi
+              and bool(np.all(np.isfinite(kap))) and (tau is None or bool(np.all(kap >= tau))))
+        if ok:
+            key = np.sort(np.asarray(qi, np.int64) * (hi - lo) + (np.asarray(rows, np.int64) - lo))
+            ok = not bool(np.any(key[1:] == key[:-1]))
+    if not ok:
+        raise SchedulerError("a Dask worker returned candidate triples that no worker of this indknn makes (rows "
+                             "outside its range, repeated pairs, or κ below τ); nothing was charged or released for "
+                             "this part; check the workers' indknn version")
+
+
 def merge(parts: list, m: int, row_mask: np.ndarray | None) -> Candidates:
     """The triples of every range → the engine's Candidates: masked rows dropped, rows ascending per query."""
     from .indexes.common import _allowed, _cat, _collect
@@ -246,7 +311,7 @@ def merge(parts: list, m: int, row_mask: np.ndarray | None) -> Candidates:
     qi = _cat([p[0] for p in parts], np.int64)
     rows = _cat([p[1] for p in parts], np.int64)
     kap = _cat([p[2] for p in parts], np.float64)
-    keep = _allowed(row_mask, rows)
+    keep = _allowed(row_mask, rows) & (rows >= 0)
     return _collect(m, qi[keep], rows[keep], kap[keep])
 
 
@@ -275,8 +340,8 @@ class DaskFinder:
             futures = [self.client.submit(score_range, self.spec, lo, hi, q, retries=RETRIES, pure=False,
                                           key=f"{TASK_PREFIX}-{self.spec.run}-{batch}-{i}")
                        for i, (lo, hi) in enumerate(self.ranges)]
-            parts = self.client.gather(futures)
-        except IndknnError:
+            parts = self._gather(futures, q.shape[0])
+        except (IndknnError, TooManyPairs):
             raise
         except Exception as exc:  # noqa: BLE001 - KilledWorker past allowed-failures, lost scheduler, ...
             # the exception's type only: a worker's message can quote shapes or values of the private chunk it
@@ -284,10 +349,6 @@ class DaskFinder:
             raise SchedulerError(f"the Dask candidate phase failed ({type(exc).__name__}); nothing was charged or "
                                  "released for this part; the worker logs have the details") from None
         t1 = time.perf_counter()
-        bound = self.spec.max_pairs
-        if q.shape[0] > 1 and bound is not None and (any(p is None for p in parts)
-                                                      or sum(int(p[0].size) for p in parts) > bound):
-            raise TooManyPairs()  # serving.answer_batch answers the halves in order (same answers, SPEC §5)
         out = merge(parts, q.shape[0], row_mask)
         self.stats["batches"] += 1
         self.stats["tasks"] += len(self.ranges)
@@ -296,6 +357,32 @@ class DaskFinder:
         self.stats["pairs"] += int(sum(r.size for r in out.rows))
         self.stats["result_bytes"] += int(sum(p[0].nbytes + p[1].nbytes + p[2].nbytes for p in parts))
         return out
+
+    def _gather(self, futures: list, m: int) -> list:
+        """The tasks' triples in range order, each checked (:func:`check_part`), taken as they complete: past the
+        pair bound (a batch of several queries) the rest are cancelled and TooManyPairs raised (serving answers
+        the halves in order: the same answers, SPEC §5), so the coordinator holds at most the bound and one
+        task's share, not every task's (audit 8, F5)."""
+        from distributed import as_completed
+
+        bound = self.spec.max_pairs if m > 1 else None
+        index = {f.key: i for i, f in enumerate(futures)}
+        parts: list = [None] * len(futures)
+        total = 0
+        try:
+            for fut, part in as_completed(futures, loop=self.client.loop, with_results=True):
+                if part is None:  # the task's own triples passed the bound
+                    raise TooManyPairs()
+                i = index[fut.key]
+                check_part(part, *self.ranges[i], m, self.spec.tau)
+                total += int(part[0].size)
+                if bound is not None and total > bound:
+                    raise TooManyPairs()
+                parts[i] = part
+        except BaseException:
+            self.client.cancel(futures)
+            raise
+        return parts
 
 
 class DaskCandidates:
@@ -330,8 +417,12 @@ class DaskCandidates:
         # A worker keeps a range's rows in memory for the run's later batches when they fit in half of
         # --max-memory (the in-process rule, per range: --max-memory bounds each worker process like the
         # coordinator), else it re-reads them from the store for every batch.
+        from .store_versions import versions
+
+        log = versions(store)
         spec = RangeSpec(StoreLocation.of(store), store.uuid, uuid.uuid4().hex[:12], kind, p.kernel, float(p.tau),
-                         p.nu, nprobe, self.device, self.max_memory // 2, max_pairs_for(self.max_memory))
+                         p.nu, nprobe, self.device, self.max_memory // 2, max_pairs_for(self.max_memory),
+                         n_rows=int(store.n_rows("private")), version=log[-1] if log else None)
         finder = DaskFinder(self.client, spec, ranges)
         self.finders.append(finder)
         return finder

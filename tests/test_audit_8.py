@@ -15,24 +15,12 @@ import numpy as np
 import pytest
 
 from .conftest import clustered
-from .s3_server import moto_server, new_bucket, raw_objects
+from .s3_server import new_bucket, raw_objects
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-PARAMS = dict(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.5, planned_queries=100)
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with moto_server() as endpoint:
-        yield endpoint
-
-
-@pytest.fixture
-def state(tmp_path, monkeypatch):
-    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "state"))
-    return tmp_path / "state"
+from .test_object_store import PARAMS, s3, state  # noqa: E402,F401 (the moto server and the state folder fixtures)
 
 
 def _store(tmp_path: Path, endpoint: str, *, n: int, d: int, users=None):
@@ -99,3 +87,99 @@ def test_f2_a_failed_removal_of_the_old_prefix_is_an_error_that_keeps_its_pointe
     assert _holding(s3, url, x[10]) == []  # the next command removes it (and r0010 is erased in the store)
     st = object_store.open_store(url)
     assert st.n_rows("private") == 298
+
+
+# -- the Dask candidate phase (workers' side, run here in process) ---------------------------------------------
+def _spec_world(tmp_path: Path, kind: str = "flat"):
+    from indknn_cli import distributed
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.store import FeatureStore
+
+    from .test_distributed import make_world
+
+    store_path, ledger_path = make_world(tmp_path / "w", kind)
+    store = FeatureStore.open(store_path)
+    dask = distributed.DaskCandidates(client=None, tasks_per_worker=1)
+    dask.workers = lambda: 1
+    spec = dask.factory(store, BudgetLedger.open(ledger_path)).spec
+    return store_path, store, spec
+
+
+def test_f4_a_worker_that_sees_an_older_copy_of_the_store_refuses(tmp_path):
+    """A worker whose path holds a copy of the store from before the coordinator's last write (same uuid) served
+    with it: records added since were never candidates (charged 0) and rows could name other people after a
+    restore (audit 8, F4). The coordinator's row count and newest version token travel with the task."""
+    import dataclasses
+    import shutil
+
+    from indknn_cli import distributed
+    from indknn_cli.errors import SchedulerError
+    from indknn_cli.store import FeatureStore
+
+    store_path, store, _ = _spec_world(tmp_path)
+    old = tmp_path / "old-copy.zarr"
+    shutil.copytree(store_path, old)
+    x, y, _ = clustered(60, 16, 3, seed=5)
+    FeatureStore.open(store_path, mode="a").append("private", x, labels=y, record_ids=[f"n{i}" for i in range(60)])
+    from indknn_cli.ledger import BudgetLedger
+
+    dask = distributed.DaskCandidates(client=None, tasks_per_worker=1)
+    dask.workers = lambda: 1
+    live = FeatureStore.open(store_path)
+    spec = dask.factory(live, BudgetLedger.open(tmp_path / "w" / "L")).spec
+    q = live.read("query", "features", 0, 5)
+    assert distributed.score_range(spec, 0, 360, q) is not None  # the live store: fine
+    stale = dataclasses.replace(spec, loc=distributed.StoreLocation(str(old)), run="other-run")
+    with pytest.raises(SchedulerError, match="older copy"):
+        distributed.score_range(stale, 0, 300, q)
+
+
+def test_f3_a_dead_coordinators_cached_rows_leave_the_worker_once_idle(tmp_path):
+    """A coordinator killed mid-run never releases its ranges: the rows (erased since, perhaps) stayed in the
+    worker's memory until another run's first task (audit 8, F3). They now go once the run is idle."""
+    import time
+
+    from indknn_cli import distributed
+
+    _, store, spec = _spec_world(tmp_path)
+    q = store.read("query", "features", 0, 5)
+    distributed.score_range(spec, 0, 300, q)
+    assert any(k[0] == spec.run for k in distributed._PARTS)
+    assert distributed._sweeper is not None and distributed._sweeper.is_alive()  # sweeping without any coordinator
+    assert distributed._sweep_idle(time.monotonic()) == 0  # not idle yet
+    assert distributed._sweep_idle(time.monotonic() + distributed.IDLE_SECONDS + 1) >= 1
+    assert not any(k[0] == spec.run for k in distributed._PARTS)
+
+
+def test_f5_the_lsh_and_ivf_scorers_on_a_worker_get_the_pair_bound(tmp_path, monkeypatch):
+    """In process the index finders stop at the pair bound (TooManyPairs) before making every pair; on a worker
+    they were called without it, so its memory grew with the private pairs (audit 8, F5)."""
+    from indknn_cli import distributed
+    from indknn_cli.indexes import IvfFinder, LshFinder
+
+    for kind, cls in (("lsh", LshFinder), ("ivf", IvfFinder)):
+        _, store, spec = _spec_world(tmp_path / kind, kind)
+        seen = []
+        real = cls.__call__
+        monkeypatch.setattr(cls, "__call__", lambda self, q, row_mask=None, max_pairs=None:
+                            seen.append(max_pairs) or real(self, q, row_mask=row_mask, max_pairs=max_pairs))
+        distributed.score_range(spec, 0, 300, store.read("query", "features", 0, 5))
+        assert seen == [spec.max_pairs], kind
+
+
+def test_f7_the_coordinator_refuses_triples_no_worker_makes():
+    """A worker's triples are checked before they are merged: row −1 passed the row mask as the last row, and
+    repeated pairs or κ below τ were kept (audit 8, F7)."""
+    from indknn_cli import distributed
+    from indknn_cli.errors import SchedulerError
+
+    def part(q, r, k):
+        return np.array(q, np.int32), np.array(r, np.int64), np.array(k, np.float64)
+
+    distributed.check_part(part([0, 1], [10, 11], [0.5, 0.6]), 0, 64, 2, 0.3)  # a valid part passes
+    for bad in (part([0], [-1], [0.5]), part([0], [70], [0.5]), part([0, 0], [10, 10], [0.5, 0.5]),
+                part([0], [10], [0.2]), part([2], [10], [0.5]), part([0], [10], [float("nan")])):
+        with pytest.raises(SchedulerError, match="no worker of this indknn makes"):
+            distributed.check_part(bad, 0, 64, 2, 0.3)
+    merged = distributed.merge([part([0], [-1], [0.5])], 1, np.ones(64, bool))
+    assert merged.rows[0].size == 0  # merge drops a negative row (numpy read it as the mask's last entry)
