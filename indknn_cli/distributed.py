@@ -408,6 +408,12 @@ class DaskCandidates:
             meta = indexes.read_meta(store.path)
         kind, n, nprobe = "flat", store.n_rows("private"), None
         if meta is not None and meta.get("kind") != "flat":
+            if getattr(store, "remote", None) is not None:  # its index lives in this machine's state folder
+                raise BadInputError(
+                    f"--scheduler with a {meta.get('kind')} index needs the store on a shared file system: an "
+                    "object-storage store keeps its index in the coordinator's state folder, which workers cannot "
+                    "read (audit 8, F6); serve without --scheduler, or re-index it with --kind flat. Nothing was "
+                    "written")
             if meta.get("store_uuid") != store.uuid or int(meta.get("dim", -1)) != store.dim:
                 raise StoreError(f"{indexes.index_path(store.path)}: the candidate index was built for other row "
                                  "numbers (the store was compacted or replaced); re-encode it with `indknn index`")

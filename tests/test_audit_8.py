@@ -23,7 +23,7 @@ pytest.importorskip("moto.server")
 from .test_object_store import PARAMS, s3, state  # noqa: E402,F401 (the moto server and the state folder fixtures)
 
 
-def _store(tmp_path: Path, endpoint: str, *, n: int, d: int, users=None):
+def _store(tmp_path: Path, endpoint: str, *, n: int, d: int, users=None, **index):
     from indknn_cli.embedding import embed_into_store
     from indknn_cli.serving import build_index, make_params
     from indknn_cli.store import normalize_rows
@@ -34,7 +34,7 @@ def _store(tmp_path: Path, endpoint: str, *, n: int, d: int, users=None):
     np.savez(tmp_path / "p.npz", x=x, y=y, ids=np.array([f"r{i:04d}" for i in range(n)]), **extra)
     url = f"s3://{new_bucket(endpoint)}/s"
     embed_into_store(tmp_path / "p.npz", store_path=url, extractor="vectors", label_names=["0", "1", "2"])
-    build_index(store_path=url, ledger_path=tmp_path / "L", params=make_params(**PARAMS))
+    build_index(store_path=url, ledger_path=tmp_path / "L", params=make_params(**PARAMS), **index)
     return url, x
 
 
@@ -183,3 +183,17 @@ def test_f7_the_coordinator_refuses_triples_no_worker_makes():
             distributed.check_part(bad, 0, 64, 2, 0.3)
     merged = distributed.merge([part([0], [-1], [0.5])], 1, np.ones(64, bool))
     assert merged.rows[0].size == 0  # merge drops a negative row (numpy read it as the mask's last entry)
+
+
+def test_f6_an_index_on_object_storage_with_a_scheduler_is_refused_before_anything(s3, state, tmp_path):
+    """Workers cannot read an S3 store's LSH/IVF index (it lives in the coordinator's state folder): every such run
+    failed on the workers with a KeyError (exit 1); it is now refused up front with what to do (audit 8, F6)."""
+    from indknn_cli import distributed, object_store
+    from indknn_cli.errors import BadInputError
+    from indknn_cli.ledger import BudgetLedger
+
+    url, _ = _store(tmp_path, s3, n=200, d=16, kind="lsh", tables=4, bits=3, index_seed=1)
+    dask = distributed.DaskCandidates(client=None, tasks_per_worker=1)
+    dask.workers = lambda: 1
+    with pytest.raises(BadInputError, match="shared file system"):
+        dask.factory(object_store.open_store(url), BudgetLedger.open(tmp_path / "L"))
