@@ -249,8 +249,9 @@ def delete_records(
         if note is not None and not (record_ids or user_ids):  # --compact alone: refused as any other write
             object_store.refuse_versioned(store.remote)
         with integrity.writer_lock(store_path, timeout=lock_timeout), store.write_lock(timeout=lock_timeout):
+            cleanup: list = []
             try:
-                ledger = _recover(store, ledger_path)
+                ledger = _recover(store, ledger_path, cleanup)
                 if ledger is None:
                     _refuse_missing_bound_ledger(store, ledger_path)
                 if ledger is not None:  # one store, one ledger; a rolled-back ledger is refused (ledger_integrity)
@@ -270,6 +271,10 @@ def delete_records(
             _enforce_strict(plan, strict)
             written = _execute(store, ledger, plan)
             compaction = _compact(store, ledger) if compact else None
+            if compaction and compaction.get("leftover"):
+                cleanup.append(compaction["leftover"])
+            if cleanup:  # objects of an earlier copy that may keep vectors: reported with the result (exit 1)
+                note = "; ".join(([note] if note else []) + cleanup)
     return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
                         users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
                         record_ids=plan.record_ids, bytes_rewritten=written, dry_run=False,

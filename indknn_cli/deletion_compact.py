@@ -53,8 +53,9 @@ def recover_store_folder(store_path: Path) -> None:
         _fsync_path(store_path.parent)
 
 
-def recover(store: FeatureStore, ledger_path: Path) -> BudgetLedger | None:
-    """Bring store and ledger into agreement after an interrupted compaction; remove its leftovers."""
+def recover(store: FeatureStore, ledger_path: Path, notes: list | None = None) -> BudgetLedger | None:
+    """Bring store and ledger into agreement after an interrupted compaction; remove its leftovers (what cannot be
+    removed is added to ``notes``, never raised: a cleanup never blocks the erasure that follows)."""
     ledger = None
     if BudgetLedger.exists(ledger_path):
         try:
@@ -74,7 +75,9 @@ def recover(store: FeatureStore, ledger_path: Path) -> BudgetLedger | None:
             if p.name.split("-", 1)[0] in ("snapshot", "answers") and stem.isdigit() and int(stem) > ledger.generation:
                 p.unlink(missing_ok=True)
     for p in _leftovers(store.path):
-        object_store.remove(p)  # a state folder: its remote prefix too
+        note = object_store.remove(p)  # a state folder: its remote prefix too
+        if note is not None and notes is not None:
+            notes.append(note)
     return ledger
 
 
@@ -128,7 +131,9 @@ def compact(store: FeatureStore, ledger: BudgetLedger | None, *, fault: Callable
         if ledger is not None:
             out["ledger_events_folded"] = ledger.publish_generation(gen)
         fault("compact-published")
-        object_store.remove(garbage)  # on object storage: the old prefix's objects too
+        note = object_store.remove(garbage)  # on object storage: the old prefix's objects too
+        if note is not None:  # after the swap and the publish: reported, never raised (the report is printed)
+            out["leftover"] = note
     out["store_uuid"] = new_uuid
     return out
 

@@ -231,8 +231,20 @@ def open_group(loc: RemoteLocation, mode: str):
         raise StoreError(f"{loc.name}: needs an extra package (pip install 'indknn[s3]'): {exc}") from None
 
 
-def remove(folder) -> None:
-    """Remove a store folder or state folder; for a state folder also every object of its remote data."""
+def _blank(fs, key: str) -> None:
+    """Overwrite one object with no bytes (a PUT: the permission every writer of the store has)."""
+    fs.pipe(key, b"")
+
+
+def remove(folder) -> str | None:
+    """Remove a store folder or state folder; for a state folder also every object of its remote data.
+
+    A bulk delete reports per-key failures inside a successful response, which s3fs ignores (a role without
+    delete permission, say): the prefix is listed again past any cache, every object left is overwritten with
+    no bytes, and the state folder (the only pointer to them) is kept so that a later command removes them
+    (audit 8, F2). Never raises for what is left, so a cleanup never blocks an erasure (review 18): returns a
+    note when objects that may still hold vectors are left (they could be neither removed nor emptied), else
+    None."""
     folder = Path(folder)
     loc = location(folder) if folder.is_dir() else None
     if loc is not None:
@@ -241,19 +253,26 @@ def remove(folder) -> None:
             fs.rm(loc.url, recursive=True)
         except FileNotFoundError:
             pass
-        # A bulk delete reports per-key failures inside a successful response, which s3fs ignores: list the
-        # prefix again, past any cache, and keep the state folder (the only pointer to those objects) while
-        # anything is left, so that the removal can be retried (audit 8, F2).
         fs.invalidate_cache(loc.url)
         try:
             left = fs.find(loc.url)
         except FileNotFoundError:
             left = []
         if left:
-            raise StoreError(f"{loc.name}: {len(left)} object(s) under the store's prefix could not be removed (a "
-                             "role without delete permission?); the state folder is kept so that the removal can "
-                             f"be run again: {folder}")
+            kept = 0
+            for key in left:
+                try:
+                    _blank(fs, key)
+                except Exception:  # noqa: BLE001 - permission, network: reported below, never raised
+                    kept += 1
+            fs.invalidate_cache(loc.url)
+            if kept:
+                return (f"incomplete: {kept} object(s) of an earlier copy of the store under {loc.url} could be "
+                        "neither removed nor emptied and may still hold erased vectors; give the writer delete "
+                        "permission on the bucket and run `indknn delete --compact` again")
+            return None  # emptied: no vector bytes left; the folder stays so that a later command removes them
     shutil.rmtree(folder, ignore_errors=True)
+    return None
 
 
 def pointer_only(folder) -> bool:
