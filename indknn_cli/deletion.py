@@ -91,6 +91,7 @@ from . import object_store
 from .deletion_compact import LedgerUnreadable as _LedgerUnreadable
 from .deletion_compact import compact as _compact_store
 from .deletion_compact import recover as _recover
+from .deletion_compact import leftover_note as _leftover_note
 from .deletion_compact import recover_store_folder as _recover_store_folder
 from .errors import BadInputError, LedgerError, LedgerIntegrityError, StorageError, StoreError
 from .ledger import BudgetLedger
@@ -250,8 +251,10 @@ def delete_records(
             object_store.refuse_versioned(store.remote)
         with integrity.writer_lock(store_path, timeout=lock_timeout), store.write_lock(timeout=lock_timeout):
             cleanup: list = []
+            recovered = False
             try:
                 ledger = _recover(store, ledger_path, cleanup)
+                recovered = True  # its leftovers step ran (cleanup holds what it could not remove)
                 if ledger is None:
                     _refuse_missing_bound_ledger(store, ledger_path)
                 if ledger is not None:  # one store, one ledger; a rolled-back ledger is refused (ledger_integrity)
@@ -264,7 +267,9 @@ def delete_records(
                     raise exc.error from None
                 res = _erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact,
                                             reason=str(exc.error))
-                res.physical_erasure = note
+                left = None if recovered else _leftover_note(store.path)  # not run: its leftovers are reported
+                notes = ([note] if note else []) + cleanup + ([left] if left else [])
+                res.physical_erasure = "; ".join(notes) if notes else None
                 return res
             pending = complete_pending(store, ledger)
             plan = _plan(store, ledger, record_ids, user_ids)

@@ -23,6 +23,7 @@ from .errors import LedgerError
 from .ledger import BudgetLedger, unpublished_store_uuids
 from .ledger_files import atomic_write_text
 from .store import FeatureStore, _fsync_path
+from .wording import count
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -41,6 +42,17 @@ def _leftovers(store_path: Path) -> list[Path]:
     parent, name = store_path.parent, store_path.name
     return sorted(list(parent.glob(f".{name}.compacting-*")) + list(parent.glob(f"..{name}.compacting-*"))
                   + list(parent.glob(f".{name}.old-*")))
+
+
+def leftover_note(store_path: Path) -> str | None:
+    """A note when copies of the store from an interrupted or unfinished compaction are still beside it (they may
+    hold erased vectors), for a delete that cannot run the recovery step (its ledger unreadable: review 19)."""
+    left = _leftovers(store_path)
+    if not left:
+        return None
+    return (f"incomplete: {count(len(left), 'earlier copy', 'earlier copies')} of the store from a compaction "
+            "are still beside it and may hold erased vectors (not removed while the ledger cannot be read); run "
+            "`indknn delete --compact` once the ledger is readable (or `indknn repair`)")
 
 
 def recover_store_folder(store_path: Path) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import BadInputError, StoreError
+from .wording import count
 
 STATE_ENV = "INDKNN_STATE_DIR"
 OPTIONS_ENV = "INDKNN_STORAGE_OPTIONS"
@@ -170,9 +171,12 @@ def filesystem(loc: RemoteLocation):
 
 
 def exists(loc: RemoteLocation) -> bool:
-    """Whether a store's root metadata (zarr.json) is at the location."""
+    """Whether a store's root metadata (zarr.json) is at the location (an emptied one, left by :func:`remove`
+    where a delete was refused, is none)."""
     try:
-        return filesystem(loc).exists(loc.url + "/zarr.json")
+        fs = filesystem(loc)
+        key = loc.url + "/zarr.json"
+        return bool(fs.exists(key)) and int(fs.size(key) or 0) > 0
     except StoreError:
         raise
     except Exception as exc:  # noqa: BLE001 - botocore/aiohttp errors: endpoint down, credentials
@@ -251,13 +255,17 @@ def remove(folder) -> str | None:
         fs = filesystem(loc)
         try:
             fs.rm(loc.url, recursive=True)
-        except FileNotFoundError:
+        except Exception:  # noqa: BLE001 - refused, unreachable: what is left is found (or not) below
             pass
         fs.invalidate_cache(loc.url)
         try:
             left = fs.find(loc.url)
         except FileNotFoundError:
             left = []
+        except Exception:  # noqa: BLE001 - cannot even list it: keep the pointer, report, never raise (review 19)
+            return (f"incomplete: an earlier copy of the store under {loc.url} could not be listed, so it may still "
+                    "hold erased vectors; its state folder is kept: run `indknn delete --compact` again once the "
+                    "bucket can be listed and written")
         if left:
             kept = 0
             for key in left:
@@ -267,7 +275,7 @@ def remove(folder) -> str | None:
                     kept += 1
             fs.invalidate_cache(loc.url)
             if kept:
-                return (f"incomplete: {kept} object(s) of an earlier copy of the store under {loc.url} could be "
+                return (f"incomplete: {count(kept, 'object')} of an earlier copy of the store under {loc.url} could be "
                         "neither removed nor emptied and may still hold erased vectors; give the writer delete "
                         "permission on the bucket and run `indknn delete --compact` again")
             return None  # emptied: no vector bytes left; the folder stays so that a later command removes them

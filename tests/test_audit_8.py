@@ -277,3 +277,96 @@ def test_f5_past_the_bound_the_coordinator_cancels_and_the_halves_give_the_in_pr
         got = run(tmp_path / "dask", serve)
     assert raised  # the bound was passed on the Dask path, and the batch halved
     assert len(got[0]) == 256 and got == want
+
+
+def _compact_leaving_the_old_prefix(url: str, tmp_path: Path, monkeypatch, *, record: str, listing_fails: bool):
+    """delete --compact of ``record`` while the old prefix can be neither removed nor emptied (or not even listed)."""
+    import s3fs
+
+    from indknn_cli import object_store
+    from indknn_cli.deletion import delete_records
+
+    current = object_store.open_store(url).remote.url.split("/", 3)[3]
+    real_bulk = s3fs.S3FileSystem._bulk_delete
+    real_fs = object_store.filesystem
+
+    async def refused_delete(self, pathlist, **kw):
+        return await real_bulk(self, [p for p in pathlist if f"/{current}/" not in f"/{p}"], **kw)
+
+    class NoListing:  # the filesystem of the old prefix, whose listing is refused
+        def __init__(self, fs):
+            self.fs = fs
+
+        def __getattr__(self, name):
+            return getattr(self.fs, name)
+
+        def find(self, path, *a, **kw):
+            raise PermissionError("AccessDenied")
+
+    removing = []
+    real_remove = object_store.remove
+
+    def remove(folder):  # the listing is refused to the cleanup only (the compaction's copy still reads the prefix)
+        removing.append(1)
+        try:
+            return real_remove(folder)
+        finally:
+            removing.pop()
+
+    def fs_of(loc):
+        fs = real_fs(loc)
+        refused = listing_fails and removing and loc.url.rstrip("/").endswith(f"/{current}")
+        return NoListing(fs) if refused else fs
+
+    def refused_put(fs, key):
+        raise PermissionError("AccessDenied")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(s3fs.S3FileSystem, "_bulk_delete", refused_delete)
+        mp.setattr(object_store, "filesystem", fs_of)
+        mp.setattr(object_store, "remove", remove)
+        mp.setattr(object_store, "_blank", refused_put)
+        return delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=[record], compact=True)
+
+
+def test_review_19_a_prefix_that_cannot_be_listed_is_reported_and_blocks_no_erasure(s3, state, tmp_path,
+                                                                                      monkeypatch):
+    from indknn_cli.deletion import delete_records
+
+    url, x = _store(tmp_path, s3, n=300, d=16)
+    r = _compact_leaving_the_old_prefix(url, tmp_path, monkeypatch, record="r0003", listing_fails=True)
+    assert r.records_erased == 1 and "could not be listed" in (r.physical_erasure or "")
+    r = delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0010"])  # not blocked
+    assert r.records_erased == 1
+    delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=[], compact=True)
+    assert _holding(s3, url, x[3]) == [] and _holding(s3, url, x[10]) == []
+
+
+def test_review_19_leftovers_are_reported_when_the_ledger_cannot_be_read(s3, state, tmp_path, monkeypatch):
+    """With the ledger damaged the recovery step does not run: copies left by a compaction, which may hold erased
+    vectors, were not reported (the erasure said nothing of them)."""
+    from indknn_cli.deletion import delete_records
+
+    url, x = _store(tmp_path, s3, n=300, d=16)
+    r = _compact_leaving_the_old_prefix(url, tmp_path, monkeypatch, record="r0003", listing_fails=False)
+    assert "neither removed nor emptied" in (r.physical_erasure or "")
+    (tmp_path / "L" / "CURRENT").write_text("{not json")  # the ledger damaged
+    r = delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0040"])
+    assert r.records_erased == 1 and "earlier copy" in (r.physical_erasure or "")
+
+
+def test_review_19_an_emptied_store_root_is_no_store(s3, state, tmp_path):
+    """A failed first `embed` whose objects could only be emptied left a zero-byte zarr.json: the URL was then
+    refused as an unreadable group; it is free for a new store."""
+    import fsspec
+
+    from indknn_cli import object_store
+
+    url = f"s3://{new_bucket(s3)}/s"
+    loc = object_store.RemoteLocation(url=url, name=url, options=object_store.storage_options(url))
+    fs, _ = fsspec.core.url_to_fs(url, **loc.options)
+    fs.pipe(url + "/zarr.json", b"")
+    assert not object_store.exists(loc)
+    fs.pipe(url + "/zarr.json", b"{}")
+    fs.invalidate_cache()
+    assert object_store.exists(loc)
