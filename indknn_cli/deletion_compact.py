@@ -60,9 +60,24 @@ def recover_store_folder(store_path: Path) -> None:
     if store_path.exists():
         return
     olds = sorted(store_path.parent.glob(f".{store_path.name}.old-*"))
+    # A copy kept by an earlier cleanup (its objects emptied, object_store.remove) can sit beside the real one:
+    # the one put back must be a readable store, or the real one would later be removed as a leftover (review 19).
+    readable = [p for p in olds if _readable_store(p)]
     if olds:
-        os.replace(olds[-1], store_path)
+        os.replace((readable or olds)[-1], store_path)
         _fsync_path(store_path.parent)
+
+
+def _readable_store(folder: Path) -> bool:
+    """A store folder with its root metadata, or a state folder whose remote prefix has it (not emptied)."""
+    try:
+        loc = object_store.location(folder)
+        if loc is not None:
+            return object_store.exists(loc)
+        meta = folder / "zarr.json"
+        return meta.is_file() and meta.stat().st_size > 0
+    except Exception:  # noqa: BLE001 - unreadable: not the one to put back
+        return False
 
 
 def recover(store: FeatureStore, ledger_path: Path, notes: list | None = None) -> BudgetLedger | None:

@@ -370,3 +370,20 @@ def test_review_19_an_emptied_store_root_is_no_store(s3, state, tmp_path):
     fs.pipe(url + "/zarr.json", b"{}")
     fs.invalidate_cache()
     assert object_store.exists(loc)
+
+
+def test_review_19_the_swap_is_undone_with_the_readable_copy_not_a_kept_emptied_one(tmp_path):
+    """A crash between the two renames of the swap leaves the store's folder missing; with a copy kept by an
+    earlier cleanup (emptied) beside the real one, the last by name was put back (review 19)."""
+    from indknn_cli.deletion_compact import recover_store_folder
+    from indknn_cli.store import ExtractorInfo, FeatureStore
+
+    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=4,
+                                label_names=["a", "b"])
+    uuid = store.uuid
+    (tmp_path / "s.zarr").rename(tmp_path / ".s.zarr.old-aaaa")  # the real store, mid-swap
+    kept = tmp_path / ".s.zarr.old-zzzz"  # an emptied copy an earlier cleanup kept (sorts last)
+    kept.mkdir()
+    (kept / "zarr.json").write_bytes(b"")
+    recover_store_folder(tmp_path / "s.zarr")
+    assert FeatureStore.open(tmp_path / "s.zarr").uuid == uuid
