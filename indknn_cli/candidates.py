@@ -413,15 +413,13 @@ def _find_on_gpu(queries, source, dev, *, kernel, tau, nu, threshold, row_mask, 
     # the device then holds the step's scores and mask (sized by the batch, public) and at most max_pairs
     # pairs. Without one, the step is sized for every pair passing.
     counted = max_pairs is not None and m > 1
+    from . import gpu_fused
+
     forced = fused is True  # (tests) a failure of the fused path is raised, not covered by gpu_screen's path
     if fused is None:  # the fused kernels (gpu_fused): rows resident as one tensor, a pair bound, fp16 usable
-        from . import gpu_fused
-
         fused = (counted and gs.fp16 and resident is not None and len(resident) == 1 and resident[0][0] == 0
                  and resident[0][1].shape[0] < 2**31 and gpu_fused.wanted(dev) and gpu_fused.usable(dev, d))
     if fused:
-        from . import gpu_fused
-
         if resident is None:  # every row in one tensor (tests on torch's CPU device, in Triton's interpreter)
             resident = [(0, torch.from_numpy(np.ascontiguousarray(
                 np.concatenate([b for _s, b in source.chunks()]), dtype=np.float32)).to(dev))]

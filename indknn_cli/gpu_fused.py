@@ -162,18 +162,9 @@ def find_pass(gs, x_t, *, max_pass: int):
     if gs.before_t is not None:
         keep = rows.long() < gs.before_t[qi.long()]
         qi, rows = qi[keep], rows[keep]
-    # The recompute in slices of gs.slice pairs (gpu_screen.RECOMPUTE_BYTES of device memory each, as
-    # gpu_screen's): its float64 leaf sums are held for one slice at a time, whatever the pairs passed (review 17).
-    out_q, out_r, out_s = [], [], []
-    for lo in range(0, int(qi.shape[0]), gs.slice):
-        sq, sr = qi[lo:lo + gs.slice], rows[lo:lo + gs.slice]
-        sums = leaf_pair_sums(x_t, sr, gs.q_t, sq, kernel=gs.kernel, plan=gs.plan)
-        ok = sums >= gs.tau if gs.limit is None else sums <= gs.limit
-        out_q.append(sq[ok].long()); out_r.append(sr[ok].long()); out_s.append(sums[ok])
-    if not out_q:
-        empty = torch.empty(0, dtype=torch.int64, device=dev)
-        return empty, empty, torch.empty(0, dtype=torch.float64, device=dev)
-    return torch.cat(out_q), torch.cat(out_r), torch.cat(out_s)
+    # The recompute in gpu_screen's slices (RECOMPUTE_BYTES of device memory each): the float64 leaf sums are held
+    # for one slice at a time, whatever the pairs passed (review 17).
+    return gs.exact_pairs(x_t, qi, rows, 0, sums_of=leaf_pair_sums)
 
 
 def _probe(dev, dim: int) -> bool:

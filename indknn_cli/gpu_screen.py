@@ -348,14 +348,22 @@ class GpuScreen:
                 keep &= self.mask_t[rows]
             if self.before_t is not None:
                 keep &= rows < self.before_t[qi]
-            qi, ri, rows = qi[keep], ri[keep], rows[keep]
+            qi, ri = qi[keep], ri[keep]
+        return self.exact_pairs(x_t, qi, ri, start)
+
+    def exact_pairs(self, x_t, qi, ri, start: int, *, sums_of=None):
+        """The passed pairs (qi, ri: rows of ``x_t``, whose first row is ``start``) recomputed RECOMPUTE_BYTES at a
+        time (``sums_of``: :func:`pair_sums`, or a function with its arguments and bits), and kept where the exact
+        test passes: (query, row + start, sums) int64, int64, float64 device tensors."""
+        torch = self.torch
+        sums_of = pair_sums if sums_of is None else sums_of
         out_q, out_r, out_s = [], [], []
-        for lo in range(0, qi.shape[0], self.slice):
+        for lo in range(0, int(qi.shape[0]), self.slice):
             sq, sr = qi[lo:lo + self.slice], ri[lo:lo + self.slice]
-            sums = pair_sums(x_t, sr, self.q_t, sq, kernel=self.kernel, plan=self.plan)
+            sums = sums_of(x_t, sr, self.q_t, sq, kernel=self.kernel, plan=self.plan)
             ok = sums >= self.tau if self.limit is None else sums <= self.limit
-            out_q.append(sq[ok])
-            out_r.append(rows[lo:lo + self.slice][ok])
+            out_q.append(sq[ok].long())
+            out_r.append(sr[ok].long() + start)
             out_s.append(sums[ok])
         if not out_q:
             empty = torch.empty(0, dtype=torch.int64, device=self.dev)
