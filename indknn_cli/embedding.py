@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import data_quality
-from . import object_store
+from . import object_store, store_lease
 from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .readers import Source, open_source
@@ -336,138 +336,146 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
     pre_existing_dir = store_path.is_dir() and store is None
     loc = object_store.location(store_path)
     named = loc.name if loc is not None else str(store_path)  # what the JSON line says: a remote store's URL
-    try:
-        with contextlib.ExitStack() as stack:
-            existing: set[str] = set()
-            app = None
-            generated_from = 0          # rows of the role that compactions removed (generated ids count them)
-            erased: set[str] = set()    # ids erased from the store: a generated id never takes one (audit 4, F2)
+    # a new store on object storage: its writer lease is held from its creation through the first append, and
+    # through the removal of a store that failed (another machine could otherwise write into it in between)
+    new_remote = store is None and loc is not None and lock
+    if new_remote:
+        object_store.refuse_new_store(loc)
+    with store_lease.hold(loc, timeout=60.0) if new_remote else contextlib.nullcontext():
+        try:
+            with contextlib.ExitStack() as stack:
+                existing: set[str] = set()
+                app = None
+                generated_from = 0          # rows of the role that compactions removed (generated ids count them)
+                erased: set[str] = set()    # ids erased from the store: a generated id never takes one (audit 4, F2)
 
-            def start_writing(st: FeatureStore):
-                nonlocal app, existing, generated_from, erased
-                if lock:
-                    stack.enter_context(st.write_lock())
-                if role != "query":  # query ids are unique within their batch
-                    existing = set(st.record_ids(role).tolist())
-                if role == "private":
-                    generated_from = sum(int(c.get("rows_removed", 0)) for c in st.root.attrs.get("compactions", [])
-                                         if isinstance(c, dict))
-                    erased = {rid for rid, _ in st.erased_ids()}
-                return st.appender(role, batch=batch)
+                def start_writing(st: FeatureStore):
+                    nonlocal app, existing, generated_from, erased
+                    if lock:
+                        stack.enter_context(st.write_lock())
+                    if dist is not None:  # runs before the lock is released: no worker still writing after it
+                        stack.callback(dist.drain)
+                    if role != "query":  # query ids are unique within their batch
+                        existing = set(st.record_ids(role).tolist())
+                    if role == "private":
+                        generated_from = sum(int(c.get("rows_removed", 0)) for c in st.root.attrs.get("compactions", [])
+                                             if isinstance(c, dict))
+                        erased = {rid for rid, _ in st.erased_ids()}
+                    return st.appender(role, batch=batch)
 
-            if store is not None:
-                app = start_writing(store)
-                done = existing_batch(store)  # again under the lock: a concurrent run may have added it
-                if done is not None:
-                    return done
-            dim = store.dim if store is not None else None
-            seen: set[str] = set()
-            rows_in = rows_skipped = rows_added = empty = 0
-            erased_skipped = erased_readmitted = 0  # ids erased from the store (UX review 7, finding 2)
-            for rb in src.batches(labels=use_labels):
-                n = len(rb)
-                rows = list(range(rb.start, rb.start + n))
-                ids = list(rb.ids) if rb.ids is not None else [None] * n
-                keep = []
-                for j, rid in enumerate(ids):
-                    if rid is not None:
-                        if rid in seen:
-                            raise BadInputError(f"{src.name}: row {rows[j] + 1}: duplicate id {rid!r} in the input")
-                        seen.add(rid)
-                        if rid in existing:
-                            if if_exists == "error":
-                                raise BadInputError(
-                                    f"{src.name}: row {rows[j] + 1}: id {rid!r} is already in the {role} set of "
-                                    f"{store_path}; pass --if-exists skip to skip such rows")
-                            rows_skipped += 1
-                            continue
-                        if rid in erased:
-                            if if_exists == "skip":  # a re-run import never brings back people who were erased
-                                erased_skipped += 1
+                if store is not None:
+                    app = start_writing(store)
+                    done = existing_batch(store)  # again under the lock: a concurrent run may have added it
+                    if done is not None:
+                        return done
+                dim = store.dim if store is not None else None
+                seen: set[str] = set()
+                rows_in = rows_skipped = rows_added = empty = 0
+                erased_skipped = erased_readmitted = 0  # ids erased from the store (UX review 7, finding 2)
+                for rb in src.batches(labels=use_labels):
+                    n = len(rb)
+                    rows = list(range(rb.start, rb.start + n))
+                    ids = list(rb.ids) if rb.ids is not None else [None] * n
+                    keep = []
+                    for j, rid in enumerate(ids):
+                        if rid is not None:
+                            if rid in seen:
+                                raise BadInputError(f"{src.name}: row {rows[j] + 1}: duplicate id {rid!r} in the input")
+                            seen.add(rid)
+                            if rid in existing:
+                                if if_exists == "error":
+                                    raise BadInputError(
+                                        f"{src.name}: row {rows[j] + 1}: id {rid!r} is already in the {role} set of "
+                                        f"{store_path}; pass --if-exists skip to skip such rows")
                                 rows_skipped += 1
                                 continue
-                            erased_readmitted += 1
-                    keep.append(j)
-                rows_in += n
-                if keep:
-                    sel = keep if len(keep) < n else None
-                    pick = (lambda seq: seq if sel is None or seq is None else
-                            (seq[sel] if isinstance(seq, np.ndarray) else [seq[k] for k in sel]))
-                    items, labels, users = pick(rb.items), pick(rb.labels), pick(rb.users)
-                    if ex.input_kind == "text":
-                        empty += data_quality.empty_texts(items)
-                    rows_k, ids_k = pick(rows), pick(ids)
-                    if dist is None:
-                        xn = embed_rows(ex, items, rows_k, ids_k, name=src.name, dim=dim,
-                                        store_named=named if store is not None else None)
-                        dim = dim or int(xn.shape[1])
-                    else:  # embedded on the Dask workers, which write the features (dask_embed.py)
-                        xn, dim = None, dim or dist.dim_of(ex, items)
-                    lab_idx = None
-                    if use_labels:
-                        lab_idx = np.empty(len(keep), dtype=np.int32)
-                        for k, lab in enumerate(labels):
-                            if lab not in name_index:
-                                raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: unknown label {lab!r}; "
-                                                    f"the store's labels are {names}")
-                            lab_idx[k] = name_index[lab]
-                    if store is None:
-                        try:
-                            store = FeatureStore.create(store_path, extractor=ex.info, dim=dim, label_names=names,
-                                                        label_names_source=names_source)
-                        except OSError as exc:
-                            raise StoreError(f"{store_path}: cannot create the store ({exc})") from None
-                        created = True
-                        app = start_writing(store)
-                    final_ids = []
-                    for k, rid in enumerate(ids_k):
-                        if rid is None:
-                            # numbered by the rows ever appended to the role (compacted ones too), so an id that
-                            # an erased record had is never handed to a new one (it would inherit its ledger row)
-                            rid = f"{role}-{app.stop + generated_from + k:08d}"
-                            if rid in existing or rid in seen or rid in erased:
-                                raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: generated id {rid!r} "
-                                                    f"collides with an existing id; give an --id-column")
-                        final_ids.append(rid)
+                            if rid in erased:
+                                if if_exists == "skip":  # a re-run import never brings back people who were erased
+                                    erased_skipped += 1
+                                    rows_skipped += 1
+                                    continue
+                                erased_readmitted += 1
+                        keep.append(j)
+                    rows_in += n
+                    if keep:
+                        sel = keep if len(keep) < n else None
+                        pick = (lambda seq: seq if sel is None or seq is None else
+                                (seq[sel] if isinstance(seq, np.ndarray) else [seq[k] for k in sel]))
+                        items, labels, users = pick(rb.items), pick(rb.labels), pick(rb.users)
+                        if ex.input_kind == "text":
+                            empty += data_quality.empty_texts(items)
+                        rows_k, ids_k = pick(rows), pick(ids)
+                        if dist is None:
+                            xn = embed_rows(ex, items, rows_k, ids_k, name=src.name, dim=dim,
+                                            store_named=named if store is not None else None)
+                            dim = dim or int(xn.shape[1])
+                        else:  # embedded on the Dask workers, which write the features (dask_embed.py)
+                            xn, dim = None, dim or dist.dim_of(ex, items)
+                        lab_idx = None
+                        if use_labels:
+                            lab_idx = np.empty(len(keep), dtype=np.int32)
+                            for k, lab in enumerate(labels):
+                                if lab not in name_index:
+                                    raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: unknown label {lab!r}; "
+                                                        f"the store's labels are {names}")
+                                lab_idx[k] = name_index[lab]
+                        if store is None:
+                            try:
+                                store = FeatureStore.create(store_path, extractor=ex.info, dim=dim, label_names=names,
+                                                            label_names_source=names_source)
+                            except OSError as exc:
+                                raise StoreError(f"{store_path}: cannot create the store ({exc})") from None
+                            created = True
+                            app = start_writing(store)
+                        final_ids = []
+                        for k, rid in enumerate(ids_k):
+                            if rid is None:
+                                # numbered by the rows ever appended to the role (compacted ones too), so an id that
+                                # an erased record had is never handed to a new one (it would inherit its ledger row)
+                                rid = f"{role}-{app.stop + generated_from + k:08d}"
+                                if rid in existing or rid in seen or rid in erased:
+                                    raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: generated id {rid!r} "
+                                                        f"collides with an existing id; give an --id-column")
+                            final_ids.append(rid)
+                        if dist is not None:
+                            dist.submit(store, role, items, rows_k, ids_k, at=app.stop, name=src.name)
+                        # each private record's key from its own input, before any model reads it: the private search
+                        # deals shards by it, and a batch-embedded vector's bytes depend on its batch (audit 5, F1)
+                        keys = (input_keys(items, lab_idx if lab_idx is not None else np.full(len(keep), -1),
+                                           salt=store.key_salt) if role == "private" else None)
+                        app.write(xn, labels=lab_idx, record_ids=final_ids, user_ids=users, content_keys=keys)
+                        rows_added += len(keep)
+                    if progress is not None:
+                        progress(rows_in, total)
+                if rows_in == 0:
+                    raise BadInputError(f"{src.name}: empty input (0 rows)")
+                if erased_skipped:
+                    warnings.append(f"{src.name}: {count(erased_skipped, 'row')} skipped: their ids were erased from "
+                                    "this store (--if-exists skip never brings an erased record back; to re-admit one, "
+                                    "e.g. to relabel it, embed it without --if-exists skip)")
+                if erased_readmitted:
+                    warnings.append(f"{src.name}: {count(erased_readmitted, 'id')} erased from this store before "
+                                    "embedded again: re-admitted, each keeping the budget it had spent")
+                start = stop = store.n_rows(role) if store is not None else 0
+                if rows_added:
                     if dist is not None:
-                        dist.submit(store, role, items, rows_k, ids_k, at=app.stop, name=src.name)
-                    # each private record's key from its own input, before any model reads it: the private search
-                    # deals shards by it, and a batch-embedded vector's bytes depend on its batch (audit 5, F1)
-                    keys = (input_keys(items, lab_idx if lab_idx is not None else np.full(len(keep), -1),
-                                       salt=store.key_salt) if role == "private" else None)
-                    app.write(xn, labels=lab_idx, record_ids=final_ids, user_ids=users, content_keys=keys)
-                    rows_added += len(keep)
-                if progress is not None:
-                    progress(rows_in, total)
-            if rows_in == 0:
-                raise BadInputError(f"{src.name}: empty input (0 rows)")
-            if erased_skipped:
-                warnings.append(f"{src.name}: {count(erased_skipped, 'row')} skipped: their ids were erased from "
-                                "this store (--if-exists skip never brings an erased record back; to re-admit one, "
-                                "e.g. to relabel it, embed it without --if-exists skip)")
-            if erased_readmitted:
-                warnings.append(f"{src.name}: {count(erased_readmitted, 'id')} erased from this store before "
-                                "embedded again: re-admitted, each keeping the budget it had spent")
-            start = stop = store.n_rows(role) if store is not None else 0
-            if rows_added:
-                if dist is not None:
-                    dist.finish(store, role)  # every worker's rows written, or the first failure raised
-                extra = None
-                if role == "query":
-                    inputs = dict(store.group("query").attrs.get(BATCH_INPUTS_ATTR, {}))
-                    inputs[batch] = input_sha
-                    extra = {BATCH_INPUTS_ATTR: inputs}
-                start, stop = app.commit(extra)
-                warnings += _quality_warnings(store, role, src.name, empty)
-    except BaseException:
-        if created:
-            remote = store.remote
-            object_store.remove(store_path)  # on object storage: the objects written too
-            if remote is not None:
-                object_store.local_path(remote.name)
-            elif pre_existing_dir:
-                store_path.mkdir(exist_ok=True)
-        raise
+                        dist.finish(store, role)  # every worker's rows written, or the first failure raised
+                    extra = None
+                    if role == "query":
+                        inputs = dict(store.group("query").attrs.get(BATCH_INPUTS_ATTR, {}))
+                        inputs[batch] = input_sha
+                        extra = {BATCH_INPUTS_ATTR: inputs}
+                    start, stop = app.commit(extra)
+                    warnings += _quality_warnings(store, role, src.name, empty)
+        except BaseException:
+            if created:
+                remote = store.remote
+                object_store.remove(store_path)  # on object storage: the objects written too
+                if remote is not None:
+                    object_store.local_path(remote.name)
+                elif pre_existing_dir:
+                    store_path.mkdir(exist_ok=True)
+            raise
     return EmbedResult(store=named, role=TEST_ROLE if test else role, rows_added=rows_added,
                        rows_skipped=rows_skipped,
                        dim=int(store.dim), extractor=store.extractor, batch=batch, start=start, stop=stop,

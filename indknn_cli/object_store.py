@@ -191,6 +191,35 @@ def is_empty(loc: RemoteLocation) -> bool:
         return True
 
 
+def refuse_new_store(loc: RemoteLocation) -> None:
+    """Checks before anything is written for a new store on object storage (its writer lease included)."""
+    if "/" not in loc.name.split("://", 1)[1].strip("/"):
+        raise BadInputError(f"{loc.name}: a store needs a prefix inside the bucket ({loc.name}/NAME): a "
+                            "compaction writes its copy beside the prefix, and the writer lease sits there")
+    refuse_versioned(loc)  # nothing, not even the lease, is left in a versioned bucket
+
+
+def refuse_after_compaction(loc: RemoteLocation, folder: Path) -> None:
+    """A new store at its name while a compaction's copy ``<name>.compacted-<token>`` exists is refused: a state
+    folder that does not know the copy (another machine's, or a lost one) would start a second store under the
+    old name, whose people an erasure on the compacting machine would not find (review 20 of audit 8, F1).
+    A compaction's own copy (``loc.url`` is not the name) is not checked."""
+    name = canonical_url(loc.name)
+    if canonical_url(loc.url) != name:
+        return
+    fs = filesystem(loc)
+    try:
+        found = sorted(fs.glob(name.split("://", 1)[1] + ".compacted-*"))
+    except FileNotFoundError:
+        return
+    if found:
+        raise StoreError(
+            f"{loc.name}: a compaction moved this store to {name.split('://', 1)[0]}://{found[-1]}, and this "
+            f"machine's state folder ({folder}) does not know it (made on another machine, or lost); nothing was "
+            "written. Run every command that writes the store on the machine that compacted it, or copy its state "
+            "folder here (docs/OBJECT_STORAGE.md)")
+
+
 def _bucket(loc: RemoteLocation) -> str:
     return loc.url.split("://", 1)[1].split("/", 1)[0]
 

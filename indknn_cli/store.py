@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import zarr
 
-from . import FORMAT_VERSION, locking, object_store, store_versions
+from . import FORMAT_VERSION, locking, object_store, store_lease, store_versions
 from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
 from .record_keys import KEY_ARRAY, SALT_ATTR, new_salt
 
@@ -79,10 +79,19 @@ class FeatureStore:
     ) -> "FeatureStore":
         path = object_store.local_path(path)
         loc = object_store.location(path)
-        if loc is not None:  # on object storage: created in place, the root attributes written last
-            if not object_store.is_empty(loc):
+        if loc is not None:
+            object_store.refuse_new_store(loc)
+        with store_lease.hold(loc, timeout=60.0) if loc is not None else contextlib.nullcontext():
+            return cls._create(path, loc, extractor=extractor, dim=dim, label_names=label_names,
+                               chunk_rows=chunk_rows, label_names_source=label_names_source)
+
+    @classmethod
+    def _create(cls, path: Path, loc, *, extractor: ExtractorInfo, dim: int, label_names: Sequence[str],
+                chunk_rows: int | None, label_names_source: str) -> "FeatureStore":
+        if loc is not None:  # on object storage: created in place (under the bucket's writer lease), the root
+            if not object_store.is_empty(loc):  # attributes written last
                 raise StoreError(f"{loc.name}: exists and is not empty; refusing to create a store there")
-            object_store.refuse_versioned(loc)
+            object_store.refuse_after_compaction(loc, path)
         elif path.exists() and any(path.iterdir()):
             raise StoreError(f"{path}: exists and is not empty; refusing to create a store there")
         if dim <= 0:
@@ -201,9 +210,12 @@ class FeatureStore:
         def expired() -> LockTimeoutError:
             return LockTimeoutError(f"{self.path}: another indknn process is writing this store")
 
-        with locking.exclusive(self.path, self.path / self.LOCK_NAME, timeout=timeout, on_timeout=expired):
-            self._refresh_after_lock()
-            yield
+        # on object storage the flock excludes this machine only; the bucket's writer lease, the other machines.
+        # Taken first (one order everywhere: embed holds it across a store's creation and first append)
+        with store_lease.hold(self.remote, timeout=timeout) if self.remote is not None else contextlib.nullcontext():
+            with locking.exclusive(self.path, self.path / self.LOCK_NAME, timeout=timeout, on_timeout=expired):
+                self._refresh_after_lock()
+                yield
 
     def _refresh_after_lock(self) -> None:
         """Re-read the metadata now that no other writer can change it.

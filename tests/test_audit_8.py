@@ -9,6 +9,7 @@ amounts to); the store and the server are real (moto).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ import pytest
 
 from .conftest import clustered
 from .s3_server import new_bucket, raw_objects
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -387,3 +390,120 @@ def test_review_19_the_swap_is_undone_with_the_readable_copy_not_a_kept_emptied_
     (kept / "zarr.json").write_bytes(b"")
     recover_store_folder(tmp_path / "s.zarr")
     assert FeatureStore.open(tmp_path / "s.zarr").uuid == uuid
+
+
+def _embed_more(tmp_path: Path, url: str, *, start: int, n: int, d: int, seed: int):
+    from indknn_cli.embedding import embed_into_store
+    from indknn_cli.store import normalize_rows
+
+    x, y, _ = clustered(n, d, 3, seed=seed)
+    x = normalize_rows(x)
+    f = tmp_path / f"more-{start}.npz"
+    np.savez(f, x=x, y=y, ids=np.array([f"m{start + i:05d}" for i in range(n)]))
+    return f, x
+
+
+def test_f1_a_second_machine_waits_for_the_first_machines_write_to_end(s3, state, tmp_path):
+    """Two machines (two state roots; the second a real `indknn embed` process) appending to one S3 prefix: the
+    second used to write while the first held its store lock (a local flock), interleaving chunk writes; it now
+    waits on the bucket's writer lease until the first is done, and every id keeps its own vector (audit 8, F1)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from indknn_cli import object_store, store_lease
+
+    url, x = _store(tmp_path, s3, n=300, d=16)
+    first = object_store.open_store(url, mode="a")
+    f, more = _embed_more(tmp_path, url, start=0, n=40, d=16, seed=5)
+    env = {**os.environ, "INDKNN_STATE_DIR": str(tmp_path / "machine-b"), "PYTHONPATH": str(REPO)}
+    lease = store_lease.lease_url(first.remote)
+    with first.write_lock(timeout=5):
+        holder = json.loads(object_store.filesystem(first.remote).cat_file(lease))
+        second = subprocess.Popen([sys.executable, "-m", "indknn_cli", "embed", str(f), "--store", url],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 12
+        while second.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert second.poll() is None, f"the second machine wrote while the first held the store: {second.stderr.read()}"
+        assert holder["machine"] == store_lease.machine_id()
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    st = object_store.open_store(url)
+    assert st.n_rows() == 340 and list(st.record_ids()[300:]) == [f"m{i:05d}" for i in range(40)]
+    assert np.array_equal(st.read("private", "features")[300:], more)
+    assert not object_store.filesystem(st.remote).exists(lease)  # released
+
+
+def test_f1_after_a_compaction_another_machine_cannot_start_a_second_store_under_the_old_name(
+        s3, state, tmp_path, monkeypatch):
+    """A compaction moves the data to `<name>.compacted-<token>`, known only to the compacting machine's state
+    folder: another machine's `embed` into `<name>` then created a second store there, whose people an erasure on
+    the first machine could not find (review 20 of audit 8). It is refused, nothing written."""
+    from indknn_cli import object_store
+    from indknn_cli.deletion import delete_records
+    from indknn_cli.embedding import embed_into_store
+    from indknn_cli.errors import StoreError
+
+    url, x = _store(tmp_path, s3, n=120, d=16)
+    delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0003"], compact=True)
+    bucket = url.split("/")[2]
+    before = raw_objects(s3, bucket)
+    f, _ = _embed_more(tmp_path, url, start=0, n=20, d=16, seed=4)
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "machine-b"))
+    with pytest.raises(StoreError, match="a compaction moved this store"):
+        embed_into_store(f, store_path=url, extractor="vectors", label_names=["0", "1", "2"])
+    assert raw_objects(s3, bucket) == before
+
+
+def test_f1_a_lease_left_by_a_dead_process_here_is_taken_over_one_from_another_machine_is_refused(
+        s3, state, tmp_path, monkeypatch):
+    """A lease whose holder died: this machine's own (its machine id, no process holding the local lease lock) is
+    replaced at once; another machine's stays, and a write is refused naming the object and its holder, with
+    nothing written (audit 8, F1)."""
+    from indknn_cli import object_store, store_lease
+    from indknn_cli.errors import LockTimeoutError
+
+    url, x = _store(tmp_path, s3, n=120, d=16)
+    st = object_store.open_store(url, mode="a")
+    fs = object_store.filesystem(st.remote)
+    lease = store_lease.lease_url(st.remote)
+    import socket
+
+    fs.pipe_file(lease, json.dumps({"token": "dead", "machine": store_lease.machine_id(),
+                                    "host": socket.gethostname(), "pid": 1}).encode())
+    with st.write_lock(timeout=2):  # taken over at once
+        assert json.loads(fs.cat_file(lease))["token"] != "dead"
+    assert not fs.exists(lease)
+
+    fs.pipe_file(lease, json.dumps({"token": "elsewhere", "machine": "another", "host": "node-7", "pid": 42,
+                                    "since": "2026-11-27T10:00:00Z"}).encode())
+    before = {k: v for k, v in raw_objects(s3, url.split("/")[2]).items() if not k.endswith(".indknn-writer.json")}
+    with pytest.raises(LockTimeoutError, match="node-7") as err:
+        with st.write_lock(timeout=0.5):
+            st.append("private", x[:3], labels=np.zeros(3, np.int32), record_ids=["z1", "z2", "z3"])
+    assert lease in str(err.value)
+    after = {k: v for k, v in raw_objects(s3, url.split("/")[2]).items() if not k.endswith(".indknn-writer.json")}
+    assert after == before and json.loads(fs.cat_file(lease))["token"] == "elsewhere"  # theirs is kept
+    from indknn_cli.deletion import delete_records
+    with pytest.raises(LockTimeoutError, match="delete the object"):
+        delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0001"], lock_timeout=0.5)
+    fs.rm_file(lease)  # the documented way out once that machine is known to be gone
+    assert delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0001"]).records_erased == 1
+
+
+def test_f1_a_store_at_a_buckets_root_is_refused_at_creation(s3, state, tmp_path):
+    """A store at a bucket's root has no place beside its prefix for the writer lease (nor for a compaction's
+    copy, which would name another bucket): creating one is refused with what to do, nothing written."""
+    from indknn_cli import object_store, store_lease
+    from indknn_cli.embedding import embed_into_store
+    from indknn_cli.errors import BadInputError
+
+    bucket = new_bucket(s3)
+    loc = object_store.RemoteLocation(url=f"s3://{bucket}", name=f"s3://{bucket}")
+    assert store_lease.lease_url(loc) == f"s3://{bucket}/indknn-writer.json"  # an older store there: inside
+    f, _ = _embed_more(tmp_path, f"s3://{bucket}", start=0, n=30, d=8, seed=2)
+    with pytest.raises(BadInputError, match="NAME"):
+        embed_into_store(f, store_path=f"s3://{bucket}/", extractor="vectors", label_names=["0", "1", "2"])
+    assert raw_objects(s3, bucket) == {}

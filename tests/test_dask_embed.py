@@ -147,3 +147,39 @@ def test_text_on_workers_is_bit_identical(cluster, tmp_path):
     fa, fb = _store_files(tmp_path / "inproc"), _store_files(tmp_path / "dask")
     assert fa.keys() == fb.keys() and [k for k in fa if fa[k] != fb[k]] == []
     assert json.loads(fa["private/zarr.json"])["attributes"]["n_rows"] == 300
+
+
+def test_a_failure_waits_for_running_partitions_before_the_lock_is_released(tmp_path, monkeypatch):
+    """A partition fails while others run: Dask's cancel does not stop a running task, which went on writing rows
+    into the store after `embed` had failed and released the store's lock (and, on S3, the writer lease), where the
+    next writer's rows at the same uncommitted row numbers would be overwritten. `embed` now returns only once no
+    partition is running (review 20 of audit 8). In-process workers (threads) so that the task can be slowed."""
+    import time
+
+    marks = tmp_path / "finished"  # files, not a list: the task is pickled even for in-process workers
+    marks.mkdir()
+    orig = dask_embed.embed_partition
+
+    def slow_or_failing(target, role, info, device, dim, chunk, lo, *rest):
+        if lo == 37:
+            raise RuntimeError("boom")
+        time.sleep(1.5)
+        out = orig(target, role, info, device, dim, chunk, lo, *rest)
+        (marks / str(lo)).touch()
+        return out
+
+    orig_init = dask_embed.DaskFeatureWriter.__init__
+
+    def small_partitions(self, client, ex, *, device, partition_rows=None):
+        orig_init(self, client, ex, device=device, partition_rows=64)
+
+    monkeypatch.setattr(dask_embed, "embed_partition", slow_or_failing)
+    monkeypatch.setattr(dask_embed.DaskFeatureWriter, "__init__", small_partitions)
+    x, (_, b) = _pair(tmp_path, n=256)
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=4, processes=False, dashboard_address=":0",
+                                  silence_logs=50) as c:
+        with pytest.raises(SchedulerError, match="nothing was committed"):
+            embed_into_store(tmp_path / "in.npz", store_path=b.path, batch_rows=64, scheduler=c.scheduler_address)
+        finished = sorted(int(p.name) for p in marks.iterdir())
+        assert finished == [101, 165, 229], f"embed returned while partitions were still writing: {finished}"
+    assert FeatureStore.open(b.path).n_rows() == 37

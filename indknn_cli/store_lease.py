@@ -1,0 +1,170 @@
+"""One writer per store on object storage, across machines: a lease object in the bucket (audit 8, F1).
+
+A store on ``s3://`` keeps its locks in the coordinator's local state folder (:mod:`.object_store`), and a
+``flock`` on one machine does not exclude another: two machines appending to one prefix at once interleaved
+their chunk writes, so that one person's vectors ended under another person's ids and an erasure request for
+the first missed them. Every write to such a store (:meth:`FeatureStore.write_lock`, and the creation of a
+store) therefore also holds a *lease*: an object next to the store's prefix,
+
+    <store URL as named>.indknn-writer.json   (``s3://bucket/indknn-writer.json`` for an older store at a bucket's
+    root; a new one is refused there)
+
+created with a conditional put (``If-None-Match: *``, s3fs ``mode="create"``): S3 lets exactly one of two
+concurrent creators succeed, the other gets 412 (``FileExistsError``) and waits, up to the caller's lock
+timeout, then is refused (:class:`~.errors.LockTimeoutError`, exit 1, nothing written). The lease is deleted
+when the write ends.
+
+The lease has no expiry, on purpose: a holder that paused past an expiry would go on writing beside the next
+one, which is the fault being fixed. A lease left by a process that died is recognised when it names *this*
+machine (``$INDKNN_STATE_DIR/machine-id`` and the host name) and no process here holds its local lock
+(``$INDKNN_STATE_DIR/leases/<hash>.lock``, an ``flock`` released when a process dies): it is replaced at
+once. A lease left by another machine that died stays until someone removes it; the refusal names the
+object and its holder (host, process, since when), and docs/OBJECT_STORAGE.md says how. A filesystem other
+than S3 gets the same protocol where its ``pipe_file(mode="create")`` is atomic (fsspec's generic one checks
+then writes, which is not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from . import locking
+from .errors import LockTimeoutError, StoreError
+from .object_store import RemoteLocation, canonical_url, filesystem, state_root
+
+SUFFIX = ".indknn-writer.json"
+MACHINE_ID = "machine-id"
+POLL_SECONDS = 0.25
+
+_held: dict[tuple, list] = {}  # (state root, lease URL, thread) -> [depth, token]: one thread re-entering its own
+# lease (embed: create, then append); the state root is the machine's identity. Another thread of this process
+# waits on the local lease lock like another process.
+_guard = threading.Lock()
+
+
+def lease_url(loc: RemoteLocation) -> str:
+    """Where the lease of the store named ``loc.name`` lives (a sibling object of its prefix; the name is
+    stable across compactions, which move the data to ``<name>.compacted-<token>``)."""
+    name = canonical_url(loc.name)
+    scheme, rest = name.split("://", 1)
+    if "/" not in rest:  # a store at a bucket's root: a sibling would be another bucket
+        return f"{name}/{SUFFIX.lstrip('.')}"
+    return name + SUFFIX
+
+
+def machine_id() -> str:
+    """This machine's indknn identity (a random id kept in the state root; made once, atomically)."""
+    root = state_root()
+    root.mkdir(parents=True, exist_ok=True)
+    p = root / MACHINE_ID
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(uuid.uuid4().hex)
+            f.flush()
+            os.fsync(f.fileno())
+    for _ in range(50):  # a concurrent creator may not have written it yet
+        text = p.read_text().strip()
+        if text:
+            return text
+        time.sleep(0.01)
+    raise StoreError(f"{p}: empty machine id; remove the file and run again")
+
+
+def _read(fs, url: str) -> dict | None:
+    """The lease now at ``url`` (None when there is none); an unreadable one is a holder we cannot name."""
+    try:
+        raw = fs.cat_file(url)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - botocore/aiohttp: endpoint down, no permission
+        raise StoreError(f"cannot read the store's writer lease {url} ({type(exc).__name__}: {exc})") from None
+    try:
+        out = json.loads(raw)
+        return out if isinstance(out, dict) else {"token": None}
+    except ValueError:
+        return {"token": None}
+
+
+def _describe(other: dict) -> str:
+    return (f"host {other.get('host', '?')!s}, process {other.get('pid', '?')!s}, "
+            f"since {other.get('since', '?')!s}")
+
+
+@contextlib.contextmanager
+def hold(loc: RemoteLocation, *, timeout: float) -> Iterator[None]:
+    """Hold the store's writer lease for the ``with`` block (re-entrant within one process)."""
+    url = lease_url(loc)
+    key = (str(state_root()), url, threading.get_ident())
+    with _guard:
+        mine = _held.get(key)
+        if mine is not None:
+            mine[0] += 1
+    if mine is not None:
+        try:
+            yield
+        finally:
+            with _guard:
+                mine[0] -= 1
+        return
+
+    deadline = time.monotonic() + timeout
+    lock_file = state_root() / "leases" / f"{hashlib.sha256(url.encode()).hexdigest()[:24]}.lock"
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+
+    def busy_here() -> LockTimeoutError:
+        return LockTimeoutError(f"{loc.name}: another indknn process on this machine is writing this store")
+
+    with locking.exclusive_file(lock_file, timeout=timeout, on_timeout=busy_here):
+        fs = filesystem(loc)
+        me = machine_id()
+        host = socket.gethostname()
+        token = uuid.uuid4().hex
+        body = json.dumps({"token": token, "machine": me, "host": host, "pid": os.getpid(),
+                           "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "store": loc.name}).encode()
+        while True:
+            try:
+                fs.pipe_file(url, body, mode="create")
+                break
+            except FileExistsError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - botocore/aiohttp: endpoint down, no permission
+                raise StoreError(f"{loc.name}: cannot write the store's writer lease {url} "
+                                 f"({type(exc).__name__}: {exc})") from None
+            other = _read(fs, url)
+            if other is None:
+                continue  # released meanwhile: try again
+            if other.get("machine") == me and other.get("host") == host:
+                # ours, and no process here holds the local lease lock (we do): its writer died
+                fs.rm_file(url)
+                continue
+            if time.monotonic() >= deadline:
+                raise LockTimeoutError(
+                    f"{loc.name}: another machine holds the store's writer lease ({_describe(other)}); nothing "
+                    f"was written. Run again when it is done. If that machine is gone (a crash), delete the "
+                    f"object {url} and run again (docs/OBJECT_STORAGE.md)")
+            time.sleep(POLL_SECONDS)
+        with _guard:
+            _held[key] = [1, token]
+        try:
+            yield
+        finally:
+            with _guard:
+                _held.pop(key, None)
+            with contextlib.suppress(Exception):  # a lease we cannot remove is reported by the next writer
+                now = _read(fs, url)
+                if now is not None and now.get("token") == token:
+                    fs.rm_file(url)
