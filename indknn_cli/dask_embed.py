@@ -83,6 +83,10 @@ def embed_partition(target: dict, role: str, info: dict, device: str, dim: int, 
     return [(lo, block[:a - lo]), (b, block[b - lo:])]
 
 
+#: How long a failed embed waits for the partitions still running before it gives up (and says so).
+DRAIN_SECONDS = float(os.environ.get("INDKNN_DASK_DRAIN_SECONDS", "600"))
+
+
 class DaskFeatureWriter:
     """The ``dist`` of embedding._embed_source: partitions out, edge rows back, written before the commit."""
 
@@ -137,8 +141,17 @@ class DaskFeatureWriter:
         then be overwritten under their ids (review 20 of audit 8, F1)."""
         if not self.futures:
             return
-        with contextlib.suppress(Exception):  # each future ends finished, failed or lost: all that is waited for
-            self.client.gather(self.futures, errors="skip")
+        from distributed import as_completed
+
+        try:  # each future ends finished, failed or lost: all that is waited for
+            with self.client.as_current():
+                for _ in as_completed([f for f in self.futures if not f.done()], timeout=DRAIN_SECONDS):
+                    pass
+        except TimeoutError:
+            raise SchedulerError(
+                f"the Dask workers did not finish within {DRAIN_SECONDS:.0f} s of a failure; nothing was "
+                "committed, but a worker may still write rows past the store's committed ones: let the cluster "
+                "finish (or restart it) before the next write to this store") from None
 
     def finish(self, store, role: str) -> None:
         """Send the last partition, wait for all, write the edge rows; raise the first failure."""

@@ -208,8 +208,11 @@ def refuse_after_compaction(loc: RemoteLocation, folder: Path) -> None:
     if canonical_url(loc.url) != name:
         return
     fs = filesystem(loc)
-    try:
-        found = sorted(fs.glob(name.split("://", 1)[1] + ".compacted-*"))
+    key = name.split("://", 1)[1]
+    parent = key.rsplit("/", 1)[0]
+    try:  # listed and compared, not globbed: a name may hold [ ? * (review 21)
+        found = sorted(k for k in fs.ls(parent, detail=False, refresh=True)
+                       if str(k).startswith(key + ".compacted-"))
     except FileNotFoundError:
         return
     if found:

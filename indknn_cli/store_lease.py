@@ -16,12 +16,13 @@ when the write ends.
 
 The lease has no expiry, on purpose: a holder that paused past an expiry would go on writing beside the next
 one, which is the fault being fixed. A lease left by a process that died is recognised when it names *this*
-machine (``$INDKNN_STATE_DIR/machine-id`` and the host name) and no process here holds its local lock
+machine (``$INDKNN_STATE_DIR/machine-id``, the host name and the kernel's boot id, so that a cloned
+machine-id is not enough), its process no longer runs, and no process here holds its local lock
 (``$INDKNN_STATE_DIR/leases/<hash>.lock``, an ``flock`` released when a process dies): it is replaced at
 once. A lease left by another machine that died stays until someone removes it; the refusal names the
-object and its holder (host, process, since when), and docs/OBJECT_STORAGE.md says how. A filesystem other
-than S3 gets the same protocol where its ``pipe_file(mode="create")`` is atomic (fsspec's generic one checks
-then writes, which is not).
+object and its holder (host, process, since when), and docs/OBJECT_STORAGE.md says how. On a filesystem other
+than S3, fsspec's generic ``pipe_file(mode="create")`` checks, then writes: the lease narrows the window
+there but does not close it.
 """
 
 from __future__ import annotations
@@ -83,6 +84,28 @@ def machine_id() -> str:
     raise StoreError(f"{p}: empty machine id; remove the file and run again")
 
 
+def boot_id() -> str:
+    """This boot of this machine (Linux: the kernel's random boot id; elsewhere empty, and then only the pid
+    check below tells a dead holder from a live one)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _alive(pid) -> bool:
+    """Whether process ``pid`` runs here (an unreadable pid counts as alive: the lease is then kept)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    return True
+
+
 def _read(fs, url: str) -> dict | None:
     """The lease now at ``url`` (None when there is none); an unreadable one is a holder we cannot name."""
     try:
@@ -132,7 +155,8 @@ def hold(loc: RemoteLocation, *, timeout: float) -> Iterator[None]:
         me = machine_id()
         host = socket.gethostname()
         token = uuid.uuid4().hex
-        body = json.dumps({"token": token, "machine": me, "host": host, "pid": os.getpid(),
+        boot = boot_id()
+        body = json.dumps({"token": token, "machine": me, "host": host, "boot": boot, "pid": os.getpid(),
                            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "store": loc.name}).encode()
         while True:
@@ -147,8 +171,10 @@ def hold(loc: RemoteLocation, *, timeout: float) -> Iterator[None]:
             other = _read(fs, url)
             if other is None:
                 continue  # released meanwhile: try again
-            if other.get("machine") == me and other.get("host") == host:
-                # ours, and no process here holds the local lease lock (we do): its writer died
+            if (other.get("machine") == me and other.get("host") == host and other.get("boot") == boot
+                    and not _alive(other.get("pid"))):
+                # written on this machine since its last boot (a cloned machine-id has another boot id), by a
+                # process that no longer runs, and no process here holds the local lease lock (we do): it died
                 fs.rm_file(url)
                 continue
             if time.monotonic() >= deadline:

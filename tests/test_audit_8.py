@@ -471,8 +471,12 @@ def test_f1_a_lease_left_by_a_dead_process_here_is_taken_over_one_from_another_m
     lease = store_lease.lease_url(st.remote)
     import socket
 
-    fs.pipe_file(lease, json.dumps({"token": "dead", "machine": store_lease.machine_id(),
-                                    "host": socket.gethostname(), "pid": 1}).encode())
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    fs.pipe_file(lease, json.dumps({"token": "dead", "machine": store_lease.machine_id(), "host": socket.gethostname(),
+                                    "boot": store_lease.boot_id(), "pid": int(gone.stdout)}).encode())
     with st.write_lock(timeout=2):  # taken over at once
         assert json.loads(fs.cat_file(lease))["token"] != "dead"
     assert not fs.exists(lease)
@@ -507,3 +511,43 @@ def test_f1_a_store_at_a_buckets_root_is_refused_at_creation(s3, state, tmp_path
     with pytest.raises(BadInputError, match="NAME"):
         embed_into_store(f, store_path=f"s3://{bucket}/", extractor="vectors", label_names=["0", "1", "2"])
     assert raw_objects(s3, bucket) == {}
+
+
+def test_f1_a_cloned_machine_id_does_not_take_over_a_live_holders_lease(s3, state, tmp_path, monkeypatch):
+    """A state root copied with its machine-id (a cloned image, a restored backup) on a host of the same name: its
+    writer took the live holder's lease as a dead process's and both wrote at once (review 21). A lease is taken
+    over only when its process is gone on this boot of this machine."""
+    import shutil
+
+    from indknn_cli import object_store, store_lease
+    from indknn_cli.errors import LockTimeoutError
+
+    url, x = _store(tmp_path, s3, n=120, d=16)
+    first = object_store.open_store(url, mode="a")
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    shutil.copy(state / "machine-id", clone / "machine-id")
+    with first.write_lock(timeout=5):
+        monkeypatch.setenv("INDKNN_STATE_DIR", str(clone))
+        second = object_store.open_store(url, mode="a")
+        with pytest.raises(LockTimeoutError, match="writer lease"):
+            with second.write_lock(timeout=0.6):
+                pass
+        monkeypatch.setenv("INDKNN_STATE_DIR", str(state))
+        assert json.loads(object_store.filesystem(first.remote).cat_file(store_lease.lease_url(first.remote)))[
+            "pid"] == __import__("os").getpid()
+
+
+def test_f1_a_name_with_pattern_characters_still_finds_the_compacted_copy(s3, state, tmp_path):
+    """The check for a compaction's copy globbed `<name>.compacted-*`: a name holding `[1]` matched nothing and a
+    second store started under the old name (review 21). Names are now compared as listed."""
+    import s3fs
+
+    from indknn_cli.embedding import embed_into_store
+    from indknn_cli.errors import StoreError
+
+    bucket = new_bucket(s3)
+    s3fs.S3FileSystem(endpoint_url=s3).pipe_file(f"{bucket}/run[1].compacted-abc/zarr.json", b"{}")
+    f, _ = _embed_more(tmp_path, f"s3://{bucket}/run[1]", start=0, n=20, d=8, seed=4)
+    with pytest.raises(StoreError, match="a compaction moved this store"):
+        embed_into_store(f, store_path=f"s3://{bucket}/run[1]", extractor="vectors", label_names=["0", "1", "2"])

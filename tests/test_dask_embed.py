@@ -183,3 +183,30 @@ def test_a_failure_waits_for_running_partitions_before_the_lock_is_released(tmp_
         finished = sorted(int(p.name) for p in marks.iterdir())
         assert finished == [101, 165, 229], f"embed returned while partitions were still writing: {finished}"
     assert FeatureStore.open(b.path).n_rows() == 37
+
+
+def test_a_drain_that_outlasts_its_bound_says_so(tmp_path, monkeypatch):
+    """The wait for running partitions after a failure is bounded (INDKNN_DASK_DRAIN_SECONDS): past it, embed says
+    that workers may still be writing, rather than holding the store's lock forever (review 21)."""
+    import time
+
+    def slow_or_failing(target, role, info, device, dim, chunk, lo, *rest):
+        if lo == 37:
+            raise RuntimeError("boom")
+        time.sleep(4)
+        return []
+
+    orig_init = dask_embed.DaskFeatureWriter.__init__
+
+    def small_partitions(self, client, ex, *, device, partition_rows=None):
+        orig_init(self, client, ex, device=device, partition_rows=64)
+
+    monkeypatch.setattr(dask_embed, "embed_partition", slow_or_failing)
+    monkeypatch.setattr(dask_embed.DaskFeatureWriter, "__init__", small_partitions)
+    monkeypatch.setattr(dask_embed, "DRAIN_SECONDS", 0.5)
+    x, (_, b) = _pair(tmp_path, n=128)
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0",
+                                  silence_logs=50) as c:
+        with pytest.raises(SchedulerError, match="did not finish within 0 s of a failure"):
+            embed_into_store(tmp_path / "in.npz", store_path=b.path, batch_rows=64, scheduler=c.scheduler_address)
+    assert FeatureStore.open(b.path).n_rows() == 37
