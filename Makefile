@@ -39,10 +39,14 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed $(IMAGE_VENV)/.installed
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m 'heavy and not slow and not image'
 	$(IMAGE_VENV)/bin/python -m pytest -q -m image
 
 test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+
+test-heavy: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m 'heavy and not slow and not image'
 
 test-image: $(IMAGE_VENV)/.installed
 	$(IMAGE_VENV)/bin/python -m pytest -q -m image

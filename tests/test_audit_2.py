@@ -57,6 +57,7 @@ def _s3_store(tmp_path, endpoint):
     return bucket
 
 
+@pytest.mark.heavy
 def test_store_url_spellings_share_one_state_folder_and_one_write_lock(tmp_path, monkeypatch):
     """s3a:// and a trailing slash name the same objects as s3://bucket/prefix. Each spelling got its own state
     folder, so its own store write lock: two writers (an embed and a delete) could then write the same chunks at
@@ -293,6 +294,7 @@ def test_index_output_labels_its_exact_record_counts_operator_only(tmp_path):
     assert d["records"] == 50 and "operator-only" in d["operator_only"] and "records" in d["operator_only"]
 
 
+@pytest.mark.heavy
 def test_auto_compaction_depends_on_the_number_of_serve_events_only(tmp_path, monkeypatch):
     """Audit 2, P7: whether a serve run compacts the ledger at its end (its time, and its exit code should the
     compaction fail) must not depend on how many records were charged. Two ledgers, one store each, served
@@ -326,6 +328,7 @@ def test_auto_compaction_depends_on_the_number_of_serve_events_only(tmp_path, mo
 
 
 # -- P9: a bucket versioned after the store was made must not block an erasure -----------------------------------
+@pytest.mark.heavy
 def test_erasure_in_a_bucket_versioned_later_is_recorded_and_reported_incomplete(tmp_path, monkeypatch):
     """Writes to a versioned bucket are refused (old versions would keep erased vectors). When versioning is
     switched on after the store was made, `delete` was refused whole: the record stayed live in the ledger and
@@ -373,6 +376,7 @@ def test_erasure_in_a_bucket_versioned_later_is_recorded_and_reported_incomplete
         assert not any(victim in body for body in raw_objects(endpoint, bucket).values() if body)  # current: gone
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["lsh", "ivf"])
 def test_lsh_and_ivf_finders_honour_the_pair_bound_in_process(tmp_path, kind, monkeypatch):
     """Audit 2, P3 in process: the LSH/IVF finders were called without serving's pair bound (--max-memory), so

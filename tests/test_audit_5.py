@@ -39,6 +39,7 @@ def test_f3_a_second_ledger_is_refused_before_the_private_search_runs(tmp_path, 
     assert not (tmp_path / "L2").exists()
 
 
+@pytest.mark.heavy
 def test_f2_a_seeded_private_search_warns_that_its_choice_has_no_privacy(tmp_path):
     sp = _store(tmp_path)
     base = [sys.executable, "-m", "indknn_cli", "index", "--store", str(sp), "--eps", "1", "--tune", "private",

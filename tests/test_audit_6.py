@@ -88,6 +88,7 @@ def _vector_a_paid(tmp_path) -> float:
     return float(led.state.spent[list(led.state.record_id).index("n0")])
 
 
+@pytest.mark.heavy
 def test_a_restored_store_is_refused_before_anything_is_charged_and_names_no_record(tmp_path, world):
     budget = BudgetLedger.open(tmp_path / "L").params.budget
     before = _spent(tmp_path)
@@ -112,6 +113,7 @@ def test_a_restored_store_is_refused_before_anything_is_charged_and_names_no_rec
     assert v.returncode == 1 and "NOT verified" in v.stdout and "restored" in v.stdout and "'n0'" not in v.stdout
 
 
+@pytest.mark.heavy
 def test_repair_after_a_restored_store_refunds_nothing_and_serving_charges_each_person_once(tmp_path, world):
     budget = BudgetLedger.open(tmp_path / "L").params.budget
     _restore_and_reembed(tmp_path)
@@ -131,6 +133,7 @@ def test_repair_after_a_restored_store_refunds_nothing_and_serving_charges_each_
     assert _vector_a_paid(tmp_path) >= 0.9 * budget
 
 
+@pytest.mark.heavy
 def test_a_normal_day_passes_and_verify_compares_every_row(tmp_path, world):
     v = _ok(_cli("account", "--ledger", "L", "--store", "s.zarr", "--verify", cwd=tmp_path))
     assert "each of the 8 live records sits at a row holding its own record id" in " ".join(v.stdout.split())
@@ -149,6 +152,7 @@ def _refused_then_repaired(tmp_path, budget, *, batch="b3"):
     assert float(BudgetLedger.open(tmp_path / "L").state.spent.max()) <= budget
 
 
+@pytest.mark.heavy
 def test_a_delete_before_the_serve_does_not_let_the_restored_store_through(tmp_path, world):
     """Review 13, 1: an erasure (or a nightly `delete --compact`) committed against the restored store before the
     next serve moved the mark past the unchecked rows, and the serve charged person A a second B."""
@@ -163,6 +167,7 @@ def test_a_delete_before_the_serve_does_not_let_the_restored_store_through(tmp_p
     _refused_then_repaired(tmp_path, budget)
 
 
+@pytest.mark.heavy
 def test_a_pending_erasure_is_not_rolled_forward_onto_a_restored_store(tmp_path, world):
     """Review 13, 2: the serve's roll-forward of a pending erasure mapped the pending row to a ledger record by row
     number, tombstoning n0 instead of n1 and committing before any check."""
@@ -176,6 +181,7 @@ def test_a_pending_erasure_is_not_rolled_forward_onto_a_restored_store(tmp_path,
     _refused_then_repaired(tmp_path, budget)
 
 
+@pytest.mark.heavy
 def test_generated_ids_do_not_hide_a_restored_store(tmp_path):
     """Review 13, 3: ids that embed generates from row positions repeat in a re-embedded store, so comparing ids
     let the restored store through."""
@@ -205,6 +211,7 @@ def test_generated_ids_do_not_hide_a_restored_store(tmp_path):
     _refused_then_repaired(tmp_path, budget)
 
 
+@pytest.mark.heavy
 def test_a_store_restored_from_before_an_erasure_is_refused_and_repair_erases_again(tmp_path, world):
     """Review 13, 5: a store restored from a copy taken before an erasure brought the erased record back as a
     candidate (charged, its vector served from)."""
@@ -223,6 +230,7 @@ def test_a_store_restored_from_before_an_erasure_is_refused_and_repair_erases_ag
     assert s.deleted[list(s.record_id).index("r3")]
 
 
+@pytest.mark.heavy
 def test_repair_records_the_re_erasure_so_a_second_restore_is_refused(tmp_path, world):
     """Review 14, 1: repair committed before it erased the rows again, recording the restored copy's own version;
     the same copy restored once more then passed every check and the erased record was served again."""
@@ -240,6 +248,7 @@ def test_repair_records_the_re_erasure_so_a_second_restore_is_refused(tmp_path, 
     assert s.deleted[list(s.record_id).index("r3")]
 
 
+@pytest.mark.heavy
 def test_repair_after_a_ledger_rollback_keeps_a_record_embedded_again_after_its_erasure(tmp_path, world):
     """Review 14, 3: a re-admission (erased, then embedded again with consent) lost by a ledger rollback was erased
     by repair; the store's own erasure log shows the id was erased in this store, so its new row stays."""

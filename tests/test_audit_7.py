@@ -40,6 +40,7 @@ def _alice_spends_then_her_erased_id_returns_under_bob(tmp_path, rid, v, rng) ->
     return paid, budget
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("unit", ["user", "record"])
 def test_repair_keeps_an_erased_users_tombstone_when_its_id_comes_back_under_another_user(tmp_path, unit):
     rng = np.random.default_rng(0)
@@ -109,6 +110,7 @@ def test_an_add_row_that_gives_a_record_to_another_user_is_refused_when_written_
         BudgetLedger.open(tmp_path / "L")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("damage", ["rollback", "lost-event"])
 def test_repair_keeps_the_tombstone_when_the_kept_ledger_never_saw_the_erased_id(tmp_path, damage):
     """Review 15, 1: the ledger is rolled back to a copy made before alice joined (or the event before her add is
@@ -151,6 +153,7 @@ def test_repair_keeps_the_tombstone_when_the_kept_ledger_never_saw_the_erased_id
     assert _records(tmp_path, "alice")["a2"][0] >= paid - 1e-12
 
 
+@pytest.mark.heavy
 def test_verify_reports_an_erased_id_held_by_another_user(tmp_path):
     """Review 15, 2: a ledger in which an earlier version's repair moved an erased user's record to another user
     (compacted since, so no event row shows it) is reported by `account --verify` (exit 1, no id named); the store's

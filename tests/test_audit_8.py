@@ -46,6 +46,7 @@ def _holding(endpoint: str, url: str, vector: np.ndarray) -> list[str]:
     return [k for k, v in raw_objects(endpoint, bucket).items() if vector.astype(np.float32).tobytes() in v]
 
 
+@pytest.mark.heavy
 def test_f2_erasing_a_whole_chunk_writes_it_so_a_refused_delete_cannot_leave_the_vectors(s3, state, tmp_path,
                                                                                          monkeypatch):
     import s3fs
@@ -68,6 +69,7 @@ def test_f2_erasing_a_whole_chunk_writes_it_so_a_refused_delete_cannot_leave_the
     assert _holding(s3, url, x[0]) == []  # and no object holds the erased vector
 
 
+@pytest.mark.heavy
 def test_f2_a_refused_removal_of_the_old_prefix_empties_it_keeps_its_pointer_and_never_blocks_an_erasure(
         s3, state, tmp_path, monkeypatch):
     """Compaction's removal of the old prefix after a refused bulk delete: the objects left are emptied (a PUT) and
@@ -215,6 +217,7 @@ def test_f7_the_coordinator_refuses_triples_no_worker_makes():
     assert merged.rows[0].size == 0  # merge drops a negative row (numpy read it as the mask's last entry)
 
 
+@pytest.mark.heavy
 def test_f6_an_index_on_object_storage_with_a_scheduler_is_refused_before_anything(s3, state, tmp_path):
     """Workers cannot read an S3 store's LSH/IVF index (it lives in the coordinator's state folder): every such run
     failed on the workers with a KeyError (exit 1); it is now refused up front with what to do (audit 8, F6)."""
@@ -229,6 +232,7 @@ def test_f6_an_index_on_object_storage_with_a_scheduler_is_refused_before_anythi
         dask.factory(object_store.open_store(url), BudgetLedger.open(tmp_path / "L"))
 
 
+@pytest.mark.heavy
 def test_f5_past_the_bound_the_coordinator_cancels_and_the_halves_give_the_in_process_answers(tmp_path, monkeypatch):
     """The coordinator's running sum (tasks taken as they complete, the rest cancelled past the pair bound): the
     batch then halves, and answers, spent and selections equal the in-process run's (review 18 ran this first)."""
@@ -275,7 +279,7 @@ def test_f5_past_the_bound_the_coordinator_cancels_and_the_halves_give_the_in_pr
 
     monkeypatch.setattr(distributed.DaskFinder, "_gather", spy)
     want = run(tmp_path / "here", serving.serve_queries)
-    with LocalCluster(n_workers=2, processes=False, threads_per_worker=1, dashboard_address=None,
+    with LocalCluster(n_workers=2, processes=False, threads_per_worker=1, dashboard_address=":0",
                       silence_logs=logging.ERROR) as cluster, distributed.session(cluster.scheduler_address) as serve:
         got = run(tmp_path / "dask", serve)
     assert raised  # the bound was passed on the Dask path, and the batch halved
@@ -332,6 +336,7 @@ def _compact_leaving_the_old_prefix(url: str, tmp_path: Path, monkeypatch, *, re
         return delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=[record], compact=True)
 
 
+@pytest.mark.heavy
 def test_review_19_a_prefix_that_cannot_be_listed_is_reported_and_blocks_no_erasure(s3, state, tmp_path,
                                                                                       monkeypatch):
     from indknn_cli.deletion import delete_records
@@ -345,6 +350,7 @@ def test_review_19_a_prefix_that_cannot_be_listed_is_reported_and_blocks_no_eras
     assert _holding(s3, url, x[3]) == [] and _holding(s3, url, x[10]) == []
 
 
+@pytest.mark.heavy
 def test_review_19_leftovers_are_reported_when_the_ledger_cannot_be_read(s3, state, tmp_path, monkeypatch):
     """With the ledger damaged the recovery step does not run: copies left by a compaction, which may hold erased
     vectors, were not reported (the erasure said nothing of them)."""
@@ -403,6 +409,7 @@ def _embed_more(tmp_path: Path, url: str, *, start: int, n: int, d: int, seed: i
     return f, x
 
 
+@pytest.mark.heavy
 def test_f1_a_second_machine_waits_for_the_first_machines_write_to_end(s3, state, tmp_path):
     """Two machines (two state roots; the second a real `indknn embed` process) appending to one S3 prefix: the
     second used to write while the first held its store lock (a local flock), interleaving chunk writes; it now
@@ -436,6 +443,7 @@ def test_f1_a_second_machine_waits_for_the_first_machines_write_to_end(s3, state
     assert not object_store.filesystem(st.remote).exists(lease)  # released
 
 
+@pytest.mark.heavy
 def test_f1_after_a_compaction_another_machine_cannot_start_a_second_store_under_the_old_name(
         s3, state, tmp_path, monkeypatch):
     """A compaction moves the data to `<name>.compacted-<token>`, known only to the compacting machine's state
@@ -457,6 +465,7 @@ def test_f1_after_a_compaction_another_machine_cannot_start_a_second_store_under
     assert raw_objects(s3, bucket) == before
 
 
+@pytest.mark.heavy
 def test_f1_a_lease_left_by_a_dead_process_here_is_taken_over_one_from_another_machine_is_refused(
         s3, state, tmp_path, monkeypatch):
     """A lease whose holder died: this machine's own (its machine id, no process holding the local lease lock) is
@@ -513,6 +522,7 @@ def test_f1_a_store_at_a_buckets_root_is_refused_at_creation(s3, state, tmp_path
     assert raw_objects(s3, bucket) == {}
 
 
+@pytest.mark.heavy
 def test_f1_a_cloned_machine_id_does_not_take_over_a_live_holders_lease(s3, state, tmp_path, monkeypatch):
     """A state root copied with its machine-id (a cloned image, a restored backup) on a host of the same name: its
     writer took the live holder's lease as a dead process's and both wrote at once (review 21). A lease is taken
@@ -538,6 +548,7 @@ def test_f1_a_cloned_machine_id_does_not_take_over_a_live_holders_lease(s3, stat
             "pid"] == __import__("os").getpid()
 
 
+@pytest.mark.heavy
 def test_f1_a_name_with_pattern_characters_still_finds_the_compacted_copy(s3, state, tmp_path):
     """The check for a compaction's copy globbed `<name>.compacted-*`: a name holding `[1]` matched nothing and a
     second store started under the old name (review 21). Names are now compared as listed."""

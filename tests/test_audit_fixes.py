@@ -79,6 +79,7 @@ def _spent(tmp: Path, ledger: str = "L") -> float:
 
 
 # -- D1 -------------------------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_d1_removing_the_binding_and_mark_neither_allows_a_rollback_nor_a_second_ledger(tmp_path):
     _world(tmp_path)
     _ok(_serve(tmp_path, "q1.npz", "b1"))
@@ -102,6 +103,7 @@ def test_d1_removing_the_binding_and_mark_neither_allows_a_rollback_nor_a_second
     assert not (tmp_path / "L2").exists()
 
 
+@pytest.mark.heavy
 def test_d1_index_records_the_binding_in_two_places(tmp_path):
     """The root attribute and a trace in the private group: removing the first leaves the second."""
     _world(tmp_path)
@@ -112,6 +114,7 @@ def test_d1_index_records_the_binding_in_two_places(tmp_path):
 
 
 # -- D2 -------------------------------------------------------------------------------------------------
+@pytest.mark.heavy
 @pytest.mark.parametrize("unit", ["record", "user"])
 def test_d2_an_id_readded_after_a_pending_erasure_joins_its_old_spent_and_serving_goes_on(tmp_path, unit):
     _world(tmp_path, users=True, unit=unit)
@@ -137,6 +140,7 @@ def test_d2_an_id_readded_after_a_pending_erasure_joins_its_old_spent_and_servin
 
 
 # -- D4 -------------------------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_d4_a_batch_refused_by_max_queries_is_not_embedded(tmp_path):
     _world(tmp_path)
     _ok(_serve(tmp_path, "q1.npz", "b1"))
@@ -150,6 +154,7 @@ def test_d4_a_batch_refused_by_max_queries_is_not_embedded(tmp_path):
 
 
 # -- D3 -------------------------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_d3_account_without_store_checks_the_recorded_store_or_says_it_did_not(tmp_path):
     _world(tmp_path)
     _ok(_serve(tmp_path, "q1.npz", "b1"))
@@ -167,6 +172,7 @@ def test_d3_account_without_store_checks_the_recorded_store_or_says_it_did_not(t
 
 
 # -- a refused index leaves no ledger folder ---------------------------------------------------------------
+@pytest.mark.heavy
 def test_a_refused_index_leaves_no_half_created_ledger_folder(tmp_path):
     _priv(tmp_path / "priv.npz")
     _ok(_cli(tmp_path, "embed", "priv.npz", "--store", "s.zarr", "--role", "private", "--extractor", "vectors",

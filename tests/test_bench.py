@@ -90,6 +90,7 @@ def test_bench_indknn_equals_serve_queries(vector_store, tmp_path, reuse):
     np.testing.assert_array_equal(run.spent, ledger.state.spent)
 
 
+@pytest.mark.heavy
 def test_each_draw_starts_from_a_fresh_budget_and_never_overspends():
     x, y, _ = clustered(200, 8, 3, seed=2)
     q, _, _ = clustered(300, 8, 3, seed=3)
@@ -134,6 +135,7 @@ def _png(path: str) -> bool:
 
 @pytest.mark.parametrize("experiment", ["accuracy-vs-eps", "accuracy-vs-queries", "retraining", "tune", "speed",
                                         "min-margin"])
+@pytest.mark.heavy
 def test_experiment_end_to_end_writes_json_and_png(labelled_store, tmp_path, experiment):
     out = tmp_path / "out"
     summary = bench_runner.run_bench(experiment, dataset=str(labelled_store.path), out_dir=out, quick=True, seed=5,
@@ -180,6 +182,7 @@ def test_experiment_end_to_end_writes_json_and_png(labelled_store, tmp_path, exp
         assert summary["table"]["rows"][-1][0] == "majority class (constant)"
 
 
+@pytest.mark.heavy
 def test_cli_bench_prints_table_on_stderr_and_one_json_line(labelled_store, tmp_path, monkeypatch):
     make = BenchConfig.make.__func__
     monkeypatch.setattr(BenchConfig, "make", classmethod(
@@ -253,6 +256,7 @@ def test_bench_tables_say_tuning_was_on_the_private_side(private_only_store, tmp
 
 
 # -- issue 18: the user's own labelled test rows ----------------------------------------------------------------
+@pytest.mark.heavy
 def test_bench_scores_on_a_test_store_and_refuses_a_mismatched_one(private_only_store, tmp_path):
     """--test-store: the store's `--role test` rows are the query pool; the private side keeps every record."""
     x, y, _ = clustered(50, 16, 3, seed=11)
@@ -278,6 +282,7 @@ def test_bench_scores_on_a_test_store_and_refuses_a_mismatched_one(private_only_
     assert not (tmp_path / "o2").exists()
 
 
+@pytest.mark.heavy
 def test_cli_bench_shows_a_bar_with_step_counts_on_a_terminal_and_lines_off_it(labelled_store, tmp_path,
                                                                                  monkeypatch):
     """Issue 20: bench progress is a rich bar on a terminal (the phase as label, ε steps counted), one line

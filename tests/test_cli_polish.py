@@ -71,6 +71,7 @@ def test_quiet_keeps_errors_and_drops_the_rest(tmp_path):
     assert res.returncode == 2 and "cannot be used together" in res.stderr
 
 
+@pytest.mark.heavy
 def test_quiet_silences_serve_summary(vector_store, tmp_path):
     store = vector_store.path
     ledger = tmp_path / "L"
@@ -82,6 +83,7 @@ def test_quiet_silences_serve_summary(vector_store, tmp_path):
     assert "already answered" in res.stderr
 
 
+@pytest.mark.heavy
 def test_account_check_is_one_line_off_a_terminal(vector_store, tmp_path):
     ledger = tmp_path / "L"
     assert cli("index", "--store", vector_store.path, "--ledger", ledger, "--eps", "1", "--tau", "0.5").returncode == 0
@@ -131,6 +133,7 @@ def test_messages_are_escaped(tmp_path, capsys):
     assert "'indknn[image]'" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("suffix", [".parquet", ".csv"])
 def test_account_export(vector_store, tmp_path, suffix):
     import pyarrow.csv as pacsv
@@ -168,6 +171,7 @@ def test_account_export(vector_store, tmp_path, suffix):
         assert t.schema.field("last_change").type == pa.timestamp("us", tz="UTC")
 
 
+@pytest.mark.heavy
 def test_account_export_bad_name_is_exit_2(tmp_path, vector_store):
     ledger = tmp_path / "L"
     assert cli("index", "--store", vector_store.path, "--ledger", ledger, "--eps", "1").returncode == 0
@@ -203,6 +207,7 @@ def _run_with_stderr_on_a_pty(args, env=None):
     return rc, out, b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.heavy
 def test_progress_only_on_a_terminal(vector_store, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -262,6 +267,7 @@ def test_bench_speed_and_audit_help_is_typer_style():
     assert "K, M, G or T" in " ".join(res.stdout.split())
 
 
+@pytest.mark.heavy
 def test_bench_audit_quiet_and_off_a_terminal():
     res = cli("bench", "audit", "--trials", "40", "--seed", "1", "--eps", "2")
     assert res.returncode == 0 and "trials" not in res.stderr  # no progress lines in cron mail
@@ -270,6 +276,7 @@ def test_bench_audit_quiet_and_off_a_terminal():
     assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith("{")
 
 
+@pytest.mark.heavy
 def test_redirected_account_tables_never_cut_ids(tmp_path):
     from indknn_cli.ledger import BudgetLedger
     from indknn_cli.serving import make_params

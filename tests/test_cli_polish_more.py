@@ -137,6 +137,7 @@ def test_messages_use_plural_rules(vector_store, tmp_path):
 
 # -- 2. data-quality warnings for the operator (stderr), never for query-senders -----------------------------
 
+@pytest.mark.heavy
 def test_embed_warns_about_empty_texts_and_thin_labels(tmp_path):
     import json
 

@@ -109,6 +109,7 @@ def _interrupt_main(after: threading.Event, *, times: int, gap: float = 0.4):
     threading.Thread(target=run, daemon=True).start()
 
 
+@pytest.mark.heavy
 def test_two_interrupts_wait_for_the_commit_in_flight(base, tmp_path, overlap, monkeypatch):
     """Ctrl-C twice while part 2's commit is slow: serve_queries raises KeyboardInterrupt only once that commit
     has finished, so the lock is released with no commit running and every released answer is on disk."""

@@ -89,6 +89,7 @@ def test_failing_worker_leaves_the_store_as_it_was(cluster, tmp_path):
         assert np.array_equal(st.read("private", name), values)
 
 
+@pytest.mark.heavy
 def test_unreachable_scheduler_is_exit_1(tmp_path, monkeypatch):
     from .s3_server import free_port
 
@@ -149,6 +150,7 @@ def test_text_on_workers_is_bit_identical(cluster, tmp_path):
     assert json.loads(fa["private/zarr.json"])["attributes"]["n_rows"] == 300
 
 
+@pytest.mark.heavy
 def test_a_failure_waits_for_running_partitions_before_the_lock_is_released(tmp_path, monkeypatch):
     """A partition fails while others run: Dask's cancel does not stop a running task, which went on writing rows
     into the store after `embed` had failed and released the store's lock (and, on S3, the writer lease), where the
@@ -185,6 +187,7 @@ def test_a_failure_waits_for_running_partitions_before_the_lock_is_released(tmp_
     assert FeatureStore.open(b.path).n_rows() == 37
 
 
+@pytest.mark.heavy
 def test_a_drain_that_outlasts_its_bound_says_so(tmp_path, monkeypatch):
     """The wait for running partitions after a failure is bounded (INDKNN_DASK_DRAIN_SECONDS): past it, embed says
     that workers may still be writing, rather than holding the store's lock forever (review 21)."""

@@ -216,6 +216,7 @@ def test_embed_accepts_a_deleted_id_again(tmp_path):
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "delete", "delete_user", "query", "query", "compact"]),
                               st.integers(0, 9)), min_size=1, max_size=7),
        seed=st.integers(0, 2**16))
+@pytest.mark.heavy
 def test_any_interleaving_keeps_every_id_within_budget(tmp_path_factory, ops, seed):
     tmp = tmp_path_factory.mktemp("live")
     pool, y, _ = clustered(10, 8, 2, seed=seed)
@@ -369,6 +370,7 @@ def _serve_proc(store, lp, tmp_path, *, wait_for=None):
     return _spawn(SERVE.format(args=repr(args)))
 
 
+@pytest.mark.heavy
 def test_delete_waits_for_a_running_serve(vector_store, tmp_path):
     lp = _index(vector_store, tmp_path, planned_queries=1000, sigma2=5.0)
     _queries_at(vector_store, _vector(vector_store.path, 42), "run", n=6)
@@ -392,6 +394,7 @@ def test_delete_waits_for_a_running_serve(vector_store, tmp_path):
     assert not (_vector(vector_store.path, 42) != 0).any()
 
 
+@pytest.mark.heavy
 def test_serve_waits_for_a_running_delete(vector_store, tmp_path):
     lp = _index(vector_store, tmp_path, planned_queries=1000, sigma2=5.0)
     _queries_at(vector_store, _vector(vector_store.path, 42), "run", n=6)
@@ -513,6 +516,7 @@ def _twin(tmp_path, name):
     return store.path, lp, x, ids
 
 
+@pytest.mark.heavy
 def test_compaction_renumbers_rows_and_changes_no_answer(tmp_path):
     a_store, a_lp, x, ids = _twin(tmp_path, "a")
     b_store, b_lp, _, _ = _twin(tmp_path, "b")
@@ -538,6 +542,7 @@ def test_compaction_renumbers_rows_and_changes_no_answer(tmp_path):
 @pytest.mark.parametrize("point,exchange", [("compact-copied", True), ("compact-ledger-prepared", True),
                                             ("compact-swapped", True), ("compact-published", True),
                                             ("compact-half-swapped", False), ("compact-swapped", False)])
+@pytest.mark.heavy
 def test_crash_during_compaction_never_mixes_rows(tmp_path, monkeypatch, point, exchange):
     store_path, lp, x, ids = _twin(tmp_path, "c")
     spent = _ledger(lp).state.spent.copy()
@@ -587,6 +592,7 @@ def test_index_hooks_are_called(vector_store, tmp_path, monkeypatch):
     assert calls == [("remove", [5, 9]), ("renumber", 298)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["lsh", "ivf"])
 def test_deleted_record_leaves_every_candidate_index(vector_store, tmp_path, kind):
     indexes = pytest.importorskip("indknn_cli.indexes")

@@ -96,6 +96,7 @@ def scenario(path: Path, kind: str, serve, *, unit: str = "record") -> dict:
     }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["flat", "lsh", "ivf"])
 def test_scheduler_answers_and_ledger_equal_in_process(tmp_path, scheduler, kind):
     (tmp_path / "here").mkdir()
@@ -107,6 +108,7 @@ def test_scheduler_answers_and_ledger_equal_in_process(tmp_path, scheduler, kind
     assert dask == here  # answers, spent (bytes), selections, tombstones, the ledger's answer table
 
 
+@pytest.mark.heavy
 def test_user_unit_on_scheduler_equals_in_process(tmp_path, scheduler):
     (tmp_path / "here").mkdir()
     (tmp_path / "dask").mkdir()
@@ -149,6 +151,7 @@ def _tree(path: Path) -> dict:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.heavy
 def test_unreachable_scheduler_is_exit_1_and_nothing_written(tmp_path):
     store_path, ledger_path = make_world(tmp_path, "flat")
     before = _tree(tmp_path)

@@ -322,6 +322,7 @@ BAD_VECTOR_INPUTS = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", sorted(BAD_VECTOR_INPUTS))
 def test_bad_input_leaves_store_untouched(vstore, tmp_path, case):
     make, exc, msg = BAD_VECTOR_INPUTS[case]

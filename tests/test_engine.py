@@ -190,6 +190,7 @@ def _old_exact_kernel_pairs(x, xi, q, qi, *, kernel, nu, block=512):
     return out
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.54, None), ("rbf", 0.6, 1.3)])
 @pytest.mark.parametrize("d", [96, 97, 768])
 def test_row_ordered_recompute_equals_the_per_pair_gather_bit_for_bit(kernel, tau, nu, d):

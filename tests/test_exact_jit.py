@@ -41,6 +41,7 @@ def test_the_plan_is_numpys_pairwise_split():
         exact_jit.pairwise_plan(-1)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kernel", ["cosine", "rbf"])
 def test_compiled_sums_are_numpys_bits_at_every_width(kernel):
     """Every width 1…300 (all leaf shapes: fewer than 8 terms, 8-sum blocks with remainders, one split) and
@@ -268,6 +269,7 @@ print(json.dumps({"hits": sum(s.cache_hits.values()), "misses": sum(s.cache_miss
 """
 
 
+@pytest.mark.heavy
 def test_the_next_process_loads_the_kernels_from_numbas_cache_instead_of_compiling():
     """The kernels live at module level (exact_jit_kernels), so numba's on-disk cache serves the next process:
     kernels defined inside a function were compiled anew by every process (seconds per serve-queries run)."""
@@ -292,6 +294,7 @@ print(json.dumps("numba" in sys.modules))
 """
 
 
+@pytest.mark.heavy
 def test_a_cron_sized_batch_against_a_small_store_does_not_load_numba():
     """1,000 queries against 5,000 rows (the year-of-cron bench's day) stay on numpy's path: numba's import
     and load would add ~0.6 s to each such process and save almost nothing; 1,024 against 40,000 rows load it."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.store import FeatureStore
@@ -26,6 +27,7 @@ def _cli(*args):
     return res
 
 
+@pytest.mark.heavy
 def test_an_erased_generated_id_is_not_given_to_a_new_record_after_compaction(tmp_path):
     x, y, _ = clustered(53, 16, 3, seed=3)
     np.savez(tmp_path / "a.npz", x=x[:50].astype(np.float32), y=y[:50].astype(np.int64))  # no ids

@@ -32,6 +32,7 @@ pytest.importorskip("triton")
 CPU = torch.device("cpu")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kernel", ["cosine", "rbf"])
 @pytest.mark.parametrize("d", [8, 96, 256, 384, 768, 1024])
 def test_leaf_pair_sums_are_numpys_bits(kernel, d):
@@ -56,6 +57,7 @@ def test_leaf_shape_takes_only_equal_leaves_of_eights():
     assert gpu_fused.leaf_shape(7) is None
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.55, None), ("rbf", 0.4, 1.0), ("rbf", 0.3, 0.05)])
 def test_fused_path_gives_the_cpu_candidates(kernel, tau, nu):
     q, src, mask, thr = threshold_world(kernel, tau, nu, rows=2000, queries=200, chunk=700)
@@ -93,6 +95,7 @@ def test_the_margin_is_what_keeps_pairs_at_the_threshold(monkeypatch):
     assert 40 not in lost.rows[10]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kernel,tau,nu", [("cosine", 0.55, None), ("rbf", 0.4, 1.0)])
 def test_many_launches_and_recompute_slices_give_the_cpu_candidates(monkeypatch, kernel, tau, nu):
     """Rows in launches of 128 (the second and later from row0 > 0: the mask and the rows written are offset) and

@@ -409,6 +409,7 @@ def test_cli_kinds_and_refusals(tmp_path, data):
     assert res.exit_code == 0, res.stderr and len(res.stdout.splitlines()) == len(q)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["lsh", "ivf"])
 def test_delete_and_compact_keep_the_index_equal_to_a_rebuild(tmp_path, data, kind):
     deletion = pytest.importorskip("indknn_cli.deletion")
@@ -483,6 +484,7 @@ def test_index_json_states_unit_and_adjacency_and_errors_keep_brackets(tmp_path,
     assert info["unit"] == "record" and info["adjacency"] == "add/remove one record"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind,strategy", [("lsh", "buckets"), ("lsh", "scan"), ("ivf", None)])
 def test_a_crowded_bucket_or_list_never_forms_more_pairs_than_the_bound(tmp_path, kind, strategy):
     """Audit 2, P3 for the LSH/IVF finders: a bucket or list's screen formed all its pairs (and its score

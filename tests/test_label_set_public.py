@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from indknn_cli import tuning
@@ -56,6 +57,7 @@ def test_a_store_is_never_created_with_names_read_from_private_rows(tmp_path):
     assert bad.exit_code == 2 and "unknown label" in bad.stderr and not (tmp_path / "s2.zarr").exists()
 
 
+@pytest.mark.heavy
 def test_served_labels_range_over_the_declared_list_for_d_and_d_plus_x(tmp_path):
     """With a declared list that contains zeta, D ∪ {x} and D release over the same label set (same support)."""
     d, dx = _world(tmp_path)

@@ -109,6 +109,7 @@ with lock:
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["ledger", "store"])
 def test_lock_holds_when_its_file_is_removed_or_replaced(world, kind):
     """A holds the lock (another process); LOCK is removed, then replaced by a new file: B must wait."""
@@ -196,6 +197,7 @@ def _lock_removal_race(root: Path, *, n_a: int = 800, n_b: int = 40) -> dict:
     return {"raced": raced, "events": len(seqs)}
 
 
+@pytest.mark.heavy
 def test_lock_removal_race_real_processes(tmp_path):
     assert _lock_removal_race(tmp_path)["raced"]
 
@@ -218,6 +220,7 @@ def test_two_files_with_one_sequence_number_are_refused(world):
 
 
 # -- §2 hash chain --------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_removing_the_newest_event_is_refused_no_refund(world):
     """The chain alone cannot see a truncation; the store's high-water mark does."""
     sp, lp = world
@@ -294,6 +297,7 @@ def _snapshot(lp: Path) -> Path:
     return lp / f"snapshot-{gen:06d}.parquet"
 
 
+@pytest.mark.heavy
 def test_budget_edits_are_refused(tmp_path):
     sp = _store(tmp_path, {"q1": 16})
     lp = tmp_path / "L"
@@ -320,6 +324,7 @@ def test_budget_edits_are_refused(tmp_path):
     assert _serve(sp, lp, "q1").returncode == 0
 
 
+@pytest.mark.heavy
 def test_restoring_a_backup_after_more_serves_is_refused(world):
     sp, lp = world
     backup = lp.with_name("L-backup")
@@ -333,6 +338,7 @@ def test_restoring_a_backup_after_more_serves_is_refused(world):
     _refused(_serve(sp, lp, "q3"), 1, "rolled back")  # ... the store's mark says it is behind
 
 
+@pytest.mark.heavy
 def test_compaction_keeps_the_chain_and_the_mark(world):
     sp, lp = world
     res = delete_records(store_path=sp, ledger_path=lp, record_ids=["r3", "r4"], compact=True)
@@ -356,6 +362,7 @@ def test_compaction_keeps_the_chain_and_the_mark(world):
 
 
 # -- issue 15 §2: one ledger per store --------------------------------------------------------------
+@pytest.mark.heavy
 def test_second_ledger_for_a_bound_store_is_refused(world, tmp_path):
     sp, lp = world
     before = _digest(sp, lp)
@@ -368,6 +375,7 @@ def test_second_ledger_for_a_bound_store_is_refused(world, tmp_path):
     assert _digest(sp, lp) == before
 
 
+@pytest.mark.heavy
 def test_serve_delete_account_check_the_binding(world, tmp_path):
     """A ledger made for the same store uuid by hand (no `index`): every command refuses it (exit 2)."""
     sp, lp = world
@@ -379,6 +387,7 @@ def test_serve_delete_account_check_the_binding(world, tmp_path):
     _refused(_cli("account", "--ledger", str(l2), "--store", str(sp)), 2, "bound to the ledger")
 
 
+@pytest.mark.heavy
 def test_store_copied_with_its_ledger_keeps_working_without_it_refuses(world, tmp_path):
     sp, lp = world
     dest = tmp_path / "moved"
@@ -418,6 +427,7 @@ def test_old_store_is_bound_on_first_serve(tmp_path):
 
 
 # -- account --verify ----------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_account_verify_reports_what_it_checked(world):
     sp, lp = world
     res = _cli("account", "--verify", "--json", "--ledger", str(lp), "--store", str(sp))
@@ -445,6 +455,7 @@ def test_account_verify_reports_what_it_checked(world):
     assert text.exit_code == 1 and "NOT verified" in text.stdout
 
 
+@pytest.mark.heavy
 def test_ledger_from_before_chaining_still_opens_and_then_chains(world):
     """An old ledger (no chain fields) and an old store (no binding, no mark): accepted, then chained."""
     sp, lp = world
@@ -470,6 +481,7 @@ def test_ledger_from_before_chaining_still_opens_and_then_chains(world):
         BudgetLedger.open(lp)
 
 
+@pytest.mark.heavy
 def test_readers_beside_a_running_writer_never_see_a_false_rollback(tmp_path):
     """account/--verify take no lock: they read the store's mark before the ledger, so a commit (and its
     mark update) landing while they read is never mistaken for a rolled-back ledger."""

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.ledger_verify import verify_ledger
@@ -21,6 +22,7 @@ def _spent_by_id(lp):
     return dict(zip(s.record_id, s.spent))
 
 
+@pytest.mark.heavy
 def test_a_truncated_event_is_repaired_by_retiring_everyone_never_refunding(world, tmp_path):
     sp, lp = world
     before = _spent_by_id(lp)
@@ -50,6 +52,7 @@ def test_a_truncated_event_is_repaired_by_retiring_everyone_never_refunding(worl
     assert again.returncode == 0 and json.loads(again.stdout)["repaired"] is False
 
 
+@pytest.mark.heavy
 def test_a_rolled_back_ledger_is_repaired_without_refund(world, tmp_path):
     sp, lp = world
     backup = tmp_path / "backup"
@@ -90,6 +93,7 @@ def test_a_damaged_snapshot_is_refused_with_a_clear_message(world, tmp_path):
     assert res.returncode in (1, 2) and "snapshot" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.heavy
 def test_damaged_ledger_with_a_pending_erasure_then_repair(world):
     """The erasure goes through while the ledger is damaged; repair retires everyone; the next delete writes
     the pending tombstone with the record's spent (= B), never less than it had."""
@@ -124,6 +128,7 @@ def _edit_event(path):
     pq.write_table(t, path)
 
 
+@pytest.mark.heavy
 def test_an_edited_middle_event_is_quarantined_not_kept(world):
     """Audit 3, C6: the bisection keeps the longest prefix that opens, and opening checks each event's link to
     the one before, so an edited event opens as the last of a prefix. The next event's link says it was edited:
@@ -141,6 +146,7 @@ def test_an_edited_middle_event_is_quarantined_not_kept(world):
     assert _serve(sp, lp, "q2").returncode == 0
 
 
+@pytest.mark.heavy
 def test_an_edited_last_event_is_quarantined_by_the_high_water_mark(world):
     """Audit 3, C6, the last event: no later event links to it, but the store's high-water mark names its
     sha256. Repair must quarantine it, not keep it in the chain (before the fix: quarantined [])."""

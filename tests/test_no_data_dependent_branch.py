@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -75,6 +76,7 @@ def test_all_retired_world_and_its_neighbour_look_the_same_through_the_cli(tmp_p
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(2, 10), n_queries=st.integers(1, 6), retire=st.floats(0.0, 1.0), delete=st.floats(0.0, 0.5),
        seed=st.integers(0, 2**16), reuse=st.booleans())
+@pytest.mark.heavy
 def test_neighbouring_worlds_give_identical_answers(tmp_path_factory, n, n_queries, retire, delete, seed, reuse):
     """For random small worlds with random spent (some retired) and deletions, serving D and D ∪ {x} with the
     same seed gives the same answers and the same charges to D's records (x is never a candidate)."""

@@ -49,6 +49,7 @@ def _inputs(tmp_path: Path, n: int = 300, d: int = 16):
     return normalize_rows(x)
 
 
+@pytest.mark.heavy
 def test_round_trip_with_physical_erasure(s3, state, tmp_path):
     """embed → index → embed queries → serve → delete (the vector's bytes are in no object of the bucket
     afterwards) → compact (new prefix, old one removed, ledger bound and verified)."""

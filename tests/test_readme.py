@@ -109,6 +109,7 @@ def test_readme_blocks_are_marked_and_found():
     assert "$INDKNN_STORE" not in text and "$INDKNN_LEDGER" not in text
 
 
+@pytest.mark.heavy
 def test_readme_blocks_run_as_pasted_fast(tmp_path):
     ran = _run_blocks(tmp_path, fast=True)
     assert any("indknn delete --compact" in b for b in ran)

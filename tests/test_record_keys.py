@@ -93,6 +93,7 @@ def _make_old(path):
     del root["private"][record_keys.KEY_ARRAY]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("batch_size", [64, 1])
 def test_leaving_one_text_out_changes_no_other_records_coin(tmp_path, minilm, monkeypatch, batch_size):
     """batch_size 64: an extractor whose vectors depend on their batch (as the text extractor's did): the keys

@@ -211,6 +211,7 @@ def _kill_campaign(root: Path, *, kills: int, per_batch: int, n_queries: int, rn
     return figures
 
 
+@pytest.mark.heavy
 def test_kill_9_at_random_moments(tmp_path):
     f = _kill_campaign(tmp_path, kills=5, per_batch=3, n_queries=120, rng_seed=8)
     assert f["kills"] == 5 and f["reference_runs"] >= 1
@@ -234,6 +235,7 @@ def _file_size_limit(limit: int):
     return apply
 
 
+@pytest.mark.heavy
 def test_disk_full_file_size_limit(tmp_path):
     store, lp = _world(tmp_path, {"q": 64})
     serve_queries(store_path=store, ledger_path=lp, query_batch="q", batch_id="before", batch_size=8)
@@ -319,6 +321,7 @@ def _drop_dac_override() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("how", ["no-write-permission", pytest.param("read-only-mount", marks=pytest.mark.slow)])
 def test_read_only_ledger(tmp_path, how):
     store, lp = _world(tmp_path, {"q": 32})
@@ -461,6 +464,7 @@ def _concurrent(root: Path, *, n_serve: int, n_delete: int, n_queries: int = 40)
             "spent_total": float(led.state.spent.sum())}
 
 
+@pytest.mark.heavy
 def test_four_concurrent_writers(tmp_path):
     f = _concurrent(tmp_path, n_serve=3, n_delete=1)
     assert f["processes"] == 4 and f["charges"] > 0

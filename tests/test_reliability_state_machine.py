@@ -356,6 +356,7 @@ FAST = settings(max_examples=6, stateful_step_count=8, deadline=None, database=N
                 suppress_health_check=list(HealthCheck))
 
 
+@pytest.mark.heavy
 def test_state_machine_fast():
     run_state_machine_as_test(IndKnnMachine, settings=FAST)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.serving import public_allowance
 
@@ -17,6 +19,7 @@ def _answers(lp):
     return {q: (lab, c) for q, lab, c in zip(t["query_index"], t["label"], t["released_count"])}
 
 
+@pytest.mark.heavy
 def test_repair_keeps_readable_answers_and_never_answers_a_released_query_again(world):
     sp, lp = world  # q1: 40 queries in 5 serve events of 8 (seq 2..6; the add is in the snapshot)
     released = _answers(lp)
@@ -42,6 +45,7 @@ def test_repair_keeps_readable_answers_and_never_answers_a_released_query_again(
     assert "8 queries before its last recorded answer have no answer" in " ".join(again.stderr.split())
 
 
+@pytest.mark.heavy
 def test_recovered_answers_are_checked_and_counted_once(world):
     """Review 9: a stray copy of a quarantined event is not written twice; an answer row that does not fit the
     store (a label outside the class list) is left out, and serving with reuse goes on."""
@@ -72,6 +76,7 @@ def test_recovered_answers_are_checked_and_counted_once(world):
     assert len(served.stdout.splitlines()) == 40
 
 
+@pytest.mark.heavy
 def test_a_batch_resumed_after_a_gap_counts_only_its_new_answers(world):
     sp, lp = world
     ev = _events(lp)
@@ -90,6 +95,7 @@ def test_a_batch_resumed_after_a_gap_counts_only_its_new_answers(world):
     assert first.returncode == 0 and "have no answer" not in first.stderr
 
 
+@pytest.mark.heavy
 def test_repair_names_the_answers_a_rolled_back_copy_no_longer_counts(world, tmp_path):
     """Review 9, item 2: a restored older copy has no quarantined files; the store's high-water mark counted the
     answers released since, and repair says how many are no longer counted."""

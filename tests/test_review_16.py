@@ -19,6 +19,7 @@ def store(tmp_path):
 
 @pytest.mark.parametrize("flags", [["--tune-share", "0.5"], ["--tune-method", "random-search"],
                                    ["--tune-seed", "3"], ["--tune-taus", "0.1,0.2"], ["--tune-queries", "7"]])
+@pytest.mark.heavy
 def test_a_tuning_flag_without_tune_is_refused_and_no_ledger_is_made(store, flags):
     p = _cli("index", "--store", "s.zarr", "--ledger", "L", "--eps", "1", *flags, cwd=store)
     assert p.returncode == 2 and f"{flags[0]} applies to --tune" in p.stderr
@@ -27,6 +28,7 @@ def test_a_tuning_flag_without_tune_is_refused_and_no_ledger_is_made(store, flag
 
 @pytest.mark.parametrize("grid,why", [("0.1,,0.2", "empty items"), ("0.3,", "empty items"),
                                       ("0.1,0.1", "twice")])
+@pytest.mark.heavy
 def test_a_grid_with_an_empty_or_repeated_item_is_refused(store, grid, why):
     p = _cli("index", "--store", "s.zarr", "--ledger", "L", "--eps", "1", "--tune", "private", "--tune-taus", grid,
              cwd=store)
@@ -34,12 +36,14 @@ def test_a_grid_with_an_empty_or_repeated_item_is_refused(store, grid, why):
     assert not (store / "L").exists()
 
 
+@pytest.mark.heavy
 def test_changing_the_privacy_flags_of_an_existing_ledger_says_how_to_add_records(store):
     _ok(_cli("index", "--store", "s.zarr", "--ledger", "L", "--eps", "1", "-q", cwd=store))
     p = _cli("index", "--store", "s.zarr", "--ledger", "L", "--eps", "2", cwd=store)
     assert p.returncode == 2 and "without --eps" in p.stderr
 
 
+@pytest.mark.heavy
 def test_a_search_at_small_eps_warns_that_its_choice_is_near_random(store):
     """Review 16, F1: at ε = 0.1 (share 0.2, S = 500) a grid point right on 5 % more shards is chosen only 1.18×
     as often: the search says so (public figures only). At ε = 1 (4.0×) it does not."""

@@ -59,6 +59,7 @@ def _same_state(a, b, *, skip=("seq", "time")):
     assert strip == [{k: v for k, v in h.items() if k not in skip} for h in sb.history]
 
 
+@pytest.mark.heavy
 def test_auto_compaction_keeps_answers_charges_and_chain(tmp_path, monkeypatch):
     _, never, ans_never = _run_year(tmp_path, "never", monkeypatch, events=10**9)
     _, often, ans_often = _run_year(tmp_path, "often", monkeypatch, events=2)
@@ -214,6 +215,7 @@ def test_help_imports_no_heavy_library():
     assert "Usage" in out.stdout
 
 
+@pytest.mark.heavy
 def test_bench_small_serve_runs_real_processes_on_fresh_copies(monkeypatch, tmp_path):
     """`bench startup`'s small serve times a real serve-queries process (each repeat on a fresh copy: a re-run
     of the same batch would only replay) and a real bare numpy+torch product process; it fails loudly if
@@ -366,6 +368,7 @@ def test_an_edited_answers_summary_is_refused_and_an_absent_one_reads_the_column
         assert not ledger_history._valid_summary(bad, 120)
 
 
+@pytest.mark.heavy
 def test_verify_recounts_the_answers_summary(tmp_path, monkeypatch):
     """`account --verify` counts the snapshot's answers again and compares them with the footer summary that
     `account` prints instead: a summary written wrong (its hash then agreeing with it) fails verification."""

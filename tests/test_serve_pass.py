@@ -62,6 +62,7 @@ def _same(a, b):
     assert st_a.answers == st_b.answers
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("reuse", [True, False])
 def test_one_pass_for_all_parts_same_answers_and_ledger(tmp_path, big_store, monkeypatch, reuse):
     grouped = _serve(tmp_path, big_store, "g", monkeypatch, reuse=reuse)
@@ -158,6 +159,7 @@ def test_sync_reads_the_identifiers_of_exactly_the_new_rows(big_store, rows):
     assert list(got) == list(whole[rows])
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("reuse", [True, False])
 def test_screening_the_next_pass_ahead_gives_the_same_answers_and_ledger(tmp_path, big_store, monkeypatch, reuse):
     """On a GPU the next pass is screened in a thread while this one's parts commit (serve_pipeline.PassScreen.ahead);

@@ -71,6 +71,7 @@ def test_seed_is_recorded_in_output_and_event(vector_store, tmp_path):
     assert infos and all(i["seed"] == "7" for i in infos)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("point", ["before-event-write", "event-written-tmp", "event-committed"])
 @pytest.mark.parametrize("fail_on", [1, 3])
 def test_fault_injection_never_releases_uncommitted_answers(vector_store, tmp_path, point, fail_on):
@@ -113,6 +114,7 @@ def test_fault_injection_never_releases_uncommitted_answers(vector_store, tmp_pa
     assert (spent_final >= spent_crash).all()
 
 
+@pytest.mark.heavy
 def test_kill_9_mid_batch(tmp_path):
     """A real `kill -9` of a serve-queries subprocess: every printed answer has its committed charge."""
     x, y, _ = clustered(3000, 32, 4, seed=3)
@@ -222,6 +224,7 @@ def test_new_records_join_with_full_budget_and_old_keep_spent(vector_store, tmp_
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["random", "repeat", "boundary", "mixed"]), n=st.integers(1, 300),
        seed=st.integers(0, 2**31), kernel=st.sampled_from(["cosine", "rbf"]))
+@pytest.mark.heavy
 def test_no_record_ever_exceeds_its_budget(tmp_path_factory, kind, n, seed, kernel):
     tmp = tmp_path_factory.mktemp("prop")
     rng = np.random.default_rng(seed)

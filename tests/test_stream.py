@@ -66,6 +66,7 @@ def _ledger_state(lp: Path) -> dict:
             "history": [{k: v for k, v in h.items() if k not in skip} for h in s.history]}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("fmt", ["npy", "parquet"])
 def test_streamed_file_equals_stored_batch_and_out_equals_stdout(vector_store, tmp_path, fmt, monkeypatch):
     monkeypatch.setattr(answers_out, "ROW_GROUP_ROWS", 64)  # --out appended in several row groups

@@ -31,6 +31,7 @@ def _store(path, n=300, user_ids=None):
     return st
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("method", ["exp-mech", "random-search"])
 def test_realised_loss_of_a_tuned_ledger_composes_the_search(tmp_path, method):
     st = _store(tmp_path / "s.zarr")

@@ -51,6 +51,7 @@ def test_tuning_cost_is_dp_accountings_figure(shape):
     assert got > acc1.get_epsilon(delta)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("epsilon", [0.5, 2.0])
 @pytest.mark.parametrize("delta", [1e-5, 1e-9])
 @pytest.mark.parametrize("mean,shape", [(2.0, 1.0), (10.0, "poisson"), (10.0, 0.0)])

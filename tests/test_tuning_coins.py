@@ -40,6 +40,7 @@ def _store_without_ids(tmp_path, tag, x, y, salt=None):
     return FeatureStore.open(store, mode="r")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("seed", [1, 2])
 def test_one_record_left_out_of_an_id_less_input_moves_the_score_by_at_most_one(tmp_path, seed):
     x, y, _ = clustered(1200, 16, 3, seed=7)

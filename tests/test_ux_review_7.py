@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.store import FeatureStore
@@ -38,6 +39,7 @@ def _record(tmp_path, rid):
                                cwd=tmp_path)).stdout)
 
 
+@pytest.mark.heavy
 def test_delete_with_a_mistyped_ledger_erases_and_leaves_the_tombstone_pending(tmp_path):
     """Finding 1: `delete` with a --ledger that holds no ledger erased a bound store's row with no tombstone and no
     pending request: `account` showed the record active, `repair` found nothing, `delete --compact` was blocked."""
@@ -57,6 +59,7 @@ def test_delete_with_a_mistyped_ledger_erases_and_leaves_the_tombstone_pending(t
     assert BudgetLedger.open(tmp_path / "L").state.deleted.sum() == 1
 
 
+@pytest.mark.heavy
 def test_a_rerun_import_with_if_exists_skip_does_not_bring_back_an_erased_record(tmp_path):
     """Finding 2: the nightly `embed --if-exists skip` re-added a record erased the day before, with no word."""
     _bound_store(tmp_path)
@@ -87,6 +90,7 @@ def test_index_after_a_failed_embed_in_a_pipe_says_that_no_line_arrived(tmp_path
     assert not (tmp_path / "L").exists() and not (tmp_path / "indknn-store.zarr").exists()
 
 
+@pytest.mark.heavy
 def test_quiet_silences_a_passed_eps_check_but_not_a_failed_one(tmp_path):
     """Finding 4: `account --eps X -q` printed its passed verdict on stderr, so cron mailed it every night."""
     _bound_store(tmp_path)
@@ -98,6 +102,7 @@ def test_quiet_silences_a_passed_eps_check_but_not_a_failed_one(tmp_path):
     assert bad.returncode == 4 and "FAILED" in bad.stderr
 
 
+@pytest.mark.heavy
 def test_an_empty_ids_file_is_a_day_without_requests(tmp_path):
     """Finding 5: `… | indknn delete --ids-file - --strict` on a day with no erasure request exited 2."""
     _bound_store(tmp_path)
@@ -112,6 +117,7 @@ def test_an_empty_ids_file_is_a_day_without_requests(tmp_path):
     assert q.returncode == 2 and "nope.zarr" in q.stderr
 
 
+@pytest.mark.heavy
 def test_a_subjects_view_says_its_figures_are_exact_and_for_operator_and_subject_only(tmp_path):
     """Finding 6: `account --record/--user` printed exact figures (times selected, spent) with no operator-only
     label, and the calibration line an ε without unit or adjacency."""
