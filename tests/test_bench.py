@@ -316,3 +316,21 @@ def test_cli_bench_shows_a_bar_with_step_counts_on_a_terminal_and_lines_off_it(l
     assert res.exit_code == 0 and "0:00:" not in res.stderr and "· tuning Ind-KNN" in res.stderr
     res = cli.invoke(app, [*args, "--out", str(tmp_path / "c"), "--quiet"])
     assert res.exit_code == 0 and "tuning" not in res.stderr and len(res.stdout.strip().splitlines()) == 1
+
+
+def test_index_speed_table_shows_the_majority_class_beside_the_accuracies():
+    """Issue 18/20: every accuracy table carries the constant majority-class answer, the floor to beat."""
+    from indknn_cli.benchmarks import index_speed
+
+    acc = {str(e): 0.8 for e in index_speed.EPSILONS}
+    kind = {"build_s": 1.0, "queries_per_s": 10.0, "recall": 1.0, "mean_candidates": 5.0,
+            "latency_ms_one_query": 1.0, "accuracy": acc}
+    res = {"dataset": "toy", "n": 10, "d": 4, "queries": 3, "tau": 0.5, "sigma2": 0.5, "matmul_floor_q_per_s": 1.0,
+           "majority_class": {"accuracy": 0.3333},
+           "kinds": {"exact": kind, "lsh": {**kind, "strategy_at_batch": "scan", "queries_per_s_scan": 1,
+                                            "queries_per_s_buckets": 1},
+                     "ivf": {"nlist": 4, "build_s": 1.0, "nprobe_for_accuracy": 1, "nprobe_calibrated": 1,
+                             "accuracy": acc, "sweep": [{"nprobe": 1, "queries_per_s": 1.0, "recall": 1.0,
+                                                         "mean_candidates": 5.0}]}}}
+    last = index_speed.table(res).splitlines()[-1]
+    assert last.startswith("majority class") and last.split()[-3:] == ["0.333"] * len(index_speed.EPSILONS)

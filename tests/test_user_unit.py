@@ -247,3 +247,18 @@ def test_tune_never_silently_downgrades_a_user_unit_request(tmp_path):
                               "--privacy-unit", "user", "--tune", "private"])
     assert res.exit_code == 2 and "--privacy-unit user" in res.stderr
     assert not (tmp_path / "L" / "CURRENT").exists()
+
+
+def test_a_ledger_written_before_the_user_unit_reads_as_a_record_unit_ledger():
+    """Issue 17: a ledger's params written before the user unit carry no privacy_unit, max_records_per_user nor
+    user_for_missing: they read as the record unit, and written back they say so explicitly."""
+    from indknn_cli.ledger_state import PrivacyParams
+    from indknn_cli.serving import make_params
+
+    old = make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.5, planned_queries=100).as_dict()
+    for key in ("privacy_unit", "max_records_per_user", "user_for_missing"):
+        old.pop(key, None)
+    p = PrivacyParams(**old)
+    assert p.privacy_unit == "record" and p.max_records_per_user is None
+    assert p.as_dict()["privacy_unit"] == "record"
+    assert p == make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.5, planned_queries=100)

@@ -127,5 +127,6 @@ def test_a_subjects_view_says_its_figures_are_exact_and_for_operator_and_subject
                                  cwd=tmp_path)).stdout)
         assert js["operator_only"].startswith("operator-only") and "times_selected" in js["operator_only"]
         text = " ".join(_ok(_cli("account", "--store", "s.zarr", "--ledger", "L", opt, value, cwd=tmp_path)).stdout.split())
-        assert "[OPERATOR ONLY] operator-only: spent" in text
+        assert "[OPERATOR ONLY] spent, remaining" in text
+        assert "[OPERATOR ONLY] operator-only" not in text  # the note is not prefixed twice
         assert "the ledger was calibrated for ε(gdp) = 1 at δ = 1e-05, add/remove one record" in text

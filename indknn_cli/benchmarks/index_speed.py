@@ -149,6 +149,9 @@ def bench_dataset(name, x, y, q, qy, public, *, n_classes, tau, sigma2, batch, n
     store = make_store(tmp / f"{name}.zarr", x, y, q, qy, public, [str(i) for i in range(n_classes)])
     res["store_write_s"] = round(time.perf_counter() - t0, 2)
     res["matmul_floor_q_per_s"] = round(matmul_floor(x, batch), 1)
+    top = int(np.bincount(np.asarray(y), minlength=n_classes).argmax())  # the floor every accuracy should beat
+    res["majority_class"] = {"method": "majority class (constant)", "label": top,
+                             "accuracy": round(float((np.asarray(qy) == top).mean()), 4)}
     p = make_params(epsilon=1.0, delta=1e-5, tau=tau, sigma2=sigma2, planned_queries=len(q))
     t0 = time.perf_counter()
     build_index(store_path=store.path, ledger_path=tmp / f"{name}-ledger", params=p, kind="flat")
@@ -301,6 +304,10 @@ def table(res: dict) -> str:
         mark = "*" if s["nprobe"] == v["nprobe_calibrated"] else ""
         lines.append(row(f"ivf {v['nlist']}/{s['nprobe']}{mark}", v["build_s"] if s is v["sweep"][0] else None,
                          s["queries_per_s"], s["recall"], s["mean_candidates"], None, acc))
+    maj = res.get("majority_class")
+    if maj is not None:
+        lines.append(row("majority class", None, None, None, None, None,
+                         {str(x): maj["accuracy"] for x in EPSILONS}))
     return "\n".join(lines)
 
 

@@ -90,7 +90,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
 
             out.print("[yellow]warning:[/] " + escape(f"the search was seeded: {SEEDED_NOTE}"))
     if d.get("subject") in ("record", "user"):
-        out.print(escape(f"[OPERATOR ONLY] {d['operator_only']}"))
+        out.print(escape(f"[OPERATOR ONLY] {d['operator_only'].removeprefix('operator-only: ')}"))
     if d.get("subject") == "record":
         _print_subject(out, f"Record {d['record_id']}", d)
     if d.get("subject") == "user":
@@ -115,7 +115,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
         out.print(escape(u["user_level"]))
     if not full:
         return
-    out.print(escape(f"[OPERATOR ONLY] {d['operator_only']}"))
+    out.print(escape(f"[OPERATOR ONLY] {d['operator_only'].removeprefix('operator-only: ')}"))
     out.print("[bold]Records[/]")
     r = Table()
     for col in ("records", "active", "retired", "deleted", "queries answered", "batches"):

@@ -25,6 +25,7 @@ def _load() -> None:
     from ..ledger_integrity import check_binding, read_mark
     from ..store import FeatureStore
     from ..distributed import resolve_scheduler, session as scheduler_session
+    from ..engine import ABSTAIN_LABEL
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)
 
@@ -102,8 +103,11 @@ def serve_command(
     sink: list = []  # the --out writer of the current attempt
 
     printed: list = [0]  # answer lines this command has written to stdout (retry guard below)
+    returned: list = [0, 0]  # answers returned by this attempt, and abstentions among them (--min-margin)
 
     def emit(rows):  # called once per committed part: its answers go out now, nothing is kept
+        returned[0] += len(rows)
+        returned[1] += sum(1 for r in rows if r.get("label") == ABSTAIN_LABEL)
         if bar:
             bar[0](advance=len(rows))
         if sink:
@@ -130,6 +134,7 @@ def serve_command(
                 err.print("the store changed while this command waited; re-opening")  # no word on erasures (audit 9, S2)
 
     def call_once():
+        returned[:] = [0, 0]
         if queries == "-" and not upstream_line:
             upstream_line.append(read_json_line_from_stdin())
         upstream = upstream_line[0] if queries == "-" else None
@@ -174,6 +179,10 @@ def serve_command(
         err.print(escape(f"batch {result.batch_id!r}: answered {count(result.newly_answered, 'query')}"
                          f"{f' (resumed after {result.already_answered})' if result.already_answered else ''}; "
                          f"{result.queries_answered_total} answered through this ledger{left}"))
+    if min_margin is not None and returned[0]:
+        # Abstentions are post-processing of the released noisy votes: every one is in the answers printed.
+        err.print(escape(f"--min-margin {min_margin:g}: {count(returned[1], 'answer')} of {returned[0]} abstained "
+                         f"(label -1); coverage {1 - returned[1] / returned[0]:.1%}"))
     if result.not_answered:
         # The ledger's damage, not the private data: which events a repair could not read.
         err.print(escape(f"batch {result.batch_id!r}: {count(result.not_answered, 'query', 'queries')} before its "
