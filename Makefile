@@ -31,11 +31,11 @@ demo: $(VENV)/.installed
 	$(BIN)/indknn embed sample_data/ag_news_private.csv --store $(DEMO)/store.zarr --role private \
 	    --extractor text --text-column text --label-column label --id-column id --user-column user \
 	    --label-names Business,Sci/Tech,Sports,World \
-	  | $(BIN)/indknn index --ledger $(DEMO)/ledger --eps 1 --delta 1e-5 --tau 0.25 --sigma2 0.6 --planned-queries 1000
+	  | $(BIN)/indknn index --ledger $(DEMO)/ledger --eps 1 --delta 1e-5 --tune private --tune-share 0.2 --planned-queries 1000
 	$(BIN)/indknn serve-queries sample_data/ag_news_queries.csv --store $(DEMO)/store.zarr \
 	    --ledger $(DEMO)/ledger --text-column text --id-column id --batch-id day-1 --out $(DEMO)/answers-day-1.parquet
 	$(BIN)/indknn account --store $(DEMO)/store.zarr --ledger $(DEMO)/ledger
-	$(BIN)/indknn account --ledger $(DEMO)/ledger --eps 1 && echo "budget check passed: every record ε ≤ 1 at δ = 1e-5 (gdp conversion)" >&2
+	$(BIN)/indknn account --ledger $(DEMO)/ledger --eps 1 && echo "budget check passed: every record ε ≤ 1 at δ = 1e-5 (rdp conversion: the tuning search and serving composed)" >&2
 
 test: $(VENV)/.installed $(IMAGE_VENV)/.installed
 	$(BIN)/python -m pytest -q

@@ -190,7 +190,7 @@ def test_cli_scheduler_option_answers_equal_in_process(tmp_path, scheduler):
     assert BudgetLedger.open(ledger_path).state.spent.tobytes() == BudgetLedger.open(here_ledger).state.spent.tobytes()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_cli_env_scheduler_answers_equal_in_process(tmp_path, scheduler):
     """A real `indknn serve-queries` process on $INDKNN_SCHEDULER prints the in-process answers."""
     outs = {}
@@ -235,7 +235,7 @@ class _KillOnce(WorkerPlugin):
         os._exit(17)
 
 
-@pytest.mark.slow  # a worker restart: ~15 s on the shared 2 cores
+@pytest.mark.heavy  # a worker restart: ~15 s on the shared 2 cores
 def test_a_dying_worker_task_is_retried_and_answers_are_unchanged(tmp_path, scheduler):
     want, here_ledger, store_path, ledger_path = twin_worlds(tmp_path, "lsh", seed=3, batch_size=20)
     marker = tmp_path / "killed"
@@ -253,7 +253,7 @@ def test_a_dying_worker_task_is_retried_and_answers_are_unchanged(tmp_path, sche
     assert BudgetLedger.open(ledger_path).state.spent.tobytes() == BudgetLedger.open(here_ledger).state.spent.tobytes()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_coordinator_killed_before_commit_releases_and_charges_nothing(tmp_path, scheduler):
     """kill -9 of `serve-queries --scheduler` while its candidate tasks run: no answer printed, no charge."""
     import signal
@@ -284,7 +284,7 @@ def test_a_coordinator_killed_before_commit_releases_and_charges_nothing(tmp_pat
     assert again.newly_answered == 40
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_bench_serve_speed_on_a_local_cluster():
     """`indknn bench serve-speed --scheduler local --workers 1,2` prints the in-process line and one per count."""
     env = {k: v for k, v in os.environ.items() if k != "INDKNN_SCHEDULER"}

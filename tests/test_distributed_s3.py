@@ -33,7 +33,7 @@ def _world(tmp: Path, url: str, x, y, q) -> Path:
     return lp
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_scheduler_on_an_s3_store_equals_in_process(tmp_path, monkeypatch):
     from distributed import LocalCluster
 
