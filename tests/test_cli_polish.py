@@ -293,3 +293,14 @@ def test_redirected_account_tables_never_cut_ids(tmp_path):
 def test_index_without_eps_names_only_what_is_missing(vector_store, tmp_path):
     res = cli("index", "--store", vector_store.path, "--ledger", tmp_path / "L")
     assert res.returncode == 2 and "needs --eps" in res.stderr and "have defaults" in res.stderr
+
+
+@pytest.mark.heavy
+def test_embed_says_loading_model_on_a_terminal_while_the_text_model_loads(tmp_path):
+    """Issue 20: the bar is labelled "loading model" until the first rows are embedded (the model load is the
+    long, silent part of a first embed), then "embedding"."""
+    (tmp_path / "t.csv").write_text("id,text,label\na,the market rallied,x\nb,a late goal won it,y\n")
+    rc, out, err = _run_with_stderr_on_a_pty(["embed", tmp_path / "t.csv", "--store", tmp_path / "t.zarr",
+                                              "--extractor", "text", "--label-names", "x,y"])
+    assert rc == 0, err
+    assert "loading model" in err and "embedding" in err and err.index("loading model") < err.rindex("embedding")
