@@ -580,8 +580,11 @@ def test_cli_min_margin(tune_store, tmp_path):
     rows = [json.loads(line) for line in res.stdout.strip().splitlines()]
     assert len(rows) == 30 and any(r["label"] == -1 and r["label_name"] == "abstain" for r in rows)
     abstained = sum(r["label"] == -1 for r in rows)  # issue 18: the run reports its coverage
-    assert (f"--min-margin 1: {abstained} answer{'s' if abstained != 1 else ''} of 30 abstained (label -1); "
-            f"coverage {1 - abstained / 30:.1%}") in " ".join(res.stderr.split())
+    assert (f"--min-margin 1: {abstained} answer{'s' if abstained != 1 else ''} of 30 returned abstained "
+            f"(label -1); coverage {1 - abstained / 30:.1%}") in " ".join(res.stderr.split())
+    again = runner.invoke(app, ["serve-queries", "q1", "--store", str(tune_store.path), "--ledger",
+                                str(tmp_path / "l"), "--seed", "5", "--min-margin", "5"])
+    assert again.exit_code == 0 and "coverage" not in again.stderr  # nothing new: no figure for this margin
     res = runner.invoke(app, ["serve-queries", "q1", "--store", str(tune_store.path), "--ledger", str(tmp_path / "l"),
                               "--batch-id", "other", "--min-margin", "-1"])
     assert res.exit_code == 2 and "min-margin" in res.stderr

@@ -179,10 +179,12 @@ def serve_command(
         err.print(escape(f"batch {result.batch_id!r}: answered {count(result.newly_answered, 'query')}"
                          f"{f' (resumed after {result.already_answered})' if result.already_answered else ''}; "
                          f"{result.queries_answered_total} answered through this ledger{left}"))
-    if min_margin is not None and returned[0]:
+    if min_margin is not None and returned[0] and result.newly_answered:
         # Abstentions are post-processing of the released noisy votes: every one is in the answers printed.
-        err.print(escape(f"--min-margin {min_margin:g}: {count(returned[1], 'answer')} of {returned[0]} abstained "
-                         f"(label -1); coverage {1 - returned[1] / returned[0]:.1%}"))
+        earlier = (f"; {result.already_answered} of them released by an earlier run, as released then"
+                   if result.already_answered else "")
+        err.print(escape(f"--min-margin {min_margin:g}: {count(returned[1], 'answer')} of {returned[0]} returned "
+                         f"abstained (label -1); coverage {1 - returned[1] / returned[0]:.1%}{earlier}"))
     if result.not_answered:
         # The ledger's damage, not the private data: which events a repair could not read.
         err.print(escape(f"batch {result.batch_id!r}: {count(result.not_answered, 'query', 'queries')} before its "
