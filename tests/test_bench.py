@@ -334,3 +334,22 @@ def test_index_speed_table_shows_the_majority_class_beside_the_accuracies():
                                                          "mean_candidates": 5.0}]}}}
     last = index_speed.table(res).splitlines()[-1]
     assert last.startswith("majority class") and last.split()[-3:] == ["0.333"] * len(index_speed.EPSILONS)
+
+
+def test_two_nearly_equal_references_are_told_apart(tmp_path, monkeypatch):
+    """Issue 20: kNN (0.897) and logistic regression (0.896) drew one line; each reference now also has its own
+    marker, at its own x right of the data, with its min–max over draws as an error bar."""
+    import matplotlib.pyplot as plt
+
+    from indknn_cli.benchmarks import report
+
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda fig: kept.append(fig))
+    report.plot_lines(tmp_path / "p.png", series={"ind-knn": ([0.5, 1, 2], [0.8, 0.85, 0.86])}, xlabel="ε",
+                      ylabel="acc", title="t", hlines={"knn (non-private)": (0.897, 0.89, 0.90),
+                                                       "logistic regression": (0.896, 0.893, 0.899)})
+    ax = kept[0].axes[0]
+    points = [(float(ln.get_xdata()[0]), float(ln.get_ydata()[0]), ln.get_marker()) for ln in ax.lines
+              if len(ln.get_xdata()) == 1 and ln.get_marker() not in (None, "None", "", "_")]  # "_": error-bar caps
+    assert len(points) == 2 and points[0][0] != points[1][0] and points[0][2] != points[1][2]
+    assert {round(p[1], 3) for p in points} == {0.897, 0.896} and min(p[0] for p in points) > 2

@@ -48,8 +48,8 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
 
             series = {TABLE_LABEL.get(m, m): v for m, v in series.items()}
             bands = {TABLE_LABEL.get(m, m): v for m, v in bands.items()}
-        hl = {r["method"]: r["accuracy_median"] for r in rows if r["epsilon"] == math.inf}
-        hb = {r["method"]: (r["accuracy_min"], r["accuracy_max"]) for r in rows if r["epsilon"] == math.inf}
+        hl = {r["method"]: r["accuracy_median"] for r in rows if float(r["epsilon"]) == math.inf}  # "inf" in a written JSON
+        hb = {r["method"]: (r["accuracy_min"], r["accuracy_max"]) for r in rows if float(r["epsilon"]) == math.inf}
         _majority(result, hl, hb)
         T = result["dataset"].get("queries_per_draw")
         c = result["config"]

@@ -108,12 +108,26 @@ def plot_lines(path: Path, *, series: dict[str, tuple], xlabel: str, ylabel: str
         if band is not None:
             ax.fill_between(xs, band[0], band[1], color=line.get_color(), alpha=0.15, linewidth=0)
     linestyles = ("--", ":", "-.", (0, (5, 1)), (0, (1, 1)))
+    markers = ("D", "s", "^", "v", "P", "X")
+    xs_all = [float(x) for values in series.values() for x in values[0]]
     for i, (name, ref) in enumerate((hlines or {}).items()):
         y, band = (ref[0], tuple(ref[1:3])) if isinstance(ref, tuple) else (ref, (hbands or {}).get(name))
         color = f"C{(i + 5) % 10}"
-        ax.axhline(y, linestyle=linestyles[i % len(linestyles)], linewidth=1.2, color=color, label=f"{name} ({y:.3f})")
+        style = linestyles[i % len(linestyles)]
+        ax.axhline(y, linestyle=style, linewidth=1.2, color=color)
+        # one legend entry with the line's dash and the marker's shape (the marker is drawn below)
+        ax.plot([], [], linestyle=style, linewidth=1.2, color=color, marker=markers[i % len(markers)], markersize=5,
+                label=f"{name} ({y:.3f})")
         if band and len(band) == 2 and band[1] > band[0]:
             ax.axhspan(band[0], band[1], color=color, alpha=0.10, linewidth=0)
+        if xs_all:  # each reference also as its own marker right of the data: two nearly equal ones stay apart
+            lo_x, hi_x = min(xs_all), max(xs_all)
+            x = (hi_x * (1.12 ** (i + 1)) if logx and lo_x > 0 else hi_x + 0.05 * (i + 1) * ((hi_x - lo_x) or 1.0))
+            err = None
+            if band and len(band) == 2 and band[1] >= band[0]:
+                err = [[max(0.0, y - band[0])], [max(0.0, band[1] - y)]]
+            ax.errorbar([x], [y], yerr=err, marker=markers[i % len(markers)], color=color, markersize=5,
+                        capsize=2, linewidth=1)
     if logx:
         ax.set_xscale("log")
     if logy:
