@@ -56,8 +56,7 @@ def lease_url(loc: RemoteLocation) -> str:
     """Where the lease of the store named ``loc.name`` lives (a sibling object of its prefix; the name is
     stable across compactions, which move the data to ``<name>.compacted-<token>``)."""
     name = canonical_url(loc.name)
-    scheme, rest = name.split("://", 1)
-    if "/" not in rest:  # a store at a bucket's root: a sibling would be another bucket
+    if "/" not in name.split("://", 1)[1]:  # a store at a bucket's root: a sibling would be another bucket
         return f"{name}/{SUFFIX.lstrip('.')}"
     return name + SUFFIX
 

@@ -82,10 +82,16 @@ def main(argv: list[str]) -> int:
 
     ds = load_dataset(a.dataset)
     rows = []
+
+    def split(draw: int):
+        """The draw's generator (users are drawn from it next) and its query and private rows."""
+        rng = np.random.default_rng(a.seed * 1000 + draw)
+        perm = rng.permutation(len(ds.x))
+        return rng, perm[:a.queries], perm[a.queries:]
+
     majority = []  # per draw: the private rows' most common label, as a constant answer (the floor to beat)
     for draw in range(a.draws):
-        perm = np.random.default_rng(a.seed * 1000 + draw).permutation(len(ds.x))
-        qi, pi = perm[:a.queries], perm[a.queries:]
+        _, qi, pi = split(draw)
         top = int(np.bincount(ds.y[pi], minlength=len(ds.label_names)).argmax())
         majority.append(float((ds.y[qi] == top).mean()))
     print(f"majority class (constant)  acc {np.median(majority):.3f}", file=sys.stderr)
@@ -93,9 +99,7 @@ def main(argv: list[str]) -> int:
         for unit, k in (("record", None), ("user", None), ("user", a.k)):
             accs, qps = [], []
             for draw in range(a.draws):
-                rng = np.random.default_rng(a.seed * 1000 + draw)
-                perm = rng.permutation(len(ds.x))
-                qi, pi = perm[:a.queries], perm[a.queries:]
+                rng, qi, pi = split(draw)
                 users = assign_users(len(pi), max_records=a.max_records, rng=rng)
                 params = make_params(epsilon=eps, delta=a.delta, tau=a.tau, sigma2=a.sigma2,
                                      planned_queries=a.queries, k_min=30, privacy_unit=unit,
