@@ -9,11 +9,14 @@
 #
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#       zarr==3.1.6 numcodecs==0.16.6 google-crc32c==1.9.0 donfig==0.8.1.post1 dp-accounting==0.6.0 faiss-cpu==1.15.1
+#       zarr==3.1.6 numcodecs==0.16.6 google-crc32c==1.9.0 donfig==0.8.1.post1 dp-accounting==0.6.0 faiss-cpu==1.15.1 \
+#       dask==2026.7.1 distributed==2026.7.1 cloudpickle==3.1.3 toolz==1.2.0 partd==1.4.2 fsspec==2026.9.0 locket==1.0.0 \
+#       msgpack==1.2.4 psutil==7.2.2 sortedcontainers==2.4.0 tblib==3.2.2 zict==3.0.0 tornado==6.6.1 click==8.5.1 \
+#       PyYAML==6.0.4 importlib_metadata==10.2.0 zipp urllib3==2.8.0
 #
-# Steps: the fused kernels' probe (with its traceback if it raises); the CPU-vs-GPU tests; the profile of one
-# serve and one pass (bench/gpu_profile.py); the bench's figures at N = 1M, d = 384 (steady queries/s after
-# the first batch against the target of 50,000). Each step has its own time limit; a failed step does not
+# Steps: the fused kernels' probe (with its traceback if it raises); the CPU-vs-GPU tests; the bench's figures
+# at N = 1M, d = 384 (steady queries/s after the first batch against the target of 50,000); the profile of one
+# serve and one pass (bench/gpu_profile.py); the Dask 1/2/4-worker run of issue 19 on the machine's cores. Each step has its own time limit; a failed step does not
 # stop the next.
 set -u
 OUT="${OUT:-gpu_session_out}"
@@ -39,8 +42,13 @@ except Exception:
 PY
 timeout 240 python3 -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tests.log"
 uptime | tee -a "$OUT/machine.log"
-timeout 180 python3 bench/gpu_profile.py 2>&1 | tail -32 | tee "$OUT/profile.log"
-uptime | tee -a "$OUT/machine.log"
 timeout 240 python3 -m indknn_cli bench serve-speed --device cuda --n 1000000 --d 384 --queries 139264 \
   --batch-size 8192 --tau 0.59 2>&1 | tail -4 | tee "$OUT/bench.log"
+uptime | tee -a "$OUT/machine.log"
+timeout 180 python3 bench/gpu_profile.py 2>&1 | tail -32 | tee "$OUT/profile.log"
+uptime | tee -a "$OUT/machine.log"
+# Issue 19: the Dask candidate phase with 1, 2, 4 worker processes on the machine's cores (distributed and its
+# dependencies travel in .whl too), the same command as the 2-core run in docs/SCALING.md.
+timeout 150 python3 -m indknn_cli bench serve-speed --n 200000 --d 384 --queries 2048 --tau 0.59 \
+  --scheduler local --workers 1,2,4 --device cpu 2>&1 | tail -5 | tee "$OUT/dask.log"
 uptime | tee -a "$OUT/machine.log"
