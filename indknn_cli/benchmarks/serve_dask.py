@@ -24,11 +24,12 @@ from ..serving import serve_queries
 
 
 def _warm() -> int:
-    """Import what a candidate task needs (torch, the engine) once per worker, outside the timed run."""
-    import torch  # noqa: F401
+    """Import what a candidate task needs (torch, the engine) once per worker, outside the timed run; returns
+    the worker's torch threads (printed: one, in the workers Dask starts)."""
+    import torch
 
     from indknn_cli import engine  # noqa: F401
-    return os.getpid()
+    return torch.get_num_threads()
 
 
 @contextlib.contextmanager
@@ -36,10 +37,12 @@ def _cluster(scheduler: str, workers: int | None):
     if scheduler != "local":
         yield scheduler
         return
-    from distributed import LocalCluster
-
     import logging
 
+    from distributed import LocalCluster
+
+    # Each worker process runs one task at a time on one core (its torch uses one thread, as Dask's own workers
+    # do: the nanny starts them with OMP_NUM_THREADS=1); the in-process run uses every core.
     with LocalCluster(n_workers=workers, processes=True, threads_per_worker=1, dashboard_address=None,
                       silence_logs=logging.ERROR) as cluster:
         yield cluster.scheduler_address
@@ -79,6 +82,8 @@ def run_scheduled(n, d, m, tau, batch_size, device, scheduler, workers, *, make_
             shutil.copytree(tmp / "L.pristine", lp)
             (sp / MARK_NAME).write_bytes(mark)
 
+        import torch
+
         base = {"n": n, "d": d, "queries": m, "tau": tau, "batch_size": batch_size, "device": device,
                 "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)}
         costs = per_chunk_costs(store, batch=min(batch_size, m))
@@ -92,14 +97,14 @@ def run_scheduled(n, d, m, tau, batch_size, device, scheduler, workers, *, make_
         ref = serve_queries(store_path=sp, ledger_path=lp, query_batch="bench", seed=1, batch_size=batch_size,
                             device=device, reuse=False)
         wall0 = time.perf_counter() - t0
-        yield {**base, "mode": "in-process", "seconds": round(wall0, 3), "queries_per_s": round(m / wall0, 1),
-               "per_chunk": costs}
+        yield {**base, "mode": "in-process", "torch_threads": torch.get_num_threads(), "seconds": round(wall0, 3),
+               "queries_per_s": round(m / wall0, 1), "per_chunk": costs}
         for w in (workers if scheduler == "local" else [None]):
             restore()
             with _cluster(scheduler, w) as address:
                 client = connect(address)
                 try:
-                    client.run(_warm)
+                    threads = sorted(set(client.run(_warm).values()))
                     dask = DaskCandidates(client, device=device)
                     t0 = time.perf_counter()
                     res = serve_queries(store_path=sp, ledger_path=lp, query_batch="bench", seed=1,
@@ -112,6 +117,7 @@ def run_scheduled(n, d, m, tau, batch_size, device, scheduler, workers, *, make_
                 finally:
                     client.close()
             yield {**base, "mode": "dask", "scheduler": scheduler, "workers": n_workers,
+                   "torch_threads_per_worker": threads,
                    "tasks_per_batch": st["tasks"] // max(1, st["batches"]), "seconds": round(wall, 3),
                    "queries_per_s": round(m / wall, 1), "vs_in_process": round(wall0 / wall, 3),
                    "coordinator_share": round(1.0 - st["wait_seconds"] / wall, 3),
