@@ -20,7 +20,8 @@ machine (``$INDKNN_STATE_DIR/machine-id``, the host name and the kernel's boot i
 machine-id is not enough), its process no longer runs, and no process here holds its local lock
 (``$INDKNN_STATE_DIR/leases/<hash>.lock``, an ``flock`` released when a process dies): it is replaced at
 once. A lease left by another machine that died stays until someone removes it; the refusal names the
-object and its holder (host, process, since when), and docs/OBJECT_STORAGE.md says how. On a filesystem other
+object, its holder (host, process, since when) and its token, and `indknn break-lease --store URL --token TOKEN`
+(:func:`break_lease`) removes exactly that lease. On a filesystem other
 than S3, fsspec's generic ``pipe_file(mode="create")`` checks, then writes: the lease narrows the window
 there but does not close it.
 """
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import locking
-from .errors import LockTimeoutError, StoreError
+from .errors import BadInputError, LockTimeoutError, StoreError
 from .object_store import RemoteLocation, canonical_url, filesystem, state_root
 
 SUFFIX = ".indknn-writer.json"
@@ -125,6 +126,52 @@ def _describe(other: dict) -> str:
             f"since {other.get('since', '?')!s}")
 
 
+#: The token `break-lease --token` takes for a lease whose body cannot be read as a lease (it names no holder).
+UNREADABLE = "unreadable"
+
+
+def _token(other: dict) -> str:
+    tok = other.get("token")
+    return tok if isinstance(tok, str) and tok else UNREADABLE
+
+
+def break_lease(store, *, token: str | None = None) -> dict:
+    """Show the writer lease of the remote store ``store`` (a URL or its local state folder) and, when ``token``
+    names it, remove it: the way out when the machine that held it is gone (a crash), which no other machine can
+    tell from a long write. Returns ``{"store", "lease", "held", "holder", "removed"}``.
+
+    Only the lease whose token is ``token`` is removed; a lease since released, or taken by another writer (another
+    token), is left as it is (BadInputError, nothing removed). Between the read and the removal (one request) a
+    holder that was alive after all could release it and a new writer take it: S3's delete here is not
+    conditional, so break only a lease whose machine is known to be gone (docs/OBJECT_STORAGE.md)."""
+    from .object_store import local_path, location
+
+    folder = local_path(store)
+    loc = location(folder)
+    if loc is None:
+        raise BadInputError(f"{store}: a local store has no writer lease (its lock is a flock the system releases "
+                            "when the process holding it ends); nothing to break")
+    url = lease_url(loc)
+    fs = filesystem(loc)
+    other = _read(fs, url)
+    holder = None if other is None else {**{k: other.get(k) for k in ("host", "pid", "since", "machine")},
+                                         "token": _token(other)}
+    out = {"store": loc.name, "lease": url, "held": other is not None, "holder": holder, "removed": False}
+    if token is None or other is None:
+        return out
+    if token != _token(other):
+        raise BadInputError(f"{loc.name}: the writer lease's token is {_token(other)}, not {token}: it was released "
+                            f"or taken by another writer since ({_describe(other)}); nothing removed")
+    try:
+        fs.rm_file(url)
+    except FileNotFoundError:  # released meanwhile
+        pass
+    except Exception as exc:  # noqa: BLE001 - botocore/aiohttp: endpoint down, no permission
+        raise StoreError(f"{loc.name}: cannot remove the writer lease {url} ({type(exc).__name__}: {exc})") from None
+    out["removed"] = True
+    return out
+
+
 @contextlib.contextmanager
 def hold(loc: RemoteLocation, *, timeout: float) -> Iterator[None]:
     """Hold the store's writer lease for the ``with`` block (re-entrant within one process)."""
@@ -179,8 +226,9 @@ def hold(loc: RemoteLocation, *, timeout: float) -> Iterator[None]:
             if time.monotonic() >= deadline:
                 raise LockTimeoutError(
                     f"{loc.name}: another machine holds the store's writer lease ({_describe(other)}); nothing "
-                    f"was written. Run again when it is done. If that machine is gone (a crash), delete the "
-                    f"object {url} and run again (docs/OBJECT_STORAGE.md)")
+                    f"was written. Run again when it is done. If that machine is gone (a crash), remove the lease "
+                    f"with `indknn break-lease --store {loc.name} --token {_token(other)}` (or delete the object "
+                    f"{url}) and run again (docs/OBJECT_STORAGE.md)")
             time.sleep(POLL_SECONDS)
         with _guard:
             _held[key] = [1, token]

@@ -33,6 +33,7 @@ def _register() -> None:
     app.command("serve-queries")(serve_command)
     for name, module, attr in (("delete", "delete", "delete_command"), ("account", "account", "account_command"),
                                ("repair", "repair", "repair_command"),
+                               ("break-lease", "break_lease", "break_lease_command"),
                                ("bench", "bench", "bench_app")):
         try:
             mod = __import__(f"indknn_cli.cli.{module}", fromlist=[attr])

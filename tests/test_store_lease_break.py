@@ -1,0 +1,91 @@
+"""`indknn break-lease`: a writer lease left on object storage by a machine that is gone blocked every write to
+the store, an erasure included, until someone deleted the object by hand (audit 8, F1's known gap). The refusal
+now names the lease's token, and `break-lease --store URL --token TOKEN` removes exactly that lease; a real
+moto server, real `indknn` processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+from .test_audit_8 import _store  # noqa: E402
+from .test_object_store import s3, state  # noqa: E402,F401 (the moto server and the state folder fixtures)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, state_dir: Path):
+    env = {**os.environ, "INDKNN_STATE_DIR": str(state_dir), "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "indknn_cli", "break-lease", *args], env=env, capture_output=True,
+                       text=True, timeout=120)
+    return r.returncode, [json.loads(line) for line in r.stdout.splitlines()], r.stderr
+
+
+@pytest.mark.heavy
+def test_a_dead_machines_lease_is_shown_then_removed_by_its_token_and_the_erasure_goes_on(s3, state, tmp_path):
+    from indknn_cli import object_store, store_lease
+    from indknn_cli.deletion import delete_records
+    from indknn_cli.errors import LockTimeoutError
+
+    url, _ = _store(tmp_path, s3, n=120, d=16)
+    st = object_store.open_store(url, mode="a")
+    fs = object_store.filesystem(st.remote)
+    lease = store_lease.lease_url(st.remote)
+    fs.pipe_file(lease, json.dumps({"token": "t-dead", "machine": "another", "host": "node-7", "pid": 42,
+                                    "since": "2026-11-27T10:00:00Z"}).encode())
+    with pytest.raises(LockTimeoutError) as err:  # the erasure is blocked, and told how to go on
+        delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0001"], lock_timeout=0.5)
+    assert f"indknn break-lease --store {url} --token t-dead" in str(err.value)
+
+    other = tmp_path / "operator"  # another machine's state root: the command needs nothing of the holder's
+    rc, out, msg = _cli("--store", url, state_dir=other)  # shown, not removed
+    assert rc == 0 and out[0]["held"] and not out[0]["removed"], msg
+    assert out[0]["holder"]["token"] == "t-dead" and out[0]["holder"]["host"] == "node-7" and out[0]["lease"] == lease
+    assert "--token t-dead" in msg and fs.exists(lease)
+
+    rc, out, msg = _cli("--store", url, "--token", "t-other", state_dir=other)  # not its token: nothing removed
+    assert rc == 2 and out == [] and "nothing removed" in msg
+    assert json.loads(fs.cat_file(lease))["token"] == "t-dead"
+
+    rc, out, msg = _cli("--store", url, "--token", "t-dead", state_dir=other)
+    assert rc == 0 and out[0]["removed"] and not fs.exists(lease), msg
+    assert delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0001"]).records_erased == 1
+
+    rc, out, _ = _cli("--store", url, "--token", "t-dead", state_dir=other)  # safe to re-run: nothing held
+    assert rc == 0 and not out[0]["held"] and not out[0]["removed"]
+
+
+@pytest.mark.heavy
+def test_an_unreadable_lease_is_named_unreadable_and_a_live_writers_lease_is_never_removed_by_an_old_token(
+        s3, state, tmp_path):
+    from indknn_cli import object_store, store_lease
+    from indknn_cli.errors import BadInputError
+
+    url, _ = _store(tmp_path, s3, n=60, d=8)
+    st = object_store.open_store(url, mode="a")
+    fs = object_store.filesystem(st.remote)
+    lease = store_lease.lease_url(st.remote)
+    fs.pipe_file(lease, b"\x00 not json")
+    shown = store_lease.break_lease(url)
+    assert shown["held"] and shown["holder"]["token"] == store_lease.UNREADABLE and fs.exists(lease)
+    assert store_lease.break_lease(url, token=store_lease.UNREADABLE)["removed"] and not fs.exists(lease)
+
+    with st.write_lock(timeout=5):  # a live writer took the lease since: an old token removes nothing
+        live = json.loads(fs.cat_file(lease))["token"]
+        with pytest.raises(BadInputError, match="nothing removed"):
+            store_lease.break_lease(url, token="t-dead")
+        assert json.loads(fs.cat_file(lease))["token"] == live
+    assert not fs.exists(lease)  # released by its writer
+
+
+def test_a_local_store_has_no_lease_to_break(tmp_path):
+    rc, out, msg = _cli("--store", str(tmp_path / "s.zarr"), state_dir=tmp_path / "state")
+    assert rc == 2 and out == [] and "no writer lease" in msg
