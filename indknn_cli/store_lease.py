@@ -17,9 +17,9 @@ when the write ends.
 The lease has no expiry, on purpose: a holder that paused past an expiry would go on writing beside the next
 one, which is the fault being fixed. A lease left by a process that died is recognised when it names *this*
 machine (``$INDKNN_STATE_DIR/machine-id``, the host name and the kernel's boot id, so that a cloned
-machine-id is not enough), its process no longer runs, and no process here holds its local lock
-(``$INDKNN_STATE_DIR/leases/<hash>.lock``, an ``flock`` released when a process dies): it is replaced at
-once. A lease left by another machine that died stays until someone removes it; the refusal names the
+machine-id is not enough) and either this state root (whose local lock ``$INDKNN_STATE_DIR/leases/<hash>.lock``,
+an ``flock`` released when a process dies, every live holder holds and the new writer now holds) or a process that
+no longer runs (pid and start time): it is replaced at once (:func:`_dead_here`). A lease left by another machine that died stays until someone removes it; the refusal names the
 object, its holder (host, process, since when) and its token, and `indknn break-lease --store URL --token TOKEN`
 (:func:`break_lease`) removes exactly that lease. On a filesystem other
 than S3, fsspec's generic ``pipe_file(mode="create")`` checks, then writes: the lease narrows the window
@@ -93,8 +93,23 @@ def boot_id() -> str:
         return ""
 
 
-def _alive(pid) -> bool:
-    """Whether process ``pid`` runs here (an unreadable pid counts as alive: the lease is then kept)."""
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (Linux: field 22 of /proc/PID/stat, clock ticks since boot); None elsewhere
+    or when it does not run. With the pid it names one process: a pid reused later has another start time."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:
+        return raw[raw.rindex(")") + 2:].split()[19]  # the fields after the command name, which may hold spaces
+    except (ValueError, IndexError):
+        return None
+
+
+def _alive(pid, start=None) -> bool:
+    """Whether process ``pid`` runs here and, when the lease recorded its ``start`` time, is still that process (a
+    container restarted, or pid reuse, gives the pid to another process: review 23, F3). An unreadable pid counts
+    as alive: the lease is then kept."""
     if not isinstance(pid, int) or pid <= 0:
         return True
     try:
@@ -102,8 +117,28 @@ def _alive(pid) -> bool:
     except ProcessLookupError:
         return False
     except OSError:  # PermissionError: it exists, under another user
-        return True
+        pass
+    if isinstance(start, str) and start:
+        now = _start_time(pid)
+        return now is None or now == start  # unreadable: kept
     return True
+
+
+def _root_tag() -> str:
+    """This state root, as a lease records it (a hash of its resolved path)."""
+    return hashlib.sha256(str(state_root().resolve()).encode()).hexdigest()[:24]
+
+
+def _dead_here(other: dict, *, me: str, host: str, boot: str) -> bool:
+    """Whether a lease names a holder on this boot of this machine that no longer runs. The caller holds the local
+    lease lock of this state root, which every live holder under this state root holds too: a lease naming this
+    state root is therefore dead whatever its pid now names. One naming another state root on this machine (a
+    copied machine-id) is dead only when its process is gone."""
+    if not (other.get("machine") == me and other.get("host") == host and other.get("boot") == boot):
+        return False
+    if other.get("root") == _root_tag():
+        return True
+    return not _alive(other.get("pid"), other.get("pid_start"))
 
 
 def _read(fs, url: str) -> dict | None:
@@ -203,6 +238,7 @@ def hold(loc: RemoteLocation, *, timeout: float) -> Iterator[None]:
         token = uuid.uuid4().hex
         boot = boot_id()
         body = json.dumps({"token": token, "machine": me, "host": host, "boot": boot, "pid": os.getpid(),
+                           "pid_start": _start_time(os.getpid()), "root": _root_tag(),
                            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "store": loc.name}).encode()
         while True:
@@ -217,16 +253,19 @@ def hold(loc: RemoteLocation, *, timeout: float) -> Iterator[None]:
             other = _read(fs, url)
             if other is None:
                 continue  # released meanwhile: try again
-            if (other.get("machine") == me and other.get("host") == host and other.get("boot") == boot
-                    and not _alive(other.get("pid"))):
-                # written on this machine since its last boot (a cloned machine-id has another boot id), by a
-                # process that no longer runs, and no process here holds the local lease lock (we do): it died
+            if _dead_here(other, me=me, host=host, boot=boot):
+                # written on this machine since its last boot (a cloned machine-id has another boot id) by a
+                # holder that no longer runs: under this state root (whose local lease lock we hold), or a
+                # process that is gone (its pid free, or now another process's)
                 fs.rm_file(url)
                 continue
             if time.monotonic() >= deadline:
+                where = ("a process of this machine under another state folder (or one that ran before an "
+                         "upgrade) holds" if other.get("machine") == me and other.get("host") == host
+                         else "another machine holds")
                 raise LockTimeoutError(
-                    f"{loc.name}: another machine holds the store's writer lease ({_describe(other)}); nothing "
-                    f"was written. Run again when it is done. If that machine is gone (a crash), remove the lease "
+                    f"{loc.name}: {where} the store's writer lease ({_describe(other)}); nothing "
+                    f"was written. Run again when it is done. If its holder is gone (a crash), remove the lease "
                     f"with `indknn break-lease --store {loc.name} --token {_token(other)}` (or delete the object "
                     f"{url}) and run again (docs/OBJECT_STORAGE.md)")
             time.sleep(POLL_SECONDS)

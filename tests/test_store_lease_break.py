@@ -89,3 +89,44 @@ def test_an_unreadable_lease_is_named_unreadable_and_a_live_writers_lease_is_nev
 def test_a_local_store_has_no_lease_to_break(tmp_path):
     rc, out, msg = _cli("--store", str(tmp_path / "s.zarr"), state_dir=tmp_path / "state")
     assert rc == 2 and out == [] and "no writer lease" in msg
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("pid", ["own", "init"])
+def test_a_dead_holders_lease_whose_pid_now_names_a_live_process_does_not_block_an_erasure(s3, state, tmp_path, pid):
+    """A lease left on this machine by a process that died, its pid since given to a live process (a container
+    restarted: often the same pid, even this process's): every write, an erasure included, was refused for ever
+    (review 23, F3). The lease names its state root and its process's start time: under the state root whose
+    local lease lock the writer holds, no live holder can exist; elsewhere, a pid with another start time is
+    another process."""
+    import socket
+
+    from indknn_cli import object_store, store_lease
+    from indknn_cli.deletion import delete_records
+
+    url, _ = _store(tmp_path, s3, n=60, d=8)
+    st = object_store.open_store(url, mode="a")
+    fs = object_store.filesystem(st.remote)
+    lease = store_lease.lease_url(st.remote)
+    with st.write_lock(timeout=5):  # a lease as this version writes it
+        body = json.loads(fs.cat_file(lease))
+    assert body["root"] == store_lease._root_tag() and body["pid_start"] == store_lease._start_time(os.getpid())
+    live = os.getpid() if pid == "own" else 1
+    fs.pipe_file(lease, json.dumps({**body, "token": "dead", "pid": live, "pid_start": "1"}).encode())
+    assert delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0001"],
+                          lock_timeout=2).records_erased == 1
+    assert not fs.exists(lease)
+
+    # the same, written under another state root of this machine (a copied machine-id): its pid runs, but as
+    # another process (another start time): dead too; the same process (same start time): kept
+    fs.pipe_file(lease, json.dumps({**body, "token": "dead2", "root": "elsewhere", "pid": live,
+                                    "pid_start": "1"}).encode())
+    with st.write_lock(timeout=2):
+        assert json.loads(fs.cat_file(lease))["token"] not in ("dead", "dead2")
+    fs.pipe_file(lease, json.dumps({**body, "token": "alive", "root": "elsewhere"}).encode())
+    from indknn_cli.errors import LockTimeoutError
+    with pytest.raises(LockTimeoutError, match="this machine under another state folder"):
+        with st.write_lock(timeout=0.5):
+            pass
+    assert json.loads(fs.cat_file(lease))["token"] == "alive"
+    fs.rm_file(lease)
