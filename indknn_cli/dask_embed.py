@@ -63,9 +63,12 @@ def _features(target: dict, role: str):
 
 
 def embed_partition(target: dict, role: str, info: dict, device: str, dim: int, chunk: int, lo: int,
-                    groups: list, name: str, store_named: str):
+                    groups: list, name: str, store_named: str, fence: dict | None = None, run: str | None = None):
     """On a worker: embed ``groups`` (rows ``lo`` on), write the whole chunks inside them, return the rest
-    as ``[(first_row, float32 rows), ...]`` for the coordinator. Idempotent: a retried task writes the same."""
+    as ``[(first_row, float32 rows), ...]`` for the coordinator. Idempotent: a retried task writes the same.
+    Each chunk is written only while the run's stamp says it is running (:mod:`.dask_fence`): a partition whose
+    coordinator is gone stops instead of writing over the next writer's rows (review 23, F1)."""
+    from . import dask_fence
     from .embedding import embed_rows
     from .extractors import extractor_from_info
 
@@ -79,7 +82,11 @@ def embed_partition(target: dict, role: str, info: dict, device: str, dim: int, 
     a, b = -(-lo // chunk) * chunk, (hi // chunk) * chunk  # whole chunks: [a, b)
     if a >= b:
         return [(lo, block)]
-    _features(target, role)[a:b] = block[a - lo:b - lo]
+    arr = _features(target, role)
+    for c in range(a, b, chunk):
+        if fence is not None:
+            dask_fence.check(fence, run)
+        arr[c:c + chunk] = block[c - lo:c + chunk - lo]
     return [(lo, block[:a - lo]), (b, block[b - lo:])]
 
 
@@ -97,6 +104,8 @@ class DaskFeatureWriter:
         self._groups: list = []
         self._lo = self._rows = 0
         self._store = self._role = None
+        self._run: str | None = None  # the fence's run token (dask_fence), stamped before the first partition
+        self._fence: dict | None = None
 
     @classmethod
     @contextlib.contextmanager
@@ -129,9 +138,16 @@ class DaskFeatureWriter:
         arr = st.group(self._role)["features"]
         if arr.shape[0] < hi:  # grow the array before the worker writes (a metadata update)
             arr.resize((hi, st.dim))
+        if self._run is None:
+            import uuid
+
+            from . import dask_fence
+
+            self._run = uuid.uuid4().hex
+            self._fence = dask_fence.begin(st, self._run)
         self.futures.append(self.client.submit(
             embed_partition, _target(st), self._role, st.extractor.as_dict(), self.device, st.dim, st.chunk_rows,
-            lo, self._groups, self._name, st.where, pure=False))
+            lo, self._groups, self._name, st.where, self._fence, self._run, pure=False))
         self._groups, self._lo, self._rows = [], hi, 0
 
     def drain(self) -> None:
@@ -148,16 +164,31 @@ class DaskFeatureWriter:
                 for _ in as_completed([f for f in self.futures if not f.done()], timeout=DRAIN_SECONDS):
                     pass
         except TimeoutError:
+            self._end(remove=False)  # the stamp stays: the next writer revokes it before writing (dask_fence)
             raise SchedulerError(
                 f"the Dask workers did not finish within {DRAIN_SECONDS:.0f} s of a failure; nothing was "
                 "committed, but a worker may still write rows past the store's committed ones: let the cluster "
                 "finish (or restart it) before the next write to this store") from None
+        self._end()
+
+    def _end(self, *, remove: bool = True) -> None:
+        """The run's stamp: removed once no partition can run (``remove``), else only forgotten by this process."""
+        if self._run is None:
+            return
+        from . import dask_fence
+
+        if remove:
+            dask_fence.end(self._store, self._run)
+        else:
+            dask_fence.forget(self._run)
+        self._run = None
 
     def finish(self, store, role: str) -> None:
         """Send the last partition, wait for all, write the edge rows; raise the first failure."""
         self._send()
         try:
             parts = [p for res in self.client.gather(self.futures) for p in res]
+            self._end()  # every partition has finished: none can write any more
         except IndknnError:
             self.drain()
             raise

@@ -208,6 +208,7 @@ def embed_query_file(
     device: str = "auto",
     lock: bool = True,
     progress: ProgressFn | None = None,
+    lock_timeout: float = 60.0,
     **reader_opts,
 ) -> QueryBatchName:
     """Embed a raw query file with the store's own extractor into query batch ``batch``.
@@ -218,7 +219,8 @@ def embed_query_file(
     adds nothing and returns the stored batch; other content under an existing
     name is a BadInputError. Returns the batch name (a ``str``) carrying the
     batch's rows in the queries group as ``.start`` / ``.stop``. ``lock=False``
-    only when the caller already holds ``store.write_lock()``.
+    only when the caller already holds ``store.write_lock()``; ``lock_timeout``: seconds to wait for it (and,
+    on object storage, for the store's writer lease).
     """
     target = store if store is not None else store_path
     if target is None:
@@ -227,7 +229,8 @@ def embed_query_file(
     ex = extractor_from_info(st.extractor, device=device, dim=st.dim)
     reader_opts.setdefault("batch_rows", 256)
     res = _embed(source, store=st, store_path=st.path, role="query", ex=ex, if_exists="error",
-                 batch=batch, label_names=None, progress=progress, lock=lock, reader_opts=reader_opts)
+                 batch=batch, label_names=None, progress=progress, lock=lock, reader_opts=reader_opts,
+                 lock_timeout=lock_timeout)
     start, stop, _ = st.query_batch(res.batch)
     return QueryBatchName(res.batch, start, stop)
 
@@ -246,12 +249,13 @@ def _resolve_extractor(extractor, model, device, store: FeatureStore | None) -> 
 
 def _embed(source, *, store: FeatureStore | None, store_path: Path, role: str, ex: Extractor, if_exists: str,
            batch: str | None, label_names: Sequence[str] | None, progress: ProgressFn | None, lock: bool,
-           reader_opts: dict, dist=None) -> EmbedResult:
+           reader_opts: dict, dist=None, lock_timeout: float = 60.0) -> EmbedResult:
     own_source = not isinstance(source, Source)
     src = open_source(source, extractor_kind=ex.input_kind, **reader_opts) if own_source else source
     try:
         return _embed_source(src, store=store, store_path=store_path, role=role, ex=ex, if_exists=if_exists,
-                             batch=batch, label_names=label_names, progress=progress, lock=lock, dist=dist)
+                             batch=batch, label_names=label_names, progress=progress, lock=lock, dist=dist,
+                             lock_timeout=lock_timeout)
     finally:
         if own_source:
             src.close()
@@ -259,7 +263,7 @@ def _embed(source, *, store: FeatureStore | None, store_path: Path, role: str, e
 
 def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, role: str, ex: Extractor,
                   if_exists: str, batch: str | None, label_names: Sequence[str] | None,
-                  progress: ProgressFn | None, lock: bool, dist=None) -> EmbedResult:
+                  progress: ProgressFn | None, lock: bool, dist=None, lock_timeout: float = 60.0) -> EmbedResult:
     warnings: list[str] = []
 
     # -- labels: known up front (a scan of the label column / the class folders). --role test: query rows whose
@@ -352,7 +356,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                 def start_writing(st: FeatureStore):
                     nonlocal app, existing, generated_from, erased
                     if lock:
-                        stack.enter_context(st.write_lock())
+                        stack.enter_context(st.write_lock(timeout=lock_timeout))
                     if dist is not None:  # runs before the lock is released: no worker still writing after it
                         stack.callback(dist.drain)
                     if role != "query":  # query ids are unique within their batch

@@ -296,6 +296,15 @@ def _never_written(ledger) -> bool:
 
 
 def read_mark(store_path) -> dict | None:
+    """The store's high-water mark: the state folder's, or for a store on object storage the further of it and the
+    bucket's copy (:mod:`.ledger_mark_remote`)."""
+    from . import ledger_mark_remote
+
+    return ledger_mark_remote.furthest(_read_local_mark(store_path), ledger_mark_remote.read(store_path),
+                                       store_path=store_path)
+
+
+def _read_local_mark(store_path) -> dict | None:
     p = mark_path(store_path)
     try:
         m = json.loads(p.read_text())
@@ -314,14 +323,17 @@ def write_mark(path: Path, ledger) -> None:
     The snapshot's own hash matters when no event follows it (right after a compaction): an edited snapshot
     is then caught by the mark, since no event links to it yet.
     """
+    from . import ledger_mark_remote
     from .ledger_files import atomic_write_text
 
-    atomic_write_text(json.dumps({"ledger_uuid": ledger.meta["ledger_uuid"], "seq": head_seq(ledger),
-                                  "sha256": ledger.head_sha256, "generation": int(ledger.generation),
-                                  "snapshot_sha256": ledger.snapshot_sha256, "time": time.time(),
-                                  # answers released through the ledger up to the head: what `repair` compares
-                                  # with what a damaged or rolled-back ledger still holds (audit 3, review 2)
-                                  "answers": int(ledger.state.answers_released())}), Path(path))
+    body = json.dumps({"ledger_uuid": ledger.meta["ledger_uuid"], "seq": head_seq(ledger),
+                       "sha256": ledger.head_sha256, "generation": int(ledger.generation),
+                       "snapshot_sha256": ledger.snapshot_sha256, "time": time.time(),
+                       # answers released through the ledger up to the head: what `repair` compares
+                       # with what a damaged or rolled-back ledger still holds (audit 3, review 2)
+                       "answers": int(ledger.state.answers_released())})
+    atomic_write_text(body, Path(path))
+    ledger_mark_remote.write(Path(path).parent, body)  # a store on object storage: the bucket's copy too
 
 
 @contextlib.contextmanager
@@ -333,7 +345,9 @@ def writer_lock(store_path, *, timeout: float):
     copy that is later refused (a fork). This lock, in the store folder, makes every writer of the store
     wait for the others, so the second one sees the first one's mark and is refused.
     """
+    from . import store_lease
     from .locking import exclusive_file
+    from .object_store import location
 
     path = Path(store_path) / WRITER_LOCK_NAME
     stack = contextlib.ExitStack()
@@ -345,6 +359,9 @@ def writer_lock(store_path, *, timeout: float):
         raise StorageError(f"{path}: cannot open the store's ledger-writer lock ({exc.strerror}); "
                            "is the store on a read-only file system?") from None
     with stack:
+        loc = location(store_path)
+        if loc is not None:  # a store on object storage: the ledger writers of every machine (review 23, F2)
+            stack.enter_context(store_lease.hold(loc, timeout=timeout, suffix=store_lease.LEDGER_SUFFIX))
         yield
 
 

@@ -219,8 +219,8 @@ def refuse_after_compaction(loc: RemoteLocation, folder: Path) -> None:
         raise StoreError(
             f"{loc.name}: a compaction moved this store to {name.split('://', 1)[0]}://{found[-1]}, and this "
             f"machine's state folder ({folder}) does not know it (made on another machine, or lost); nothing was "
-            "written. Run every command that writes the store on the machine that compacted it, or copy its state "
-            "folder here (docs/OBJECT_STORAGE.md)")
+            "written. Run every command that writes the store on the machine that compacted it, or move its state "
+            "folder and the ledger here (and stop using them there: docs/OBJECT_STORAGE.md)")
 
 
 def _bucket(loc: RemoteLocation) -> str:

@@ -338,7 +338,7 @@ def _reuse_pool(store: FeatureStore, ledger: BudgetLedger) -> ReusePool:
 
 def resolve_query_batch(
     *, store_path: str | os.PathLike, queries: str, batch_id: str | None = None,
-    upstream: dict | None = None, reader_options: dict | None = None, device: str = "auto",
+    upstream: dict | None = None, reader_options: dict | None = None, device: str = "auto", lock_timeout: float = 60.0,
 ) -> str:
     """Name of the stored query batch to answer.
 
@@ -359,7 +359,7 @@ def resolve_query_batch(
         from .embedding import embed_query_file
 
         return embed_query_file(path, store_path=store_path, batch=batch_id, device=device,
-                                **(reader_options or {}))
+                                lock_timeout=lock_timeout, **(reader_options or {}))
     store = FeatureStore.open(store_path, mode="r")
     if queries in store.batches():
         return queries

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import zarr
 
-from . import FORMAT_VERSION, locking, object_store, store_lease, store_versions
+from . import FORMAT_VERSION, dask_fence, locking, object_store, store_lease, store_versions
 from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
 from .record_keys import KEY_ARRAY, SALT_ATTR, new_salt
 
@@ -215,6 +215,8 @@ class FeatureStore:
         with store_lease.hold(self.remote, timeout=timeout) if self.remote is not None else contextlib.nullcontext():
             with locking.exclusive(self.path, self.path / self.LOCK_NAME, timeout=timeout, on_timeout=expired):
                 self._refresh_after_lock()
+                if not self.read_only:  # an embed --scheduler run whose coordinator is gone: its workers stop first
+                    dask_fence.revoke_orphan(self)
                 yield
 
     def _refresh_after_lock(self) -> None:

@@ -19,9 +19,11 @@ one, which is the fault being fixed. A lease left by a process that died is reco
 machine (``$INDKNN_STATE_DIR/machine-id``, the host name and the kernel's boot id, so that a cloned
 machine-id is not enough) and either this state root (whose local lock ``$INDKNN_STATE_DIR/leases/<hash>.lock``,
 an ``flock`` released when a process dies, every live holder holds and the new writer now holds) or a process that
-no longer runs (pid and start time): it is replaced at once (:func:`_dead_here`). A lease left by another machine that died stays until someone removes it; the refusal names the
-object, its holder (host, process, since when) and its token, and `indknn break-lease --store URL --token TOKEN`
-(:func:`break_lease`) removes exactly that lease. On a filesystem other
+no longer runs (pid and start time): it is replaced at once (:func:`_dead_here`). A lease left by another
+machine that died stays until someone removes it; the refusal names the object, its holder (host, process, since
+when) and its token, and `indknn break-lease --store URL --token TOKEN` (:func:`break_lease`) removes exactly that
+lease. The ledger writers (serve-queries, index, delete, repair) hold a second lease of the same kind,
+``<store name>.indknn-ledger-writer.json`` (review 23, F2). On a filesystem other
 than S3, fsspec's generic ``pipe_file(mode="create")`` checks, then writes: the lease narrows the window
 there but does not close it.
 """
@@ -44,6 +46,11 @@ from .errors import BadInputError, LockTimeoutError, StoreError
 from .object_store import RemoteLocation, canonical_url, filesystem, state_root
 
 SUFFIX = ".indknn-writer.json"
+#: The ledger writers' lease (serve-queries, index, delete, repair: whoever commits to the store's ledger), held
+#: across machines as the local ledger-writer lock is held on one (review 23, F2); beside the writer lease.
+LEDGER_SUFFIX = ".indknn-ledger-writer.json"
+#: What each lease is called in messages.
+KINDS = {SUFFIX: "writer lease", LEDGER_SUFFIX: "ledger-writer lease"}
 MACHINE_ID = "machine-id"
 POLL_SECONDS = 0.25
 
@@ -53,13 +60,13 @@ _held: dict[tuple, list] = {}  # (state root, lease URL, thread) -> [depth, toke
 _guard = threading.Lock()
 
 
-def lease_url(loc: RemoteLocation) -> str:
+def lease_url(loc: RemoteLocation, suffix: str = SUFFIX) -> str:
     """Where the lease of the store named ``loc.name`` lives (a sibling object of its prefix; the name is
     stable across compactions, which move the data to ``<name>.compacted-<token>``)."""
     name = canonical_url(loc.name)
     if "/" not in name.split("://", 1)[1]:  # a store at a bucket's root: a sibling would be another bucket
-        return f"{name}/{SUFFIX.lstrip('.')}"
-    return name + SUFFIX
+        return f"{name}/{suffix.lstrip('.')}"
+    return name + suffix
 
 
 def machine_id() -> str:
@@ -148,7 +155,7 @@ def _read(fs, url: str) -> dict | None:
     except FileNotFoundError:
         return None
     except Exception as exc:  # noqa: BLE001 - botocore/aiohttp: endpoint down, no permission
-        raise StoreError(f"cannot read the store's writer lease {url} ({type(exc).__name__}: {exc})") from None
+        raise StoreError(f"cannot read the store's lease {url} ({type(exc).__name__}: {exc})") from None
     try:
         out = json.loads(raw)
         return out if isinstance(out, dict) else {"token": None}
@@ -171,12 +178,13 @@ def _token(other: dict) -> str:
 
 
 def break_lease(store, *, token: str | None = None) -> dict:
-    """Show the writer lease of the remote store ``store`` (a URL or its local state folder) and, when ``token``
-    names it, remove it: the way out when the machine that held it is gone (a crash), which no other machine can
-    tell from a long write. Returns ``{"store", "lease", "held", "holder", "removed"}``.
+    """Show the leases of the remote store ``store`` (a URL or its local state folder: the writer lease and the
+    ledger writers' lease) and, when ``token`` names one of them, remove it: the way out when the machine that held
+    it is gone (a crash), which no other machine can tell from a long write. Returns ``{"store", "leases": [{"kind",
+    "lease", "holder"}...] (those held), "removed"}`` (the URL removed, or None).
 
-    Only the lease whose token is ``token`` is removed; a lease since released, or taken by another writer (another
-    token), is left as it is (BadInputError, nothing removed). Between the read and the removal (one request) a
+    Only the lease whose token is ``token`` is removed; when none has it (released since, or taken by another
+    writer: another token) nothing is removed (BadInputError). Between the read and the removal (one request) a
     holder that was alive after all could release it and a new writer take it: S3's delete here is not
     conditional, so break only a lease whose machine is known to be gone (docs/OBJECT_STORAGE.md)."""
     from .object_store import local_path, location
@@ -184,33 +192,41 @@ def break_lease(store, *, token: str | None = None) -> dict:
     folder = local_path(store)
     loc = location(folder)
     if loc is None:
-        raise BadInputError(f"{store}: a local store has no writer lease (its lock is a flock the system releases "
-                            "when the process holding it ends); nothing to break")
-    url = lease_url(loc)
+        raise BadInputError(f"{store}: a local store has no lease (its locks are flocks the system releases when "
+                            "the process holding them ends); nothing to break")
     fs = filesystem(loc)
-    other = _read(fs, url)
-    holder = None if other is None else {**{k: other.get(k) for k in ("host", "pid", "since", "machine")},
-                                         "token": _token(other)}
-    out = {"store": loc.name, "lease": url, "held": other is not None, "holder": holder, "removed": False}
-    if token is None or other is None:
+    held = []
+    for suffix, kind in KINDS.items():
+        url = lease_url(loc, suffix)
+        other = _read(fs, url)
+        if other is not None:
+            held.append({"kind": kind, "lease": url, "holder": {
+                **{k: other.get(k) for k in ("host", "pid", "since", "machine")}, "token": _token(other)}})
+    out = {"store": loc.name, "leases": held, "removed": None}
+    if token is None or not held:
         return out
-    if token != _token(other):
-        raise BadInputError(f"{loc.name}: the writer lease's token is {_token(other)}, not {token}: it was released "
-                            f"or taken by another writer since ({_describe(other)}); nothing removed")
+    match = [h for h in held if h["holder"]["token"] == token]
+    if not match:
+        now = "; ".join(f"{h['kind']} {h['holder']['token']}" for h in held)
+        raise BadInputError(f"{loc.name}: no lease of the store has the token {token} (now: {now}): it was released "
+                            "or taken by another writer since; nothing removed")
+    url = match[0]["lease"]
     try:
         fs.rm_file(url)
     except FileNotFoundError:  # released meanwhile
         pass
     except Exception as exc:  # noqa: BLE001 - botocore/aiohttp: endpoint down, no permission
-        raise StoreError(f"{loc.name}: cannot remove the writer lease {url} ({type(exc).__name__}: {exc})") from None
-    out["removed"] = True
+        raise StoreError(f"{loc.name}: cannot remove the lease {url} ({type(exc).__name__}: {exc})") from None
+    out["removed"] = url
     return out
 
 
 @contextlib.contextmanager
-def hold(loc: RemoteLocation, *, timeout: float) -> Iterator[None]:
-    """Hold the store's writer lease for the ``with`` block (re-entrant within one process)."""
-    url = lease_url(loc)
+def hold(loc: RemoteLocation, *, timeout: float, suffix: str = SUFFIX) -> Iterator[None]:
+    """Hold the store's writer lease (``suffix``: or its ledger-writer lease) for the ``with`` block (re-entrant
+    within one process)."""
+    url = lease_url(loc, suffix)
+    kind = KINDS[suffix]
     key = (str(state_root()), url, threading.get_ident())
     with _guard:
         mine = _held.get(key)
@@ -248,7 +264,7 @@ def hold(loc: RemoteLocation, *, timeout: float) -> Iterator[None]:
             except FileExistsError:
                 pass
             except Exception as exc:  # noqa: BLE001 - botocore/aiohttp: endpoint down, no permission
-                raise StoreError(f"{loc.name}: cannot write the store's writer lease {url} "
+                raise StoreError(f"{loc.name}: cannot write the store's {kind} {url} "
                                  f"({type(exc).__name__}: {exc})") from None
             other = _read(fs, url)
             if other is None:
@@ -264,7 +280,7 @@ def hold(loc: RemoteLocation, *, timeout: float) -> Iterator[None]:
                          "upgrade) holds" if other.get("machine") == me and other.get("host") == host
                          else "another machine holds")
                 raise LockTimeoutError(
-                    f"{loc.name}: {where} the store's writer lease ({_describe(other)}); nothing "
+                    f"{loc.name}: {where} the store's {kind} ({_describe(other)}); nothing "
                     f"was written. Run again when it is done. If its holder is gone (a crash), remove the lease "
                     f"with `indknn break-lease --store {loc.name} --token {_token(other)}` (or delete the object "
                     f"{url}) and run again (docs/OBJECT_STORAGE.md)")

@@ -195,7 +195,7 @@ def test_every_bench_command_is_typer_style():
         assert "Usage: indknn bench " + info.name in " ".join(text.split()), info.name
         assert "usage: indknn" not in text and "issue 5" not in text and "[default:" in text, info.name
         assert "--quiet" in text and "--verbose" in text, info.name
-    for cmd, needles in ((["year"], ["--days", "x>=12", "[default: 60]", "Queries per day", "--processes"]),
+    for cmd, needles in ((["year"], ["--days", "x>=17", "[default: 60]", "Queries per day", "--processes"]),
                          (["append"], ["--rows", "[default: 20000]", "per byte"]),
                          (["startup"], ["--repeat", "[default: 5]", "seconds"]),
                          (["user-unit"], ["--eps", "[default: 0.5,1,2]", "--max-records", "--k"])):

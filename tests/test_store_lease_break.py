@@ -47,8 +47,10 @@ def test_a_dead_machines_lease_is_shown_then_removed_by_its_token_and_the_erasur
 
     other = tmp_path / "operator"  # another machine's state root: the command needs nothing of the holder's
     rc, out, msg = _cli("--store", url, state_dir=other)  # shown, not removed
-    assert rc == 0 and out[0]["held"] and not out[0]["removed"], msg
-    assert out[0]["holder"]["token"] == "t-dead" and out[0]["holder"]["host"] == "node-7" and out[0]["lease"] == lease
+    assert rc == 0 and out[0]["removed"] is None and len(out[0]["leases"]) == 1, msg
+    held = out[0]["leases"][0]
+    assert held["holder"]["token"] == "t-dead" and held["holder"]["host"] == "node-7" and held["lease"] == lease
+    assert held["kind"] == "writer lease"
     assert "--token t-dead" in msg and fs.exists(lease)
 
     rc, out, msg = _cli("--store", url, "--token", "t-other", state_dir=other)  # not its token: nothing removed
@@ -56,11 +58,11 @@ def test_a_dead_machines_lease_is_shown_then_removed_by_its_token_and_the_erasur
     assert json.loads(fs.cat_file(lease))["token"] == "t-dead"
 
     rc, out, msg = _cli("--store", url, "--token", "t-dead", state_dir=other)
-    assert rc == 0 and out[0]["removed"] and not fs.exists(lease), msg
+    assert rc == 0 and out[0]["removed"] == lease and not fs.exists(lease), msg
     assert delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0001"]).records_erased == 1
 
     rc, out, _ = _cli("--store", url, "--token", "t-dead", state_dir=other)  # safe to re-run: nothing held
-    assert rc == 0 and not out[0]["held"] and not out[0]["removed"]
+    assert rc == 0 and out[0]["leases"] == [] and out[0]["removed"] is None
 
 
 @pytest.mark.heavy
@@ -75,8 +77,8 @@ def test_an_unreadable_lease_is_named_unreadable_and_a_live_writers_lease_is_nev
     lease = store_lease.lease_url(st.remote)
     fs.pipe_file(lease, b"\x00 not json")
     shown = store_lease.break_lease(url)
-    assert shown["held"] and shown["holder"]["token"] == store_lease.UNREADABLE and fs.exists(lease)
-    assert store_lease.break_lease(url, token=store_lease.UNREADABLE)["removed"] and not fs.exists(lease)
+    assert [h["holder"]["token"] for h in shown["leases"]] == [store_lease.UNREADABLE] and fs.exists(lease)
+    assert store_lease.break_lease(url, token=store_lease.UNREADABLE)["removed"] == lease and not fs.exists(lease)
 
     with st.write_lock(timeout=5):  # a live writer took the lease since: an old token removes nothing
         live = json.loads(fs.cat_file(lease))["token"]
@@ -88,7 +90,7 @@ def test_an_unreadable_lease_is_named_unreadable_and_a_live_writers_lease_is_nev
 
 def test_a_local_store_has_no_lease_to_break(tmp_path):
     rc, out, msg = _cli("--store", str(tmp_path / "s.zarr"), state_dir=tmp_path / "state")
-    assert rc == 2 and out == [] and "no writer lease" in msg
+    assert rc == 2 and out == [] and "no lease" in msg
 
 
 @pytest.mark.heavy

@@ -48,16 +48,16 @@ def _cluster(scheduler: str, workers: int | None):
         yield cluster.scheduler_address
 
 
-def per_chunk_costs(store, *, batch: int, repeats: int = 3) -> dict:
+def per_chunk_costs(store, *, batch: int, tau: float, repeats: int = 3) -> dict:
     """Seconds to read one scan step of the store (``scan_rows``: the rows a worker reads and scores together)
-    and to score it against ``batch`` queries (screen + exact κ), here."""
+    and to score it against ``batch`` queries at the run's ``tau`` (screen + exact κ), here."""
     rows = store.scan_rows
     q = store.read("query", "features", 0, batch)
     t = time.perf_counter()
     for _ in range(repeats):
         block = store.read("private", "features", 0, rows)
     read_s = (time.perf_counter() - t) / repeats
-    p = dict(kernel="cosine", tau=0.5, nu=None, device="cpu")
+    p = dict(kernel="cosine", tau=tau, nu=None, device="cpu")
     find_candidates(q, ArraySource(block, rows=rows), **p)
     t = time.perf_counter()
     for _ in range(repeats):
@@ -86,7 +86,7 @@ def run_scheduled(n, d, m, tau, batch_size, device, scheduler, workers, *, make_
 
         base = {"n": n, "d": d, "queries": m, "tau": tau, "batch_size": batch_size, "device": device,
                 "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)}
-        costs = per_chunk_costs(store, batch=min(batch_size, m))
+        costs = per_chunk_costs(store, batch=min(batch_size, m), tau=tau)
         # Untimed first: a process's first serve pays what every later one reuses (numba's kernels loaded or
         # compiled, torch's first calls); the workers are warmed likewise (_warm) and the coordinator's filter
         # runs in this process, so without it only the in-process run would pay them.

@@ -302,8 +302,8 @@ def serve_speed_command(
 
 @bench_app.command("year")
 def year_command(
-    days: int = typer.Option(60, "--days", min=12, help="Days of cron, one query batch a day (≥ 12: day 10 is "
-                             "compared with the last days; 365 for the issue's year)."),
+    days: int = typer.Option(60, "--days", min=17, help="Days of cron, one query batch a day (≥ 17: days 8-12, "
+                             "'day 10', are compared with the last five, apart; 365 for the issue's year)."),
     queries: int = typer.Option(200, "--queries", min=1, help="Queries per day."),
     n: int = typer.Option(5000, "--n", min=1, help="Private records N of the synthetic clustered store."),
     d: int = typer.Option(64, "--d", min=2, help="Dimension of the synthetic vectors."),

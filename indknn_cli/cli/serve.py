@@ -76,7 +76,7 @@ def serve_command(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     no_reuse: bool = typer.Option(False, "--no-reuse", help="Switch off prediction reuse (SPEC §4)."),
     max_memory: str = typer.Option("2G", "--max-memory", help="Memory bound for cached features and scores: bytes, or a number with K, M, G or T (powers of 1024; KiB/KB read the same), e.g. 512M or 2G; at least 16M."),
-    lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock."),
+    lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock (and for the store's lock when a query file is embedded first)."),
     max_queries: Optional[str] = typer.Option(None, "--max-queries", envvar="INDKNN_MAX_QUERIES", help="Public gate for cron: refuse the whole batch (exit 3, nothing embedded, answered or charged) when the queries answered through this ledger plus this batch's would pass N; 'planned' = the ledger's --planned-queries. Reads public figures only. Else $INDKNN_MAX_QUERIES; default: no gate."),
     min_margin: Optional[float] = typer.Option(None, "--min-margin", help="Abstain (label -1, label_name \"abstain\") when the noisy top-1 minus top-2 vote is below M·σ2·sqrt(K_t): post-processing of the released noise, so charges are unchanged. Abstentions give no reuse vote."),
     text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column of a raw query file (default: text)."),
@@ -154,7 +154,7 @@ def serve_command(
     def answer(serve, sp, upstream):
         opts = _reader_options()
         name = resolve_query_batch(store_path=sp, queries=queries, batch_id=batch_id, upstream=upstream,
-                                   reader_options=opts, device=device)
+                                   reader_options=opts, device=device, lock_timeout=lock_timeout)
         # --out: answers appended as each part commits to a hidden temporary file, renamed onto --out when the
         # run ends (answers_out.py); a failed run leaves --out as it was. Answers held: one part's.
         with progress_bar("answering", total=_batch_size_or_none(sp, name)) as update, \

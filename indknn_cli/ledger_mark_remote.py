@@ -1,0 +1,89 @@
+"""The ledger's high-water mark of a store on object storage, kept in the bucket too (review 23, F2).
+
+The mark (:mod:`.ledger_integrity`: the chain head, the snapshot, the answers released) lives in the store's
+state folder, on the coordinator's disk. Two machines given copies of one state folder and ledger (the refusal
+after a compaction says to copy the state folder) each had their own mark, so both could serve with their own
+copy of the ledger and every record could be charged B on each: 2·B. A copy of the mark therefore sits beside the
+store's prefix, ``<store name>.indknn-mark.json`` (``s3://bucket/indknn-mark.json`` for a store at a bucket's
+root), written after the local one at every commit; the ledger must reach the furthest of the two. The ledger
+writers of a remote store also hold the store's ledger-writer lease (:mod:`.store_lease`), so two machines never
+commit at once: whichever commits first moves the bucket's mark, and the other copy is then refused as behind
+(or, at the same event number, as another history).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import LedgerIntegrityError, StoreError
+
+SUFFIX = ".indknn-mark.json"
+
+
+def _where(store_path):
+    """(filesystem, URL) of the bucket's mark for a remote store's state folder; None for a local store."""
+    from .object_store import filesystem, location
+    from .store_lease import lease_url
+
+    loc = location(Path(store_path))
+    if loc is None:
+        return None
+    return filesystem(loc), lease_url(loc, SUFFIX)
+
+
+def read(store_path) -> dict | None:
+    """The bucket's mark (None for a local store, or when none was written yet)."""
+    where = _where(store_path)
+    if where is None:
+        return None
+    fs, url = where
+    try:
+        raw = fs.cat_file(url)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - botocore/aiohttp: endpoint down, no permission
+        raise StoreError(f"cannot read the ledger's high-water mark in the bucket {url} "
+                         f"({type(exc).__name__})") from None
+    try:
+        m = json.loads(raw)
+    except ValueError:
+        raise LedgerIntegrityError(f"{url}: the ledger's high-water mark in the bucket is unreadable") from None
+    if not (isinstance(m, dict) and isinstance(m.get("seq"), int)):
+        raise LedgerIntegrityError(f"{url}: the ledger's high-water mark in the bucket is corrupt")
+    return m
+
+
+def write(store_path, body: str) -> None:
+    """Write the bucket's copy of the mark (after the local one: a crash between leaves it behind, never ahead)."""
+    where = _where(store_path)
+    if where is None:
+        return
+    fs, url = where
+    try:
+        fs.pipe_file(url, body.encode())
+    except Exception as exc:  # noqa: BLE001 - botocore/aiohttp
+        raise StoreError(f"cannot write the ledger's high-water mark in the bucket {url} ({type(exc).__name__}); "
+                         "the event before it is committed; nothing later was released") from None
+
+
+def _key(m: dict) -> tuple[int, int]:
+    g = m.get("generation")
+    return (g if isinstance(g, int) else 0, int(m["seq"]))
+
+
+def furthest(local: dict | None, remote: dict | None, *, store_path) -> dict | None:
+    """The mark the ledger must reach: the further of the state folder's and the bucket's. Two marks of one ledger
+    at the same event with different events there are two histories (two copies that each committed): refused."""
+    if remote is None:
+        return local
+    if local is None or remote.get("ledger_uuid") != local.get("ledger_uuid") or _key(remote) > _key(local):
+        return remote
+    if _key(remote) == _key(local) and (remote.get("sha256"), remote.get("snapshot_sha256")) != (
+            local.get("sha256"), local.get("snapshot_sha256")):
+        raise LedgerIntegrityError(
+            f"{store_path}: the store's high-water mark here and the one in the bucket name different events at "
+            f"event {local['seq']}: two copies of the ledger committed, each its own (run every ledger writer of a "
+            "store from one state folder; move it, never copy it); refusing. `indknn repair` on the copy to keep "
+            "retires every record (no refund)")
+    return local

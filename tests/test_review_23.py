@@ -1,0 +1,182 @@
+"""Review 23 (a privacy audit of the object-storage writers and the Dask embed): each test fails before its fix.
+
+F2: two coordinators of one store on S3 (machine B given copies of A's state folder and ledger, as the refusal
+after a compaction told the operator to do) both served, each charging the same records against its own copy of
+the ledger: 110 records reached 2·B. Real moto server; two state folders stand for two machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .conftest import clustered
+from .s3_server import new_bucket
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+from .test_object_store import s3  # noqa: E402,F401 (the moto server fixture)
+
+
+def _two_machines(tmp_path: Path, endpoint: str, monkeypatch):
+    from indknn_cli.embedding import embed_into_store
+    from indknn_cli.serving import build_index, make_params
+    from indknn_cli.store import normalize_rows
+
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateA"))
+    x, y, _ = clustered(200, 16, 3, seed=1)
+    np.savez(tmp_path / "p.npz", x=normalize_rows(x), y=y, ids=np.array([f"r{i:04d}" for i in range(200)]))
+    q, _, _ = clustered(300, 16, 3, seed=2)
+    for name, part in (("q1", q[:150]), ("q2", q[150:])):
+        np.savez(tmp_path / f"{name}.npz", x=part, ids=np.array([f"{name}-{i}" for i in range(len(part))]))
+    url = f"s3://{new_bucket(endpoint)}/s"
+    embed_into_store(tmp_path / "p.npz", store_path=url, extractor="vectors", label_names=["0", "1", "2"])
+    for name in ("q1", "q2"):
+        embed_into_store(tmp_path / f"{name}.npz", store_path=url, role="query", batch=name)
+    build_index(store_path=url, ledger_path=tmp_path / "LA",
+                params=make_params(epsilon=0.3, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=50))
+    shutil.copytree(tmp_path / "stateA", tmp_path / "stateB")  # machine B: copies of A's state folder and ledger
+    shutil.copytree(tmp_path / "LA", tmp_path / "LB")
+    return url
+
+
+@pytest.mark.heavy
+def test_f2_a_second_coordinator_with_copies_of_the_state_folder_and_ledger_is_refused_after_the_first_commits(
+        s3, tmp_path, monkeypatch):
+    from indknn_cli.errors import LedgerIntegrityError
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.serving import serve_queries
+
+    url = _two_machines(tmp_path, s3, monkeypatch)
+    a = serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1")
+    assert a.newly_answered == 150
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateB"))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "LB").rglob("*") if p.is_file()}
+    with pytest.raises(LedgerIntegrityError, match="rolled back"):
+        serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2")
+    after = {p.name: p.read_bytes() for p in (tmp_path / "LB").rglob("*") if p.is_file() and p.name != ".lock"}
+    assert {k: v for k, v in before.items() if k != ".lock"} == after  # B's copy charged nothing
+    sa = BudgetLedger.open(tmp_path / "LA").state.spent
+    assert float(sa.max()) <= float(BudgetLedger.open(tmp_path / "LA").params.budget) * (1 + 1e-12)
+
+    # A, the one history, goes on
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateA"))
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q2").newly_answered == 150
+
+
+@pytest.mark.heavy
+def test_f2_two_copies_that_each_committed_the_same_number_of_events_are_refused_as_two_histories(
+        s3, tmp_path, monkeypatch):
+    """B committed its own event at the same sequence number while A's state folder was not told (A's bucket mark
+    then names B's event): A's copy is refused as another history, not served."""
+    from indknn_cli import ledger_mark_remote
+    from indknn_cli.errors import LedgerIntegrityError
+    from indknn_cli.serving import serve_queries
+
+    url = _two_machines(tmp_path, s3, monkeypatch)
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateB"))
+    serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2")
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateA"))
+    from indknn_cli.object_store import local_path
+    remote = ledger_mark_remote.read(local_path(url))
+    local = json.loads((local_path(url) / "ledger-mark.json").read_text())
+    assert remote["seq"] > local["seq"]
+    with pytest.raises(LedgerIntegrityError, match="rolled back"):  # A's copy is behind the bucket's mark
+        serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1")
+    # the same number of events on both sides, different events: two histories
+    with pytest.raises(LedgerIntegrityError, match="two copies of the ledger committed"):
+        ledger_mark_remote.furthest({**remote, "sha256": "0" * 64}, remote, store_path="s")
+
+
+@pytest.mark.heavy
+def test_f2_a_ledger_writer_on_another_machine_holds_the_ledger_writer_lease(s3, tmp_path, monkeypatch):
+    """While one machine commits to the store's ledger, another machine's serve waits, then is refused naming
+    the ledger-writer lease; nothing is charged. The lease is released when the run ends."""
+    from indknn_cli import object_store, store_lease
+    from indknn_cli.errors import LockTimeoutError
+    from indknn_cli.serving import serve_queries
+
+    url = _two_machines(tmp_path, s3, monkeypatch)
+    st = object_store.open_store(url)
+    fs = object_store.filesystem(st.remote)
+    lease = store_lease.lease_url(st.remote, store_lease.LEDGER_SUFFIX)
+    fs.pipe_file(lease, json.dumps({"token": "t-a", "machine": "machine-a", "host": "node-a", "pid": 7,
+                                    "since": "2026-11-28T01:00:00Z"}).encode())
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateB"))
+    with pytest.raises(LockTimeoutError, match="ledger-writer lease"):
+        serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2", lock_timeout=0.5)
+    assert store_lease.break_lease(url, token="t-a")["removed"] == lease
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2").newly_answered == 150
+    assert not fs.exists(lease)
+
+
+# F1: a Dask embed's partition still running when its coordinator is gone (killed; or, as here, a drain that ran
+# past its bound: the lock is released the same way) wrote its chunks over the next writer's committed rows.
+@pytest.mark.heavy
+def test_f1_a_partition_left_running_after_its_run_ended_cannot_write_over_the_next_writers_rows(tmp_path,
+                                                                                                  monkeypatch):
+    import time
+
+    distributed = pytest.importorskip("distributed")
+    from indknn_cli import dask_embed, dask_fence
+    from indknn_cli.embedding import embed_into_store
+    from indknn_cli.errors import SchedulerError
+    from indknn_cli.extractors import get_extractor
+    from indknn_cli.store import FeatureStore, normalize_rows
+
+    d = 16
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    orig = dask_embed.embed_partition
+
+    def slow_or_failing(target, role, info, device, dim, chunk, lo, *rest):
+        if lo != 37:
+            raise RuntimeError("boom")
+        time.sleep(3)  # still embedding when the run ends and the next writer commits
+        try:
+            out = orig(target, role, info, device, dim, chunk, lo, *rest)
+        except Exception as exc:
+            (marks / "fenced").write_text(type(exc).__name__)
+            raise
+        (marks / "written").touch()
+        return out
+
+    orig_init = dask_embed.DaskFeatureWriter.__init__
+
+    def partitions_of_128(self, client, ex, *, device, partition_rows=None):
+        orig_init(self, client, ex, device=device, partition_rows=128)
+
+    monkeypatch.setattr(dask_embed, "embed_partition", slow_or_failing)
+    monkeypatch.setattr(dask_embed.DaskFeatureWriter, "__init__", partitions_of_128)
+    monkeypatch.setattr(dask_embed, "DRAIN_SECONDS", 0.5)
+    monkeypatch.setattr(dask_fence, "GRACE_SECONDS", 0.5)
+
+    st = FeatureStore.create(tmp_path / "s.zarr", extractor=get_extractor("vectors").info, dim=d,
+                             label_names=["0", "1"], chunk_rows=64)
+    rng = np.random.default_rng(3)
+    pre = normalize_rows(rng.standard_normal((37, d)))
+    st.append("private", pre, labels=np.zeros(37, np.int32), record_ids=[f"p{i}" for i in range(37)])
+    a = normalize_rows(rng.standard_normal((256, d)))
+    b = normalize_rows(rng.standard_normal((200, d)))
+    np.savez(tmp_path / "a.npz", x=a, y=np.zeros(256, int), ids=np.array([f"a{i}" for i in range(256)]))
+    np.savez(tmp_path / "b.npz", x=b, y=np.ones(200, int), ids=np.array([f"b{i}" for i in range(200)]))
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0",
+                                  silence_logs=50) as c:
+        with pytest.raises(SchedulerError, match="did not finish"):  # the lock is released, a partition runs on
+            embed_into_store(tmp_path / "a.npz", store_path=st.path, batch_rows=64, scheduler=c.scheduler_address)
+        res = embed_into_store(tmp_path / "b.npz", store_path=st.path)  # the next writer, at rows 37..236
+        assert res.rows_added == 200
+        deadline = time.monotonic() + 30
+        while not any(marks.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert (marks / "fenced").read_text() == "Fenced" and not (marks / "written").exists()
+    st = FeatureStore.open(tmp_path / "s.zarr")
+    assert st.n_rows() == 237 and list(st.record_ids()[37:]) == [f"b{i}" for i in range(200)]
+    assert np.array_equal(st.read("private", "features")[37:], b.astype(np.float32))  # B's own vectors
+    assert not (tmp_path / "s.zarr" / dask_fence.LOCAL_NAME).exists()
