@@ -207,6 +207,10 @@ def serve_queries(
             from . import bf16_screen
 
             bf16_screen.prepare(q_stop - todo_start, n_store, dim=store.dim, batch=batch_size)
+        if pool is None and type(budgets) is BudgetView:  # the compiled filter's case: record unit, no reuse
+            from . import filter_jit
+
+            filter_jit.prepare_run(q_stop - todo_start, batch=batch_size)
         screened = PassScreen(store, source, params=params, device=device, row_to_ledger=row_to_ledger,
                               max_pairs=max_pairs, max_memory=max_memory, batch_size=batch_size, stop=q_stop,
                               enabled=finder is None, row_labels=row_labels)

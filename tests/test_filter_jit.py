@@ -175,3 +175,43 @@ def test_a_compile_failure_falls_back_to_the_loop(monkeypatch):
     monkeypatch.setattr(filter_jit, "_kernels", None)  # loaded again (the broken kernel), restored after the test
     _assert_same(want, _serve(world, classes=3, compiled=True, batch=40, monkeypatch=monkeypatch), parts=False)
     assert calls == [1] and filter_jit._kernels is False
+
+
+@pytest.mark.heavy
+def test_a_long_run_of_small_batches_takes_the_compiled_filter_with_the_same_answers(tmp_path, monkeypatch):
+    """A run of at least FILTER_MIN_QUERIES_COLD queries in batches of FILTER_MIN_QUERIES or more loads the compiled
+    filter up front (its batches each below the cold threshold used the Python loop: a third of a 50,000-query
+    serve at N = 5,000); the answers and the ledger are those of the loop."""
+    import shutil
+
+    from indknn_cli.benchmarks.serve_speed import make_store
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.serving import serve_queries
+
+    make_store(tmp_path, 400, 16, 4096, 0.5)
+    shutil.copytree(tmp_path / "L", tmp_path / "L0")
+    mark = (tmp_path / "s.zarr" / "ledger-mark.json").read_bytes()
+    calls, prepared = [], []
+    orig = filter_jit.answer_batch_compiled
+    monkeypatch.setattr(filter_jit, "answer_batch_compiled", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig_prepare = filter_jit.prepare_run
+    monkeypatch.setattr(filter_jit, "prepare_run", lambda n, *, batch: prepared.append((n, batch)) or orig_prepare(
+        n, batch=batch))
+    loaded, orig_load = [], filter_jit._load
+    monkeypatch.setattr(filter_jit, "_load", lambda: loaded.append(1) or orig_load())  # seen (numba may already
+    # be imported by an earlier test in this process, so sys.modules alone cannot tell)
+
+    def run(ledger):
+        res = serve_queries(store_path=tmp_path / "s.zarr", ledger_path=ledger, query_batch="bench", seed=3,
+                            batch_size=512, device="cpu", reuse=False)
+        return [(a["label"], a["released_count"]) for a in res.answers], BudgetLedger.open(ledger).state.spent
+
+    compiled, spent_c = run(tmp_path / "L")
+    assert prepared == [(4096, 512)] and loaded  # the run's size decides, before the first batch
+    assert len(calls) == 8  # then every batch of 512 (each below FILTER_MIN_QUERIES_COLD) took the compiled filter
+    monkeypatch.undo()
+    assert filter_jit.wanted(512)  # numba loaded: every batch of 512 takes the compiled filter
+    (tmp_path / "s.zarr" / "ledger-mark.json").write_bytes(mark)
+    monkeypatch.setattr(filter_jit, "wanted", lambda m: False)  # the Python loop
+    loop, spent_l = run(tmp_path / "L0")
+    assert compiled == loop and np.array_equal(spent_c, spent_l)
