@@ -383,6 +383,10 @@ def check_mark(store_path, ledger, *, required: bool, mark=_UNREAD) -> dict | No
     the ledger: the mark is written after each commit, so it can then only be behind what it read.
     """
     m = read_mark(store_path) if mark is _UNREAD else mark
+    from .ledger_mark_remote import FROM_BUCKET
+
+    if m is not None and m.get(FROM_BUCKET) and m.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
+        m = _read_local_mark(store_path)  # another ledger's mark left in the bucket: stale (ledger_mark_remote)
     p = mark_path(store_path)
     if m is None:
         if required:

@@ -19,6 +19,11 @@ from pathlib import Path
 from .errors import LedgerIntegrityError, StoreError
 
 SUFFIX = ".indknn-mark.json"
+#: Set on a mark :func:`furthest` took from the bucket. Such a mark of a ledger other than the one checked is a
+#: stale one (a store removed and made again under the same name leaves it behind) and is ignored: which ledger a
+#: store belongs to is the binding's to say (check_binding refuses any other ledger first); the bucket's mark only
+#: orders the copies of that one ledger (review 25).
+FROM_BUCKET = "from_bucket"
 
 
 def _where(store_path):
@@ -63,8 +68,17 @@ def write(store_path, body: str) -> None:
     try:
         fs.pipe_file(url, body.encode())
     except Exception as exc:  # noqa: BLE001 - botocore/aiohttp
+        # The event is committed here, the bucket's mark behind it: a copy of the ledger on another machine would
+        # pass the bucket's mark and commit a second history (review 25). The ledger writers' lease stays in the
+        # bucket, so that other machines are refused until a writer here (same state root) commits again.
+        from .object_store import location
+        from .store_lease import LEDGER_SUFFIX, retain
+
+        retain(location(Path(store_path)), LEDGER_SUFFIX)
         raise StoreError(f"cannot write the ledger's high-water mark in the bucket {url} ({type(exc).__name__}); "
-                         "the event before it is committed; nothing later was released") from None
+                         "the event before it is committed, nothing later was released; the store's ledger-writer "
+                         "lease stays in the bucket (other machines are refused) until a ledger writer on this "
+                         "machine runs again and writes the mark") from None
 
 
 def _key(m: dict) -> tuple[int, int]:
@@ -78,7 +92,7 @@ def furthest(local: dict | None, remote: dict | None, *, store_path) -> dict | N
     if remote is None:
         return local
     if local is None or remote.get("ledger_uuid") != local.get("ledger_uuid") or _key(remote) > _key(local):
-        return remote
+        return {**remote, FROM_BUCKET: True}  # check_mark ignores it for a ledger of another uuid
     if _key(remote) == _key(local) and (remote.get("sha256"), remote.get("snapshot_sha256")) != (
             local.get("sha256"), local.get("snapshot_sha256")):
         raise LedgerIntegrityError(

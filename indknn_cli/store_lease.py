@@ -58,6 +58,16 @@ _held: dict[tuple, list] = {}  # (state root, lease URL, thread) -> [depth, toke
 # lease (embed: create, then append); the state root is the machine's identity. Another thread of this process
 # waits on the local lease lock like another process.
 _guard = threading.Lock()
+_retained: set[str] = set()  # leases left in place when their holder ends (retain): see ledger_mark_remote.write
+
+
+def retain(loc: RemoteLocation, suffix: str = SUFFIX) -> None:
+    """Leave this process's lease of ``loc`` (kind ``suffix``) in the bucket when its ``with`` block ends: another
+    machine is then refused until a writer of this machine and state root takes it over (its holder is gone) or
+    someone runs break-lease. Used when a commit's high-water mark could not be written to the bucket: until this
+    machine commits again, the bucket's mark is behind its ledger, and a copy elsewhere must not commit (review 25)."""
+    with _guard:
+        _retained.add(lease_url(loc, suffix))
 
 
 def lease_url(loc: RemoteLocation, suffix: str = SUFFIX) -> str:
@@ -292,7 +302,10 @@ def hold(loc: RemoteLocation, *, timeout: float, suffix: str = SUFFIX) -> Iterat
         finally:
             with _guard:
                 _held.pop(key, None)
-            with contextlib.suppress(Exception):  # a lease we cannot remove is reported by the next writer
-                now = _read(fs, url)
-                if now is not None and now.get("token") == token:
-                    fs.rm_file(url)
+                keep = url in _retained
+                _retained.discard(url)
+            if not keep:
+                with contextlib.suppress(Exception):  # a lease we cannot remove is reported by the next writer
+                    now = _read(fs, url)
+                    if now is not None and now.get("token") == token:
+                        fs.rm_file(url)

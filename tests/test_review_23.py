@@ -180,3 +180,63 @@ def test_f1_a_partition_left_running_after_its_run_ended_cannot_write_over_the_n
     assert st.n_rows() == 237 and list(st.record_ids()[37:]) == [f"b{i}" for i in range(200)]
     assert np.array_equal(st.read("private", "features")[37:], b.astype(np.float32))  # B's own vectors
     assert not (tmp_path / "s.zarr" / dask_fence.LOCAL_NAME).exists()
+
+
+@pytest.mark.heavy
+def test_f2_review_25_a_failed_bucket_mark_keeps_the_ledger_writer_lease_so_a_copy_cannot_commit(
+        s3, tmp_path, monkeypatch):
+    """A's commit lands but its bucket mark cannot be written (the bucket's mark stays behind A's ledger): B's copy
+    then passed the bucket's mark, answered the batch and charged its own copy; A's later repair released A's
+    answers too: the same queries twice, up to 2·B (review 25). The ledger-writer lease now stays in the bucket
+    until a writer of A's machine commits again: B is refused meanwhile, and after it, as behind."""
+    from indknn_cli import ledger_mark_remote, object_store, store_lease
+    from indknn_cli.errors import LedgerIntegrityError, LockTimeoutError, StoreError
+    from indknn_cli.serving import serve_queries
+
+    url = _two_machines(tmp_path, s3, monkeypatch)
+    real = ledger_mark_remote._where
+
+    class Unwritable:  # reads as the bucket does; writes fail
+        def __init__(self, fs):
+            self.fs = fs
+
+        def cat_file(self, *a, **k):
+            return self.fs.cat_file(*a, **k)
+
+        def pipe_file(self, *a, **k):
+            raise OSError("bucket unreachable")
+
+    monkeypatch.setattr(ledger_mark_remote, "_where", lambda p: (Unwritable(real(p)[0]), real(p)[1]))
+    with pytest.raises(StoreError, match="ledger-writer lease stays"):
+        serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1")
+    monkeypatch.setattr(ledger_mark_remote, "_where", real)
+    st = object_store.open_store(url)
+    lease = store_lease.lease_url(st.remote, store_lease.LEDGER_SUFFIX)
+    assert object_store.filesystem(st.remote).exists(lease)
+
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateB"))
+    with pytest.raises(LockTimeoutError, match="ledger-writer lease"):  # B's copy cannot commit
+        serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2", lock_timeout=0.5)
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateA"))  # A's next writer takes its lease over
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q2").newly_answered == 150
+    assert not object_store.filesystem(st.remote).exists(lease)
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateB"))
+    with pytest.raises(LedgerIntegrityError, match="rolled back"):
+        serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2")
+
+
+@pytest.mark.heavy
+def test_f2_review_25_a_stale_bucket_mark_of_another_ledger_does_not_refuse_the_stores_own(s3, tmp_path, monkeypatch):
+    """A store removed and made again under the same name left its old ledger's mark in the bucket: every index and
+    serve of the new store was refused (only `repair`, retiring everyone, got out). A bucket mark of a ledger other
+    than the one checked is now ignored (the binding says which ledger the store has)."""
+    from indknn_cli import object_store
+    from indknn_cli.ledger_mark_remote import SUFFIX
+    from indknn_cli.serving import serve_queries
+    from indknn_cli.store_lease import lease_url
+
+    url = _two_machines(tmp_path, s3, monkeypatch)
+    st = object_store.open_store(url)
+    object_store.filesystem(st.remote).pipe_file(lease_url(st.remote, SUFFIX), json.dumps(
+        {"ledger_uuid": "an-earlier-store", "seq": 99, "sha256": "0" * 64, "generation": 3}).encode())
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1").newly_answered == 150
