@@ -343,7 +343,9 @@ def writer_lock(store_path, *, timeout: float):
     The ledger lock is per ledger folder, so two *copies* of one ledger could each take their own and
     commit concurrently: both pass the high-water-mark check, one copy's charges then live only in the
     copy that is later refused (a fork). This lock, in the store folder, makes every writer of the store
-    wait for the others, so the second one sees the first one's mark and is refused.
+    wait for the others, so the second one sees the first one's mark and is refused. For a store on object
+    storage, whose state folder is per machine, the bucket's ledger-writer lease does the same across machines
+    (review 23, F2), and the mark has a copy in the bucket (:mod:`.ledger_mark_remote`).
     """
     from . import store_lease
     from .locking import exclusive_file

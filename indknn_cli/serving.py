@@ -342,7 +342,8 @@ def _reuse_pool(store: FeatureStore, ledger: BudgetLedger) -> ReusePool:
 
 def resolve_query_batch(
     *, store_path: str | os.PathLike, queries: str, batch_id: str | None = None,
-    upstream: dict | None = None, reader_options: dict | None = None, device: str = "auto", lock_timeout: float = 60.0,
+    upstream: dict | None = None, reader_options: dict | None = None, device: str = "auto",
+    lock_timeout: float = 60.0,
 ) -> str:
     """Name of the stored query batch to answer.
 
