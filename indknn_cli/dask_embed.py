@@ -155,7 +155,8 @@ class DaskFeatureWriter:
         a failure. Cancelling does not stop a task already running, which would go on writing its rows into the
         bucket after the lock was released: the next writer's rows, at the same uncommitted row numbers, could
         then be overwritten under their ids (review 20 of audit 8, F1)."""
-        if not self.futures:
+        if not self.futures:  # none was sent (a submit that raised): no partition can run; the stamp goes
+            self._end()
             return
         from distributed import as_completed
 

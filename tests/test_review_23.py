@@ -240,3 +240,30 @@ def test_f2_review_25_a_stale_bucket_mark_of_another_ledger_does_not_refuse_the_
     object_store.filesystem(st.remote).pipe_file(lease_url(st.remote, SUFFIX), json.dumps(
         {"ledger_uuid": "an-earlier-store", "seq": 99, "sha256": "0" * 64, "generation": 3}).encode())
     assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1").newly_answered == 150
+
+
+@pytest.mark.heavy
+def test_f1_review_25_a_run_whose_first_partition_was_never_sent_leaves_no_stamp(tmp_path, monkeypatch):
+    """The stamp is written just before the first partition is submitted; a submit that raised left it behind (the
+    drain had no partition to wait for), and the next writer in another process waited the fence's grace."""
+    distributed = pytest.importorskip("distributed")
+    from indknn_cli import dask_fence
+    from indknn_cli.embedding import embed_into_store
+    from indknn_cli.extractors import get_extractor
+    from indknn_cli.store import FeatureStore, normalize_rows
+
+    st = FeatureStore.create(tmp_path / "s.zarr", extractor=get_extractor("vectors").info, dim=8,
+                             label_names=["0", "1"], chunk_rows=64)
+    x = normalize_rows(np.random.default_rng(1).standard_normal((300, 8)))
+    np.savez(tmp_path / "a.npz", x=x, y=np.zeros(300, int), ids=np.array([f"a{i}" for i in range(300)]))
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0",
+                                  silence_logs=50) as c:
+        def refused(*a, **k):
+            assert (tmp_path / "s.zarr" / dask_fence.LOCAL_NAME).exists()  # stamped just before
+            raise RuntimeError("scheduler went away")
+
+        monkeypatch.setattr(distributed.Client, "submit", refused)
+        with pytest.raises(Exception):
+            embed_into_store(tmp_path / "a.npz", store_path=st.path, scheduler=c.scheduler_address)
+    assert not (tmp_path / "s.zarr" / dask_fence.LOCAL_NAME).exists()
+    assert FeatureStore.open(st.path).n_rows() == 0
