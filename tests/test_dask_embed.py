@@ -57,6 +57,16 @@ def _pair(tmp_path: Path, n: int = 1000, d: int = 16):
     return x, stores
 
 
+def _partitions_of(monkeypatch, rows: int) -> None:
+    """Every DaskFeatureWriter of the test sends partitions of ``rows`` rows (the tests' stores are small)."""
+    orig_init = dask_embed.DaskFeatureWriter.__init__
+
+    def init(self, client, ex, *, device, partition_rows=None):
+        orig_init(self, client, ex, device=device, partition_rows=rows)
+
+    monkeypatch.setattr(dask_embed.DaskFeatureWriter, "__init__", init)
+
+
 def test_embed_on_workers_is_bit_identical(cluster, tmp_path):
     x, (a, b) = _pair(tmp_path)
     ra = embed_into_store(tmp_path / "in.npz", store_path=a.path, batch_rows=50)
@@ -170,13 +180,8 @@ def test_a_failure_waits_for_running_partitions_before_the_lock_is_released(tmp_
         (marks / str(lo)).touch()
         return out
 
-    orig_init = dask_embed.DaskFeatureWriter.__init__
-
-    def small_partitions(self, client, ex, *, device, partition_rows=None):
-        orig_init(self, client, ex, device=device, partition_rows=64)
-
     monkeypatch.setattr(dask_embed, "embed_partition", slow_or_failing)
-    monkeypatch.setattr(dask_embed.DaskFeatureWriter, "__init__", small_partitions)
+    _partitions_of(monkeypatch, 64)
     x, (_, b) = _pair(tmp_path, n=256)
     with distributed.LocalCluster(n_workers=1, threads_per_worker=4, processes=False, dashboard_address=":0",
                                   silence_logs=50) as c:
@@ -199,13 +204,8 @@ def test_a_drain_that_outlasts_its_bound_says_so(tmp_path, monkeypatch):
         time.sleep(4)
         return []
 
-    orig_init = dask_embed.DaskFeatureWriter.__init__
-
-    def small_partitions(self, client, ex, *, device, partition_rows=None):
-        orig_init(self, client, ex, device=device, partition_rows=64)
-
     monkeypatch.setattr(dask_embed, "embed_partition", slow_or_failing)
-    monkeypatch.setattr(dask_embed.DaskFeatureWriter, "__init__", small_partitions)
+    _partitions_of(monkeypatch, 64)
     monkeypatch.setattr(dask_embed, "DRAIN_SECONDS", 0.5)
     x, (_, b) = _pair(tmp_path, n=128)
     with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0",

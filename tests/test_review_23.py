@@ -130,6 +130,8 @@ def test_f1_a_partition_left_running_after_its_run_ended_cannot_write_over_the_n
     from indknn_cli.extractors import get_extractor
     from indknn_cli.store import FeatureStore, normalize_rows
 
+    from .test_dask_embed import _partitions_of
+
     d = 16
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -147,13 +149,8 @@ def test_f1_a_partition_left_running_after_its_run_ended_cannot_write_over_the_n
         (marks / "written").touch()
         return out
 
-    orig_init = dask_embed.DaskFeatureWriter.__init__
-
-    def partitions_of_128(self, client, ex, *, device, partition_rows=None):
-        orig_init(self, client, ex, device=device, partition_rows=128)
-
     monkeypatch.setattr(dask_embed, "embed_partition", slow_or_failing)
-    monkeypatch.setattr(dask_embed.DaskFeatureWriter, "__init__", partitions_of_128)
+    _partitions_of(monkeypatch, 128)
     monkeypatch.setattr(dask_embed, "DRAIN_SECONDS", 0.5)
     monkeypatch.setattr(dask_fence, "GRACE_SECONDS", 0.5)
 
