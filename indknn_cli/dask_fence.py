@@ -54,18 +54,16 @@ def place(store) -> dict:
 
 
 def _fs(where: dict):
+    """The object store's filesystem (a stamp beside a store on object storage)."""
     import fsspec
 
-    if "url" in where:
-        fs, _ = fsspec.core.url_to_fs(where["url"], **(where.get("options") or {}))
-        return fs, where["url"]
-    return fsspec.filesystem("file"), where["path"]
+    fs, _ = fsspec.core.url_to_fs(where["url"], **(where.get("options") or {}))
+    return fs
 
 
 def _read(where: dict) -> dict | None:
-    fs, key = _fs(where)
     try:
-        raw = fs.cat_file(key)
+        raw = Path(where["path"]).read_bytes() if "path" in where else _fs(where).cat_file(where["url"])
     except FileNotFoundError:
         return None
     try:
@@ -76,20 +74,20 @@ def _read(where: dict) -> dict | None:
 
 
 def _write(where: dict, body: dict) -> None:
-    fs, key = _fs(where)
-    data = json.dumps(body).encode()
     if "path" in where:
         from .ledger_files import atomic_write_text
 
-        atomic_write_text(data.decode(), Path(key))
+        atomic_write_text(json.dumps(body), Path(where["path"]))
     else:
-        fs.pipe_file(key, data)
+        _fs(where).pipe_file(where["url"], json.dumps(body).encode())
 
 
 def _remove(where: dict) -> None:
-    fs, key = _fs(where)
+    if "path" in where:
+        Path(where["path"]).unlink(missing_ok=True)
+        return
     try:
-        fs.rm_file(key)
+        _fs(where).rm_file(where["url"])
     except FileNotFoundError:
         pass
 
