@@ -158,19 +158,80 @@ def _dead_here(other: dict, *, me: str, host: str, boot: str) -> bool:
     return not _alive(other.get("pid"), other.get("pid_start"))
 
 
-def _read(fs, url: str) -> dict | None:
-    """The lease now at ``url`` (None when there is none); an unreadable one is a holder we cannot name."""
+#: The key under which :func:`_read` keeps the version (S3's ETag) of the lease it read; never written anywhere.
+ETAG = "_etag"
+
+
+def _is_s3(fs) -> bool:
+    protocol = getattr(fs, "protocol", "")
+    return "s3" in ((protocol,) if isinstance(protocol, str) else tuple(protocol))
+
+
+async def _get_with_etag(fs, url: str):
+    bucket, key, _ = fs.split_path(url)
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key)  # body and ETag of one version, one request
     try:
-        raw = fs.cat_file(url)
+        return await resp["Body"].read(), resp.get("ETag")
+    finally:
+        resp["Body"].close()
+
+
+def _read(fs, url: str) -> dict | None:
+    """The lease now at ``url`` (None when there is none); an unreadable one is a holder we cannot name. On S3 the
+    body and the ETag come from one request, and the ETag is kept under :data:`ETAG` for :func:`_remove_if`."""
+    etag = None
+    try:
+        if _is_s3(fs):
+            from fsspec.asyn import sync
+
+            raw, etag = sync(fs.loop, _get_with_etag, fs, url)
+        else:
+            raw = fs.cat_file(url)
     except FileNotFoundError:
         return None
     except Exception as exc:  # noqa: BLE001 - botocore/aiohttp: endpoint down, no permission
         raise StoreError(f"cannot read the store's lease {url} ({type(exc).__name__}: {exc})") from None
     try:
         out = json.loads(raw)
-        return out if isinstance(out, dict) else {"token": None}
+        out = out if isinstance(out, dict) else {"token": None}
     except ValueError:
-        return {"token": None}
+        out = {"token": None}
+    out[ETAG] = etag
+    return out
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    for e in (exc, exc.__cause__, exc.__context__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error") or {}
+            meta = response.get("ResponseMetadata") or {}
+            if err.get("Code") in ("PreconditionFailed", "412") or meta.get("HTTPStatusCode") == 412:
+                return True
+    return False
+
+
+def _remove_if(fs, url: str, read: dict) -> bool:
+    """Remove the lease at ``url`` only if it is still the version ``read`` (as :func:`_read` returned it): on S3 a
+    delete with ``If-Match: <ETag>``, so that a lease released and taken by another writer between the read and the
+    removal is left in place (review 23's open window). Returns False when the lease changed (nothing removed),
+    True when it was removed or is gone. A server that ignores ``If-Match`` deletes unconditionally, as before;
+    elsewhere than S3 the delete is unconditional (fsspec has no conditional delete)."""
+    etag = read.get(ETAG)
+    try:
+        if etag and _is_s3(fs):
+            bucket, key, _ = fs.split_path(url)
+            fs.invalidate_cache(url)
+            fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etag)
+        else:
+            fs.rm_file(url)
+    except FileNotFoundError:
+        return True
+    except Exception as exc:  # noqa: BLE001 - botocore/aiohttp
+        if _precondition_failed(exc):
+            return False
+        raise
+    return True
 
 
 def _describe(other: dict) -> str:
@@ -195,8 +256,9 @@ def break_lease(store, *, token: str | None = None) -> dict:
 
     Only the lease whose token is ``token`` is removed; when none has it (released since, or taken by another
     writer: another token) nothing is removed (BadInputError). Between the read and the removal (one request) a
-    holder that was alive after all could release it and a new writer take it: S3's delete here is not
-    conditional, so break only a lease whose machine is known to be gone (docs/OBJECT_STORAGE.md)."""
+    holder that was alive after all could release it and a new writer take it: on S3 the removal is a delete
+    with ``If-Match`` on the version read, so the new writer's lease stays (BadInputError, nothing removed). Break
+    only a lease whose machine is known to be gone: a holder that lives goes on writing (docs/OBJECT_STORAGE.md)."""
     from .object_store import local_path, location
 
     folder = local_path(store)
@@ -205,11 +267,12 @@ def break_lease(store, *, token: str | None = None) -> dict:
         raise BadInputError(f"{store}: a local store has no lease (its locks are flocks the system releases when "
                             "the process holding them ends); nothing to break")
     fs = filesystem(loc)
-    held = []
+    held, read = [], {}
     for suffix, kind in KINDS.items():
         url = lease_url(loc, suffix)
         other = _read(fs, url)
         if other is not None:
+            read[url] = other
             held.append({"kind": kind, "lease": url, "holder": {
                 **{k: other.get(k) for k in ("host", "pid", "since", "machine")}, "token": _token(other)}})
     out = {"store": loc.name, "leases": held, "removed": None}
@@ -222,11 +285,12 @@ def break_lease(store, *, token: str | None = None) -> dict:
                             "or taken by another writer since; nothing removed")
     url = match[0]["lease"]
     try:
-        fs.rm_file(url)
-    except FileNotFoundError:  # released meanwhile
-        pass
+        removed = _remove_if(fs, url, read[url])
     except Exception as exc:  # noqa: BLE001 - botocore/aiohttp: endpoint down, no permission
         raise StoreError(f"{loc.name}: cannot remove the lease {url} ({type(exc).__name__}: {exc})") from None
+    if not removed:
+        raise BadInputError(f"{loc.name}: the {match[0]['kind']} with the token {token} was released and taken by "
+                            "another writer while this ran; nothing removed (run again to see who holds it now)")
     out["removed"] = url
     return out
 
@@ -282,8 +346,8 @@ def hold(loc: RemoteLocation, *, timeout: float, suffix: str = SUFFIX) -> Iterat
             if _dead_here(other, me=me, host=host, boot=boot):
                 # written on this machine since its last boot (a cloned machine-id has another boot id) by a
                 # holder that no longer runs: under this state root (whose local lease lock we hold), or a
-                # process that is gone (its pid free, or now another process's)
-                fs.rm_file(url)
+                # process that is gone (its pid free, or now another process's); only that version of it
+                _remove_if(fs, url, other)
                 continue
             if time.monotonic() >= deadline:
                 where = ("a process of this machine under another state folder (or one that ran before an "
@@ -308,4 +372,4 @@ def hold(loc: RemoteLocation, *, timeout: float, suffix: str = SUFFIX) -> Iterat
                 with contextlib.suppress(Exception):  # a lease we cannot remove is reported by the next writer
                     now = _read(fs, url)
                     if now is not None and now.get("token") == token:
-                        fs.rm_file(url)
+                        _remove_if(fs, url, now)  # not a lease another writer put there since (a break-lease)

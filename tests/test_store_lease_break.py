@@ -132,3 +132,57 @@ def test_a_dead_holders_lease_whose_pid_now_names_a_live_process_does_not_block_
             pass
     assert json.loads(fs.cat_file(lease))["token"] == "alive"
     fs.rm_file(lease)
+
+
+@pytest.mark.heavy
+def test_a_lease_taken_by_another_writer_between_the_read_and_the_removal_is_not_removed(s3, state, tmp_path,
+                                                                                        monkeypatch):
+    """break-lease, a writer releasing its own lease, and a writer replacing a dead holder's lease each read the
+    lease, then deleted it unconditionally: a lease released and taken by another writer in between was deleted,
+    and a third writer could then write beside the second (review 23's open window). The delete is now
+    conditional on the version read (S3 ``If-Match``): the new writer's lease stays."""
+    from indknn_cli import object_store, store_lease
+    from indknn_cli.errors import BadInputError
+
+    url, _ = _store(tmp_path, s3, n=60, d=8)
+    st = object_store.open_store(url, mode="a")
+    fs = object_store.filesystem(st.remote)
+    lease = store_lease.lease_url(st.remote)
+    newer = json.dumps({"token": "t-new", "machine": "m2", "host": "node-2", "pid": 7, "since": "now"}).encode()
+    original_read = store_lease._read
+    swaps = []
+
+    def read_then_swap(fs_, url_):
+        out = original_read(fs_, url_)
+        if out is not None and url_ == lease and out.get("token") in swaps:  # released and re-taken meanwhile
+            fs_.pipe_file(url_, newer)
+        return out
+
+    monkeypatch.setattr(store_lease, "_read", read_then_swap)
+
+    # 1. break-lease of a lease whose holder released it and another writer took it in between
+    fs.pipe_file(lease, json.dumps({"token": "t-old", "machine": "m1", "host": "node-1", "pid": 5}).encode())
+    swaps.append("t-old")
+    with pytest.raises(BadInputError, match="taken by another writer while this ran"):
+        store_lease.break_lease(url, token="t-old")
+    assert json.loads(fs.cat_file(lease))["token"] == "t-new"
+
+    # 2. a writer's own release, after someone broke its lease and another writer took it
+    fs.rm_file(lease)
+    swaps.clear()
+    with st.write_lock(timeout=5):
+        swaps.append(json.loads(fs.cat_file(lease))["token"])
+    assert json.loads(fs.cat_file(lease))["token"] == "t-new"
+
+    # 3. a dead holder of this machine replaced, when it was already replaced in between: the new one stays
+    swaps.clear()
+    body = {"token": "t-dead-here", "machine": store_lease.machine_id(), "host": __import__("socket").gethostname(),
+            "boot": store_lease.boot_id(), "root": store_lease._root_tag(), "pid": 1, "pid_start": "1"}
+    fs.pipe_file(lease, json.dumps(body).encode())
+    swaps.append("t-dead-here")
+    from indknn_cli.errors import LockTimeoutError
+    with pytest.raises(LockTimeoutError, match="node-2"):
+        with st.write_lock(timeout=0.6):
+            pass
+    assert json.loads(fs.cat_file(lease))["token"] == "t-new"
+    fs.rm_file(lease)
