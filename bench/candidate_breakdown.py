@@ -56,7 +56,7 @@ def main() -> None:
     screen, sums = timed("screen", candidates._screen_cpu), timed("sums", exact_jit.pair_sums)
     candidates._screen_cpu, exact_jit.pair_sums = screen, sums
     default_min = candidates.COMPILED_MIN_QUERIES
-    candidates.COMPILED_MIN_PRODUCTS = 0  # any --n: the comparison is of the two paths
+    candidates.COMPILED_COLD_QUERIES = 0  # any batch: the comparison is of the two paths
     rows = {"numpy": [], "compiled": []}
     last = {}
     for path in ["numpy", "compiled"] * (a.rounds + 1):  # the first pair warms up (compile, caches)

@@ -70,12 +70,15 @@ SAFETY = 1.25
 #: Each norm is raised by this factor before it enters B (module docstring).
 NORM_SLACK = 1.0 + 2.0**-10
 
-#: Batches below these sizes stay on FAISS's fp32 screen. Before torch is loaded its import (1.4–1.7 s
-#: here) must be repaid (BF16_MIN_MACS: about 1.5 s of fp32 products on 2 cores); once loaded, only the
-#: per-call conversion (BF16_MIN_MACS_LOADED). The figures read the batch size, the number of stored rows
-#: and d, never which rows lie near a query.
+#: Batches below these sizes stay on FAISS's fp32 screen. torch's import (1.4–1.7 s here) is decided on public
+#: figures only: a run (serve-queries: all its queries) or a batch of at least BF16_COLD_QUERIES queries, in
+#: batches of at least BF16_MIN_QUERIES, on a CPU with bf16 instructions. Never on the number of rows stored: one
+#: record added moved a rule on queries × rows × d across its threshold, and the run's time by the import's
+#: 1.35 s (audit 10, F2). Once torch is loaded, a batch takes the bf16 screen when its products reach
+#: BF16_MIN_MACS_LOADED (queries × rows × d), where the two screens cost about the same: no step in time there.
+#: The figures read the batch size, the number of stored rows and d, never which rows lie near a query.
 BF16_MIN_QUERIES = 256
-BF16_MIN_MACS = 1 << 37  # e.g. 1,024 queries × 349,525 rows at d = 384
+BF16_COLD_QUERIES = 2048
 BF16_MIN_MACS_LOADED = 1 << 32
 
 #: Bytes of bf16 scores per product (rows × queries × 2): small enough to be scanned from cache.
@@ -115,34 +118,49 @@ def cpu_has_bf16() -> bool:
 
 def rule(m: int, rows: int | None, *, dim: int, torch_loaded: bool) -> bool:
     """The size and setting rule of :func:`wanted`, without the probe: ``INDKNN_SCREEN`` forces the screen
-    on or off; by default a CPU with bf16 instructions and a large enough batch."""
+    on or off; by default a CPU with bf16 instructions, a batch of at least BF16_MIN_QUERIES queries (and of
+    BF16_COLD_QUERIES while torch is not loaded), and products that repay the conversion."""
     mode = _mode()
     if mode != "auto":
         return mode == "bf16"
-    need = BF16_MIN_MACS_LOADED if torch_loaded else BF16_MIN_MACS
-    return m >= BF16_MIN_QUERIES and rows is not None and m * rows * dim >= need and cpu_has_bf16()
+    if not loads(m, torch_loaded=torch_loaded):
+        return False
+    return rows is not None and m * rows * dim >= BF16_MIN_MACS_LOADED
+
+
+def loads(m: int, *, torch_loaded: bool) -> bool:
+    """Whether a batch (or a run) of ``m`` queries may use the screen at all, torch's import included: public
+    figures only (the query count, the CPU), never the rows stored (audit 10, F2)."""
+    return m >= BF16_MIN_QUERIES and (torch_loaded or m >= BF16_COLD_QUERIES) and cpu_has_bf16()
 
 
 def wanted(m: int, rows: int | None, *, dim: int) -> bool:
     """Whether a batch of ``m`` queries against ``rows`` stored rows (None: unknown) takes the bf16 screen:
-    :func:`rule`, and the library passes the probe (:func:`_probe`)."""
-    return rule(m, rows, dim=dim, torch_loaded="torch" in sys.modules) and _probe(dim)
+    :func:`rule`, and the library passes the probe (:func:`_probe`). torch's import and the probe happen when
+    the query count says so (:func:`loads`), before the rows are looked at: whether they happen does not depend
+    on the number of rows."""
+    mode = _mode()
+    if mode != "auto":
+        return mode == "bf16" and _probe(dim)
+    if not loads(m, torch_loaded="torch" in sys.modules) or not _probe(dim):
+        return False
+    return rule(m, rows, dim=dim, torch_loaded=True)
 
 
-def prepare(total_queries: int, rows: int, *, dim: int, batch: int) -> bool:
-    """At a run's start: load torch and run the probe when the run's queries in all (not one batch) repay
-    torch's import and its batches of ``batch`` queries will then take the screen (BF16_MIN_MACS_LOADED):
-    serve-queries, 20,000 queries in batches of 1,024 against 50,000 rows, d = 768. Not for batches too small
-    to take it (2,000,000 queries in batches of 1,024 against 10,000 rows at d = 64 would only pay the
-    import). Whether the bf16 screen will be used. Public figures only: the run's query count, its batch
-    size, the rows stored and d."""
-    return run_rule(total_queries, rows, dim=dim, batch=batch) and _probe(dim)
+def prepare(total_queries: int, *, dim: int, batch: int) -> bool:
+    """At a run's start: load torch and run the probe when the run's queries in all (not one batch) reach
+    BF16_COLD_QUERIES in batches of at least BF16_MIN_QUERIES (:func:`run_rule`): serve-queries, 20,000 queries
+    in batches of 1,024. Whether torch was loaded for the screen (each batch then decides by :func:`rule`).
+    Public figures only: the run's query count, its batch size and d; never the rows stored (audit 10, F2)."""
+    return run_rule(total_queries, batch=batch) and _probe(dim)
 
 
-def run_rule(total_queries: int, rows: int, *, dim: int, batch: int) -> bool:
+def run_rule(total_queries: int, *, batch: int) -> bool:
     """The size and setting rule of :func:`prepare`, without the probe."""
-    return (rule(total_queries, rows, dim=dim, torch_loaded=False)
-            and rule(min(batch, total_queries), rows, dim=dim, torch_loaded=True))
+    mode = _mode()
+    if mode != "auto":
+        return mode == "bf16"
+    return loads(total_queries, torch_loaded=False) and min(batch, total_queries) >= BF16_MIN_QUERIES
 
 
 _lock = threading.Lock()

@@ -12,6 +12,7 @@ filter that reads these candidates is :mod:`indknn_cli.engine`.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,27 +128,35 @@ def exact_kernel_pairs(x: np.ndarray, xi: np.ndarray, q: np.ndarray, qi: np.ndar
 
 
 #: A batch recomputes κ with the compiled path (exact_jit) when it has at least COMPILED_MIN_QUERIES queries
-#: and queries × rows scanned reach COMPILED_MIN_PRODUCTS; numpy's path otherwise. The compiled path costs a
-#: process numba's import and the kernels' load (~0.45 s) and saves ~1 µs per candidate pair: a cron batch of
-#: 1,000 queries against 5,000 rows lost 0.6 s per process to it (README, issue 21). The figures decide only
-#: the speed: both paths give the same bits. They read the batch size and the number of rows the operator
-#: stores, not which rows lie near the queries.
+#: and numba is loaded, or at least COMPILED_COLD_QUERIES (numba's import and the kernels' load, ~0.45 s, then
+#: happen here); numpy's path otherwise. The compiled path saves ~1 µs per candidate pair: a cron batch of 1,000
+#: queries lost 0.6 s per process to the import (README, issue 21). serve-queries loads it at a run's start when
+#: the run's queries reach COMPILED_COLD_QUERIES (:func:`prepare_compiled`). Public figures only: the query
+#: counts, never the number of rows stored, which one record moves (audit 10, F2: a rule on queries × rows put
+#: the import's lump at one exact row count). Speed only: both paths give the same bits.
 COMPILED_MIN_QUERIES = 256
-COMPILED_MIN_PRODUCTS = 1 << 25  # 33.5 M query-row products, e.g. 1,024 queries × 32,768 rows
+COMPILED_COLD_QUERIES = 2048
 
 
-def use_compiled(m: int, rows: int | None, *, dim: int, kernel: str) -> bool:
-    """Whether a batch of ``m`` queries against ``rows`` rows (None: unknown) takes the compiled recompute.
+def use_compiled(m: int, *, dim: int, kernel: str) -> bool:
+    """Whether a batch of ``m`` queries takes the compiled recompute.
 
     When it does, numba's import, the probe against numpy and any compile happen here, at the batch's start,
-    whatever its candidates: whether they happen (their memory and seconds) does not depend on whether any
-    private row lies near a query."""
-    if m < COMPILED_MIN_QUERIES or (rows is not None and m * rows < COMPILED_MIN_PRODUCTS):
+    whatever its candidates and the rows stored: whether they happen (their memory and seconds) does not depend on
+    the private data."""
+    if m < COMPILED_MIN_QUERIES or ("numba" not in sys.modules and m < COMPILED_COLD_QUERIES):
         return False
     from . import exact_jit
 
     exact_jit.agrees_with_numpy(dim, kernel=kernel, x_dtype=np.float32, q_dtype=np.float32)
     return True
+
+
+def prepare_compiled(total_queries: int, *, batch: int, dim: int, kernel: str) -> None:
+    """At a run's start (serve-queries): load the compiled recompute when the run's queries reach
+    COMPILED_COLD_QUERIES in batches that take it (public figures only)."""
+    if total_queries >= COMPILED_COLD_QUERIES and min(batch, total_queries) >= COMPILED_MIN_QUERIES:
+        use_compiled(COMPILED_COLD_QUERIES, dim=dim, kernel=kernel)
 
 
 def _import_torch():
@@ -325,7 +334,7 @@ def find_candidates(
     # The recompute: compiled (exact_jit, reads the float32 queries in place) for large batches
     # (use_compiled); numpy's path (queries cast once per batch, exact, and gathered per pair) otherwise,
     # which spares a small cron batch numba's import. Same bits either way.
-    compiled = use_compiled(m, _source_rows(source), dim=d, kernel=kernel)  # before a private row is read
+    compiled = use_compiled(m, dim=d, kernel=kernel)  # before a private row is read
     q_exact = q_np if compiled else np.asarray(queries, dtype=np.float64)
     parts_q: list[np.ndarray] = []
     parts_rows: list[np.ndarray] = []

@@ -17,9 +17,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from . import ledger_integrity as integrity
 from . import object_store
 from .compaction_copy import _fsync_tree, _write_compacted_copy
-from .errors import LedgerError
+from .errors import LedgerError, LedgerIntegrityError
 from .ledger import BudgetLedger, unpublished_store_uuids
 from .ledger_files import atomic_write_text
 from .store import FeatureStore, _fsync_path
@@ -94,9 +95,21 @@ def recover(store: FeatureStore, ledger_path: Path, notes: list | None = None) -
             meta = _snapshot_meta(ledger_path, gen) if gen is not None else {}
             if (meta.get("store_compaction") or {}).get("from_store_uuid") != ledger.meta["store_uuid"]:
                 return BudgetLedger.open(ledger_path, store_uuid=store.uuid)  # raises: another store's ledger
+            try:
+                mark = integrity.read_mark(store.path)
+            except LedgerIntegrityError:
+                mark = None
+            if not integrity.announced(mark, gen, _file_sha(ledger_path, gen)):
+                # the store's mark did not announce that snapshot (audit 10, F1): not rolled forward, nothing
+                # changed; the caller erases without the ledger (an erasure never waits on a damaged ledger)
+                raise LedgerUnreadable(LedgerIntegrityError(
+                    f"{ledger_path}: snapshot-{gen:06d}.parquet names this store, but the store's high-water mark "
+                    "never announced it: not a compaction of indknn's (written or edited by hand); the ledger is "
+                    "left as it is. `indknn repair` retires every record (no refund)"))
             atomic_write_text(json.dumps({"generation": gen}), ledger_path / "CURRENT")  # roll forward
             ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
-            ledger.compact()  # drops the folded events and the old generation
+            ledger.mark_path = integrity.mark_path(store.path)
+            ledger.publish_generation(gen)  # drops the folded events and the old generation; the mark names gen
         for p in ledger_path.glob("*-*.parquet"):  # snapshots/answers written past CURRENT: never published
             stem = p.name.split("-", 1)[1][:-len(".parquet")]
             if p.name.split("-", 1)[0] in ("snapshot", "answers") and stem.isdigit() and int(stem) > ledger.generation:
@@ -106,6 +119,13 @@ def recover(store: FeatureStore, ledger_path: Path, notes: list | None = None) -
         if note is not None and notes is not None:
             notes.append(note)
     return ledger
+
+
+def _file_sha(ledger_path: Path, generation: int) -> str | None:
+    try:
+        return integrity.sha256_bytes((ledger_path / f"snapshot-{generation:06d}.parquet").read_bytes())
+    except OSError:
+        return None
 
 
 def _snapshot_meta(ledger_path: Path, generation: int) -> dict:
@@ -152,6 +172,8 @@ def compact(store: FeatureStore, ledger: BudgetLedger | None, *, fault: Callable
         if ledger is not None:
             gen = ledger.prepare_renumbered_snapshot(new_row_of=new_row_of, store_uuid=new_uuid, info={
                 "time": time.time(), "rows_removed": removed, "token": token})
+        if ledger is not None and ledger.mark_path is not None:  # the copy's mark announces snapshot gen too
+            integrity.carry_mark(store.path, tmp)
         fault("compact-ledger-prepared")
         garbage = _swap(tmp, store.path, token, fault=fault, use_exchange=use_exchange)
         fault("compact-swapped")

@@ -355,15 +355,22 @@ class BudgetLedger:
                     store_seen=s.store_seen,
                     **integrity.snapshot_chain_fields(self, answers_sha))
         table = ledger_snapshot.record_table(s, meta, c1=c1)
-        self.snapshot_sha256 = self.chain_prev_sha256 = atomic_write_parquet(
-            table, self.path / f"snapshot-{generation:06d}.parquet")
+        sha = atomic_write_parquet(table, self.path / f"snapshot-{generation:06d}.parquet")
+        if not publish and self.mark_path is not None:
+            # announced in the store's mark before CURRENT switches to it (audit 10, F1): a snapshot the mark
+            # never announced is refused (ledger_integrity.check_mark); the mark still names the current one
+            integrity.write_mark(self.mark_path, self, announce=(generation, sha))
+        self.snapshot_sha256 = self.chain_prev_sha256 = sha
         self.meta = meta
         self.event_sha256 = {}
         if publish:
             atomic_write_text(json.dumps({"generation": generation}), self.path / "CURRENT")
 
     def compact(self) -> int:
-        """Fold all events into a new snapshot (atomic via CURRENT); returns events folded."""
+        """Fold all events into a new snapshot (atomic via CURRENT); returns events folded. With a store attached
+        (:func:`~.ledger_integrity.attach`: every command does), the store's mark announces the new snapshot first;
+        a ledger compacted without its store (a library call on a copy, say) is refused by that store afterwards
+        (the mark never announced the snapshot: audit 10, F1)."""
         gen = self.generation + 1
         self._write_snapshot(generation=gen, publish=False)
         return self.publish_generation(gen)

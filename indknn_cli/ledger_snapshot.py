@@ -60,8 +60,10 @@ def read_snapshot(path: Path) -> Snapshot:
     except FileNotFoundError:
         raise
     except Exception as exc:
-        raise LedgerIntegrityError(f"{snap_path}: corrupt or truncated Parquet ({type(exc).__name__}); "
-                                   "`indknn repair` brings the ledger back without refund") from None
+        # not repairable in place (repair rebuilds from the snapshot; audit 10, F3): say what does work
+        raise LedgerIntegrityError(f"{snap_path}: corrupt or truncated Parquet ({type(exc).__name__}); restore "
+                                   "the ledger folder from a backup, then run `indknn repair` (it retires every "
+                                   "record: no refund); `indknn delete` still erases meanwhile") from None
     raw_meta = (snap.schema.metadata or {}).get(b"indknn")
     if raw_meta is None:
         raise LedgerError(f"{snap_path}: not an indknn ledger snapshot (no metadata)")

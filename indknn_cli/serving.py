@@ -203,10 +203,11 @@ def serve_queries(
             release(rows)
         del done
         max_pairs = max(1 << 16, max_memory // 4 // 24)
-        if finder is None and device == "cpu":  # the run's size, not one batch's, decides on torch's import
-            from . import bf16_screen
+        if finder is None and device == "cpu":  # the run's size, not one batch's, decides on torch's and numba's
+            from . import bf16_screen, candidates  # imports; never the rows stored (audit 10, F2)
 
-            bf16_screen.prepare(q_stop - todo_start, n_store, dim=store.dim, batch=batch_size)
+            bf16_screen.prepare(q_stop - todo_start, dim=store.dim, batch=batch_size)
+            candidates.prepare_compiled(q_stop - todo_start, batch=batch_size, dim=store.dim, kernel=params.kernel)
         if pool is None and type(budgets) is BudgetView:  # the compiled filter's case: record unit, no reuse
             from . import filter_jit
 

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from indknn_cli import ledger_integrity as integrity
 from indknn_cli.accounting import epsilon_for_budget
 from indknn_cli.cli.app import app
 from indknn_cli.errors import BadInputError, BudgetExhaustedError, CheckFailedError, LedgerError
@@ -170,10 +171,15 @@ def test_history_by_batch(served):
     assert all(r["realised_epsilon_median"] <= d["epsilon"] for r in h)
 
 
-def test_history_survives_compaction(served):
-    _, before = account_json("--ledger", served)
-    BudgetLedger.open(served).compact()
-    _, after = account_json("--ledger", served)
+def test_history_survives_compaction(served_template, tmp_path):
+    root = tmp_path / "world"  # a copy of store and ledger: the compaction announces itself in the store's mark
+    shutil.copytree(served_template, root)
+    lp, sp = root / "L", root / "store.zarr"
+    _, before = account_json("--ledger", lp, "--store", sp)
+    led = BudgetLedger.open(lp)
+    integrity.attach(FeatureStore.open(sp, mode="r"), led, lp, bind=False)
+    led.compact()
+    _, after = account_json("--ledger", lp, "--store", sp)
     for key in ("history", "records_active", "records_retired", "records_deleted", "queries_answered",
                 "spent_quantiles", "epsilon"):
         assert after[key] == before[key], key

@@ -26,6 +26,7 @@ from indknn_cli.deletion import delete_records
 from indknn_cli.errors import LedgerError, LedgerIntegrityError, LockTimeoutError
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.ledger_files import atomic_write_parquet
+from indknn_cli import ledger_integrity as integrity
 from indknn_cli.ledger_integrity import MARK_NAME
 from indknn_cli.ledger_verify import verify_ledger
 from indknn_cli.serving import build_index, make_params, serve_queries, sync_ledger
@@ -349,7 +350,8 @@ def test_compaction_keeps_the_chain_and_the_mark(world):
     assert _serve(sp, lp, "q2").returncode == 0
     serve_queries(store_path=sp, ledger_path=lp, query_batch="q3", seed=3, batch_size=8)
     led = BudgetLedger.open(lp)
-    led.compact()  # as serve-queries' auto-compaction does
+    integrity.attach(FeatureStore.open(sp, mode="r"), led, lp, bind=False)
+    led.compact()  # as serve-queries' auto-compaction does (the store attached: the mark announces it)
     v = verify_ledger(lp, store_path=sp)
     assert v["verified"] and v["head"]["seq"] == json.loads((sp / MARK_NAME).read_text())["seq"]
     # a rollback across a compaction is still caught

@@ -183,7 +183,7 @@ class _FinderBase:
                 hi = min(bounds[t + 1], lo + EXACT_PAIR_BLOCK)
                 kap[lo:hi] = exact_kernel(vectors[vec_idx[lo:hi]], queries[t:t + 1], kernel=self.kernel, nu=self.nu)
 
-        if _candidates.use_compiled(m, vectors.shape[0], dim=vectors.shape[1], kernel=self.kernel):
+        if _candidates.use_compiled(m, dim=vectors.shape[1], kernel=self.kernel):
             # a large batch: the compiled recompute, the same bits (probed whether or not pairs were screened)
             kap = exact_kernel_pairs(vectors, vec_idx, queries, qi, kernel=self.kernel, nu=self.nu, compiled=True)
         else:

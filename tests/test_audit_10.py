@@ -1,0 +1,285 @@
+"""Audit 10 (2026-11-28), F1: a budget snapshot written by hand at the next generation number was accepted.
+
+Reading snapshot g with pyarrow, setting every ``spent`` to 0, writing it as snapshot g+1 (its metadata copied as
+it was, or its chain head made up) and pointing ``CURRENT`` at it needs no hash to be computed, yet serving and
+``account --verify`` accepted it: the store's high-water mark was compared with the snapshot only at the same
+generation, and every record could be charged up to 2·B. A compaction now announces its new snapshot (generation
+and file hash) in the store's mark before ``CURRENT`` switches to it, and a ledger past the mark's generation is
+accepted only at the announced snapshot. Real Zarr stores, Parquet ledgers and ``indknn`` subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from indknn_cli import deletion
+from indknn_cli import ledger_integrity as integrity
+from indknn_cli.deletion import delete_records
+from indknn_cli.errors import LedgerIntegrityError
+from indknn_cli.ledger import BudgetLedger
+from indknn_cli.ledger_integrity import MARK_NAME
+from indknn_cli.ledger_readonly import open_ledger_readonly
+from indknn_cli.ledger_verify import verify_ledger
+from indknn_cli.serving import build_index, make_params, serve_queries
+from indknn_cli.store import ExtractorInfo, FeatureStore
+
+from .conftest import clustered
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", INDKNN_WIDTH="200")
+# σ1 large: count charges alone retire records within a few batches, so a refund is plain to see
+PARAMS = dict(epsilon=1.0, delta=1e-5, tau=0.3, sigma2=1.0, sigma1=10.0, planned_queries=200)
+
+
+def _world(root: Path):
+    x, y, _ = clustered(300, 16, 3, seed=21)
+    st = FeatureStore.create(root / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=16,
+                             label_names=["a", "b", "c"], chunk_rows=64)
+    st.append("private", x, labels=y, record_ids=[f"r{i:03d}" for i in range(300)],
+              user_ids=[f"u{i % 30}" for i in range(300)])
+    for k, name in enumerate(("q1", "q2", "q3")):
+        q, _, _ = clustered(60, 16, 3, seed=30 + k)
+        st.append("query", q, record_ids=[f"{name}-{i}" for i in range(60)], batch=name)
+    lp = root / "L"
+    build_index(store_path=st.path, ledger_path=lp, params=make_params(**PARAMS))
+    serve_queries(store_path=st.path, ledger_path=lp, query_batch="q1", seed=1, batch_size=20)
+    return Path(st.path), lp
+
+
+def _generation(lp: Path) -> int:
+    return int(json.loads((lp / "CURRENT").read_text())["generation"])
+
+
+def _forge_next_generation(lp: Path, *, store: Path, blind: bool) -> int:
+    """The audit's forgeries: snapshot g+1 = snapshot g with spent and selections reset, its metadata copied as it
+    is (``blind`` False; the events after it folded by copying the mark's head) or its chain head made up
+    (``blind``: one event past the mark, a head of zeros); CURRENT points at it; generation g and the events go."""
+    g = _generation(lp)
+    snap = pq.read_table(lp / f"snapshot-{g:06d}.parquet")
+    meta = json.loads(snap.schema.metadata[b"indknn"])
+    mark = json.loads((store / MARK_NAME).read_text())
+    if blind:
+        meta.update(last_event_seq=mark["seq"] + 1, chain_head_seq=mark["seq"] + 1, chain_head_sha256="0" * 64)
+    else:
+        meta.update(last_event_seq=mark["seq"], chain_head_seq=mark["seq"], chain_head_sha256=mark["sha256"])
+    cols = {name: snap.column(name) for name in snap.column_names}
+    cols["spent"] = pa.array(np.zeros(snap.num_rows))
+    cols["times_selected"] = pa.array(np.zeros(snap.num_rows, np.int64))
+    table = pa.table(cols, schema=snap.schema.remove_metadata()).replace_schema_metadata(
+        {b"indknn": json.dumps(meta).encode()})
+    pq.write_table(table, lp / f"snapshot-{g + 1:06d}.parquet")
+    shutil.copy(lp / f"answers-{g:06d}.parquet", lp / f"answers-{g + 1:06d}.parquet")
+    (lp / "CURRENT").write_text(json.dumps({"generation": g + 1}))
+    for p in [*(lp / "events").glob("*.parquet"), lp / f"snapshot-{g:06d}.parquet", lp / f"answers-{g:06d}.parquet"]:
+        p.unlink()
+    return g + 1
+
+
+def _account_verify(lp: Path, sp: Path):
+    return subprocess.run([sys.executable, "-m", "indknn_cli", "account", "--ledger", str(lp), "--store", str(sp),
+                           "--verify"], env=ENV, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("compacted,blind", [(True, False), (False, False), (False, True)])
+def test_f1_a_snapshot_written_by_hand_at_the_next_generation_is_refused(tmp_path, compacted, blind):
+    sp, lp = _world(tmp_path)
+    serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2, batch_size=20)
+    if compacted:  # the audit's first case: right after a compaction, no event after the snapshot
+        delete_records(store_path=sp, ledger_path=lp, compact=True)
+        assert not list((lp / "events").glob("*.parquet"))
+    before = open_ledger_readonly(lp).state.spent.copy()
+    assert before.max() > 0
+    _forge_next_generation(lp, store=sp, blind=blind)
+    assert open_ledger_readonly(lp).state.spent.max() == 0  # the forgery opens on its own
+
+    with pytest.raises(LedgerIntegrityError, match="no compaction announced that snapshot"):
+        serve_queries(store_path=sp, ledger_path=lp, query_batch="q3", seed=3, batch_size=20)
+    assert open_ledger_readonly(lp).state.spent.max() == 0  # nothing charged from the forged zeros
+    assert not verify_ledger(lp, store_path=sp)["verified"]
+    r = _account_verify(lp, sp)
+    assert r.returncode != 0 and "no compaction announced" in r.stderr, (r.returncode, r.stdout, r.stderr)
+    # an erasure is never blocked by it
+    assert delete_records(store_path=sp, ledger_path=lp, record_ids=["r007"]).records_erased == 1
+
+
+@pytest.mark.heavy
+def test_f1_a_compaction_announces_its_snapshot_and_a_reader_that_read_the_mark_before_it_is_not_refused(tmp_path):
+    sp, lp = _world(tmp_path)
+    old_mark = integrity.read_mark(sp)  # a reader without the ledger lock reads the mark first
+    delete_records(store_path=sp, ledger_path=lp, compact=True)  # ... a compaction publishes generation g+1
+    mark = json.loads((sp / MARK_NAME).read_text())
+    ledger = BudgetLedger.open(lp)
+    assert ledger.generation == old_mark["generation"] + 1 == mark["generation"]
+    assert mark["snapshot_sha256"] == ledger.snapshot_sha256 and "next_generation" not in mark
+    store = FeatureStore.open(sp, mode="r")
+    assert integrity.check_binding(store, ledger, lp, mark=old_mark)["bound"]  # ... then opens the ledger
+    ledger.snapshot_sha256 = "f" * 64  # the same reader, had the snapshot file been replaced by another one
+    with pytest.raises(LedgerIntegrityError, match="no compaction announced"):
+        integrity.check_mark(sp, ledger, required=True, mark=old_mark)
+
+
+@pytest.mark.heavy
+def test_f1_a_crash_between_the_announcement_and_the_publication_is_finished(tmp_path, monkeypatch):
+    """The announced snapshot is the only one accepted past the mark: after a crash between the switch of CURRENT
+    and the mark's rewrite, the next command opens the ledger; with the announcement forged away it is refused."""
+    sp, lp = _world(tmp_path)
+    ledger = BudgetLedger.open(lp)
+    ledger.mark_path = integrity.mark_path(sp)
+    real = integrity.write_mark
+    calls = []
+
+    def crash_on_second(path, led, *, announce=None):
+        calls.append(announce)
+        if announce is None:  # the mark's rewrite after CURRENT switched: the process dies first
+            raise KeyboardInterrupt("crash")
+        real(path, led, announce=announce)
+
+    monkeypatch.setattr(integrity, "write_mark", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        ledger.compact()
+    monkeypatch.setattr(integrity, "write_mark", real)
+    assert calls[0] is not None and calls[0][0] == ledger.generation
+    mark = json.loads((sp / MARK_NAME).read_text())
+    assert mark["next_generation"] == _generation(lp) == mark["generation"] + 1
+    res = serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2, batch_size=20)  # accepted
+    assert len(res.answers) == 60
+    assert json.loads((sp / MARK_NAME).read_text())["generation"] == _generation(lp)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("field", ["generation", "sha256", "snapshot_sha256"])
+def test_f1_a_mark_without_its_generation_or_hashes_is_refused(tmp_path, field):
+    """Removing a field from the mark (plain JSON, no hash to compute) skipped the checks that read it."""
+    sp, lp = _world(tmp_path)
+    mark = json.loads((sp / MARK_NAME).read_text())
+    (sp / MARK_NAME).write_text(json.dumps({k: v for k, v in mark.items() if k != field}))
+    with pytest.raises(LedgerIntegrityError, match="lacks its snapshot generation or a hash"):
+        serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2, batch_size=20)
+
+
+@pytest.mark.heavy
+def test_f1_an_unannounced_snapshot_is_never_rolled_forward_by_a_delete_and_the_erasure_goes_on(tmp_path,
+                                                                                               monkeypatch):
+    """A store compaction that crashed after the swap is finished by the next delete, which rolls the ledger
+    forward to the snapshot naming the new store. That snapshot replaced by one with every spent reset was rolled
+    forward too; now only the snapshot the mark announced is, and the erasure goes on without the ledger."""
+    from .test_delete import Crash, _crash_at
+
+    sp, lp = _world(tmp_path)
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r001", "r002"])
+    _crash_at(monkeypatch, "compact-swapped")
+    with pytest.raises(Crash):
+        delete_records(store_path=sp, ledger_path=lp, compact=True)
+    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    g = _generation(lp)
+    nxt = lp / f"snapshot-{g + 1:06d}.parquet"
+    snap = pq.read_table(nxt)
+    cols = {name: snap.column(name) for name in snap.column_names}
+    cols["spent"] = pa.array(np.zeros(snap.num_rows))
+    pq.write_table(pa.table(cols, schema=snap.schema), nxt)  # the same metadata, every spent 0
+
+    res = delete_records(store_path=sp, ledger_path=lp, record_ids=["r010"])
+    assert res.records_erased == 1 and _generation(lp) == g and nxt.exists()  # not rolled forward
+    with pytest.raises(Exception):  # and the ledger is not served from
+        serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2, batch_size=20)
+
+
+@pytest.mark.heavy
+def test_a_store_compaction_that_crashed_after_its_swap_is_still_finished(tmp_path, monkeypatch):
+    from .test_delete import Crash, _crash_at
+
+    sp, lp = _world(tmp_path)
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r001", "r002"])
+    spent = open_ledger_readonly(lp).state.spent.copy()
+    _crash_at(monkeypatch, "compact-swapped")
+    with pytest.raises(Crash):
+        delete_records(store_path=sp, ledger_path=lp, compact=True)
+    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    mark = json.loads((sp / MARK_NAME).read_text())  # the new store folder carries the announcement
+    assert mark["next_generation"] == _generation(lp) + 1
+    delete_records(store_path=sp, ledger_path=lp, compact=True)
+    led = open_ledger_readonly(lp)
+    assert led.generation == json.loads((sp / MARK_NAME).read_text())["generation"]
+    np.testing.assert_array_equal(led.state.spent, spent)  # carried unchanged: nothing refunded
+    assert len(serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2, batch_size=20).answers) == 60
+
+
+# -- F2: serve's start-up time stepped at one exact number of stored rows ------------------------------------
+_BF16_IMPORT = r"""
+import json, sys
+from indknn_cli import bf16_screen
+bf16_screen.cpu_has_bf16 = lambda: True  # the rule as on a CPU with bf16 instructions
+bf16_screen._probe = lambda dim: __import__("torch") is not None  # the probe's import, without its product
+print(json.dumps([bf16_screen.wanted(int(sys.argv[1]), int(sys.argv[2]), dim=384), "torch" in sys.modules]))
+"""
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("queries", [1024, 4096])
+def test_f2_whether_torch_is_loaded_for_the_screen_does_not_depend_on_the_rows_stored(queries):
+    """A batch's torch import (1.35 s) was decided on queries × rows × d: one record added at the threshold
+    moved the run's time by the import (audit 10, F2: 17,895 rows no, 17,896 rows yes, at 20,000 queries,
+    d = 384). The import now reads the query count only; the rows choose between the loaded screens."""
+    def run(rows):
+        out = subprocess.run([sys.executable, "-c", _BF16_IMPORT, str(queries), str(rows)], env=ENV,
+                             capture_output=True, text=True, check=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    small, large = run(10), run(10**7)
+    assert small[1] == large[1] == (queries >= 2048), (small, large)  # torch loaded, or not, alike
+    assert large[0] == (queries >= 2048) and small[0] is False  # which screen: the rows may decide, once loaded
+
+
+def test_f2_the_run_level_decisions_read_public_figures_only(monkeypatch):
+    """serve-queries decides on torch's and numba's imports at a run's start from its query count and batch size:
+    the functions take no row count at all."""
+    import inspect
+
+    from indknn_cli import bf16_screen, candidates
+
+    for fn in (bf16_screen.prepare, bf16_screen.run_rule, candidates.use_compiled, candidates.prepare_compiled):
+        assert "rows" not in inspect.signature(fn).parameters, fn.__name__
+    monkeypatch.delenv("INDKNN_SCREEN", raising=False)
+    monkeypatch.setattr(bf16_screen, "cpu_has_bf16", lambda: True)
+    assert bf16_screen.run_rule(20_000, batch=1024) and not bf16_screen.run_rule(1_000, batch=1024)
+
+
+# -- F3: a damaged snapshot's message named a way out that refuses it ----------------------------------------
+@pytest.mark.heavy
+def test_f3_a_truncated_snapshot_says_restore_then_repair_and_that_way_works_without_refund(tmp_path):
+    """serve-queries said "`indknn repair` brings the ledger back" for a truncated snapshot, and repair then
+    refused (it rebuilds from the snapshot). The message now names what works: restore the ledger from a backup,
+    then repair, which retires every record; erasure goes on meanwhile."""
+    from indknn_cli.ledger_repair import repair_ledger
+
+    sp, lp = _world(tmp_path)
+    backup = tmp_path / "L-backup"
+    shutil.copytree(lp, backup)
+    serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2, batch_size=20)
+    delete_records(store_path=sp, ledger_path=lp, compact=True)
+    snap = lp / f"snapshot-{_generation(lp):06d}.parquet"
+    snap.write_bytes(snap.read_bytes()[:200])
+    with pytest.raises(LedgerIntegrityError, match="restore the ledger folder from a backup, then run `indknn repair`"):
+        serve_queries(store_path=sp, ledger_path=lp, query_batch="q3", seed=3, batch_size=20)
+    assert delete_records(store_path=sp, ledger_path=lp, record_ids=["r005"]).records_erased == 1
+    shutil.rmtree(lp)
+    shutil.copytree(backup, lp)  # older than the store's mark: a rollback, which repair retires
+    res = repair_ledger(ledger_path=lp, store_path=sp)
+    assert res.repaired
+    led = open_ledger_readonly(lp)
+    live = ~led.state.deleted
+    assert (led.state.spent[live] >= led.params.budget).all()  # no refund: every record retired
+    assert led.state.deleted[list(led.state.record_id).index("r005")]  # the erasure made meanwhile is kept
+    out = serve_queries(store_path=sp, ledger_path=lp, query_batch="q3", seed=3, batch_size=20)
+    assert len(out.answers) == 60
