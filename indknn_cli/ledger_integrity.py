@@ -31,6 +31,9 @@ Binding and high-water mark
     because zarr rewrites a group's whole ``zarr.json`` on every attribute update,
     which ``embed`` does under the store lock only.
 
+The chain's primitives live in :mod:`.ledger_chain`, the mark in :mod:`.ledger_mark`; their names are importable
+from here.
+
 These are tamper *evidence* against edits, removals, copies and rollbacks by
 operators and tools that do not recompute sha256 chains; someone who rewrites the
 whole chain and the mark consistently is outside this model (docs/RELIABILITY.md).
@@ -44,10 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -56,45 +57,18 @@ import numpy as np
 from . import store_versions
 from .accounting import epsilon_for_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
+# the chain and the mark have modules of their own; their names stay importable from here, where the whole scheme is
+from .ledger_chain import (CHAIN_VERSION, GENESIS, _short, check_link, check_unique_seqs,  # noqa: F401
+                           events_after_snapshot, head_seq, sha256_bytes, snapshot_chain_fields, snapshot_head,
+                           snapshot_is_chained)
+from .ledger_mark import (_UNREAD, MARK_NAME, _read_local_mark, announced, carry_mark, check_mark,  # noqa: F401
+                          mark_path, read_mark, write_mark)
 from .wording import count
 
-GENESIS = "0" * 64          # the chain head of a ledger without events
-CHAIN_VERSION = 1           # snapshot metadata "chain": events after it must be chained
 BINDING_ATTR = "ledger_binding"
-MARK_NAME = "ledger-mark.json"
 #: Lock file in the store folder that every ledger writer of the store holds (whichever copy of the ledger).
 WRITER_LOCK_NAME = ".indknn-ledger-writer.lock"
 BUDGET_REL_TOL = 1e-9       # B must be the largest budget certifying ε up to this relative step
-
-
-def sha256_bytes(data) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _short(h: str | None) -> str:
-    return f"{h[:12]}…" if isinstance(h, str) else repr(h)
-
-
-# -- snapshots ------------------------------------------------------------------------
-def snapshot_is_chained(meta: dict) -> bool:
-    return meta.get("chain") == CHAIN_VERSION
-
-
-def snapshot_head(meta: dict) -> str | None:
-    """The chain head a snapshot folded; GENESIS for a ledger without events; None: unknown (legacy)."""
-    if snapshot_is_chained(meta):
-        return meta.get("chain_head_sha256")
-    return GENESIS if int(meta.get("last_event_seq", 0)) == 0 else None
-
-
-def head_seq(ledger) -> int:
-    return max(ledger.last_event_seq, ledger.snapshot_event_seq)
-
-
-def snapshot_chain_fields(ledger, answers_sha256: str) -> dict:
-    """Metadata a new snapshot records: the chain head it folds, and its answers file's hash."""
-    return {"chain": CHAIN_VERSION, "chain_head_seq": head_seq(ledger), "chain_head_sha256": ledger.head_sha256,
-            "answers_sha256": answers_sha256}
 
 
 @functools.lru_cache(maxsize=256)
@@ -189,53 +163,7 @@ def check_record_budgets(path: Path, ledger) -> None:
         )
 
 
-# -- events ------------------------------------------------------------------------------
-def check_unique_seqs(path: Path, files: list[tuple[int, Path]]) -> None:
-    for (s1, p1), (s2, p2) in zip(files, files[1:]):
-        if s1 == s2:
-            raise LedgerIntegrityError(f"{path}/events: {p1.name} and {p2.name} share sequence number {s1} "
-                                       "(two writers, or an event copied in); refusing the ledger")
-
-
-def events_after_snapshot(path: Path, files: list[tuple[int, Path]], snap_seq: int) -> list[tuple[int, Path]]:
-    """The events to replay: exactly snap_seq+1, snap_seq+2, ... (a gap is a removed event)."""
-    after = [(s, p) for s, p in files if s > snap_seq]
-    for k, (s, p) in enumerate(after):
-        if s != snap_seq + 1 + k:
-            raise LedgerIntegrityError(
-                f"{path}/events: event {snap_seq + 1 + k} is missing (the snapshot ends at event {snap_seq}, "
-                f"the next file is {p.name}); a removed event would refund its charges: refusing the ledger"
-            )
-    return after
-
-
-def check_link(event_path: Path, seq: int, info: dict, *, prev: str, snapshot: str, chained: bool) -> bool:
-    """Check one event's place in the chain; returns whether the chain has started (chained events seen)."""
-    if info.get("seq") != seq:
-        raise LedgerIntegrityError(f"{event_path}: the file name says event {seq}, its metadata event "
-                                   f"{info.get('seq')!r} (renamed, reordered or copied in); refusing the ledger")
-    if "prev_sha256" not in info:
-        if chained:
-            raise LedgerIntegrityError(f"{event_path}: event {seq} carries no hash link but the ledger's chain "
-                                       "has started (an old event copied in?); refusing the ledger")
-        return False
-    if info.get("snapshot_sha256") != snapshot:
-        raise LedgerIntegrityError(f"{event_path}: event {seq} builds on snapshot sha256 "
-                                   f"{_short(info.get('snapshot_sha256'))}, this ledger's snapshot is "
-                                   f"{_short(snapshot)} (copied in from another state, or the snapshot was edited); "
-                                   "refusing the ledger")
-    if info.get("prev_sha256") != prev:
-        raise LedgerIntegrityError(f"{event_path}: event {seq} links to sha256 {_short(info.get('prev_sha256'))}, "
-                                   f"but its predecessor's is {_short(prev)}: an event was edited, removed, "
-                                   "reordered or copied in; refusing the ledger")
-    return True
-
-
 # -- binding and high-water mark -------------------------------------------------------------
-def mark_path(store_path: str | os.PathLike) -> Path:
-    return Path(store_path) / MARK_NAME
-
-
 def binding_of(store) -> dict | None:
     b = dict(store.root.attrs).get(BINDING_ATTR)
     return b if isinstance(b, dict) else None
@@ -295,53 +223,6 @@ def _never_written(ledger) -> bool:
     return head_seq(ledger) == 0 and len(ledger.state) == 0
 
 
-def read_mark(store_path) -> dict | None:
-    """The store's high-water mark: the state folder's, or for a store on object storage the further of it and the
-    bucket's copy (:mod:`.ledger_mark_remote`)."""
-    from . import ledger_mark_remote
-
-    return ledger_mark_remote.furthest(_read_local_mark(store_path), ledger_mark_remote.read(store_path),
-                                       store_path=store_path)
-
-
-def _read_local_mark(store_path) -> dict | None:
-    p = mark_path(store_path)
-    try:
-        m = json.loads(p.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise LedgerIntegrityError(f"{p}: the ledger's high-water mark is unreadable ({type(exc).__name__})") from None
-    if not (isinstance(m, dict) and isinstance(m.get("seq"), int)):
-        raise LedgerIntegrityError(f"{p}: the ledger's high-water mark is corrupt")
-    return m
-
-
-def write_mark(path: Path, ledger, *, announce: tuple[int, str] | None = None) -> None:
-    """The store's high-water mark: the chain head and the current snapshot (generation and file sha256).
-
-    The snapshot's own hash matters when no event follows it (right after a compaction): an edited snapshot
-    is then caught by the mark, since no event links to it yet. ``announce`` = (generation, sha256) of a snapshot
-    written but not yet published: a compaction announces it here *before* it switches ``CURRENT``, and
-    :func:`check_mark` accepts a ledger past the mark's generation only at that announced snapshot (audit 10, F1:
-    a snapshot written by hand at the next generation number was accepted, which refunded every charge).
-    """
-    from . import ledger_mark_remote
-    from .ledger_files import atomic_write_text
-
-    fields = {"ledger_uuid": ledger.meta["ledger_uuid"], "seq": head_seq(ledger),
-              "sha256": ledger.head_sha256, "generation": int(ledger.generation),
-              "snapshot_sha256": ledger.snapshot_sha256, "time": time.time(),
-              # answers released through the ledger up to the head: what `repair` compares
-              # with what a damaged or rolled-back ledger still holds (audit 3, review 2)
-              "answers": int(ledger.state.answers_released())}
-    if announce is not None:
-        fields.update(next_generation=int(announce[0]), next_snapshot_sha256=str(announce[1]))
-    body = json.dumps(fields)
-    atomic_write_text(body, Path(path))
-    ledger_mark_remote.write(Path(path).parent, body)  # a store on object storage: the bucket's copy too
-
-
 @contextlib.contextmanager
 def writer_lock(store_path, *, timeout: float):
     """Held by every ledger writer of a store (serve, index, delete, repair) inside its ledger lock.
@@ -371,117 +252,6 @@ def writer_lock(store_path, *, timeout: float):
         if loc is not None:  # a store on object storage: the ledger writers of every machine (review 23, F2)
             stack.enter_context(store_lease.hold(loc, timeout=timeout, suffix=store_lease.LEDGER_SUFFIX))
         yield
-
-
-def announced(mark: dict | None, generation: int, snapshot_sha256: str | None) -> bool:
-    """Whether the mark announces the snapshot ``generation`` with this file hash (:func:`write_mark`'s
-    ``announce``): the only way a ledger may be one generation past the store's mark."""
-    return (isinstance(mark, dict) and mark.get("next_generation") == generation
-            and isinstance(snapshot_sha256, str) and mark.get("next_snapshot_sha256") == snapshot_sha256)
-
-
-def carry_mark(from_store, to_store) -> None:
-    """Copy the store's local mark into another store folder (a compaction's copy, just before it becomes the
-    store: the copy then carries the announcement of the ledger's next snapshot)."""
-    from .ledger_files import atomic_write_text
-
-    src = mark_path(from_store)
-    if src.is_file():
-        atomic_write_text(src.read_text(), mark_path(to_store))
-
-
-def _sha_at(ledger, seq: int) -> str | None:
-    if seq in ledger.event_sha256:
-        return ledger.event_sha256[seq]
-    if seq == ledger.snapshot_event_seq:
-        return snapshot_head(ledger.meta)
-    return None  # folded into an older snapshot: only the order can be checked
-
-
-_UNREAD = object()
-
-
-def _published_since(store_path, ledger) -> bool:
-    """For a caller without the ledger lock, whose mark was read before the ledger: a compaction may have published
-    the ledger's snapshot in between (announced in a mark this caller never saw, then named by the one now). True
-    when the store's mark now names or announces exactly that snapshot; a mark already past it means the ledger
-    moved on again while it was read (ConcurrentChangeError: run again)."""
-    from .errors import ConcurrentChangeError
-
-    try:
-        now = read_mark(store_path)
-    except LedgerIntegrityError:
-        return False
-    if not isinstance(now, dict) or now.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
-        return False
-    if announced(now, ledger.generation, ledger.snapshot_sha256) or (
-            now.get("generation") == ledger.generation and now.get("snapshot_sha256") == ledger.snapshot_sha256):
-        return True
-    if isinstance(now.get("generation"), int) and now["generation"] > ledger.generation:
-        raise ConcurrentChangeError(f"{ledger.path}: the ledger was compacted while it was read; run again")
-    return False
-
-
-def check_mark(store_path, ledger, *, required: bool, mark=_UNREAD) -> dict | None:
-    """The ledger must reach the store's high-water mark with the same event there. Returns the mark.
-
-    A caller without the ledger lock passes ``mark`` = :func:`read_mark` taken *before* it opened
-    the ledger: the mark is written after each commit, so it can then only be behind what it read.
-    """
-    m = read_mark(store_path) if mark is _UNREAD else mark
-    from .ledger_mark_remote import FROM_BUCKET
-
-    if m is not None and m.get(FROM_BUCKET) and m.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
-        m = _read_local_mark(store_path)  # another ledger's mark left in the bucket: stale (ledger_mark_remote)
-    p = mark_path(store_path)
-    if m is None:
-        if required:
-            raise LedgerIntegrityError(f"{p}: the store is bound to this ledger but its high-water mark is "
-                                       "missing (removed?); refusing: a rollback could not be detected")
-        return None
-    if m.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
-        raise LedgerIntegrityError(f"{p}: the high-water mark belongs to ledger {m.get('ledger_uuid')}, not to "
-                                   f"{ledger.path} ({ledger.meta['ledger_uuid']}); refusing")
-    g = m.get("generation")
-    if not (isinstance(g, int) and not isinstance(g, bool) and isinstance(m.get("sha256"), str)
-            and isinstance(m.get("snapshot_sha256"), str)):
-        # every mark written since 2026-11-24 has all three; one without them would skip the checks below
-        # (audit 10: a mark edited by hand, with no hash to compute)
-        raise LedgerIntegrityError(f"{p}: the ledger's high-water mark lacks its snapshot generation or a hash "
-                                   "(edited by hand, or written by an indknn before 2026-11-24); refusing: a "
-                                   "rollback could not be detected. `indknn repair` retires every record (no refund)")
-    if ledger.generation < g:
-        raise LedgerIntegrityError(
-            f"{ledger.path}: the ledger is at snapshot generation {ledger.generation}, but the store "
-            f"{store_path} saw generation {g}: the ledger was rolled back (an older copy restored), which would "
-            "refund charges; refusing it")
-    if ledger.generation == g and m.get("snapshot_sha256") != ledger.snapshot_sha256:
-        raise LedgerIntegrityError(
-            f"{ledger.path}: snapshot-{g:06d}.parquet has sha256 {_short(ledger.snapshot_sha256)}, the "
-            f"store {store_path} saw {_short(m.get('snapshot_sha256'))} written: the snapshot was edited; "
-            "refusing it")
-    if ledger.generation > g and not announced(m, ledger.generation, ledger.snapshot_sha256) and not (
-            mark is not _UNREAD and _published_since(store_path, ledger)):
-        raise LedgerIntegrityError(
-            f"{ledger.path}: the ledger is at snapshot generation {ledger.generation} (sha256 "
-            f"{_short(ledger.snapshot_sha256)}), but the store {store_path} saw generation {g}, and no "
-            "compaction announced that snapshot: it was written outside indknn (a forged or swapped snapshot "
-            "can refund every charge); refusing it. `indknn repair` retires every record (no refund: "
-            "docs/RELIABILITY.md)")
-    head = head_seq(ledger)
-    if head < m["seq"]:
-        raise LedgerIntegrityError(
-            f"{ledger.path}: the ledger ends at event {head}, but the store {store_path} saw event {m['seq']} "
-            "committed: the ledger was rolled back (an older copy restored, or its newest events removed), which "
-            "would refund charges; refusing it"
-        )
-    have = _sha_at(ledger, m["seq"])
-    if have is not None and have != m["sha256"]:
-        raise LedgerIntegrityError(
-            f"{ledger.path}: event {m['seq']} has sha256 {_short(have)}, the store {store_path} saw "
-            f"{_short(m['sha256'])} committed there: the ledger's history was replaced; refusing it"
-        )
-    return m
 
 
 def check_binding(store, ledger, ledger_path, *, mark=_UNREAD) -> dict:
