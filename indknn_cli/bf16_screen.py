@@ -70,16 +70,15 @@ SAFETY = 1.25
 #: Each norm is raised by this factor before it enters B (module docstring).
 NORM_SLACK = 1.0 + 2.0**-10
 
-#: Batches below these sizes stay on FAISS's fp32 screen. torch's import (1.4–1.7 s here) is decided on public
-#: figures only: a run (serve-queries: all its queries) or a batch of at least BF16_COLD_QUERIES queries, in
-#: batches of at least BF16_MIN_QUERIES, on a CPU with bf16 instructions. Never on the number of rows stored: one
-#: record added moved a rule on queries × rows × d across its threshold, and the run's time by the import's
-#: 1.35 s (audit 10, F2). Once torch is loaded, a batch takes the bf16 screen when its products reach
-#: BF16_MIN_MACS_LOADED (queries × rows × d), where the two screens cost about the same: no step in time there.
-#: The figures read the batch size, the number of stored rows and d, never which rows lie near a query.
+#: Batches below these sizes stay on FAISS's fp32 screen. Whether a batch takes the bf16 screen, and torch's import
+#: (1.4–1.7 s here), are decided on public figures only: a run (serve-queries: all its queries) or a batch of at
+#: least BF16_COLD_QUERIES queries, in batches of at least BF16_MIN_QUERIES, on a CPU with bf16 instructions.
+#: Never on the number of rows stored, which one record moves: a rule on queries × rows × d put the import's
+#: 1.35 s at 17,896 rows (audit 10, F2), and once torch was loaded, FAISS's import (0.4 s) at the row count where
+#: the rule changed screens (review 27). A small store then takes the bf16 screen for large batches too (its
+#: products are cheap either way). The figures never read which rows lie near a query.
 BF16_MIN_QUERIES = 256
 BF16_COLD_QUERIES = 2048
-BF16_MIN_MACS_LOADED = 1 << 32
 
 #: Bytes of bf16 scores per product (rows × queries × 2): small enough to be scanned from cache.
 TILE_BYTES = 4 << 20
@@ -118,14 +117,13 @@ def cpu_has_bf16() -> bool:
 
 def rule(m: int, rows: int | None, *, dim: int, torch_loaded: bool) -> bool:
     """The size and setting rule of :func:`wanted`, without the probe: ``INDKNN_SCREEN`` forces the screen
-    on or off; by default a CPU with bf16 instructions, a batch of at least BF16_MIN_QUERIES queries (and of
-    BF16_COLD_QUERIES while torch is not loaded), and products that repay the conversion."""
+    on or off; by default a CPU with bf16 instructions and a batch of at least BF16_MIN_QUERIES queries (and of
+    BF16_COLD_QUERIES while torch is not loaded). ``rows`` and ``dim`` are not read: a choice between the two
+    screens by queries × rows × d put a step in time (FAISS's import, 0.4 s) at one exact row count (review 27)."""
     mode = _mode()
     if mode != "auto":
         return mode == "bf16"
-    if not loads(m, torch_loaded=torch_loaded):
-        return False
-    return rows is not None and m * rows * dim >= BF16_MIN_MACS_LOADED
+    return loads(m, torch_loaded=torch_loaded)
 
 
 def loads(m: int, *, torch_loaded: bool) -> bool:
@@ -150,7 +148,7 @@ def wanted(m: int, rows: int | None, *, dim: int) -> bool:
 def prepare(total_queries: int, *, dim: int, batch: int) -> bool:
     """At a run's start: load torch and run the probe when the run's queries in all (not one batch) reach
     BF16_COLD_QUERIES in batches of at least BF16_MIN_QUERIES (:func:`run_rule`): serve-queries, 20,000 queries
-    in batches of 1,024. Whether torch was loaded for the screen (each batch then decides by :func:`rule`).
+    in batches of 1,024. Whether torch was loaded for the screen (each batch of BF16_MIN_QUERIES or more then takes it).
     Public figures only: the run's query count, its batch size and d; never the rows stored (audit 10, F2)."""
     return run_rule(total_queries, batch=batch) and _probe(dim)
 

@@ -110,7 +110,18 @@ def recover(store: FeatureStore, ledger_path: Path, notes: list | None = None) -
             ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
             ledger.mark_path = integrity.mark_path(store.path)
             ledger.publish_generation(gen)  # drops the folded events and the old generation; the mark names gen
-        for p in ledger_path.glob("*-*.parquet"):  # snapshots/answers written past CURRENT: never published
+    discard_unpublished(store, ledger, notes)
+    return ledger
+
+
+def discard_unpublished(store: FeatureStore, ledger: BudgetLedger | None, notes: list | None = None) -> None:
+    """Remove what a compaction that stopped before its publication left: snapshots and answers files past
+    ``CURRENT`` and copies of the store beside it (never raised: what cannot be removed goes to ``notes``). Every
+    ledger writer runs it under the ledger lock (no compaction runs then): a copy left there carries a mark that
+    announces the unpublished snapshot, and the pair could be swapped back in to roll the ledger back (review 27,
+    F3)."""
+    if ledger is not None:
+        for p in ledger.path.glob("*-*.parquet"):  # snapshots/answers written past CURRENT: never published
             stem = p.name.split("-", 1)[1][:-len(".parquet")]
             if p.name.split("-", 1)[0] in ("snapshot", "answers") and stem.isdigit() and int(stem) > ledger.generation:
                 p.unlink(missing_ok=True)
@@ -118,7 +129,6 @@ def recover(store: FeatureStore, ledger_path: Path, notes: list | None = None) -
         note = object_store.remove(p)  # a state folder: its remote prefix too
         if note is not None and notes is not None:
             notes.append(note)
-    return ledger
 
 
 def _file_sha(ledger_path: Path, generation: int) -> str | None:

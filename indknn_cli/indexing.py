@@ -208,6 +208,9 @@ def build_index(
                                          store_path=str(Path(store_path).resolve()), tuning=record)
             integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
             created = True
+        from .deletion_compact import discard_unpublished
+
+        discard_unpublished(store, ledger)  # a stopped compaction's leftovers (review 27, F3)
         _roll_forward_pending(store_path, ledger, lock_timeout)
         n_priv = store.n_rows("private")
         moves = ledger.user_moves([str(r) for r in store.read("private", "record_id")],

@@ -5,6 +5,7 @@ whole scheme; :mod:`.ledger_mark` holds the store's high-water mark."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from .errors import LedgerIntegrityError
@@ -15,6 +16,27 @@ CHAIN_VERSION = 1           # snapshot metadata "chain": events after it must be
 
 def sha256_bytes(data) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+#: The key under which a high-water mark carries the sha256 of its own other fields (review 27, F1).
+SEAL = "mark_sha256"
+
+
+def mark_seal(fields: dict) -> str:
+    """sha256 of a mark's fields (canonical JSON: sorted keys, no spaces), its own seal and keys starting with "_"
+    (added when it is read) left out. A mark edited by hand (an earlier event's number and hash, readable in the next
+    event's link) then needs a hash computed to pass (review 27, F1), like every other file of the ledger."""
+    body = {k: v for k, v in fields.items() if k != SEAL and not k.startswith("_")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_seal(m: dict, where) -> None:
+    """Refuse a mark whose seal is missing or does not match its fields (LedgerIntegrityError)."""
+    if m.get(SEAL) != mark_seal(m):
+        raise LedgerIntegrityError(
+            f"{where}: the ledger's high-water mark does not match its own sha256 (edited by hand, or written by an "
+            "indknn before 2026-11-28); refusing: a rollback could not be detected. `indknn repair` retires every "
+            "record (no refund)")
 
 
 def _short(h: str | None) -> str:

@@ -262,6 +262,13 @@ def check_binding(store, ledger, ledger_path, *, mark=_UNREAD) -> dict:
     b = binding_of(store)
     if b is not None and b.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
         raise _bound_elsewhere(store, b, ledger_path, f"is another ledger ({ledger.meta['ledger_uuid']})")
+    if not bound_era(ledger) and not _never_written(ledger):
+        # review 27, F2: a snapshot rewritten without its chain fields (every spent 0), the events, the binding, its
+        # trace and the mark removed, was accepted as a ledger from before chaining; no hash had to be computed
+        raise LedgerIntegrityError(
+            f"{ledger_path}: the ledger carries no hash chain (written by an indknn before 2026-11-24, or its chain "
+            "fields removed): nothing could show it edited or rolled back; refusing. `indknn repair` retires every "
+            "record (no refund), starts its chain and binds the store")
     if b is None and bound_era(ledger) and not _never_written(ledger):
         raise LedgerIntegrityError(
             f"{store.path}: the store carries no binding to a ledger, but {ledger_path} (uuid "
@@ -283,6 +290,11 @@ def attach(store, ledger, ledger_path, *, bind: bool, lock_timeout: float = 60.0
         _bind(store.path, ledger, ledger_path, lock_timeout, locked_store=locked_store)
     ledger.mark_path = mark_path(store.path)
     ledger.store_version = lambda: store_versions.current(store)
+
+
+def bind(store_path, ledger, ledger_path, *, lock_timeout: float = 60.0) -> None:
+    """Bind an unbound store to ``ledger`` (``repair`` after it retired every record of a ledger from before binding)."""
+    _bind(store_path, ledger, ledger_path, lock_timeout)
 
 
 def _bind(store_path, ledger, ledger_path, lock_timeout: float, *, locked_store=None) -> None:

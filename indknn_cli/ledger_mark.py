@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 
 from .errors import LedgerIntegrityError
-from .ledger_chain import _short, head_seq, snapshot_head
+from .ledger_chain import SEAL, _short, check_seal, head_seq, mark_seal, snapshot_head
 
 MARK_NAME = "ledger-mark.json"
+#: Set by :func:`read_mark` on the mark of a store on object storage whose bucket copy is missing.
+BUCKET_MISSING = "_bucket_mark_missing"
 
 
 def mark_path(store_path: str | os.PathLike) -> Path:
@@ -24,8 +26,11 @@ def read_mark(store_path) -> dict | None:
     bucket's copy (:mod:`.ledger_mark_remote`)."""
     from . import ledger_mark_remote
 
-    return ledger_mark_remote.furthest(_read_local_mark(store_path), ledger_mark_remote.read(store_path),
-                                       store_path=store_path)
+    local, remote = _read_local_mark(store_path), ledger_mark_remote.read(store_path)
+    m = ledger_mark_remote.furthest(local, remote, store_path=store_path)
+    if m is not None and remote is None and ledger_mark_remote.is_remote(store_path):
+        m = {**m, BUCKET_MISSING: True}  # check_mark refuses it for a bound store (review 27, F4)
+    return m
 
 
 def _read_local_mark(store_path) -> dict | None:
@@ -38,6 +43,7 @@ def _read_local_mark(store_path) -> dict | None:
         raise LedgerIntegrityError(f"{p}: the ledger's high-water mark is unreadable ({type(exc).__name__})") from None
     if not (isinstance(m, dict) and isinstance(m.get("seq"), int)):
         raise LedgerIntegrityError(f"{p}: the ledger's high-water mark is corrupt")
+    check_seal(m, p)
     return m
 
 
@@ -61,6 +67,7 @@ def write_mark(path: Path, ledger, *, announce: tuple[int, str] | None = None) -
               "answers": int(ledger.state.answers_released())}
     if announce is not None:
         fields.update(next_generation=int(announce[0]), next_snapshot_sha256=str(announce[1]))
+    fields[SEAL] = mark_seal(fields)  # an edit by hand must compute a hash to pass (review 27, F1)
     body = json.dumps(fields)
     atomic_write_text(body, Path(path))
     ledger_mark_remote.write(Path(path).parent, body)  # a store on object storage: the bucket's copy too
@@ -135,9 +142,16 @@ def check_mark(store_path, ledger, *, required: bool, mark=_UNREAD) -> dict | No
     if m.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
         raise LedgerIntegrityError(f"{p}: the high-water mark belongs to ledger {m.get('ledger_uuid')}, not to "
                                    f"{ledger.path} ({ledger.meta['ledger_uuid']}); refusing")
+    if required and m.get(BUCKET_MISSING):
+        raise LedgerIntegrityError(
+            f"{store_path}: the store is bound to this ledger, but the bucket's copy of its high-water mark is missing "
+            "(removed?): a copy of the ledger elsewhere could not be told from this one; refusing. `indknn repair` "
+            "retires every record (no refund) and writes it again")
     g = m.get("generation")
-    if not (isinstance(g, int) and not isinstance(g, bool) and isinstance(m.get("sha256"), str)
-            and isinstance(m.get("snapshot_sha256"), str)):
+    # a mark's head hash is null only for a ledger whose head has none (an unchained snapshot and no event after it)
+    head_ok = isinstance(m.get("sha256"), str) or (m.get("sha256") is None and isinstance(m.get("seq"), int)
+                                                   and _sha_at(ledger, m["seq"]) is None)
+    if not (isinstance(g, int) and not isinstance(g, bool) and head_ok and isinstance(m.get("snapshot_sha256"), str)):
         # every mark written since 2026-11-24 has all three; one without them would skip the checks below
         # (audit 10: a mark edited by hand, with no hash to compute)
         raise LedgerIntegrityError(f"{p}: the ledger's high-water mark lacks its snapshot generation or a hash "
@@ -169,7 +183,7 @@ def check_mark(store_path, ledger, *, required: bool, mark=_UNREAD) -> dict | No
             "would refund charges; refusing it"
         )
     have = _sha_at(ledger, m["seq"])
-    if have is not None and have != m["sha256"]:
+    if have is not None and have != m.get("sha256"):
         raise LedgerIntegrityError(
             f"{ledger.path}: event {m['seq']} has sha256 {_short(have)}, the store {store_path} saw "
             f"{_short(m['sha256'])} committed there: the ledger's history was replaced; refusing it"

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from .errors import LedgerIntegrityError, StoreError
+from .ledger_chain import check_seal
 
 SUFFIX = ".indknn-mark.json"
 #: Set on a mark :func:`furthest` took from the bucket. Such a mark of a ledger other than the one checked is a
@@ -35,6 +36,13 @@ def _where(store_path):
     if loc is None:
         return None
     return filesystem(loc), lease_url(loc, SUFFIX)
+
+
+def is_remote(store_path) -> bool:
+    """Whether the store named by its folder lives on object storage (and so has a bucket copy of its mark)."""
+    from .object_store import location
+
+    return location(Path(store_path)) is not None
 
 
 def read(store_path) -> dict | None:
@@ -56,6 +64,7 @@ def read(store_path) -> dict | None:
         raise LedgerIntegrityError(f"{url}: the ledger's high-water mark in the bucket is unreadable") from None
     if not (isinstance(m, dict) and isinstance(m.get("seq"), int)):
         raise LedgerIntegrityError(f"{url}: the ledger's high-water mark in the bucket is corrupt")
+    check_seal(m, url)  # an edit (another ledger's uuid, an earlier event) needs a hash computed (review 27, F4)
     return m
 
 

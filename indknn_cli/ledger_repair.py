@@ -420,6 +420,10 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
 
             indexes.remove_rows(wst, back)  # their LSH codes / IVF entries too (review 14, 2)
             wst.group("private").attrs.update({ERASE_PENDING_ATTR: pending_before})
+    if not dry_run and integrity.binding_of(FeatureStore.open(store.path, mode="r")) is None:
+        # a ledger from before binding and chaining (or one stripped of them: review 27, F2), every record now
+        # retired: bound here, so that from now on the mark guards it
+        integrity.bind(store.path, led, shown_path, lock_timeout=60.0)
     return RepairResult(ledger=str(shown_path), repaired=True, reason=reason,
                         events_kept_through=files[keep - 1][0] if keep else snap_seq,
                         quarantined=[p.name for p in moved],

@@ -41,6 +41,7 @@ def check_rows_hold_records(ledger, store) -> int:
     skip = flagged | (s.row[li] < 0) | np.isin(s.row[li], store.erase_pending_rows("private"))
     bad = int((other & ~skip).sum())
     if bad:
+        _unless_compacted_meanwhile(store)
         raise LedgerIntegrityError(
             f"{store.path}: {count(bad, 'record')} of the ledger are not at the store rows where it charges them "
             "(the store was restored from an older copy, or its private rows were rewritten outside indknn): "
@@ -48,6 +49,21 @@ def check_rows_hold_records(ledger, store) -> int:
             "repair --ledger LEDGER --store STORE`: it retires every record at its budget (no refund) and "
             "brings the store's rows in as they are now")
     return int(live.size)
+
+
+def _unless_compacted_meanwhile(store) -> None:
+    """A reader without the locks (``account --verify``) opened the store before a compaction swapped it and read its
+    rows after: the rows are the new store's, not an older copy's. ConcurrentChangeError ("run again") then, not
+    the advice to repair, which would retire every record (review 27, F7)."""
+    from .errors import ConcurrentChangeError
+    from .store import FeatureStore
+
+    try:
+        now = FeatureStore.open(store.path, mode="r").uuid
+    except Exception:  # noqa: BLE001 - unreadable now: the refusal below stands
+        return
+    if now != store.uuid:
+        raise ConcurrentChangeError(f"{store.path}: the store was compacted while it was read; run again")
 
 
 def check_erased_owners(ledger, store) -> int:

@@ -141,6 +141,9 @@ def serve_queries(
         q_start, q_stop, q_sha = store.query_batch(query_batch)
         ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
         integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
+        from .deletion_compact import discard_unpublished
+
+        discard_unpublished(store, ledger)  # a stopped compaction's leftovers (review 27, F3)
         _roll_forward_pending(store_path, ledger, lock_timeout)
         params = ledger.params
         done = ledger.state.answers_table_for(batch_id)

@@ -357,8 +357,10 @@ def test_prepare_reads_the_run_and_its_batches(monkeypatch):
     monkeypatch.setattr(bf16_screen, "_probe", lambda dim: True)
     assert bf16_screen.prepare(20_000, dim=768, batch=1024)
     assert bf16_screen.prepare(2_000_000, dim=64, batch=1024)  # loaded; each batch then decides (below)
-    assert not bf16_screen.rule(1024, 10_000, dim=64, torch_loaded=True)  # 6.6e8 < 2^32: FAISS's fp32
-    assert bf16_screen.rule(1024, 50_000, dim=768, torch_loaded=True)
+    # once loaded, every batch of 256 queries or more takes it, whatever the rows stored (review 27)
+    assert bf16_screen.rule(1024, 10_000, dim=64, torch_loaded=True) and bf16_screen.rule(1024, 50_000, dim=768,
+                                                                                          torch_loaded=True)
+    assert not bf16_screen.rule(255, 10**9, dim=768, torch_loaded=True)
     assert not bf16_screen.prepare(1_000, dim=384, batch=1024)  # a cron day: the import never repaid
     assert not bf16_screen.prepare(20_000, dim=768, batch=128)  # batches too small to take the screen
     monkeypatch.setattr(bf16_screen, "cpu_has_bf16", lambda: False)

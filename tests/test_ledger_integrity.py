@@ -406,23 +406,33 @@ def test_store_copied_with_its_ledger_keeps_working_without_it_refuses(world, tm
                   "--tau", "0.5"), 2, "bound to the ledger")
 
 
-def test_old_store_is_bound_on_first_serve(tmp_path):
-    """A store and ledger from before binding (no binding attribute, no mark): bound by serve-queries."""
+def test_a_pair_from_before_binding_and_chaining_is_refused_then_repaired_bound_and_served(tmp_path):
+    """A store and ledger from before binding and chaining (no binding attribute, no mark, no chain fields) were
+    accepted and bound by the first serve; the same files could be made by stripping a bound pair, every spent set
+    to 0 (review 27, F2). Refused now; `repair` retires every record (no refund), chains the ledger and binds it."""
+    from indknn_cli.ledger_repair import repair_ledger
+
     sp = _store(tmp_path, {"q1": 16})
     lp = tmp_path / "L"
     st = FeatureStore.open(sp)
     led = BudgetLedger.create(lp, params=make_params(**PARAMS), store_uuid=st.uuid, store_path=str(sp))
-    sync_ledger(led, st)  # what an older `index` left behind: unchained (a chained ledger is refused unbound)
+    sync_ledger(led, st)  # what an older `index` left behind: unchained
     _rewrite_meta(_snapshot(lp), b"indknn", lambda m: {k: v for k, v in m.items() if k not in
                                                        ("chain", "chain_head_seq", "chain_head_sha256", "answers_sha256")})
     for p in _events(lp):
         _rewrite_meta(p, b"indknn_event", lambda m: {k: v for k, v in m.items()
                                                      if k not in ("prev_sha256", "snapshot_sha256")})
     assert "ledger_binding" not in dict(FeatureStore.open(sp).root.attrs) and not (sp / MARK_NAME).exists()
-    serve_queries(store_path=sp, ledger_path=lp, query_batch="q1", seed=1)
+    with pytest.raises(LedgerIntegrityError, match="carries no hash chain"):
+        serve_queries(store_path=sp, ledger_path=lp, query_batch="q1", seed=1)
+    assert "ledger_binding" not in dict(FeatureStore.open(sp).root.attrs)  # nothing written
+    assert repair_ledger(ledger_path=lp, store_path=sp).repaired
+    led = BudgetLedger.open(lp)
+    assert (led.state.spent[~led.state.deleted] >= led.params.budget).all()  # every record retired: no refund
     b = dict(FeatureStore.open(sp).root.attrs)["ledger_binding"]
-    assert b["ledger_uuid"] == BudgetLedger.open(lp).meta["ledger_uuid"]
-    assert json.loads((sp / MARK_NAME).read_text())["seq"] == BudgetLedger.open(lp).last_event_seq
+    assert b["ledger_uuid"] == led.meta["ledger_uuid"]
+    assert json.loads((sp / MARK_NAME).read_text())["seq"] == led.last_event_seq
+    assert len(serve_queries(store_path=sp, ledger_path=lp, query_batch="q1", seed=1).answers) == 16
     (sp / MARK_NAME).unlink()  # once bound, the mark is required
     with pytest.raises(LedgerIntegrityError, match="high-water mark is missing"):
         serve_queries(store_path=sp, ledger_path=lp, query_batch="q1", batch_id="x", seed=1)
@@ -458,29 +468,32 @@ def test_account_verify_reports_what_it_checked(world):
 
 
 @pytest.mark.heavy
-def test_ledger_from_before_chaining_still_opens_and_then_chains(world):
-    """An old ledger (no chain fields) and an old store (no binding, no mark): accepted, then chained."""
+def test_review_27_f2_a_ledger_stripped_of_its_chain_binding_and_mark_is_refused(world):
+    """The snapshot rewritten without its chain fields and with every spent at 0, the events removed, the store's
+    binding and mark removed (no hash computed): it was accepted as a ledger from before chaining, and every record
+    could be charged B again. Refused by every ledger writer and `account --verify`; `delete` still erases."""
+    import pyarrow as pa
+
     sp, lp = world
     chain_keys = ("chain", "chain_head_seq", "chain_head_sha256", "answers_sha256")
-    _rewrite_meta(_snapshot(lp), b"indknn", lambda m: {k: v for k, v in m.items() if k not in chain_keys})
+    snap = _snapshot(lp)
+    t = pq.read_table(snap)
+    meta = {k: v for k, v in json.loads(t.schema.metadata[b"indknn"]).items() if k not in chain_keys}
+    cols = {name: t.column(name) for name in t.column_names}
+    cols["spent"] = pa.array(np.zeros(t.num_rows))
+    pq.write_table(pa.table(cols, schema=t.schema.remove_metadata()).replace_schema_metadata(
+        {b"indknn": json.dumps(dict(meta, last_event_seq=0)).encode()}), snap)
     for p in _events(lp):
-        _rewrite_meta(p, b"indknn_event", lambda m: {k: v for k, v in m.items()
-                                                     if k not in ("prev_sha256", "snapshot_sha256")})
+        p.unlink()
     st = FeatureStore.open(sp, mode="a")
     del st.root.attrs["ledger_binding"]
     (sp / MARK_NAME).unlink()
-    legacy = len(_events(lp))
-    assert BudgetLedger.open(lp).unchained_events == legacy
-    # binds the store, appends chained events (one: few enough that no auto-compaction folds the legacy ones)
-    assert _serve(sp, lp, "q2", "--batch-size", "40").returncode == 0
-    v = verify_ledger(lp, store_path=sp)
-    assert v["verified"] and v["events"]["unchained_legacy"] == legacy and v["store"]["bound"], v
-    old = _events(lp)[0]  # an unchained event copied in after the chain started
-    nxt = int(_events(lp)[-1].name[:8]) + 1
-    shutil.copy(old, lp / "events" / f"{nxt:08d}-serve-q1.parquet")
-    _rewrite_meta(lp / "events" / f"{nxt:08d}-serve-q1.parquet", b"indknn_event", lambda m: dict(m, seq=nxt))
-    with pytest.raises(LedgerIntegrityError, match="carries no hash link"):
-        BudgetLedger.open(lp)
+    assert BudgetLedger.open(lp).state.spent.max() == 0  # the stripped ledger opens on its own
+    with pytest.raises(LedgerIntegrityError, match="carries no hash chain"):
+        serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2)
+    _refused(_serve(sp, lp, "q2"), 1, "carries no hash chain")
+    assert not verify_ledger(lp, store_path=sp)["verified"]
+    assert delete_records(store_path=sp, ledger_path=lp, record_ids=["r3"]).records_erased == 1
 
 
 @pytest.mark.heavy

@@ -234,8 +234,12 @@ def test_f2_review_25_a_stale_bucket_mark_of_another_ledger_does_not_refuse_the_
 
     url = _two_machines(tmp_path, s3, monkeypatch)
     st = object_store.open_store(url)
-    object_store.filesystem(st.remote).pipe_file(lease_url(st.remote, SUFFIX), json.dumps(
-        {"ledger_uuid": "an-earlier-store", "seq": 99, "sha256": "0" * 64, "generation": 3}).encode())
+    from indknn_cli.ledger_chain import SEAL, mark_seal
+
+    stale = {"ledger_uuid": "an-earlier-store", "seq": 99, "sha256": "0" * 64, "generation": 3,
+             "snapshot_sha256": "1" * 64}
+    stale[SEAL] = mark_seal(stale)  # as indknn wrote it (sealed since review 27)
+    object_store.filesystem(st.remote).pipe_file(lease_url(st.remote, SUFFIX), json.dumps(stale).encode())
     assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1").newly_answered == 150
 
 
