@@ -10,6 +10,7 @@ import ctypes
 import fcntl
 import json
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -40,9 +41,16 @@ class LedgerUnreadable(Exception):
 
 # -- recovery of an interrupted compaction ------------------------------------------
 def _leftovers(store_path: Path) -> list[Path]:
+    """Copies of this store left by a compaction: ``.<name>.compacting-<token>`` (also ``..<name>…``) and
+    ``.<name>.old-<token>``, the token 12 hex digits. Matched on the exact name, never as a glob pattern: a store
+    named ``a[1].zarr`` matched another store's copies (``.a1.zarr.old-…``), and a serve removed them (review 28)."""
     parent, name = store_path.parent, store_path.name
-    return sorted(list(parent.glob(f".{name}.compacting-*")) + list(parent.glob(f"..{name}.compacting-*"))
-                  + list(parent.glob(f".{name}.old-*")))
+    pattern = re.compile(rf"\.\.?{re.escape(name)}\.compacting-[0-9a-f]{{12}}|\.{re.escape(name)}\.old-[0-9a-f]{{12}}")
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return []
+    return sorted(p for p in entries if pattern.fullmatch(p.name))
 
 
 def leftover_note(store_path: Path) -> str | None:
@@ -60,7 +68,7 @@ def recover_store_folder(store_path: Path) -> None:
     """The two-rename swap stopped between its renames: put the old store back (the ledger still binds it)."""
     if store_path.exists():
         return
-    olds = sorted(store_path.parent.glob(f".{store_path.name}.old-*"))
+    olds = [p for p in _leftovers(store_path) if p.name.startswith(f".{store_path.name}.old-")]  # exact names
     # A copy kept by an earlier cleanup (its objects emptied, object_store.remove) can sit beside the real one:
     # the one put back must be a readable store, or the real one would later be removed as a leftover (review 19).
     readable = [p for p in olds if _readable_store(p)]

@@ -367,3 +367,33 @@ def test_review_27_f4_a_bound_s3_store_whose_bucket_mark_was_removed_is_refused(
         assert location(local_path(url)) is not None and not fs.exists(mark_url)
         with pytest.raises(LedgerIntegrityError, match="bucket's copy of its high-water mark is missing"):
             serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2")
+
+
+@pytest.mark.heavy
+def test_review_28_another_stores_compaction_copies_are_never_taken_for_this_stores(tmp_path, monkeypatch):
+    """The leftovers were found with a glob of the store's name: a store named ``a[1].zarr`` matched
+    ``.a1.zarr.old-…`` and ``.a1.zarr.compacting-…``, so serving it removed store a1's copies: with the swap stopped
+    between its two renames, a1 itself (review 28, F1). Names are now matched exactly."""
+    from .test_delete import Crash, _crash_at
+
+    a = tmp_path / "a"
+    sp, lp = _world(a)
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r001"])
+    monkeypatch.setattr(deletion, "USE_RENAME_EXCHANGE", False)
+    _crash_at(monkeypatch, "compact-half-swapped")  # a1's store now exists only as .s.zarr.old-<token>
+    with pytest.raises(Crash):
+        delete_records(store_path=sp, ledger_path=lp, compact=True)
+    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    left = sorted(p.name for p in a.iterdir() if p.name.startswith(".s.zarr."))
+    assert any(".old-" in n for n in left) and not sp.exists()
+    # another store beside it, whose name is a glob pattern matching "s.zarr"
+    other = a / "[s].zarr"
+    shutil.copytree(tmp_path / "a" / left[[".old-" in n for n in left].index(True)], other)
+    from indknn_cli.deletion_compact import _leftovers, discard_unpublished
+
+    assert _leftovers(other) == []  # nothing of s.zarr's is taken for [s].zarr's
+    discard_unpublished(FeatureStore.open(other, mode="r"), None)  # what serving [s].zarr runs
+    assert sorted(p.name for p in a.iterdir() if p.name.startswith(".s.zarr.")) == left
+    # s.zarr's documented recovery still finds its own copy and goes on
+    assert delete_records(store_path=sp, ledger_path=lp, compact=True).compaction is not None
+    assert sp.exists()
