@@ -390,8 +390,8 @@ def test_review_19_the_swap_is_undone_with_the_readable_copy_not_a_kept_emptied_
     store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=4,
                                 label_names=["a", "b"])
     uuid = store.uuid
-    (tmp_path / "s.zarr").rename(tmp_path / ".s.zarr.old-aaaa")  # the real store, mid-swap
-    kept = tmp_path / ".s.zarr.old-zzzz"  # an emptied copy an earlier cleanup kept (sorts last)
+    (tmp_path / "s.zarr").rename(tmp_path / ".s.zarr.old-aaaaaaaaaaaa")  # the real store, mid-swap (tokens: 12 hex)
+    kept = tmp_path / ".s.zarr.old-ffffffffffff"  # an emptied copy an earlier cleanup kept (sorts last)
     kept.mkdir()
     (kept / "zarr.json").write_bytes(b"")
     recover_store_folder(tmp_path / "s.zarr")
