@@ -115,11 +115,10 @@ def cpu_has_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
-def rule(m: int, rows: int | None, *, dim: int, torch_loaded: bool) -> bool:
+def rule(m: int, *, torch_loaded: bool) -> bool:
     """The size and setting rule of :func:`wanted`, without the probe: ``INDKNN_SCREEN`` forces the screen
-    on or off; by default a CPU with bf16 instructions and a batch of at least BF16_MIN_QUERIES queries (and of
-    BF16_COLD_QUERIES while torch is not loaded). ``rows`` and ``dim`` are not read: a choice between the two
-    screens by queries × rows × d put a step in time (FAISS's import, 0.4 s) at one exact row count (review 27)."""
+    on or off; by default :func:`loads`. No row count is read: a choice between the two screens by queries × rows
+    × d put a step in time (FAISS's import, 0.4 s) at one exact row count (review 27)."""
     mode = _mode()
     if mode != "auto":
         return mode == "bf16"
@@ -132,17 +131,11 @@ def loads(m: int, *, torch_loaded: bool) -> bool:
     return m >= BF16_MIN_QUERIES and (torch_loaded or m >= BF16_COLD_QUERIES) and cpu_has_bf16()
 
 
-def wanted(m: int, rows: int | None, *, dim: int) -> bool:
-    """Whether a batch of ``m`` queries against ``rows`` stored rows (None: unknown) takes the bf16 screen:
-    :func:`rule`, and the library passes the probe (:func:`_probe`). torch's import and the probe happen when
-    the query count says so (:func:`loads`), before the rows are looked at: whether they happen does not depend
-    on the number of rows."""
-    mode = _mode()
-    if mode != "auto":
-        return mode == "bf16" and _probe(dim)
-    if not loads(m, torch_loaded="torch" in sys.modules) or not _probe(dim):
-        return False
-    return rule(m, rows, dim=dim, torch_loaded=True)
+def wanted(m: int, *, dim: int) -> bool:
+    """Whether a batch of ``m`` queries takes the bf16 screen: :func:`rule`, and the library passes the probe
+    (:func:`_probe`, which imports torch). Both read the query count only: whether torch is imported and which
+    screen is taken do not depend on the number of rows."""
+    return rule(m, torch_loaded="torch" in sys.modules) and _probe(dim)
 
 
 def prepare(total_queries: int, *, dim: int, batch: int) -> bool:

@@ -327,7 +327,7 @@ def find_candidates(
     # The CPU screen: bf16 on CPUs that multiply it in hardware, for large batches (bf16_screen; its own
     # rigorous margin), else FAISS's fp32 range search. Chosen from the batch size and the rows stored.
     bf16 = None
-    if dev.type == "cpu" and screen > -1.0 and bf16_screen.wanted(m, _source_rows(source), dim=d):
+    if dev.type == "cpu" and screen > -1.0 and bf16_screen.wanted(m, dim=d):
         bf16 = bf16_screen.Bf16Screen(q_np, thr, fp32_level=screen)
         bf16 = bf16 if bf16.usable else None
     q_index = _query_index(q_np) if dev.type == "cpu" and screen > -1.0 and bf16 is None else None

@@ -218,10 +218,19 @@ def test_a_store_compaction_that_crashed_after_its_swap_is_still_finished(tmp_pa
 # -- F2: serve's start-up time stepped at one exact number of stored rows ------------------------------------
 _BF16_IMPORT = r"""
 import json, sys
+import numpy as np
 from indknn_cli import bf16_screen
+from indknn_cli.candidates import ArraySource, find_candidates
 bf16_screen.cpu_has_bf16 = lambda: True  # the rule as on a CPU with bf16 instructions
 bf16_screen._probe = lambda dim: __import__("torch") is not None  # the probe's import, without its product
-print(json.dumps([bf16_screen.wanted(int(sys.argv[1]), int(sys.argv[2]), dim=384), "torch" in sys.modules]))
+real, seen = bf16_screen.wanted, []
+bf16_screen.wanted = lambda *a, **k: seen.append(real(*a, **k)) and False  # record the choice; FAISS's screen runs
+rng = np.random.default_rng(0)
+x = rng.standard_normal((int(sys.argv[2]), 384)).astype(np.float32)
+q = rng.standard_normal((int(sys.argv[1]), 384)).astype(np.float32)
+find_candidates(q / np.linalg.norm(q, axis=1, keepdims=True), ArraySource(x / np.linalg.norm(x, axis=1, keepdims=True)),
+                kernel="cosine", tau=0.3, nu=None, device="cpu")
+print(json.dumps([seen[0], "torch" in sys.modules]))
 """
 
 
@@ -230,13 +239,13 @@ print(json.dumps([bf16_screen.wanted(int(sys.argv[1]), int(sys.argv[2]), dim=384
 def test_f2_whether_torch_is_loaded_for_the_screen_does_not_depend_on_the_rows_stored(queries):
     """A batch's torch import (1.35 s) was decided on queries × rows × d: one record added at the threshold
     moved the run's time by the import (audit 10, F2: 17,895 rows no, 17,896 rows yes, at 20,000 queries,
-    d = 384). The import now reads the query count only; the rows choose between the loaded screens."""
+    d = 384). The import now reads the query count only; so does the screen a batch takes."""
     def run(rows):
         out = subprocess.run([sys.executable, "-c", _BF16_IMPORT, str(queries), str(rows)], env=ENV,
                              capture_output=True, text=True, check=True, timeout=300)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    small, large = run(10), run(10**7)
+    small, large = run(10), run(3000)  # 4,096 × 3,000 × 384 passed the old rule's 2^32 products; × 10 did not
     assert small[1] == large[1] == (queries >= 2048), (small, large)  # torch loaded, or not, alike
     # and which screen the batch takes (review 27: once torch was loaded, the rows chose between the screens,
     # and FAISS's import came with one of them)
@@ -250,7 +259,8 @@ def test_f2_the_run_level_decisions_read_public_figures_only(monkeypatch):
 
     from indknn_cli import bf16_screen, candidates
 
-    for fn in (bf16_screen.prepare, bf16_screen.run_rule, candidates.use_compiled, candidates.prepare_compiled):
+    for fn in (bf16_screen.prepare, bf16_screen.run_rule, bf16_screen.rule, bf16_screen.wanted,
+               candidates.use_compiled, candidates.prepare_compiled):
         assert "rows" not in inspect.signature(fn).parameters, fn.__name__
     monkeypatch.delenv("INDKNN_SCREEN", raising=False)
     monkeypatch.setattr(bf16_screen, "cpu_has_bf16", lambda: True)

@@ -176,19 +176,19 @@ def test_the_margin_catches_rounding_that_runs_one_way(monkeypatch):
 
 def test_switch(monkeypatch):
     monkeypatch.setenv("INDKNN_SCREEN", "fp32")
-    assert not bf16_screen.wanted(10**6, 10**9, dim=384)
+    assert not bf16_screen.wanted(10**6, dim=384)
     monkeypatch.setenv("INDKNN_SCREEN", "bf16")
-    assert bf16_screen.rule(1, 1, dim=384, torch_loaded=False)  # forced on, whatever the size or the CPU
-    assert bf16_screen.wanted(1, 1, dim=384) == bf16_screen._probe(384)
+    assert bf16_screen.rule(1, torch_loaded=False)  # forced on, whatever the size or the CPU
+    assert bf16_screen.wanted(1, dim=384) == bf16_screen._probe(384)
     for raw in ("auto", "", "nonsense"):
         monkeypatch.setenv("INDKNN_SCREEN", raw)
-        assert not bf16_screen.wanted(100, 10**9, dim=384)  # too few queries for torch's import
-        assert bf16_screen.rule(4096, 10**6, dim=384, torch_loaded=False) == bf16_screen.cpu_has_bf16()
+        assert not bf16_screen.wanted(100, dim=384)  # too few queries for torch's import
+        assert bf16_screen.rule(4096, torch_loaded=False) == bf16_screen.cpu_has_bf16()
     # A library that fails the probe leaves the batch on the fp32 screen, with the same candidates.
     monkeypatch.setenv("INDKNN_SCREEN", "bf16")
     monkeypatch.setattr(bf16_screen, "_probed", {})
     monkeypatch.setattr(bf16_screen, "_probe_once", lambda dim: False)
-    assert not bf16_screen.wanted(4096, 10**6, dim=384)
+    assert not bf16_screen.wanted(4096, dim=384)
     q, x = _near_threshold(4, 32, 0.5)
     got = find_candidates(q, ArraySource(x), kernel="cosine", tau=0.5, nu=None, device="cpu")
     assert [r.tolist() for r in got.rows] == [b[0].tolist() for b in _brute(q, x, kernel="cosine", tau=0.5, nu=None)]
@@ -358,9 +358,8 @@ def test_prepare_reads_the_run_and_its_batches(monkeypatch):
     assert bf16_screen.prepare(20_000, dim=768, batch=1024)
     assert bf16_screen.prepare(2_000_000, dim=64, batch=1024)  # loaded; each batch then decides (below)
     # once loaded, every batch of 256 queries or more takes it, whatever the rows stored (review 27)
-    assert bf16_screen.rule(1024, 10_000, dim=64, torch_loaded=True) and bf16_screen.rule(1024, 50_000, dim=768,
-                                                                                          torch_loaded=True)
-    assert not bf16_screen.rule(255, 10**9, dim=768, torch_loaded=True)
+    assert bf16_screen.rule(1024, torch_loaded=True)
+    assert not bf16_screen.rule(255, torch_loaded=True)
     assert not bf16_screen.prepare(1_000, dim=384, batch=1024)  # a cron day: the import never repaid
     assert not bf16_screen.prepare(20_000, dim=768, batch=128)  # batches too small to take the screen
     monkeypatch.setattr(bf16_screen, "cpu_has_bf16", lambda: False)

@@ -209,9 +209,9 @@ def run(n, d, m, tau, batch_size, device):
         # bf16 product are timed too, in the same run, and the serve again with the fp32 screen forced.
         has_bf16 = device == "cpu" and bf16_screen.cpu_has_bf16() and os.environ.get("INDKNN_SCREEN") is None
         screens = {  # which screen each phase takes (bf16_screen.rule; serve: the run's size, serving.py)
-            "candidates": "bf16" if bf16_screen.rule(batch_size, n, dim=d, torch_loaded=True) else "fp32",
+            "candidates": "bf16" if bf16_screen.rule(batch_size, torch_loaded=True) else "fp32",
             "serve": "bf16" if device == "cpu" and bf16_screen.run_rule(m, batch=batch_size)
-                     and bf16_screen.rule(batch_size, n, dim=d, torch_loaded=True) else "fp32"}
+                     and bf16_screen.rule(batch_size, torch_loaded=True) else "fp32"}
         if has_bf16:
             mm16 = time_matmul_bf16(x, q, batch_size)
             cand32, pairs32 = time_candidates(x, q, batch_size, tau=tau, chunk_rows=store.scan_rows, screen="fp32")
