@@ -17,8 +17,10 @@ import os
 import re
 import stat
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -46,6 +48,60 @@ def rows_table(rows: list[dict]) -> pa.Table:
     }, schema=SCHEMA)
 
 
+class AnswerRows(Sequence):
+    """One part's released answers as a table of :data:`SCHEMA`, read as ``on_committed``'s dicts on demand
+    (issue 21): serve-queries builds the table from arrays, ``--out`` appends it as it is, and only a consumer
+    that iterates (JSON lines on stdout, a library caller) makes one dict per answer, with the keys in
+    SCHEMA's order and ``seed`` only when the run was seeded, as before."""
+
+    __slots__ = ("table", "_dicts")
+
+    def __init__(self, table: pa.Table):
+        if table.schema != SCHEMA:
+            raise ValueError(f"answer rows must have the schema {SCHEMA}, got {table.schema}")
+        self.table = table
+        self._dicts: list[dict] | None = None
+
+    def dicts(self) -> list[dict]:
+        if self._dicts is None:
+            cols = [self.table.column(n).to_pylist() for n in SCHEMA.names]
+            names = SCHEMA.names[:-1]
+            rows = [dict(zip(names, vals)) for vals in zip(*cols[:-1])]
+            for row, seed in zip(rows, cols[-1]):
+                if seed is not None:
+                    row["seed"] = seed
+            self._dicts = rows
+        return self._dicts
+
+    def abstained(self) -> int:
+        """How many of these answers abstained (label −1, serve-queries --min-margin)."""
+        return int(np.count_nonzero(self.table.column("label").to_numpy() == -1))
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, i):
+        return self.dicts()[i]
+
+    def __iter__(self):
+        return iter(self.dicts())
+
+    def __eq__(self, other):
+        if isinstance(other, (list, tuple, AnswerRows)):
+            return self.dicts() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"AnswerRows({len(self)} answers)"
+
+
+def as_table(rows) -> pa.Table:
+    """Released answers (AnswerRows, or a list of their dicts) as a table of :data:`SCHEMA`."""
+    return rows.table if isinstance(rows, AnswerRows) else rows_table(list(rows))
+
+
 class AnswersWriter:
     """Append released answers to ``path`` (via a temporary file); :meth:`commit` publishes it, :meth:`abort`
     removes the temporary file. As a context manager: commit on a normal exit, abort on an exception."""
@@ -56,7 +112,8 @@ class AnswersWriter:
             raise BadInputError(f"--out: folder {self.path.parent} does not exist")
         self.row_group_rows = int(row_group_rows or ROW_GROUP_ROWS)
         self.rows = 0
-        self._pending: list[dict] = []
+        self._pending: list[pa.Table] = []  # tables of SCHEMA, not yet written
+        self._pending_rows = 0
         self._writer: pq.ParquetWriter | None = None
         self._done = False
         self._lock_fd: int | None = None
@@ -103,20 +160,25 @@ class AnswersWriter:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def write(self, rows: list[dict]) -> None:
-        self._pending.extend(rows)
-        self.rows += len(rows)
-        while len(self._pending) >= self.row_group_rows:
-            self._flush(self._pending[:self.row_group_rows])
-            del self._pending[:self.row_group_rows]
+    def write(self, rows) -> None:
+        """Append released answers (AnswerRows, or a list of their dicts)."""
+        table = as_table(rows)
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        self.rows += table.num_rows
+        while self._pending_rows >= self.row_group_rows:
+            pending = pa.concat_tables(self._pending)
+            self._flush(pending.slice(0, self.row_group_rows))
+            rest = pending.slice(self.row_group_rows)
+            self._pending, self._pending_rows = [rest], rest.num_rows
 
-    def _flush(self, rows: list[dict]) -> None:
+    def _flush(self, table: pa.Table) -> None:
         from .ledger_files import _storage_error
 
         try:
             if self._writer is None:
                 self._writer = pq.ParquetWriter(self.tmp, SCHEMA)
-            self._writer.write_table(rows_table(rows))
+            self._writer.write_table(table, row_group_size=max(1, table.num_rows))
         except OSError as exc:
             raise _storage_error(self.path, exc) from None
 
@@ -127,9 +189,9 @@ class AnswersWriter:
         if self._done:
             return
         try:
-            if self._pending or self._writer is None:  # an empty batch still gets its (empty) file
-                self._flush(self._pending)
-                self._pending = []
+            if self._pending_rows or self._writer is None:  # an empty batch still gets its (empty) file
+                self._flush(pa.concat_tables(self._pending) if self._pending else SCHEMA.empty_table())
+                self._pending, self._pending_rows = [], 0
             self._writer.close()
             self._writer = None
             with open(self.tmp, "rb+") as fh:
@@ -148,7 +210,7 @@ class AnswersWriter:
     def abort(self) -> None:
         """Drop the temporary file; ``path`` is left as it was."""
         self._done = True
-        self._pending = []
+        self._pending, self._pending_rows = [], 0
         if self._writer is not None:
             try:
                 self._writer.close()

@@ -18,6 +18,7 @@ import hashlib
 import math
 import secrets
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Callable
 
 import numpy as np
@@ -109,6 +110,64 @@ class QueryAnswer:
     #: (noisy top-1 − noisy top-2 vote) / (σ2·sqrt(K_t)), from the same noisy vote vector the argmax reads
     #: (post-processing of the charged release; never released itself, only compared with --min-margin).
     margin: float | None = None
+
+
+class AnswerArrays(Sequence):
+    """A batch's answers as three arrays (the compiled filter's output, issue 21): a sequence of QueryAnswer made
+    one at a time on demand, so a serve of 8,192 queries per part builds no Python object per answer unless a
+    caller asks for one. ``labels`` already carry the abstentions (ABSTAIN_LABEL)."""
+
+    __slots__ = ("labels", "released_counts", "margins")
+
+    def __init__(self, labels: np.ndarray, released_counts: np.ndarray, margins: np.ndarray):
+        self.labels = np.asarray(labels, np.int64)
+        self.released_counts = np.asarray(released_counts, np.float64)
+        self.margins = np.asarray(margins, np.float64)
+        if not self.labels.shape == self.released_counts.shape == self.margins.shape:
+            raise ValueError("labels, released counts and margins must have one entry per query")
+
+    @classmethod
+    def of(cls, answers: "Sequence[QueryAnswer]") -> "AnswerArrays":
+        """``answers`` (a list of QueryAnswer, or AnswerArrays as they are) as arrays."""
+        if isinstance(answers, AnswerArrays):
+            return answers
+        return cls(np.fromiter((a.label for a in answers), np.int64, len(answers)),
+                   np.fromiter((a.released_count for a in answers), np.float64, len(answers)),
+                   np.fromiter((math.nan if a.margin is None else a.margin for a in answers), np.float64,
+                               len(answers)))
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return AnswerArrays(self.labels[i], self.released_counts[i], self.margins[i])
+        return QueryAnswer(label=int(self.labels[i]), released_count=float(self.released_counts[i]),
+                           margin=float(self.margins[i]))
+
+    def __add__(self, other):
+        if isinstance(other, AnswerArrays):  # the halves of a batch past the pair bound, in order
+            return AnswerArrays(np.concatenate([self.labels, other.labels]),
+                                np.concatenate([self.released_counts, other.released_counts]),
+                                np.concatenate([self.margins, other.margins]))
+        if isinstance(other, list):
+            return list(self) + other
+        return NotImplemented
+
+    def __radd__(self, other):
+        if isinstance(other, list):
+            return other + list(self)
+        return NotImplemented
+
+    def __eq__(self, other):
+        if isinstance(other, (list, tuple, AnswerArrays)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"AnswerArrays({len(self)} answers)"
 
 
 def noisy_margin(votes: np.ndarray, *, scale: float) -> float:

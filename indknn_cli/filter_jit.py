@@ -78,11 +78,11 @@ def usable(normals: np.ndarray, *, max_candidates: int, sigma1: float) -> bool:
 
 def answer_batch_compiled(cands, *, row_to_ledger, row_labels, params, n_classes, budgets, run_key, first_index,
                           min_margin=None):
-    """The batch's answers (engine.QueryAnswer, abstentions applied), charging ``budgets`` in place; None when
+    """The batch's answers (engine.AnswerArrays: a sequence of QueryAnswer, abstentions applied), charging ``budgets`` in place; None when
     the compiled path is not available here (numba missing, or its draws differ from numpy's): the caller
     then runs the Python loop, which gives the same answers."""
     from . import noise_jit
-    from .engine import ABSTAIN_LABEL, QueryAnswer
+    from .engine import ABSTAIN_LABEL, AnswerArrays
 
     from .candidates import CsrCandidates
 
@@ -132,10 +132,6 @@ def answer_batch_compiled(cands, *, row_to_ledger, row_labels, params, n_classes
     budgets.times_selected += selected
     if budgets.selected_in_part is not None:
         budgets.selected_in_part += selected
-    out = []
-    for t in range(m):
-        label = int(labels[t])
-        if min_margin is not None and margins[t] < min_margin:
-            label = ABSTAIN_LABEL
-        out.append(QueryAnswer(label=label, released_count=float(counts[t]), margin=float(margins[t])))
-    return out
+    if min_margin is not None:  # post-processing of the released noisy votes (no draw, no charge)
+        labels[margins < min_margin] = ABSTAIN_LABEL
+    return AnswerArrays(labels, counts, margins)

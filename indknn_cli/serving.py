@@ -13,7 +13,9 @@ import pyarrow as pa
 
 from . import gate, indexes
 from . import ledger_integrity as integrity
-from .engine import (ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, BudgetView,  # noqa: F401
+from .answers_out import SCHEMA as ANSWERS_SCHEMA
+from .answers_out import AnswerRows
+from .engine import (ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, AnswerArrays, BudgetView,  # noqa: F401
                      ReusePool, StoreSource, answer_batch, run_key_for)
 from .errors import BadInputError
 from .indexing import (IndexResult, _roll_forward_pending, build_index, make_params,  # noqa: F401 (re-exported)
@@ -222,7 +224,9 @@ def serve_queries(
         # a part that screens itself (its pass dropped) while the next pass is screened ahead at 3/8 of the bound
         # (32 bytes a pair): half the bound, so the two stay within it together
         part_pairs = max_pairs // 2 if screened.ahead else max_pairs
-        extra = {"seed": seed} if seed is not None else {}
+        seed_fits = seed is not None and -(1 << 63) <= seed < (1 << 63)
+        # the released label names, ABSTAIN_NAME last (the label −1 taken from there)
+        label_names = pa.array([label_name(store, c) for c in range(n_classes)] + [ABSTAIN_NAME], pa.string())
         with responsive_threads(screened.ahead):  # a short switch interval while three threads run
             try:
                 for lo in range(todo_start, q_stop, batch_size):
@@ -237,23 +241,28 @@ def serve_queries(
                         candidates=screened.part(lo, hi),
                     )
                     touched, touched_counts = budgets.part_charges()
+                    answers = AnswerArrays.of(answers)  # arrays end to end: no Python object per answer
                     n_ans, n_ch = len(answers), touched.size
-                    labels = [a.label for a in answers]
-                    names = [label_name(store, x) for x in labels]
-                    query_id_strs = [str(x) for x in query_ids]
-                    counts = [a.released_count for a in answers]
+                    labels = answers.labels
+                    names = label_names.take(np.where(labels == ABSTAIN_LABEL, n_classes, labels))
+                    query_id_strs = _id_strings(query_ids)
                     cols = event_columns(n_ch, n_ans, touched=touched, spent_after=budgets.record_spent(touched),
                                          selected=touched_counts, batch_id=batch_id, part=part, first=lo - q_start,
                                          query_ids=query_id_strs, first_row=lo, labels=labels, names=names,
-                                         counts=counts, seed=seed_str)
+                                         counts=answers.released_counts, seed=seed_str)
                     info = {"batch_id": batch_id, "part": part, "seed": seed_str, "query_batch": query_batch,
                             "query_sha256": q_sha, "answers": n_ans, "charged_records": n_ch,
                             "released_count_grid": 10.0 ** -COUNT_GRID_DECIMALS,
-                            **({"min_margin": min_margin, "abstained": labels.count(ABSTAIN_LABEL)}
+                            **({"min_margin": min_margin,
+                                "abstained": int(np.count_nonzero(labels == ABSTAIN_LABEL))}
                                if min_margin is not None else {})}
-                    new_rows = [{"batch_id": batch_id, "query_index": lo - q_start + j, "query_id": query_id_strs[j],
-                                 "label": labels[j], "label_name": names[j], "released_count": counts[j], **extra}
-                                for j in range(n_ans)]
+                    new_rows = AnswerRows(pa.table([
+                        cols["batch_id"].slice(n_ch), cols["query_index"].slice(n_ch), query_id_strs,
+                        cols["label"].slice(n_ch), names, cols["released_count"].slice(n_ch),
+                        pa.repeat(pa.scalar(seed if seed_fits else None, pa.int64()), n_ans),
+                    ], schema=ANSWERS_SCHEMA))
+                    if seed is not None and not seed_fits:  # a seed past int64: the dicts carry it as given
+                        new_rows = [dict(r, seed=seed) for r in new_rows]
 
                     def commit(cols=cols, info=info, new_rows=new_rows, done=hi - q_start):
                         ledger.commit_event(event_type="serve", columns=cols, info=info)
@@ -275,6 +284,14 @@ def serve_queries(
     if allowance is not None:
         allowance = gate.Allowance(allowance.max_queries, allowance.source, total)
     return ServeResult(batch_id, released, q_stop - todo_start, already, seed, total, allowance, holes)
+
+
+def _id_strings(ids: np.ndarray) -> pa.Array:
+    """The stored query ids as released (``str`` of each), as one Arrow string array."""
+    try:
+        return pa.array(ids, pa.string())  # the ids are stored as strings: the same values, without a loop
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.array([str(x) for x in ids], pa.string())
 
 
 def check_min_margin(min_margin) -> float | None:

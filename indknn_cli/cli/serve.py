@@ -21,7 +21,7 @@ def _load() -> None:
     from ..ledger import BudgetLedger
     from .. import gate
     from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, queries_answered, resolve_query_batch, serve_queries)
-    from ..answers_out import AnswersWriter
+    from ..answers_out import AnswerRows, AnswersWriter
     from ..ledger_integrity import check_binding, read_mark
     from ..store import FeatureStore
     from ..distributed import resolve_scheduler, session as scheduler_session
@@ -107,7 +107,8 @@ def serve_command(
 
     def emit(rows):  # called once per committed part: its answers go out now, nothing is kept
         returned[0] += len(rows)
-        returned[1] += sum(1 for r in rows if r.get("label") == ABSTAIN_LABEL)
+        returned[1] += (rows.abstained() if isinstance(rows, AnswerRows)
+                        else sum(1 for r in rows if r.get("label") == ABSTAIN_LABEL))
         if bar:
             bar[0](advance=len(rows))
         if sink:
