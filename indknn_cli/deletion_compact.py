@@ -41,11 +41,12 @@ class LedgerUnreadable(Exception):
 
 # -- recovery of an interrupted compaction ------------------------------------------
 def _leftovers(store_path: Path) -> list[Path]:
-    """Copies of this store left by a compaction: ``.<name>.compacting-<token>`` (also ``..<name>…``) and
-    ``.<name>.old-<token>``, the token 12 hex digits. Matched on the exact name, never as a glob pattern: a store
-    named ``a[1].zarr`` matched another store's copies (``.a1.zarr.old-…``), and a serve removed them (review 28)."""
+    """Copies of this store left by a compaction: ``.<name>.compacting-<token>`` and ``.<name>.old-<token>``, the
+    token 12 hex digits. Matched on the exact name, never as a glob pattern: a store named ``a[1].zarr`` matched
+    another store's copies (``.a1.zarr.old-…``), and a serve removed them (review 28); ``..<name>.compacting-…``,
+    once matched too, is the copy of a store named ``.<name>`` (review 29, F3)."""
     parent, name = store_path.parent, store_path.name
-    pattern = re.compile(rf"\.\.?{re.escape(name)}\.compacting-[0-9a-f]{{12}}|\.{re.escape(name)}\.old-[0-9a-f]{{12}}")
+    pattern = re.compile(rf"\.{re.escape(name)}\.(?:compacting|old)-[0-9a-f]{{12}}")
     try:
         entries = list(parent.iterdir())
     except OSError:

@@ -132,7 +132,17 @@ def check_mark(store_path, ledger, *, required: bool, mark=_UNREAD) -> dict | No
     from .ledger_mark_remote import FROM_BUCKET
 
     if m is not None and m.get(FROM_BUCKET) and m.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
-        m = _read_local_mark(store_path)  # another ledger's mark left in the bucket: stale (ledger_mark_remote)
+        if required:
+            # A bound store's bucket mark is its ledger's from `index`'s first commit on: another ledger's there was
+            # copied over it (a plain object copy of a mark indknn sealed), which switched the bucket's check off
+            # and let a copy of the ledger elsewhere charge every record a second time (review 29, F1).
+            raise LedgerIntegrityError(
+                f"{store_path}: the store is bound to this ledger ({ledger.meta['ledger_uuid']}), but the bucket's "
+                f"copy of its high-water mark belongs to ledger {m.get('ledger_uuid')} (replaced?): a copy of the "
+                "ledger elsewhere could not be told from this one; refusing. `indknn repair` retires every record "
+                "(no refund) and writes it again")
+        # not bound yet (`index` of a store made again under an old name): that ledger's mark is stale (review 25)
+        m = _read_local_mark(store_path)
     p = mark_path(store_path)
     if m is None:
         if required:

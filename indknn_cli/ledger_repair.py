@@ -241,7 +241,9 @@ def _linked_prefix(files: list[tuple[int, Path]], keep: int, snap_seq: int, mark
 def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLike, dry_run: bool = False,
                   lock_timeout: float = 60.0) -> RepairResult:
     """Repair the ledger bound to ``store_path`` (see the module doc). ``dry_run`` works on a copy."""
-    ledger_path, store_path = Path(ledger_path), Path(store_path)
+    from .object_store import local_path
+
+    ledger_path, store_path = Path(ledger_path), local_path(store_path)  # an s3:// URL: its state folder
     if not BudgetLedger.exists(ledger_path):
         raise LedgerError(f"{ledger_path}: no budget ledger here")
     FeatureStore.open(store_path, mode="r")  # a missing store is bad input (exit 2), before any lock file is made

@@ -407,3 +407,18 @@ def test_review_28_another_stores_compaction_copies_are_never_taken_for_this_sto
     # s.zarr's documented recovery still finds its own copy and goes on
     assert delete_records(store_path=sp, ledger_path=lp, compact=True).compaction is not None
     assert sp.exists()
+
+
+def test_review_29_f3_a_dot_named_stores_copy_is_not_taken_for_the_stores_own(tmp_path):
+    """Review 29, F3: ``..s.zarr.compacting-<token>`` is the copy a compaction of a store named ``.s.zarr`` makes;
+    the leftovers of ``s.zarr`` listed it too, and serving s.zarr removed it (mid-swap: .s.zarr's store folder gone
+    until the next command recovered it). Each store now matches only ``.<its name>.compacting|old-<token>``."""
+    from indknn_cli.deletion_compact import _leftovers
+
+    token = "0123456789ab"
+    for name in (f"..s.zarr.compacting-{token}", f".s.zarr.compacting-{token}", f".s.zarr.old-{token}",
+                 f"..s.zarr.old-{token}", f".s.zarr.compacting-{token}x", f".s.zarr.compacting-{token[:-1]}"):
+        (tmp_path / name).mkdir()
+    assert [p.name for p in _leftovers(tmp_path / "s.zarr")] == [f".s.zarr.compacting-{token}", f".s.zarr.old-{token}"]
+    assert [p.name for p in _leftovers(tmp_path / ".s.zarr")] == [f"..s.zarr.compacting-{token}",
+                                                                  f"..s.zarr.old-{token}"]

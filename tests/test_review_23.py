@@ -24,7 +24,7 @@ pytest.importorskip("moto.server")
 from .test_object_store import s3  # noqa: E402,F401 (the moto server fixture)
 
 
-def _two_machines(tmp_path: Path, endpoint: str, monkeypatch):
+def _two_machines(tmp_path: Path, endpoint: str, monkeypatch, *, before_index=None):
     from indknn_cli.embedding import embed_into_store
     from indknn_cli.serving import build_index, make_params
     from indknn_cli.store import normalize_rows
@@ -39,6 +39,8 @@ def _two_machines(tmp_path: Path, endpoint: str, monkeypatch):
     embed_into_store(tmp_path / "p.npz", store_path=url, extractor="vectors", label_names=["0", "1", "2"])
     for name in ("q1", "q2"):
         embed_into_store(tmp_path / f"{name}.npz", store_path=url, role="query", batch=name)
+    if before_index is not None:
+        before_index(url)
     build_index(store_path=url, ledger_path=tmp_path / "LA",
                 params=make_params(epsilon=0.3, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=50))
     shutil.copytree(tmp_path / "stateA", tmp_path / "stateB")  # machine B: copies of A's state folder and ledger
@@ -232,15 +234,55 @@ def test_f2_review_25_a_stale_bucket_mark_of_another_ledger_does_not_refuse_the_
     from indknn_cli.serving import serve_queries
     from indknn_cli.store_lease import lease_url
 
-    url = _two_machines(tmp_path, s3, monkeypatch)
-    st = object_store.open_store(url)
+    def stale_mark(url):  # the earlier store's ledger's mark, left in the bucket before this store's `index`
+        st = object_store.open_store(url)
+        object_store.filesystem(st.remote).pipe_file(lease_url(st.remote, SUFFIX), json.dumps(_sealed_mark()).encode())
+
+    url = _two_machines(tmp_path, s3, monkeypatch, before_index=stale_mark)
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1").newly_answered == 150
+
+
+def _sealed_mark(**fields) -> dict:
     from indknn_cli.ledger_chain import SEAL, mark_seal
 
-    stale = {"ledger_uuid": "an-earlier-store", "seq": 99, "sha256": "0" * 64, "generation": 3,
-             "snapshot_sha256": "1" * 64}
-    stale[SEAL] = mark_seal(stale)  # as indknn wrote it (sealed since review 27)
-    object_store.filesystem(st.remote).pipe_file(lease_url(st.remote, SUFFIX), json.dumps(stale).encode())
+    mark = {"ledger_uuid": "an-earlier-store", "seq": 99, "sha256": "0" * 64, "generation": 3,
+            "snapshot_sha256": "1" * 64, **fields}
+    mark[SEAL] = mark_seal(mark)  # as indknn wrote it (sealed since review 27)
+    return mark
+
+
+@pytest.mark.heavy
+def test_f1_review_29_another_ledgers_bucket_mark_copied_over_a_bound_stores_is_refused(s3, tmp_path, monkeypatch):
+    """Review 29, F1: B (copies of A's state folder and ledger) is refused once A has committed, by the bucket's
+    mark; copying any other ledger's sealed mark over it (a plain object copy, no hash to compute) made check_mark
+    drop the bucket's mark as stale, and B answered and charged its copy: records paid up to 2·B. A bound store's
+    bucket mark naming another ledger is now refused like a missing one; `repair` writes it again."""
+    from indknn_cli import object_store
+    from indknn_cli.errors import LedgerIntegrityError
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.ledger_mark_remote import SUFFIX
+    from indknn_cli.ledger_repair import repair_ledger
+    from indknn_cli.serving import serve_queries
+    from indknn_cli.store_lease import lease_url
+
+    url = _two_machines(tmp_path, s3, monkeypatch)
     assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1").newly_answered == 150
+    st = object_store.open_store(url)
+    fs, key = object_store.filesystem(st.remote), lease_url(st.remote, SUFFIX)
+    fs.pipe_file(key, json.dumps(_sealed_mark(ledger_uuid="the-other-stores-ledger")).encode())
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateB"))
+    with pytest.raises(LedgerIntegrityError, match="belongs to ledger the-other-stores-ledger"):
+        serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2")
+    assert BudgetLedger.open(tmp_path / "LB").state.spent.max() == 0  # B charged nothing
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateA"))
+    with pytest.raises(LedgerIntegrityError, match="belongs to ledger the-other-stores-ledger"):
+        serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q2")
+    spent = BudgetLedger.open(tmp_path / "LA").state.spent.copy()
+    repair_ledger(ledger_path=tmp_path / "LA", store_path=url)  # retires everyone, refunds nothing, marks again
+    after = BudgetLedger.open(tmp_path / "LA")
+    assert (after.state.spent >= spent).all()
+    assert json.loads(fs.cat_file(key))["ledger_uuid"] == after.meta["ledger_uuid"]
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q2").newly_answered == 150
 
 
 @pytest.mark.heavy
