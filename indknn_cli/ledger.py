@@ -104,8 +104,10 @@ class BudgetLedger:
         path = Path(path)
         if not cls.exists(path):
             raise LedgerError(f"{path}: no budget ledger here (create one with `indknn index`)")
+        first_gen = None
         for attempt in range(retries):
             gen0 = cls._current_generation(path)
+            first_gen = gen0 if first_gen is None else first_gen
             try:
                 ledger = cls._load(path)
                 if cls._current_generation(path) == ledger.generation:
@@ -121,6 +123,17 @@ class BudgetLedger:
                                       "try again") from None
             except FileNotFoundError:  # a concurrent compaction removed files between reads
                 if attempt == retries - 1:
+                    gen = cls._current_generation(path)
+                    if gen == first_gen and not (path / f"snapshot-{gen:06d}.parquet").is_file():
+                        # CURRENT still names it: no compaction ran (one would have moved CURRENT on); "try again"
+                        # would never clear (review 29)
+                        present = sorted(p.name for p in path.glob("snapshot-*.parquet"))
+                        raise LedgerError(  # exit 2, as a CURRENT that is not JSON (README, exit codes)
+                            f"{path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing (CURRENT edited, or "
+                            "the snapshot removed): the ledger is damaged, not busy; refusing. Snapshots present: "
+                            f"{', '.join(present) or 'none'}. Write CURRENT back as indknn writes it "
+                            '({"generation": N} for the newest snapshot-N; the store\'s high-water mark refuses an '
+                            "older one) or restore the ledger from a backup") from None
                     raise LedgerError(f"{path}: ledger files changed while reading; try again") from None
                 time.sleep(0.05)
         if store_uuid is not None and ledger.meta["store_uuid"] != store_uuid:
