@@ -46,8 +46,9 @@ uptime | tee -a "$OUT/machine.log"
 timeout 240 python3 -m indknn_cli bench serve-speed --device cuda --n 1000000 --d 384 --queries 139264 \
   --batch-size 8192 --tau 0.59 2>&1 | tail -4 | tee "$OUT/bench.log"
 uptime | tee -a "$OUT/machine.log"
-# The same with the fused kernels off, on the same machine: on 2026-11-28 the serve measured 26,939 queries/s
-# with them and 37,348 without, but on two machines (two loans), so which is faster in the pipeline is open.
+# The same with the fused kernels off, on the same machine. On 2026-11-28 (06:13-06:31 UTC, one H200) the steady
+# figure was bimodal whatever the code (about 27,000 or 51,000-60,000 queries/s): read in_process_queries_per_s and
+# part_interval_ms (each part timed inside the process, since 2026-11-28) beside it.
 INDKNN_GPU_FUSED=0 timeout 200 python3 -m indknn_cli bench serve-speed --device cuda --n 1000000 --d 384 \
   --queries 139264 --batch-size 8192 --tau 0.59 2>&1 | tail -4 | tee "$OUT/bench_unfused.log"
 uptime | tee -a "$OUT/machine.log"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from .serve_pipeline import Committer, PassScreen, event_columns, responsive_thr
 from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import UserBudgetView
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MEMORY = 2 << 30
 #: Fold events into a new snapshot (issue 21: a daily cron's open cost stays flat). Every open reads the
@@ -264,9 +267,12 @@ def serve_queries(
                     if seed is not None and not seed_fits:  # a seed past int64: the dicts carry it as given
                         new_rows = [dict(r, seed=seed) for r in new_rows]
 
-                    def commit(cols=cols, info=info, new_rows=new_rows, done=hi - q_start):
+                    def commit(cols=cols, info=info, new_rows=new_rows, done=hi - q_start, part=part):
                         ledger.commit_event(event_type="serve", columns=cols, info=info)
                         release(new_rows)  # only after the event is durable (SPEC §8 "charge before release")
+                        # public figures only (the queries and --batch-size decide them); `-v` shows it on stderr,
+                        # and `bench serve-speed --device cuda` times the parts by it
+                        log.info("part %d released: %d of %d queries", part, done, n_queries)
                         if on_progress is not None:
                             on_progress(done, n_queries)
 

@@ -353,3 +353,15 @@ def test_two_nearly_equal_references_are_told_apart(tmp_path, monkeypatch):
               if len(ln.get_xdata()) == 1 and ln.get_marker() not in (None, "None", "", "_")]  # "_": error-bar caps
     assert len(points) == 2 and points[0][0] != points[1][0] and points[0][2] != points[1][2]
     assert {round(p[1], 3) for p in points} == {0.897, 0.896} and min(p[0] for p in points) > 2
+
+
+@pytest.mark.heavy
+def test_gpu_serve_bench_times_parts_inside_the_process_dry_run_on_cpu():
+    """`bench serve-speed --device cuda`'s steps run on the CPU (its dry run): B's parts are timed from the `-v`
+    line each writes on stderr as it is released (8 parts of 256: 7 intervals), besides the two processes' walls."""
+    from indknn_cli.benchmarks.serve_speed_gpu import run_gpu
+
+    r = run_gpu(600, 16, 2048, 0.5, 256, device="cpu")
+    assert r["first_batch_identical"] is True and r["in_process_queries_per_s"] > 0
+    gaps = r["part_interval_ms"]
+    assert 0 < gaps["min"] <= gaps["median"] <= gaps["max"] and 0 < r["first_part_released_s"] < r["wall_s"]["serve_all"]

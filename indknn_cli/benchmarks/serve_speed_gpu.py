@@ -11,6 +11,10 @@ fixed seed): A answers ``one``, B answers ``bench``. Printed, one JSON line:
   the GPU and every commit included);
 - ``steady_queries_per_s``: (queries of B − queries of A) / (wall of B − wall of A): the rate of the batches
   after the first, start-up cancelled (both processes pay it alike);
+- ``in_process_queries_per_s``: inside B, the queries released after its first part over the time from the first
+  part's release to the last's (each part's `-v` line on stderr, read as it comes), with ``part_interval_ms``
+  (min, median, max between consecutive releases): the same rate without the difference of two start-ups
+  (which moved the steady figure by half on 2026-11-28);
 - ``matmul_fp32_queries_per_s`` / ``matmul_fp16_queries_per_s``: the bare products of the same queries with
   every row on the GPU (batches of ``--batch-size``, rows in steps as the screen takes them), nothing else;
 - ``gpu_fused_kernels``: whether the fused kernels (:mod:`indknn_cli.gpu_fused`) pass their probe here (a
@@ -22,6 +26,7 @@ fixed seed): A answers ``one``, B answers ``bench``. Printed, one JSON line:
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -30,16 +35,42 @@ from pathlib import Path
 import numpy as np
 
 
+_PART = re.compile(r"part \d+ released: (\d+) of \d+ queries")
+
+
 def _serve(tmp: Path, batch: str, *, batch_size: int, out: str, device: str):
+    """(wall s, peak RSS MB, [(s since start, queries released so far)] per part, read from `-v`'s stderr lines)."""
     from .peak_rss import indknn_command, read_peak_mb
 
     env = dict(os.environ, INDKNN_DEBUG="0")
     cmd = indknn_command(["serve-queries", batch, "--batch-id", "bench", "--store", str(tmp / "s.zarr"),
                           "--ledger", str(tmp / "L"), "--seed", "1", "--no-reuse", "--batch-size", str(batch_size),
-                          "--device", device, "--out", str(tmp / out), "-q"], tmp / "serve.peak")
+                          "--device", device, "--out", str(tmp / out), "-v"], tmp / "serve.peak")
     w0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, cwd=tmp)
-    return time.perf_counter() - w0, read_peak_mb(tmp / "serve.peak")
+    parts, tail = [], []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          cwd=tmp) as proc:
+        for line in proc.stderr:  # one line per released part, as it is released
+            m = _PART.search(line)
+            if m:
+                parts.append((time.perf_counter() - w0, int(m.group(1))))
+            tail = (tail + [line])[-20:]
+    if proc.returncode:
+        raise RuntimeError(f"serve-queries exited {proc.returncode}: {''.join(tail)}")
+    return time.perf_counter() - w0, read_peak_mb(tmp / "serve.peak"), parts
+
+
+def _in_process(parts: list) -> dict:
+    """The rate between the first and the last part's release inside one process (no start-up in it), and the
+    intervals between consecutive parts' releases."""
+    if len(parts) < 2:
+        return {"in_process_queries_per_s": None, "part_interval_ms": None}
+    (t0, q0), (t1, q1) = parts[0], parts[-1]
+    gaps = np.diff([t for t, _ in parts]) * 1e3
+    return {"in_process_queries_per_s": round((q1 - q0) / (t1 - t0), 1) if t1 > t0 else None,
+            "part_interval_ms": {"min": round(float(gaps.min()), 1), "median": round(float(np.median(gaps)), 1),
+                                 "max": round(float(gaps.max()), 1)},
+            "first_part_released_s": round(t0, 2)}
 
 
 def _matmul_rate(x, q, batch: int, dtype, device: str) -> float | None:
@@ -94,10 +125,10 @@ def run_gpu(n: int, d: int, m: int, tau: float, batch_size: int, *, device: str 
             fused = gpu_fused.wanted(torch.device("cuda")) and gpu_fused.usable(torch.device("cuda"), d)
             _serve(tmp, "one", batch_size=batch_size, out="warm.parquet", device=device)
             _state(tmp, "restore")
-        a_wall, a_peak = _serve(tmp, "one", batch_size=batch_size, out="a.parquet", device=device)
+        a_wall, a_peak, _ = _serve(tmp, "one", batch_size=batch_size, out="a.parquet", device=device)
         first = pq.read_table(tmp / "a.parquet").to_pylist()
         _state(tmp, "restore")
-        b_wall, b_peak = _serve(tmp, "bench", batch_size=batch_size, out="b.parquet", device=device)
+        b_wall, b_peak, b_parts = _serve(tmp, "bench", batch_size=batch_size, out="b.parquet", device=device)
         answers = pq.read_table(tmp / "b.parquet")
     ks = answers.column("released_count").to_numpy()
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("query_id",)} for r in rows]  # noqa: E731
@@ -106,6 +137,7 @@ def run_gpu(n: int, d: int, m: int, tau: float, batch_size: int, *, device: str 
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "mean_released_K": round(float(np.mean(ks)), 1),
         "serve_queries_per_s": round(m / b_wall, 1),
         "steady_queries_per_s": round((m - batch_size) / (b_wall - a_wall), 1) if b_wall > a_wall else None,
+        **_in_process(b_parts),
         "matmul_fp32_queries_per_s": fp32 and round(fp32, 1), "matmul_fp16_queries_per_s": fp16 and round(fp16, 1),
         "wall_s": {"setup": round(setup_s, 1), "serve_one_batch": round(a_wall, 2), "serve_all": round(b_wall, 2)},
         "serve_peak_rss_mb": {"one_batch": a_peak, "all": b_peak},
