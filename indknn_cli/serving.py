@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Callable
 
 import numpy as np
@@ -70,14 +71,21 @@ class ServeResult:
     not_answered: int = 0
 
 
-def _answer_rows(table: pa.Table) -> list[dict]:
-    """Ledger answer rows (ANSWER_SCHEMA) as the released answers: dicts in the order of the table."""
-    cols = {n: table.column(n).to_pylist() for n in
-            ("batch_id", "query_index", "query_id", "label", "label_name", "released_count", "seed")}
+def _answer_rows(table: pa.Table) -> "AnswerRows | list[dict]":
+    """Ledger answer rows (ANSWER_SCHEMA) as the released answers, in the order of the table: AnswerRows, as a
+    new part's (the ledger keeps the seed as text; one written before check_seed that is past int64 stays a dict)."""
+    names = ("batch_id", "query_index", "query_id", "label", "label_name", "released_count")
+    try:
+        seed = table.column("seed").cast(pa.int64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        seed = None
+    if seed is not None:
+        return AnswerRows(pa.table([table.column(n).cast(ANSWERS_SCHEMA.field(n).type) for n in names] + [seed],
+                                   schema=ANSWERS_SCHEMA))
+    cols = {n: table.column(n).to_pylist() for n in (*names, "seed")}
     rows = []
     for i in range(table.num_rows):
-        row = {k: cols[k][i] for k in ("batch_id", "query_index", "query_id", "label", "label_name",
-                                         "released_count")}
+        row = {k: cols[k][i] for k in names}
         if cols["seed"][i] is not None:
             row["seed"] = int(cols["seed"][i])
         rows.append(row)
@@ -103,7 +111,7 @@ def serve_queries(
     reuse: bool = True,
     max_memory: int = DEFAULT_MAX_MEMORY,
     lock_timeout: float = 60.0,
-    on_committed: Callable[[list[dict]], None] | None = None,
+    on_committed: Callable[[Sequence[dict]], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     candidate_finder_factory: Callable | None = None,
     max_queries: int | str | None = None,
@@ -113,7 +121,8 @@ def serve_queries(
     """Answer the stored query batch ``query_batch``; each part is charged and committed before release.
 
     ``on_committed(rows)`` is called with each part's answers only after the
-    part's ledger event is durable (SPEC §8 "charge before release").
+    part's ledger event is durable (SPEC §8 "charge before release"). ``rows`` is a sequence of dicts (an
+    :class:`~indknn_cli.answers_out.AnswerRows`: ``list(rows)`` for a list, ``rows.table`` for the Arrow table).
 
     Every query is answered whatever the private state: with no eligible record
     (all retired, deleted or outside τ) a query releases ``argmax(reuse + noise)``
@@ -130,6 +139,7 @@ def serve_queries(
     """
     max_queries = gate.parse_max_queries(max_queries)
     min_margin = check_min_margin(min_margin)
+    check_seed(seed)
     if batch_size < 1:
         raise BadInputError(f"--batch-size must be ≥ 1, got {batch_size}")
     if max_memory < (16 << 20):
@@ -227,7 +237,6 @@ def serve_queries(
         # a part that screens itself (its pass dropped) while the next pass is screened ahead at 3/8 of the bound
         # (32 bytes a pair): half the bound, so the two stay within it together
         part_pairs = max_pairs // 2 if screened.ahead else max_pairs
-        seed_fits = seed is not None and -(1 << 63) <= seed < (1 << 63)
         # the released label names, ABSTAIN_NAME last (the label −1 taken from there)
         label_names = pa.array([label_name(store, c) for c in range(n_classes)] + [ABSTAIN_NAME], pa.string())
         with responsive_threads(screened.ahead):  # a short switch interval while three threads run
@@ -262,10 +271,8 @@ def serve_queries(
                     new_rows = AnswerRows(pa.table([
                         cols["batch_id"].slice(n_ch), cols["query_index"].slice(n_ch), query_id_strs,
                         cols["label"].slice(n_ch), names, cols["released_count"].slice(n_ch),
-                        pa.repeat(pa.scalar(seed if seed_fits else None, pa.int64()), n_ans),
+                        pa.repeat(pa.scalar(seed, pa.int64()), n_ans),  # int64: check_seed
                     ], schema=ANSWERS_SCHEMA))
-                    if seed is not None and not seed_fits:  # a seed past int64: the dicts carry it as given
-                        new_rows = [dict(r, seed=seed) for r in new_rows]
 
                     def commit(cols=cols, info=info, new_rows=new_rows, done=hi - q_start, part=part):
                         ledger.commit_event(event_type="serve", columns=cols, info=info)
@@ -298,6 +305,16 @@ def _id_strings(ids: np.ndarray) -> pa.Array:
         return pa.array(ids, pa.string())  # the ids are stored as strings: the same values, without a loop
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         return pa.array([str(x) for x in ids], pa.string())
+
+
+def check_seed(seed) -> int | None:
+    """--seed: None, or an integer that fits int64 (the answers' ``seed`` column); checked before anything is charged
+    (review 30, F2: a larger one failed writing --out after the first part was charged)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < (1 << 63):
+        raise BadInputError(f"--seed must be an integer from -2^63 to 2^63-1, got {seed!r}")
+    return seed
 
 
 def check_min_margin(min_margin) -> float | None:

@@ -97,3 +97,42 @@ def test_event_and_released_rows_agree_on_a_real_serve(tmp_path):
     infos = [json.loads(pq.read_schema(path).metadata[b"indknn_event"]) for _, path in ledger._event_files()]
     assert sum(i.get("abstained", 0) for i in infos if i.get("event_type", "serve") == "serve") == abst
     assert all(r["label_name"] == "abstain" for r in released if r["label"] == ABSTAIN_LABEL)
+
+
+def test_a_seed_past_int64_is_refused_before_anything_is_charged(tmp_path):
+    """Review 30, F2: `--seed 2^70 --out FILE` charged the first part, then failed writing the seed into --out's
+    int64 column (exit 1, "Internal error"); the seed is now checked first: exit 2, nothing charged or written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from indknn_cli.benchmarks.serve_speed import make_store
+    from indknn_cli.ledger import BudgetLedger
+
+    make_store(tmp_path, 200, 8, 100, 0.5)
+    before = sorted(p.name for p in (tmp_path / "L" / "events").iterdir())
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    for seed in (str(1 << 70), str(-(1 << 63) - 1)):
+        r = subprocess.run([sys.executable, "-m", "indknn_cli", "serve-queries", "bench", "--store", str(tmp_path / "s.zarr"),
+                            "--ledger", str(tmp_path / "L"), "--seed", seed, "--batch-size", "32", "--out",
+                            str(tmp_path / "a.parquet")], capture_output=True, text=True, env=env)
+        assert r.returncode == 2 and "--seed must be an integer from -2^63 to 2^63-1" in r.stderr, r.stderr
+    assert sorted(p.name for p in (tmp_path / "L" / "events").iterdir()) == before
+    assert not (tmp_path / "a.parquet").exists() and BudgetLedger.open(tmp_path / "L").state.spent.max() == 0
+
+
+def test_answers_released_before_come_back_as_answer_rows_equal_to_the_first_release(tmp_path):
+    from indknn_cli.benchmarks.serve_speed import make_store
+    from indknn_cli.serving import serve_queries
+
+    make_store(tmp_path, 300, 16, 100, 0.5)
+    kw = dict(store_path=tmp_path / "s.zarr", ledger_path=tmp_path / "L", query_batch="bench", batch_size=32,
+              device="cpu", keep_answers=False)
+    for seed in (None, -(1 << 63)):
+        first, again = [], []
+        serve_queries(**kw, seed=seed, batch_id=f"b{seed}", on_committed=first.append)
+        serve_queries(**kw, seed=seed, batch_id=f"b{seed}", on_committed=again.append)  # nothing new: re-emitted
+        assert all(isinstance(p, AnswerRows) for p in first + again) and [len(p) for p in again] == [32, 32, 32, 4]
+        assert [r for p in again for r in p] == [r for p in first for r in p]
+        assert all(("seed" in r) == (seed is not None) for p in again for r in p)

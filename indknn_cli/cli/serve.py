@@ -20,7 +20,7 @@ def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
     from ..ledger import BudgetLedger
     from .. import gate
-    from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, queries_answered, resolve_query_batch, serve_queries)
+    from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, check_seed, queries_answered, resolve_query_batch, serve_queries)
     from ..answers_out import AnswerRows, AnswersWriter
     from ..ledger_integrity import check_binding, read_mark
     from ..store import FeatureStore
@@ -141,6 +141,7 @@ def serve_command(
         upstream = upstream_line[0] if queries == "-" else None
         sp = resolve_store(upstream["store"]) if upstream and store is None and "store" in upstream else store_path
         check_min_margin(min_margin)  # before a query file is embedded (nothing written on bad input)
+        check_seed(seed)
         _preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
                    max_memory=parse_size(max_memory), batch_id=batch_id, max_queries=max_queries,
                    reader_options=_reader_options())
