@@ -104,10 +104,8 @@ class BudgetLedger:
         path = Path(path)
         if not cls.exists(path):
             raise LedgerError(f"{path}: no budget ledger here (create one with `indknn index`)")
-        first_gen = None
         for attempt in range(retries):
             gen0 = cls._current_generation(path)
-            first_gen = gen0 if first_gen is None else first_gen
             try:
                 ledger = cls._load(path)
                 if cls._current_generation(path) == ledger.generation:
@@ -124,9 +122,9 @@ class BudgetLedger:
             except FileNotFoundError:  # a concurrent compaction removed files between reads
                 if attempt == retries - 1:
                     gen = cls._current_generation(path)
-                    if gen == first_gen and not (path / f"snapshot-{gen:06d}.parquet").is_file():
-                        # CURRENT still names it: no compaction ran (one would have moved CURRENT on); "try again"
-                        # would never clear (review 29)
+                    if gen == gen0 and not (path / f"snapshot-{gen:06d}.parquet").is_file():
+                        # CURRENT named it throughout this read: no compaction ran (one writes its snapshot before
+                        # moving CURRENT on, and removes the old one after); "try again" would never clear (review 29)
                         present = sorted(p.name for p in path.glob("snapshot-*.parquet"))
                         raise LedgerError(  # exit 2, as a CURRENT that is not JSON (README, exit codes)
                             f"{path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing (CURRENT edited, or "
