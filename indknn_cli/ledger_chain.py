@@ -30,6 +30,22 @@ def mark_seal(fields: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+#: The ``copy`` field of a mark: which of its two places it was written to (review 30, F1).
+LOCAL_COPY, BUCKET_COPY = "local", "bucket"
+
+
+def sealed_mark(fields: dict, *, copy: str) -> dict:
+    """A mark as written to one place: its fields, which copy it is (``copy``: :data:`LOCAL_COPY` for the state
+    folder's ``ledger-mark.json``, :data:`BUCKET_COPY` for the bucket's), and the sha256 of both. The copy is inside
+    the seal: the state folder's mark put in the bucket by hand reads as what it is, and turning it into a bucket
+    copy needs a hash computed (review 30, F1: the two were the same bytes, so a copied state folder held an older
+    version of the bucket's object, and restoring it let the copy serve a second time)."""
+    out = {k: v for k, v in fields.items() if k != SEAL and not k.startswith("_")}
+    out["copy"] = copy
+    out[SEAL] = mark_seal(out)
+    return out
+
+
 def check_seal(m: dict, where) -> None:
     """Refuse a mark whose seal is missing or does not match its fields (LedgerIntegrityError)."""
     if m.get(SEAL) != mark_seal(m):

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from .errors import LedgerIntegrityError
-from .ledger_chain import SEAL, _short, check_seal, head_seq, mark_seal, snapshot_head
+from .ledger_chain import LOCAL_COPY, _short, check_seal, head_seq, sealed_mark, snapshot_head
 
 MARK_NAME = "ledger-mark.json"
 #: Set by :func:`read_mark` on the mark of a store on object storage whose bucket copy is missing.
@@ -67,10 +67,10 @@ def write_mark(path: Path, ledger, *, announce: tuple[int, str] | None = None) -
               "answers": int(ledger.state.answers_released())}
     if announce is not None:
         fields.update(next_generation=int(announce[0]), next_snapshot_sha256=str(announce[1]))
-    fields[SEAL] = mark_seal(fields)  # an edit by hand must compute a hash to pass (review 27, F1)
-    body = json.dumps(fields)
-    atomic_write_text(body, Path(path))
-    ledger_mark_remote.write(Path(path).parent, body)  # a store on object storage: the bucket's copy too
+    atomic_write_text(json.dumps(sealed_mark(fields, copy=LOCAL_COPY)), Path(path))
+    # a store on object storage: the bucket's copy too, sealed with copy="bucket" (review 30, F1)
+    ledger_mark_remote.write(Path(path).parent, fields)
+
 
 
 def announced(mark: dict | None, generation: int, snapshot_sha256: str | None) -> bool:

@@ -8,7 +8,9 @@ store's prefix, ``<store name>.indknn-mark.json`` (``s3://bucket/indknn-mark.jso
 root), written after the local one at every commit; the ledger must reach the furthest of the two. The ledger
 writers of a remote store also hold the store's ledger-writer lease (:mod:`.store_lease`), so two machines never
 commit at once: whichever commits first moves the bucket's mark, and the other copy is then refused as behind
-(or, at the same event number, as another history).
+(or, at the same event number, as another history). The two copies are not the same bytes: each says which it is
+(``copy``: "local" or "bucket", inside its seal), so the state folder's mark, which a copy of the state folder holds
+an older version of, cannot be put back in the bucket to let that copy pass (review 30, F1).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 from pathlib import Path
 
 from .errors import LedgerIntegrityError, StoreError
-from .ledger_chain import check_seal
+from .ledger_chain import BUCKET_COPY, LOCAL_COPY, check_seal, sealed_mark
 
 SUFFIX = ".indknn-mark.json"
 #: Set on a mark :func:`furthest` took from the bucket. Such a mark of a ledger other than the one checked is a
@@ -65,15 +67,27 @@ def read(store_path) -> dict | None:
     if not (isinstance(m, dict) and isinstance(m.get("seq"), int)):
         raise LedgerIntegrityError(f"{url}: the ledger's high-water mark in the bucket is corrupt")
     check_seal(m, url)  # an edit (another ledger's uuid, an earlier event) needs a hash computed (review 27, F4)
+    if m.get("copy") == LOCAL_COPY:
+        # The state folder's mark, put in the bucket by hand: a copy of the state folder elsewhere holds an older
+        # version of it, and restoring that one let the copy's ledger pass and charge every record again (review
+        # 30, F1). Marks written here by indknn since 2026-11-28 say copy="bucket", inside their seal.
+        raise LedgerIntegrityError(
+            f"{url}: the bucket's copy of the ledger's high-water mark is a state folder's ledger-mark.json (copied "
+            "into the bucket by hand?): a copy of the state folder and ledger elsewhere could then pass as this "
+            "store's one ledger and charge every record again; refusing. Run every ledger writer of a store from one "
+            "state folder; `indknn repair` on the ledger to keep retires every record (no refund) and writes the "
+            "mark again")
     return m
 
 
-def write(store_path, body: str) -> None:
-    """Write the bucket's copy of the mark (after the local one: a crash between leaves it behind, never ahead)."""
+def write(store_path, fields: dict) -> None:
+    """Write the bucket's copy of the mark (after the local one: a crash between leaves it behind, never ahead),
+    sealed as the bucket's (``copy`` = "bucket"), which the state folder's copy is not (review 30, F1)."""
     where = _where(store_path)
     if where is None:
         return
     fs, url = where
+    body = json.dumps(sealed_mark(fields, copy=BUCKET_COPY))
     try:
         fs.pipe_file(url, body.encode())
     except Exception as exc:  # noqa: BLE001 - botocore/aiohttp

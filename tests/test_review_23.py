@@ -310,3 +310,63 @@ def test_f1_review_25_a_run_whose_first_partition_was_never_sent_leaves_no_stamp
             embed_into_store(tmp_path / "a.npz", store_path=st.path, scheduler=c.scheduler_address)
     assert not (tmp_path / "s.zarr" / dask_fence.LOCAL_NAME).exists()
     assert FeatureStore.open(st.path).n_rows() == 0
+
+
+@pytest.mark.heavy
+def test_f1_review_30_the_state_folders_mark_copied_into_the_bucket_does_not_let_a_copy_serve(s3, tmp_path,
+                                                                                             monkeypatch):
+    """Review 30, F1: B (copies of A's state folder and ledger) is refused once A has committed; but the state
+    folder's ledger-mark.json was the same bytes as the bucket's mark, so B held an older version of the bucket's
+    object: copied over it by hand (no hash to compute), the bucket named B's position again, B's ledger reached it,
+    and B answered and charged its copy (2·B across the two). The bucket's mark now says copy="bucket" inside its
+    seal and the state folder's copy="local": the copied one is refused, for B and for A, until `repair`."""
+    from indknn_cli import ledger_mark_remote
+    from indknn_cli.errors import LedgerIntegrityError
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.ledger_repair import repair_ledger
+    from indknn_cli.object_store import local_path
+    from indknn_cli.serving import serve_queries
+
+    url = _two_machines(tmp_path, s3, monkeypatch)
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1").newly_answered == 150
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateB"))
+    state_b = local_path(url)
+    with pytest.raises(LedgerIntegrityError, match="rolled back"):  # as before: B is behind the bucket's mark
+        serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2")
+    fs, key = ledger_mark_remote._where(state_b)
+    bucket_before = fs.cat_file(key)
+    fs.pipe_file(key, (state_b / "ledger-mark.json").read_bytes())  # B's own mark, unchanged, over the bucket's
+    with pytest.raises(LedgerIntegrityError, match="state folder's ledger-mark.json"):
+        serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2")
+    assert BudgetLedger.open(tmp_path / "LB").state.spent.max() == 0  # B charged nothing
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateA"))
+    spent = BudgetLedger.open(tmp_path / "LA").state.spent.copy()
+    with pytest.raises(LedgerIntegrityError, match="state folder's ledger-mark.json"):
+        serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q2")
+    assert json.loads(bucket_before)["copy"] == "bucket" and json.loads(fs.cat_file(key))["copy"] == "local"
+    repair_ledger(ledger_path=tmp_path / "LA", store_path=url)  # retires everyone, refunds nothing, marks again
+    assert (BudgetLedger.open(tmp_path / "LA").state.spent >= spent).all()
+    assert json.loads(fs.cat_file(key))["copy"] == "bucket"
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q2").newly_answered == 150
+
+
+@pytest.mark.heavy
+def test_review_30_marks_written_before_the_copy_field_still_serve_and_are_rewritten_with_it(s3, tmp_path,
+                                                                                             monkeypatch):
+    """A store whose two marks an indknn before the fix wrote (sealed, no ``copy``) serves as before; its next
+    commit writes both with their copy."""
+    from indknn_cli import ledger_mark_remote
+    from indknn_cli.ledger_chain import SEAL, mark_seal
+    from indknn_cli.object_store import local_path
+    from indknn_cli.serving import serve_queries
+
+    url = _two_machines(tmp_path, s3, monkeypatch)
+    state = local_path(url)
+    fs, key = ledger_mark_remote._where(state)
+    old = {k: v for k, v in json.loads((state / "ledger-mark.json").read_text()).items() if k not in (SEAL, "copy")}
+    old[SEAL] = mark_seal(old)
+    (state / "ledger-mark.json").write_text(json.dumps(old))
+    fs.pipe_file(key, json.dumps(old).encode())
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1").newly_answered == 150
+    assert json.loads((state / "ledger-mark.json").read_text())["copy"] == "local"
+    assert json.loads(fs.cat_file(key))["copy"] == "bucket"
