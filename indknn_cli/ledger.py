@@ -129,9 +129,9 @@ class BudgetLedger:
                         raise LedgerError(  # exit 2, as a CURRENT that is not JSON (README, exit codes)
                             f"{path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing (CURRENT edited, or "
                             "the snapshot removed): the ledger is damaged, not busy; refusing. Snapshots present: "
-                            f"{', '.join(present) or 'none'}. Write CURRENT back as indknn writes it "
-                            '({"generation": N} for the newest snapshot-N; the store\'s high-water mark refuses an '
-                            "older one) or restore the ledger from a backup") from None
+                            f"{', '.join(present) or 'none'}. `indknn repair` writes CURRENT back to the newest "
+                            "one (nobody is retired when the store's high-water mark then agrees; every record when "
+                            "the ledger is behind it); with none left, restore the ledger from a backup") from None
                     raise LedgerError(f"{path}: ledger files changed while reading; try again") from None
                 time.sleep(0.05)
         if store_uuid is not None and ledger.meta["store_uuid"] != store_uuid:

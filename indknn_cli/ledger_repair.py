@@ -15,13 +15,16 @@ restored). Removing the offending file by hand would refund the charges it held.
 
 Repair costs utility (every current record retires; new records joining later start fresh, as always),
 never privacy: no record's spent ever goes down. A damaged snapshot cannot be repaired this way (restore
-it from a backup; repair refuses).
+it from a backup; repair refuses). A ``CURRENT`` naming a missing snapshot is first written back to the newest one
+present; when the ledger then verifies against the store's mark, nothing else is done (nobody retires).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -34,6 +37,7 @@ from . import ledger_integrity as integrity
 from . import store_versions
 from .errors import LedgerError, LedgerIntegrityError
 from .ledger import BudgetLedger
+from .ledger_files import atomic_write_text
 from .ledger_rows import check_rows_hold_records, compare_rows
 from .store import ERASE_PENDING_ATTR, FeatureStore
 
@@ -62,11 +66,17 @@ class RepairResult:
     #: store rows whose id belongs to a record of another user (an erased id embedded again under someone else):
     #: kept out of the ledger, as serving and `index` keep them out, so the tombstone stays its user's (audit 7)
     rows_left_out_other_user: int = 0
+    #: CURRENT named a missing snapshot and now names this generation (the newest snapshot present), else None
+    current_written_back: int | None = None
     dry_run: bool = False
 
     def as_dict(self) -> dict:
-        return {**self.__dict__, "cost": "utility only: every record not deleted is retired (spent = B); "
-                                         "no spent budget goes down"}
+        if self.repaired and self.current_written_back is not None and not (
+                self.records_retired or self.store_rows_added_retired or self.quarantined):
+            cost = "none: CURRENT written back, and the ledger then verified against the store's high-water mark"
+        else:
+            cost = "utility only: every record not deleted is retired (spent = B); no spent budget goes down"
+        return {**self.__dict__, "cost": cost}
 
 
 def _event_files(path: Path) -> list[tuple[int, Path]]:
@@ -195,7 +205,6 @@ def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: 
 def _prev_link(path: Path, seq: int) -> str | None:
     """The ``prev_sha256`` that event file ``path`` (which should be event ``seq``) records, or None when it
     cannot be read or names another event."""
-    import json
 
     import pyarrow.parquet as pq
 
@@ -250,24 +259,68 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \
             integrity.writer_lock(store_path, timeout=lock_timeout):
         store = FeatureStore.open(store_path, mode="r")
-        try:
-            led = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
-            integrity.check_binding(store, led, ledger_path)
-            store_versions.check(store, led)  # a store restored from an older copy (audit 6)
-            check_rows_hold_records(led, store)
+        reason = _refusal(ledger_path, store)
+        if reason is None:
             return RepairResult(ledger=str(ledger_path), repaired=False, dry_run=dry_run)
-        except LedgerIntegrityError as exc:
-            reason = str(exc)
-        except LedgerError as exc:
-            if "another feature store" in str(exc) or "bound to the ledger" in str(exc):
-                raise  # a wrong pairing, not damage: never "repaired" into this store
-            reason = str(exc)
-        if dry_run:
-            with tempfile.TemporaryDirectory() as tmp:
-                copy = Path(tmp) / "ledger"
-                shutil.copytree(ledger_path, copy, ignore=shutil.ignore_patterns("LOCK"))
-                return _repair(copy, store, reason, dry_run=True, shown_path=ledger_path)
-        return _repair(ledger_path, store, reason, dry_run=False, shown_path=ledger_path)
+        with (tempfile.TemporaryDirectory() if dry_run else contextlib.nullcontext()) as tmp:
+            path = ledger_path
+            if dry_run:
+                path = Path(tmp) / "ledger"
+                shutil.copytree(ledger_path, path, ignore=shutil.ignore_patterns("LOCK"))
+            back, kept_in = _write_current_back(path)
+            if back is not None:
+                after = _refusal(path, store)
+                if after is None:  # CURRENT was all that was wrong: the mark vouches for the rest, nobody retires
+                    return RepairResult(ledger=str(ledger_path), repaired=True, reason=reason, dry_run=dry_run,
+                                        current_written_back=back,
+                                        quarantine_folder=None if dry_run else str(ledger_path / kept_in))
+                reason = f"{reason}; with CURRENT written back to generation {back}: {after}"
+            res = _repair(path, store, reason, dry_run=dry_run, shown_path=ledger_path)
+            res.current_written_back = back
+            return res
+
+
+def _refusal(path: Path, store: FeatureStore) -> str | None:
+    """Why the ledger at ``path`` is refused for ``store`` (None: it verifies). A ledger of another store, or a
+    store bound to another ledger, is a wrong pairing, not damage: raised, never "repaired" into this store."""
+    try:
+        led = BudgetLedger.open(path, store_uuid=store.uuid)
+        integrity.check_binding(store, led, path)
+        store_versions.check(store, led)  # a store restored from an older copy (audit 6)
+        check_rows_hold_records(led, store)
+        return None
+    except LedgerIntegrityError as exc:
+        return str(exc)
+    except LedgerError as exc:
+        if "another feature store" in str(exc) or "bound to the ledger" in str(exc):
+            raise
+        return str(exc)
+
+
+def _write_current_back(path: Path) -> tuple[int | None, Path | None]:
+    """When CURRENT names a snapshot that is missing (edited, or the snapshot removed: review 29), point it at the
+    newest snapshot present and return that generation and where the old CURRENT is kept (relative to ``path``,
+    under ``quarantine/``); (None, None) when CURRENT is fine or no snapshot is left. Safe either way: the caller checks the ledger against the store's mark again,
+    and a ledger older than the mark is repaired by retiring every record (no refund)."""
+    cur = path / "CURRENT"
+    try:
+        gen = int(json.loads(cur.read_text())["generation"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None  # unreadable CURRENT: opening says so; not guessed at here
+    if (path / f"snapshot-{gen:06d}.parquet").is_file():
+        return None, None
+    present = sorted(int(m.group(1)) for p in path.glob("snapshot-*.parquet")
+                     if (m := re.fullmatch(r"snapshot-(\d{6})\.parquet", p.name)))
+    if not present:
+        raise LedgerIntegrityError(
+            f"{path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing, and no other snapshot is left: "
+            "repair cannot rebuild the records' spent budgets; restore the ledger folder from a backup (one older "
+            "than the store's high-water mark is refused), then run repair")
+    folder = Path("quarantine") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    (path / folder).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(cur, path / folder / "CURRENT")
+    atomic_write_text(json.dumps({"generation": present[-1]}), cur)
+    return present[-1], folder
 
 
 def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, shown_path: Path) -> RepairResult:

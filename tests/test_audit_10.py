@@ -440,3 +440,65 @@ def test_review_29_current_naming_a_missing_snapshot_says_damaged_not_busy(tmp_p
     assert res.records_erased == 1 and res.tombstones_pending == 1
     (lp / "CURRENT").write_text(json.dumps({"generation": 1}))
     assert serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2).newly_answered == 60
+
+
+def _repair_cli(sp: Path, lp: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "indknn_cli", "repair", "--store", str(sp), "--ledger", str(lp),
+                           *extra], capture_output=True, text=True, env=ENV)
+
+
+@pytest.mark.heavy
+def test_repair_writes_back_a_current_that_names_a_missing_snapshot_and_retires_nobody_when_the_mark_agrees(
+        tmp_path):
+    """CURRENT edited to name a snapshot that does not exist: serving says the ledger is damaged (review 29), and
+    `repair` said "the snapshot itself is damaged or edited; restore it from a backup" though it was whole. Repair now
+    writes CURRENT back to the newest snapshot present (the old one kept in quarantine/); the ledger then verifies
+    against the store's mark, so nobody is retired and nothing is refunded. --dry-run writes nothing."""
+    sp, lp = _world(tmp_path)
+    spent = BudgetLedger.open(lp).state.spent.copy()
+    (lp / "CURRENT").write_text(json.dumps({"generation": 7}))
+    r = _repair_cli(sp, lp, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["current_written_back"] == 1 and "would write it back to generation 1" in r.stderr
+    assert json.loads((lp / "CURRENT").read_text()) == {"generation": 7} and not (lp / "quarantine").exists()
+    r = _repair_cli(sp, lp)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["repaired"] and out["current_written_back"] == 1 and out["records_retired"] == 0
+    assert out["cost"].startswith("none") and "nothing retired, no budget refunded" in r.stderr
+    assert json.loads((lp / "CURRENT").read_text()) == {"generation": 1}
+    assert json.loads((Path(out["quarantine_folder"]) / "CURRENT").read_text()) == {"generation": 7}
+    assert np.array_equal(BudgetLedger.open(lp).state.spent, spent)
+    assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
+    assert serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2).newly_answered == 60
+
+
+@pytest.mark.heavy
+def test_repair_of_a_current_whose_snapshot_was_removed_retires_everyone_and_refunds_nothing(tmp_path):
+    """The current snapshot removed, an older one left (a crash after CURRENT moved on and before the old files went):
+    written back, the ledger is behind the store's mark (a rollback), so repair retires every record; no spent goes
+    down. With no snapshot left at all, repair says so (exit 1) and writes nothing."""
+    sp, lp = _world(tmp_path)
+    old = {p.name: p.read_bytes() for p in lp.glob("*-000001.parquet")}
+    delete_records(store_path=sp, ledger_path=lp, compact=True)  # the ledger compacted: generation 2
+    serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2)
+    led = BudgetLedger.open(lp)
+    assert led.generation == 2
+    spent = dict(zip(led.state.record_id, led.state.spent))
+    for name, body in old.items():
+        (lp / name).write_bytes(body)
+    (lp / "snapshot-000002.parquet").unlink()
+    r = _repair_cli(sp, lp)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["current_written_back"] == 1 and out["records_retired"] > 0, r.stderr
+    after = BudgetLedger.open(lp)
+    budget = after.params.budget
+    assert all(after.state.spent[i] >= min(spent.get(rid, 0.0), budget) for i, rid in enumerate(after.state.record_id))
+    assert after.state.spent[~after.state.deleted].min() >= budget  # every record retired
+    assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
+
+    for p in lp.glob("snapshot-*.parquet"):  # nothing left to point at
+        p.unlink()
+    (lp / "CURRENT").write_text(json.dumps({"generation": 9}))
+    r = _repair_cli(sp, lp)
+    assert r.returncode == 1 and r.stdout == "" and "no other snapshot is left" in r.stderr
+    assert json.loads((lp / "CURRENT").read_text()) == {"generation": 9}

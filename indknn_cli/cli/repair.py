@@ -29,8 +29,11 @@ def repair_command(
     verified prefix of events, move the rest to quarantine/, and retire every record (spent = B) with one
     `repair` event. Costs utility, never privacy: no spent budget goes down. A healthy ledger is left as it is.
 
-    stdout: one JSON line. Exit codes: 0 repaired or nothing to repair; 1 the snapshot itself is damaged
-    (restore it from a backup); 2 bad input (no ledger, a ledger of another store).
+    CURRENT naming a snapshot that is missing is written back to the newest snapshot present first; when the
+    ledger then verifies against the store's high-water mark, nothing is retired.
+
+    stdout: one JSON line. Exit codes: 0 repaired or nothing to repair; 1 the snapshot itself is damaged or none is
+    left (restore it from a backup); 2 bad input (no ledger, a ledger of another store).
     """
     _load()
     err = stderr_console()
@@ -42,8 +45,15 @@ def repair_command(
 
     result = run_library_call(call)
     emit_json(result.as_dict())
+    if result.current_written_back is not None:
+        err.print(escape(f"CURRENT named a snapshot that is missing; {'would write' if result.dry_run else 'wrote'} it "
+                         f"back to generation {result.current_written_back}, the newest snapshot present (the old "
+                         "CURRENT is kept in quarantine/)"))
     if not result.repaired:
         err.print("the ledger verifies: nothing to repair")
+    elif result.current_written_back is not None and not result.records_retired and not result.quarantined \
+            and not result.store_rows_added_retired:
+        err.print("the ledger then verified against the store's high-water mark: nothing retired, no budget refunded")
     else:
         verb = "would quarantine" if result.dry_run else "quarantined"
         err.print(escape(f"{verb} {count(len(result.quarantined), 'event file')}; "
