@@ -330,6 +330,10 @@ def find_candidates(
     if dev.type == "cpu" and screen > -1.0 and bf16_screen.wanted(m, dim=d):
         bf16 = bf16_screen.Bf16Screen(q_np, thr, fp32_level=screen)
         bf16 = bf16 if bf16.usable else None
+        # A batch halved by the pair bound (its size, but whether it is halved follows the rows) may fall below the
+        # bf16 screen's minimum and take FAISS's: loaded with the first bf16 batch, so that whether FAISS loads (its
+        # time, its log lines) never follows the rows (review 31, F1)
+        import_faiss()
     q_index = _query_index(q_np) if dev.type == "cpu" and screen > -1.0 and bf16 is None else None
     # The recompute: compiled (exact_jit, reads the float32 queries in place) for large batches
     # (use_compiled); numpy's path (queries cast once per batch, exact, and gathered per pair) otherwise,

@@ -192,3 +192,80 @@ def test_a_run_reads_one_private_row_count_whatever_embed_commits(vector_store):
     assert FeatureStore.open(vector_store.path).n_rows("private") == n + 5
     assert len(reader.read("private", "deleted")) == len(reader.read("private", "labels")) == n
     assert sum(len(b) for _, b in reader.iter_chunks("private")) == n
+
+
+_HALVING_RUN = r"""
+import json, sys
+import numpy as np
+from indknn_cli.store import ExtractorInfo, FeatureStore, normalize_rows
+from indknn_cli.serving import build_index, make_params
+from indknn_cli.cli.app import app
+root, near = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(0)
+e0 = np.zeros(16, np.float32); e0[0] = 1
+def around(n):
+    return normalize_rows(e0 + 0.05 * rng.standard_normal((n, 16)).astype(np.float32) / 4).astype(np.float32)
+q, rows = around(2048), around(700)
+far = normalize_rows(-np.abs(rng.standard_normal((300, 16))).astype(np.float32) - 0.5 * e0).astype(np.float32)
+x = np.concatenate([rows[:near], far])
+s = FeatureStore.create(root + "/s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=16,
+                        label_names=["a", "b", "c"], chunk_rows=256)
+s.append("private", x, labels=(np.arange(len(x)) % 3).astype(np.int32), record_ids=[f"r{i}" for i in range(len(x))],
+         user_ids=[f"u{i}" for i in range(len(x))])
+s.append("query", q, record_ids=[f"q{i}" for i in range(len(q))], batch="q1")
+build_index(store_path=s.path, ledger_path=root + "/L",
+            params=make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.3, planned_queries=5000, k_min=5))
+before = "faiss" in sys.modules
+try:
+    app(["serve-queries", "q1", "--store", root + "/s.zarr", "--ledger", root + "/L", "--seed", "3",
+         "--batch-size", "256", "--max-memory", "16M", "--no-reuse", "-v"])
+except SystemExit as e:
+    print(json.dumps({"exit": e.code, "faiss_before": before, "faiss_after": "faiss" in sys.modules}), file=sys.stderr)
+"""
+
+
+@pytest.mark.heavy
+def test_a_batch_halved_by_one_more_record_changes_nothing_on_stderr_under_v(tmp_path):
+    """Review 31, F1: 682 records within τ of every query (D) against 683 (D ∪ {x}), 256-query batches at
+    --max-memory 16M (a bound of 682.7 pairs a query): only D ∪ {x}'s batches were halved, to 128 queries, below
+    the bf16 screen's minimum, so only there FAISS was imported, and `-v` (the root logger at INFO) printed its
+    eight loading lines: one record seen on stderr. Now FAISS loads at the start of every run that may take the bf16
+    screen, and -v shows indknn's lines only: stderr is the same in both worlds."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), INDKNN_WIDTH="200")
+    seen = {}
+    for near in (682, 683):
+        root = tmp_path / str(near)
+        root.mkdir()
+        r = subprocess.run([sys.executable, "-c", _HALVING_RUN, str(root), str(near)], capture_output=True,
+                           text=True, env=env, timeout=600)
+        *lines, status = r.stderr.strip().splitlines()
+        status = json.loads(status)
+        assert status["exit"] == 0 and len(r.stdout.splitlines()) == 2048, r.stderr[-2000:]
+        seen[near] = (lines, status["faiss_after"])
+    assert not any("faiss" in line.lower() for line in seen[682][0] + seen[683][0])
+    assert seen[682] == seen[683]
+
+
+def test_v_prints_indknns_log_lines_only(capsys):
+    """Review 31, F1: -v set the root logger to INFO, so any library's INFO line (FAISS's loader, imported in a
+    branch that one record could flip) reached serve's stderr. Only indknn's own lines show now."""
+    import logging
+
+    from indknn_cli.cli.common import set_verbosity
+
+    try:
+        set_verbosity(verbose=True)
+        logging.getLogger("faiss.loader").info("Loading faiss with AVX512 support.")
+        logging.getLogger("indknn_cli.serving").info("part %d released: %d of %d queries", 1, 5, 5)
+        err = capsys.readouterr().err
+        assert "indknn_cli.serving: part 1 released: 5 of 5 queries" in err and "faiss" not in err
+        set_verbosity()  # the next invocation without -v
+        logging.getLogger("indknn_cli.serving").info("part %d released: %d of %d queries", 2, 5, 5)
+        assert "part 2" not in capsys.readouterr().err
+    finally:
+        set_verbosity()

@@ -31,10 +31,38 @@ def verbosity() -> int:
 
 def set_verbosity(*, quiet: bool = False, verbose: bool = False) -> None:
     _VERBOSITY["level"] = 0 if quiet else 2 if verbose else 1
-    if verbose:
-        import logging
+    _log_indknn_to_stderr(verbose)
 
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+
+def _log_indknn_to_stderr(on: bool) -> None:
+    """-v: indknn's own INFO lines on stderr, and only indknn's. The root logger was configured before, so a library
+    imported in a branch one private record could flip (FAISS, when a halved batch fell below the bf16 screen's
+    minimum) printed its loading lines only in that world (review 31): serve's stderr must hold public figures only."""
+    import logging
+
+    class _Stderr(logging.StreamHandler):  # the current sys.stderr at each line (CliRunner swaps it)
+        @property
+        def stream(self):
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value):
+            pass
+
+    log = logging.getLogger("indknn_cli")
+    ours = [h for h in log.handlers if getattr(h, "_indknn", False)]
+    if not on:  # a later invocation in the same process without -v
+        for h in ours:
+            log.removeHandler(h)
+        if ours:
+            log.setLevel(logging.NOTSET)
+        return
+    if not ours:
+        h = _Stderr()
+        h._indknn = True
+        h.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
 
 
 def stderr_console(*, errors: bool = False) -> Console:
