@@ -76,7 +76,8 @@ def read(store_path) -> dict | None:
             "into the bucket by hand?): a copy of the state folder and ledger elsewhere could then pass as this "
             "store's one ledger and charge every record again; refusing. Run every ledger writer of a store from one "
             "state folder; `indknn repair` on the ledger to keep retires every record (no refund) and writes the "
-            "mark again")
+            "mark again. A store removed and made again under this name: remove this object by hand instead (it "
+            "is the old store's)")
     return m
 
 

@@ -152,10 +152,35 @@ def location(folder) -> RemoteLocation | None:
         return None
     try:
         meta = json.loads(p.read_text())
-        return RemoteLocation(url=meta["url"], name=meta["name"], options=storage_options(meta["url"]))
+        name, url = str(meta["name"]), str(meta["url"])
+        derived = _derived_from(name, url)
     except (ValueError, KeyError, TypeError):
         raise StoreError(f"{p}: the state folder's remote.json is corrupt; it names the store's URL "
                          '({"name": URL, "url": URL})') from None
+    if not derived:
+        # The name alone says where the store's leases and the bucket's copy of the ledger's mark are; the url where
+        # its data is. A name edited by hand (the data's url kept) moved the leases and the mark away from the
+        # data: a copy of the state folder then served beside the first machine, 2·B, and embed appended under
+        # another machine's writer lease (review 31, F1/F2). indknn writes url = name, or a compaction of it.
+        raise StoreError(f"{p}: the state folder names the store {name!r} but its data at {url!r}, which is neither "
+                         "that prefix nor a compaction of it (`<name>.compacted-<token>`): edited by hand? "
+                         "refusing: the store's leases and the ledger's high-water mark are found by the name")
+    return RemoteLocation(url=url, name=name, options=storage_options(url))
+
+
+_COMPACTED = r"\.compacted-[0-9a-f]{12}"
+
+
+def _derived_from(name: str, url: str) -> bool:
+    """Whether ``url`` is the store named ``name`` (any spelling) or one of its compactions."""
+    return re.fullmatch(re.escape(canonical_url(name)) + f"(?:{_COMPACTED})?", canonical_url(url)) is not None
+
+
+def is_compaction_prefix(url: str) -> bool:
+    """Whether ``url`` is a compaction's prefix (``<name>.compacted-<token>``): readable by that URL (a Dask worker
+    does), but not a store's name: leases and the ledger's mark are found by the name, and with this one a prefix of
+    data would have two (review 31)."""
+    return re.search(_COMPACTED + "$", canonical_url(url)) is not None
 
 
 def filesystem(loc: RemoteLocation):

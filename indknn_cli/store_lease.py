@@ -43,7 +43,7 @@ from typing import Iterator
 
 from . import locking
 from .errors import BadInputError, LockTimeoutError, StoreError
-from .object_store import RemoteLocation, canonical_url, filesystem, state_root
+from .object_store import RemoteLocation, canonical_url, filesystem, is_compaction_prefix, state_root
 
 SUFFIX = ".indknn-writer.json"
 #: The ledger writers' lease (serve-queries, index, delete, repair: whoever commits to the store's ledger), held
@@ -74,6 +74,10 @@ def lease_url(loc: RemoteLocation, suffix: str = SUFFIX) -> str:
     """Where the lease of the store named ``loc.name`` lives (a sibling object of its prefix; the name is
     stable across compactions, which move the data to ``<name>.compacted-<token>``)."""
     name = canonical_url(loc.name)
+    if is_compaction_prefix(name):  # one prefix of data, two names: two sets of leases and marks (review 31)
+        raise StoreError(f"{loc.name}: a compaction's prefix (`<name>.compacted-<token>`) is not a store's name; "
+                         "nothing writes through it: open the store by the name it was made under (its state folder "
+                         "points at the compaction)")
     if "/" not in name.split("://", 1)[1]:  # a store at a bucket's root: a sibling would be another bucket
         return f"{name}/{suffix.lstrip('.')}"
     return name + suffix

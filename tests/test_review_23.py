@@ -370,3 +370,55 @@ def test_review_30_marks_written_before_the_copy_field_still_serve_and_are_rewri
     assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1").newly_answered == 150
     assert json.loads((state / "ledger-mark.json").read_text())["copy"] == "local"
     assert json.loads(fs.cat_file(key))["copy"] == "bucket"
+
+
+@pytest.mark.heavy
+def test_review_31_a_state_folder_naming_another_store_than_its_data_is_refused(s3, tmp_path, monkeypatch):
+    """Review 31, F1/F2: remote.json's name alone says where the store's leases and the bucket's mark are, its url
+    where the data is. B (copies of A's state folder and ledger) copied the bucket's mark to `s2.indknn-mark.json`
+    while its copy was current, and after A committed edited its name to `…/s2` (url unchanged): B then found "its"
+    mark and lease under s2 and served beside A, 1.999999998·B; the same edit let `embed` append under A's writer
+    lease. The url must now be the name or a compaction of it."""
+    from indknn_cli import ledger_mark_remote
+    from indknn_cli.embedding import embed_into_store
+    from indknn_cli.errors import StoreError
+    from indknn_cli.ledger import BudgetLedger
+    from indknn_cli.object_store import local_path, open_store
+    from indknn_cli.serving import serve_queries
+
+    url = _two_machines(tmp_path, s3, monkeypatch)
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateB"))
+    state_b = local_path(url)
+    fs, key = ledger_mark_remote._where(state_b)
+    fs.copy(key, key.replace("/s.indknn-mark.json", "/s2.indknn-mark.json"))  # while B's copy is current
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateA"))
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1").newly_answered == 150
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateB"))
+    (state_b / "remote.json").write_text(json.dumps({"name": url + "2", "url": url}))
+    with pytest.raises(StoreError, match="neither that prefix nor a compaction of it"):
+        serve_queries(store_path=url, ledger_path=tmp_path / "LB", query_batch="q2")
+    with pytest.raises(StoreError, match="neither that prefix nor a compaction of it"):
+        embed_into_store(tmp_path / "q1.npz", store_path=url, role="query", batch="b-appends")
+    assert BudgetLedger.open(tmp_path / "LB").state.spent.max() == 0  # B charged nothing
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateA"))
+    assert "b-appends" not in open_store(url).batches()
+    assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q2").newly_answered == 150
+
+
+def test_review_31_a_compactions_prefix_is_no_stores_name(tmp_path, monkeypatch):
+    """With name = url = `<name>.compacted-<token>` (a state folder edited to the compaction's own prefix, or the
+    store opened by that URL), one prefix of data had a second name, so a second set of leases and marks. Reading
+    by that URL still works (Dask workers do); no lease or mark is ever looked up under it."""
+    from indknn_cli.errors import StoreError
+    from indknn_cli.object_store import RemoteLocation, location, write_pointer
+    from indknn_cli.store_lease import LEDGER_SUFFIX, lease_url
+
+    compacted = "s3://bkt/s.compacted-0123456789ab"
+    with pytest.raises(StoreError, match="not a store's name"):
+        lease_url(RemoteLocation(url=compacted, name=compacted, options={}), LEDGER_SUFFIX)
+    assert lease_url(RemoteLocation(url=compacted, name="s3a://bkt/s/", options={})) == "s3://bkt/s.indknn-writer.json"
+    write_pointer(tmp_path, name="s3://bkt/s", url="s3://bkt/s2")
+    with pytest.raises(StoreError, match="neither that prefix"):
+        location(tmp_path)
+    write_pointer(tmp_path, name="s3://bkt/s", url=compacted)
+    assert location(tmp_path).url == compacted
