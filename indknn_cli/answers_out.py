@@ -102,14 +102,37 @@ def as_table(rows) -> pa.Table:
     return rows.table if isinstance(rows, AnswerRows) else rows_table(list(rows))
 
 
+def check_out_path(path: str | os.PathLike) -> None:
+    """``--out`` must be a file that can be written (BadInputError, exit 2), checked before anything is charged: a
+    folder, a parent that is a file or missing, or a folder this process cannot write in failed only when the
+    answers were published, after the batch was charged (review 31, QA)."""
+    import tempfile
+
+    path = Path(path)
+    parent = path.parent
+    if path.is_dir():
+        raise BadInputError(f"--out {path} is a folder; give a file path (answers are one Parquet file)")
+    if path.suffix.lower() in (".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".txt"):
+        raise BadInputError(f"--out writes a Parquet file, and {path.name} ends in {path.suffix}: name it .parquet, "
+                            "or leave --out out for JSON lines on stdout")
+    if parent.exists() and not parent.is_dir():
+        raise BadInputError(f"--out: {parent} is a file, not a folder")
+    if not parent.is_dir():
+        raise BadInputError(f"--out: folder {parent} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.check-"):
+            pass
+    except OSError as exc:
+        raise BadInputError(f"--out: cannot write a file in {parent} ({exc.strerror or type(exc).__name__})") from None
+
+
 class AnswersWriter:
     """Append released answers to ``path`` (via a temporary file); :meth:`commit` publishes it, :meth:`abort`
     removes the temporary file. As a context manager: commit on a normal exit, abort on an exception."""
 
     def __init__(self, path: str | os.PathLike, *, row_group_rows: int | None = None):
         self.path = Path(path)
-        if self.path.parent and not self.path.parent.is_dir():
-            raise BadInputError(f"--out: folder {self.path.parent} does not exist")
+        check_out_path(self.path)
         self.row_group_rows = int(row_group_rows or ROW_GROUP_ROWS)
         self.rows = 0
         self._pending: list[pa.Table] = []  # tables of SCHEMA, not yet written

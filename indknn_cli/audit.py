@@ -206,6 +206,9 @@ class AuditResult:
     params: dict
     config: dict
     references: list[str] = field(default_factory=lambda: list(REFERENCES))
+    #: what both ε are stated for (SPEC §8): the canary is one record, in D' and not in D
+    unit: str = "record"
+    adjacency: str = "add/remove one record"
 
     @property
     def passed(self) -> bool:

@@ -212,6 +212,8 @@ def delete_records(
     if not record_ids and not user_ids and not compact and not finish_pending:
         raise BadInputError("nothing to delete: give --record, --user, --ids-file or --users-file (or --compact)")
     store_path, ledger_path = object_store.local_path(store_path), Path(ledger_path)
+    if compact:  # the compaction replaces the store's folder, a ledger inside with it (an erasure alone goes on)
+        integrity.refuse_ledger_in_store(store_path, ledger_path)
     if finish_pending and not (record_ids or user_ids or compact) and \
             not FeatureStore.open(store_path, mode="r").erase_pending_rows("private").size:
         # a day without erasure requests (empty --ids-file): nothing to do, the store checked (UX review 7)

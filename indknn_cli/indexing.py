@@ -153,6 +153,7 @@ def build_index(
             raise BadInputError("give the serving parameters through the tuning request, not both")
         tune.check()
     store_path = local_path(store_path)  # an s3:// URL: the store's state folder (object_store.py)
+    integrity.refuse_ledger_in_store(store_path, ledger_path)  # before anything is written
     store = FeatureStore.open(store_path, mode="r")
     if store.n_rows("private") == 0:
         raise BadInputError(f"{store_path}: the store has no private records to index")
@@ -186,6 +187,9 @@ def build_index(
         integrity.refuse_second_ledger(store, ledger_path)
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \
             integrity.writer_lock(store_path, timeout=lock_timeout):
+        # read again under the locks: another `index` may have created and bound the ledger while this one waited,
+        # and the store read before would show no binding (a false "binding removed": review 31, QA)
+        store = FeatureStore.open(store_path, mode="r")
         if BudgetLedger.exists(ledger_path):
             ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
             if record is not None:  # created while we tuned: the tuning result is dropped, never applied

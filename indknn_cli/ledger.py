@@ -126,7 +126,7 @@ class BudgetLedger:
                         # CURRENT named it throughout this read: no compaction ran (one writes its snapshot before
                         # moving CURRENT on, and removes the old one after); "try again" would never clear (review 29)
                         present = sorted(p.name for p in path.glob("snapshot-*.parquet"))
-                        raise LedgerError(  # exit 2, as a CURRENT that is not JSON (README, exit codes)
+                        raise LedgerIntegrityError(  # damage: exit 1 (README, exit codes)
                             f"{path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing (CURRENT edited, or "
                             "the snapshot removed): the ledger is damaged, not busy; refusing. Snapshots present: "
                             f"{', '.join(present) or 'none'}. `indknn repair` writes CURRENT back to the newest "

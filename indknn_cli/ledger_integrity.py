@@ -191,6 +191,23 @@ def binding_trace(store) -> dict | None:
     return t if isinstance(t, dict) else None
 
 
+def refuse_ledger_in_store(store_path, ledger_path) -> None:
+    """A ledger folder that is the store's folder or inside it → BadInputError (exit 2), before anything is written.
+
+    A compaction of the store (``delete --compact``) builds a new store folder and replaces the old one: a ledger
+    kept inside went with it (every snapshot gone, every spent budget lost, nothing for `repair` to rebuild), and a
+    ledger *at* the store's folder mixed their files and locks (review 31, QA). ``store_path``: the store's folder (a
+    store on object storage: its state folder, which a compaction replaces the same way)."""
+    store = Path(store_path).resolve()
+    ledger = Path(ledger_path).resolve()
+    if ledger == store or store in ledger.parents:
+        where = "is the store's folder" if ledger == store else f"is inside the store's folder {store}"
+        raise BadInputError(
+            f"--ledger {ledger_path} {where}: a compaction of the store (delete --compact) replaces that folder and "
+            "would take the ledger's files with it; keep the ledger beside the store, not in it (an existing one: "
+            "move the folder with `mv`, never copy it, and pass its new path)")
+
+
 def refuse_second_ledger(store, ledger_path) -> None:
     """Before creating a ledger: a store bound to a ledger gets no other (exit 2, names the bound ledger).
 

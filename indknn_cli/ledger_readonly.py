@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from .errors import LedgerError
+from .errors import LedgerError, LedgerIntegrityError
 
 
 def _read_generation(path: Path) -> int | None:
@@ -42,7 +42,7 @@ def open_ledger_readonly(path: str | os.PathLike, *, store_uuid: str | None = No
             if gen is not None and not (path / f"snapshot-{gen:06d}.parquet").is_file():
                 time.sleep(0.05)
                 if _read_generation(path) == gen:
-                    raise LedgerError(
+                    raise LedgerIntegrityError(
                         f"{path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing (corrupt ledger)"
                     ) from None
             time.sleep(0.05)

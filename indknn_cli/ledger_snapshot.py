@@ -50,7 +50,7 @@ def read_snapshot(path: Path) -> Snapshot:
         current = json.loads((path / "CURRENT").read_text())
         generation = int(current["generation"])
     except (ValueError, KeyError, TypeError):
-        raise LedgerError(f"{path}/CURRENT: corrupt (not the JSON pointer indknn writes)") from None
+        raise LedgerIntegrityError(f"{path}/CURRENT: corrupt (not the JSON pointer indknn writes)") from None
     snap_path = path / f"snapshot-{generation:06d}.parquet"
     try:
         snap_bytes = snap_path.read_bytes()

@@ -226,6 +226,14 @@ def _vectors(values: Any, *, col: str, start: int, display: str) -> np.ndarray:
         return np.asarray(rows, dtype=np.float64).reshape(len(rows), d or 0)
     except (TypeError, ValueError) as exc:
         raise BadInputError(f"{display}: vector column {col!r} is not numeric ({exc})") from None
+    except OverflowError:  # an integer past float64's range (JSON has no limit): a row, not an internal error
+        for j, v in enumerate(rows):
+            try:
+                np.asarray(v, dtype=np.float64)
+            except OverflowError:
+                raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: a number is too large for a "
+                                    "float (past ±1.8e308)") from None
+        raise BadInputError(f"{display}: vector column {col!r}: a number is too large for a float") from None
 
 
 class TableSource(Source):

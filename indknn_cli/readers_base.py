@@ -71,7 +71,7 @@ class Source:
         if extractor_kind not in ("text", "image", "vector"):
             raise BadInputError(f"extractor kind must be text, image or vector, got {extractor_kind!r}")
         if batch_rows <= 0:
-            raise BadInputError(f"batch rows must be positive, got {batch_rows}")
+            raise BadInputError(f"--batch-size (rows read and embedded per batch) must be positive, got {batch_rows}")
         self.extractor_kind = extractor_kind
         self.batch_rows = int(batch_rows)
         self._labels: list[str] | None = None

@@ -146,6 +146,7 @@ def serve_queries(
         raise BadInputError(f"--max-memory must be at least 16 MiB, got {max_memory} bytes")
     batch_id = batch_id or query_batch
     store_path = local_path(store_path)
+    integrity.refuse_ledger_in_store(store_path, ledger_path)
     store = FeatureStore.open(store_path, mode="r")
     q_start, q_stop, q_sha = store.query_batch(query_batch)
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \

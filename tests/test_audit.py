@@ -119,3 +119,6 @@ def test_cli_prints_one_json_line_naming_the_conversion():
     assert out["epsilon_lower_bound"] <= out["certified_epsilon"] <= 2.0
     assert out["noise"] == "seeded (experiment)"
     assert "ε lower bound" in res.stderr and "ε(rdp)" in res.stderr
+    # every ε printed names its unit and adjacency (SPEC §8; review 31, QA: the audit's did not)
+    assert out["unit"] == "record" and out["adjacency"] == "add/remove one record"
+    assert "per record (add/remove one record adjacency)" in res.stderr

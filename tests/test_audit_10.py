@@ -428,12 +428,13 @@ def test_review_29_f3_a_dot_named_stores_copy_is_not_taken_for_the_stores_own(tm
 def test_review_29_current_naming_a_missing_snapshot_says_damaged_not_busy(tmp_path):
     """Review 29 (noticed): CURRENT edited to name a snapshot that does not exist made serving say "ledger files changed
     while reading; try again", which never clears; it now says the ledger is damaged (exit 2, as a CURRENT that is not
-    JSON) naming the snapshots present, an erasure still goes through, and CURRENT written back serves again."""
+    JSON) naming the snapshots present, an erasure still goes through, and CURRENT written back serves again. Exit 1
+    since review 31 (damage, as the README's table says; it was 2, bad input)."""
     sp, lp = _world(tmp_path)
     (lp / "CURRENT").write_text(json.dumps({"generation": 7}))
     r = subprocess.run([sys.executable, "-m", "indknn_cli", "serve-queries", "q2", "--store", str(sp), "--ledger",
                         str(lp)], capture_output=True, text=True, env=ENV)
-    assert r.returncode == 2 and r.stdout == ""
+    assert r.returncode == 1 and r.stdout == ""
     assert "CURRENT names snapshot-000007.parquet, which is missing" in r.stderr and "try again" not in r.stderr
     assert "snapshot-000001.parquet" in r.stderr
     res = delete_records(store_path=sp, ledger_path=lp, record_ids=["r004"])  # never blocked by a damaged ledger

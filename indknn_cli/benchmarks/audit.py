@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(text + "\n")
     print(f"ε lower bound {result.epsilon_lower_bound:.3f} (confidence {result.confidence:.0%}) vs certified "
-          f"ε({result.conversion}) = {result.certified_epsilon:.3f} at δ = {result.delta:g}: "
+          f"ε({result.conversion}) = {result.certified_epsilon:.3f} at δ = {result.delta:g}, per {result.unit} "
+          f"({result.adjacency} adjacency): "
           f"{'consistent' if result.passed else 'LEAK: the lower bound exceeds the certificate'}", file=sys.stderr)
     return 0 if result.passed else EXIT_CHECK_FAILED
 

@@ -21,8 +21,9 @@ def _load() -> None:
     from ..ledger import BudgetLedger
     from .. import gate
     from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, check_seed, queries_answered, resolve_query_batch, serve_queries)
-    from ..answers_out import AnswerRows, AnswersWriter
-    from ..ledger_integrity import check_binding, read_mark
+    from ..answers_out import AnswerRows, AnswersWriter, check_out_path
+    from ..ledger_integrity import check_binding, read_mark, refuse_ledger_in_store
+    from ..object_store import local_path
     from ..store import FeatureStore
     from ..distributed import resolve_scheduler, session as scheduler_session
     from ..engine import ABSTAIN_LABEL
@@ -38,8 +39,9 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
         raise BadInputError(f"--batch-size must be ≥ 1, got {batch_size}")
     if max_memory < (16 << 20):
         raise BadInputError(f"--max-memory must be at least 16 MiB, got {max_memory} bytes")
-    if out is not None and not out.parent.is_dir():  # else the answers would be charged, then not written
-        raise BadInputError(f"--out: folder {out.parent} does not exist")
+    if out is not None:  # else the answers would be charged, then not written
+        check_out_path(out)
+    refuse_ledger_in_store(local_path(store_path), ledger_path)
     if not BudgetLedger.exists(ledger_path):
         raise LedgerError(f"{ledger_path}: no budget ledger here (create one with `indknn index`)")
     BudgetLedger.check_writable(ledger_path)

@@ -1,0 +1,125 @@
+"""Review 31's QA pass (a helper run as an ML engineer on unseen, hostile input; AUDIT_FINDINGS_10.md): each test
+fails before its fix."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from indknn_cli.cli.app import app
+from indknn_cli.ledger import BudgetLedger
+from indknn_cli.store import FeatureStore
+
+runner = CliRunner()
+D = 8
+INDEX = ["--eps", "1", "--tau", "0.2", "--sigma2", "0.6", "--planned-queries", "100"]
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _store(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "p.npz", x=rng.standard_normal((60, D)).astype("f4"), y=np.array(["a", "b"] * 30),
+             ids=np.array([f"r{i}" for i in range(60)]))
+    np.save(tmp_path / "q.npy", rng.standard_normal((20, D)).astype("f4"))
+    sp = tmp_path / "s.zarr"
+    r = runner.invoke(app, ["embed", str(tmp_path / "p.npz"), "--store", str(sp), "--extractor", "vectors",
+                            "--label-names", "a,b", "-q"])
+    assert r.exit_code == 0, r.stderr
+    return sp
+
+
+def test_a_ledger_at_or_inside_the_store_folder_is_refused_before_anything_is_written(tmp_path):
+    """`--ledger s.zarr/ledger` was accepted by index and serve, and `delete --compact` then replaced the store's
+    folder and the ledger's snapshots with it: every spent budget lost, nothing for repair to rebuild. `--ledger
+    s.zarr` wrote ledger files into the store and then failed with "another indknn process is writing"."""
+    sp = _store(tmp_path)
+    before = _files(sp)
+    for inside in (sp, sp / "ledger"):
+        r = runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(inside), *INDEX])
+        assert r.exit_code == 2 and "store's folder" in r.stderr, r.stderr
+        assert _files(sp) == before
+    # a ledger moved into the store by hand: an erasure goes on, a compaction is refused before it starts
+    lp = tmp_path / "L"
+    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), *INDEX]).exit_code == 0
+    assert runner.invoke(app, ["serve-queries", str(tmp_path / "q.npy"), "--store", str(sp), "--ledger", str(lp),
+                               "-q"]).exit_code == 0
+    lp.rename(sp / "ledger")
+    kept = _files(sp / "ledger")
+    r = runner.invoke(app, ["delete", "--record", "r1", "--compact", "--store", str(sp), "--ledger", str(sp / "ledger")])
+    assert r.exit_code == 2 and "inside the store's folder" in r.stderr
+    assert _files(sp / "ledger") == kept and not FeatureStore.open(sp).read("private", "deleted").any()
+    r = runner.invoke(app, ["serve-queries", str(tmp_path / "q.npy"), "--store", str(sp), "--ledger",
+                            str(sp / "ledger"), "--batch-id", "again"])
+    assert r.exit_code == 2 and "again" not in FeatureStore.open(sp).batches()  # refused before the embed
+    r = runner.invoke(app, ["delete", "--record", "r1", "--store", str(sp), "--ledger", str(sp / "ledger")])
+    assert r.exit_code == 0, r.stderr  # an erasure is never blocked
+    assert FeatureStore.open(sp).read("private", "deleted").sum() == 1
+
+
+def test_an_out_path_that_cannot_be_written_is_refused_before_anything_is_charged(tmp_path):
+    """`--out outdir` (a folder) or `--out /proc/x.parquet` failed only when the answers were published: the batch
+    was embedded and charged, and no answer delivered."""
+    sp = _store(tmp_path)
+    lp = tmp_path / "L"
+    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), *INDEX]).exit_code == 0
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for out, says in ((tmp_path / "outdir", "is a folder"), (tmp_path / "afile" / "x.parquet", "is a file"),
+                      (tmp_path / "answers.csv", "writes a Parquet file"),  # it wrote Parquet under .csv
+                      (Path("/proc/x.parquet"), "cannot write a file in /proc")):
+        r = runner.invoke(app, ["serve-queries", str(tmp_path / "q.npy"), "--store", str(sp), "--ledger", str(lp),
+                                "--out", str(out)])
+        assert r.exit_code == 2 and says in r.stderr, (out, r.stderr)
+    assert BudgetLedger.open(lp).state.answers_released() == 0 and FeatureStore.open(sp).n_rows("query") == 0
+
+
+def test_index_waiting_for_another_index_that_created_the_ledger_is_not_a_false_tamper_alarm(tmp_path, monkeypatch):
+    """Two `index` runs at once (an overlapping cron): the second read the store before the first bound it, then
+    found the ledger and refused it as "the store's binding attribute was removed … a rollback could not be
+    detected" (exit 1, 3 of 3 times). It now reads the store again under the locks and adds to the ledger."""
+    from indknn_cli import indexing
+
+    sp = _store(tmp_path)
+    lp = tmp_path / "L"
+    real = indexing.BudgetLedger.write_lock
+    ran = []
+
+    @contextlib.contextmanager
+    def other_index_first(*a, **k):  # the other cron run takes the locks first and finishes
+        if not ran:
+            ran.append(subprocess.run([sys.executable, "-m", "indknn_cli", "index", "--store", str(sp), "--ledger",
+                                       str(lp), *INDEX, "-q"], capture_output=True, text=True, timeout=300))
+        with real(*a, **k):
+            yield
+
+    monkeypatch.setattr(indexing.BudgetLedger, "write_lock", other_index_first)
+    r = runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), *INDEX])
+    assert ran[0].returncode == 0, ran[0].stderr
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["created"] is False
+
+
+def test_a_number_past_float_range_in_json_lines_names_its_row(tmp_path):
+    """A JSON-lines vector holding 10^400 was "Internal error: OverflowError" (exit 1) in embed and serve."""
+    sp = _store(tmp_path)
+    before = _files(sp)
+    big = "1" + "0" * 400
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "j0", "vector": [0.5] * D, "label": "a"}) + "\n"
+                                      + f'{{"id":"j1","vector":[{big}{",0" * (D - 1)}],"label":"a"}}\n')
+    r = runner.invoke(app, ["embed", str(tmp_path / "p.jsonl"), "--store", str(sp)])
+    assert r.exit_code == 2 and "row 2, column 'vector': a number is too large" in r.stderr, r.stderr
+    assert _files(sp) == before
+    r = runner.invoke(app, ["embed", str(tmp_path / "p.jsonl"), "--store", str(sp), "--batch-size", "0"])
+    assert r.exit_code == 2 and "--batch-size" in r.stderr and _files(sp) == before
