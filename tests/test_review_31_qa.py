@@ -40,6 +40,7 @@ def _store(tmp_path: Path) -> Path:
     return sp
 
 
+@pytest.mark.heavy
 def test_a_ledger_at_or_inside_the_store_folder_is_refused_before_anything_is_written(tmp_path):
     """`--ledger s.zarr/ledger` was accepted by index and serve, and `delete --compact` then replaced the store's
     folder and the ledger's snapshots with it: every spent budget lost, nothing for repair to rebuild. `--ledger
@@ -85,6 +86,7 @@ def test_an_out_path_that_cannot_be_written_is_refused_before_anything_is_charge
     assert BudgetLedger.open(lp).state.answers_released() == 0 and FeatureStore.open(sp).n_rows("query") == 0
 
 
+@pytest.mark.heavy
 def test_index_waiting_for_another_index_that_created_the_ledger_is_not_a_false_tamper_alarm(tmp_path, monkeypatch):
     """Two `index` runs at once (an overlapping cron): the second read the store before the first bound it, then
     found the ledger and refused it as "the store's binding attribute was removed … a rollback could not be
