@@ -183,6 +183,7 @@ def build_index(
     plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
                               nprobe=nprobe, train_on=train_on, params=known_params)
     created = False
+    folder_was_there = Path(ledger_path).exists()
     if not BudgetLedger.exists(ledger_path):  # before the lock, which would create the ledger folder
         integrity.refuse_second_ledger(store, ledger_path)
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \
@@ -210,7 +211,12 @@ def build_index(
             integrity.refuse_second_ledger(store, ledger_path)  # one store, one ledger (SPEC §8)
             ledger = BudgetLedger.create(ledger_path, params=params, store_uuid=store.uuid,
                                          store_path=str(Path(store_path).resolve()), tuning=record)
-            integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
+            try:
+                integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
+            except BaseException:
+                if not folder_was_there:
+                    _discard_unbound(ledger_path, store_path, ledger)
+                raise
             created = True
         from .deletion_compact import discard_unpublished
 
@@ -265,6 +271,22 @@ def _unit_checks(store: FeatureStore, params: PrivacyParams | None) -> list[str]
         return ["the store has user ids but the privacy unit is record: a person with several records is "
                 "protected per record, not as a person; consider --privacy-unit user"]
     return []
+
+
+def _discard_unbound(ledger_path, store_path, ledger) -> None:
+    """A ledger this `index` just made in a folder that did not exist, refused before the store names it (its
+    binding or its mark): removed, so that a refused `index` leaves no ledger behind (review 31: one was left, and
+    `repair` on it retired every new record). Kept when anything of the store already names it."""
+    import shutil
+
+    uuid = ledger.meta["ledger_uuid"]
+    try:
+        b = integrity.binding_of(FeatureStore.open(store_path, mode="r"))
+        local = integrity._read_local_mark(store_path)
+    except Exception:  # noqa: BLE001 - unsure what the store holds: keep the ledger
+        return
+    if (b or {}).get("ledger_uuid") != uuid and (local or {}).get("ledger_uuid") != uuid:
+        shutil.rmtree(ledger_path, ignore_errors=True)
 
 
 def _differs(a: PrivacyParams, b: PrivacyParams) -> bool:

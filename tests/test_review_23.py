@@ -422,3 +422,33 @@ def test_review_31_a_compactions_prefix_is_no_stores_name(tmp_path, monkeypatch)
         location(tmp_path)
     write_pointer(tmp_path, name="s3://bkt/s", url=compacted)
     assert location(tmp_path).url == compacted
+
+
+@pytest.mark.heavy
+def test_review_31_an_index_refused_by_a_stale_state_folder_mark_in_the_bucket_leaves_no_ledger(s3, tmp_path,
+                                                                                                 monkeypatch):
+    """A store removed by hand whose bucket mark was a state folder's copy (copy = "local"), made again under its
+    name: `index` was refused, as it should be, but left its new ledger folder, and the message sent the operator to
+    `repair`, which retired every new record. The refusal now says to remove the old object, and no ledger is left."""
+    from indknn_cli import object_store
+    from indknn_cli.embedding import embed_into_store
+    from indknn_cli.errors import LedgerIntegrityError
+    from indknn_cli.ledger_mark_remote import SUFFIX
+    from indknn_cli.serving import build_index, make_params
+    from indknn_cli.store import normalize_rows
+    from indknn_cli.store_lease import lease_url
+
+    monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "state"))
+    x, y, _ = clustered(60, 8, 2, seed=1)
+    np.savez(tmp_path / "p.npz", x=normalize_rows(x), y=y, ids=np.array([f"r{i}" for i in range(60)]))
+    url = f"s3://{new_bucket(s3)}/s"
+    embed_into_store(tmp_path / "p.npz", store_path=url, extractor="vectors", label_names=["0", "1"])
+    st = object_store.open_store(url)
+    fs, key = object_store.filesystem(st.remote), lease_url(st.remote, SUFFIX)
+    fs.pipe_file(key, json.dumps(_sealed_mark(copy="local")).encode())  # the old store's, left behind
+    params = make_params(epsilon=1.0, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=50)
+    with pytest.raises(LedgerIntegrityError, match="remove this object by hand"):
+        build_index(store_path=url, ledger_path=tmp_path / "L", params=params)
+    assert not (tmp_path / "L").exists()
+    fs.rm_file(key)
+    assert build_index(store_path=url, ledger_path=tmp_path / "L", params=params).created
