@@ -258,6 +258,15 @@ class VectorsExtractor(Extractor):
             self.dim = int(x.shape[1])
         elif x.shape[0] and x.shape[1] != self.dim:
             raise BadInputError(f"vectors: d={x.shape[1]}, earlier vectors had d={self.dim}")
+        if x.size:  # a finite row past float32's range (1e300) or below its normal range: only its direction counts
+            # (every row is L2-normalised), so it is divided by its largest entry first; other rows are unchanged
+            with np.errstate(invalid="ignore"):
+                big = np.abs(np.where(np.isfinite(x), x, 0.0)).max(axis=1)
+            out = np.isfinite(x).all(axis=1) & ((big > np.finfo(np.float32).max) |
+                                                ((big > 0) & (big < np.finfo(np.float32).tiny)))
+            if out.any():
+                x = x.copy()
+                x[out] /= big[out, None]
         with np.errstate(over="ignore"):
             return x.astype(np.float32)
 

@@ -77,7 +77,15 @@ def normalize_rows(x: np.ndarray, *, what: str = "vectors") -> np.ndarray:
     if not finite.all():
         bad = int(np.flatnonzero(~finite)[0])
         raise BadInputError(f"{what}: row {bad} contains NaN or infinite values")
-    norms = np.sqrt((x64 * x64).sum(axis=1))
+    with np.errstate(over="ignore", under="ignore"):
+        norms = np.sqrt((x64 * x64).sum(axis=1))
+    scale = ~np.isfinite(norms) | ((norms == 0) & (x64 != 0).any(axis=1))
+    if scale.any():  # a finite row whose squares overflow (1e300) or underflow (1e-200): scaled by its largest entry
+        big = np.abs(x64[scale]).max(axis=1, keepdims=True)  # first; other rows keep the plain path, bit for bit
+        x64 = x64.copy()
+        x64[scale] = x64[scale] / big
+        norms = norms.copy()
+        norms[scale] = np.sqrt((x64[scale] * x64[scale]).sum(axis=1))
     if (norms == 0).any():
         bad = int(np.flatnonzero(norms == 0)[0])
         raise BadInputError(f"{what}: row {bad} is a zero vector (cannot be L2-normalised)")

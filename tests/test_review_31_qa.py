@@ -125,3 +125,25 @@ def test_a_number_past_float_range_in_json_lines_names_its_row(tmp_path):
     assert _files(sp) == before
     r = runner.invoke(app, ["embed", str(tmp_path / "p.jsonl"), "--store", str(sp), "--batch-size", "0"])
     assert r.exit_code == 2 and "--batch-size" in r.stderr and _files(sp) == before
+
+
+def test_a_finite_vector_past_float32s_range_is_stored_by_its_direction(tmp_path):
+    """1e300 (finite float64) was refused as "NaN or infinite values" (it overflowed on the cast to float32). A
+    vector's direction is all that is stored (every row is L2-normalised): such a row is scaled first; the others
+    are stored bit for bit as before."""
+    from indknn_cli.store import normalize_rows
+
+    x = np.random.default_rng(1).standard_normal((6, D))
+    x[2, 3], x[4] = 1e300, 1e-300 * x[4]
+    np.savez(tmp_path / "big.npz", x=x, y=np.array(["a", "b"] * 3), ids=np.array([f"b{i}" for i in range(6)]))
+    r = runner.invoke(app, ["embed", str(tmp_path / "big.npz"), "--store", str(tmp_path / "b.zarr"), "--extractor",
+                            "vectors", "--label-names", "a,b", "-q"])
+    assert r.exit_code == 0, r.stderr
+    got = FeatureStore.open(tmp_path / "b.zarr").read("private", "features")
+    want = np.zeros(D, np.float32)
+    want[3] = 1.0
+    assert np.array_equal(got[2], want)
+    assert np.allclose(got[4], normalize_rows(x[4:5] * 1e300)[0], atol=1e-7)
+    ok = [0, 1, 3, 5]
+    assert np.array_equal(got[ok], normalize_rows(x[ok].astype(np.float32)))
+    assert np.allclose(normalize_rows(np.array([[1e300, 1e300]])), [[2 ** -0.5, 2 ** -0.5]])
