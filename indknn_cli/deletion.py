@@ -212,8 +212,14 @@ def delete_records(
     if not record_ids and not user_ids and not compact and not finish_pending:
         raise BadInputError("nothing to delete: give --record, --user, --ids-file or --users-file (or --compact)")
     store_path, ledger_path = object_store.local_path(store_path), Path(ledger_path)
-    if compact:  # the compaction replaces the store's folder, a ledger inside with it (an erasure alone goes on)
-        integrity.refuse_ledger_in_store(store_path, ledger_path)
+    compact_refused = None
+    if compact:  # the compaction replaces the store's folder, a ledger inside with it; an erasure still goes on
+        try:
+            integrity.refuse_ledger_in_store(store_path, ledger_path)
+        except BadInputError as exc:
+            if not (record_ids or user_ids):
+                raise
+            compact, compact_refused = False, str(exc)  # reported with the result (review 31: it erased nothing)
     if finish_pending and not (record_ids or user_ids or compact) and \
             not FeatureStore.open(store_path, mode="r").erase_pending_rows("private").size:
         # a day without erasure requests (empty --ids-file): nothing to do, the store checked (UX review 7)
@@ -272,6 +278,8 @@ def delete_records(
                 left = None if recovered else _leftover_note(store.path)  # not run: its leftovers are reported
                 notes = ([note] if note else []) + cleanup + ([left] if left else [])
                 res.physical_erasure = "; ".join(notes) if notes else None
+                if compact_refused is not None:
+                    res.compaction = {"refused": compact_refused}
                 return res
             pending = complete_pending(store, ledger)
             plan = _plan(store, ledger, record_ids, user_ids)
@@ -282,6 +290,8 @@ def delete_records(
                 cleanup.append(compaction["leftover"])
             if cleanup:  # objects of an earlier copy that may keep vectors: reported with the result (exit 1)
                 note = "; ".join(([note] if note else []) + cleanup)
+    if compact_refused is not None:
+        compaction = {"refused": compact_refused}
     return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
                         users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
                         record_ids=plan.record_ids, bytes_rewritten=written, dry_run=False,

@@ -267,15 +267,22 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
             if dry_run:
                 path = Path(tmp) / "ledger"
                 shutil.copytree(ledger_path, path, ignore=shutil.ignore_patterns("LOCK"))
-            back, kept_in = _write_current_back(path)
-            if back is not None:
-                after = _refusal(path, store)
-                if after is None:  # CURRENT was all that was wrong: the mark vouches for the rest, nobody retires
-                    return RepairResult(ledger=str(ledger_path), repaired=True, reason=reason, dry_run=dry_run,
-                                        current_written_back=back,
-                                        quarantine_folder=None if dry_run else str(ledger_path / kept_in))
-                reason = f"{reason}; with CURRENT written back to generation {back}: {after}"
-            res = _repair(path, store, reason, dry_run=dry_run, shown_path=ledger_path)
+            back, kept_in = _write_current_back(path, store, shown_path=ledger_path)
+            try:
+                if back is not None:
+                    after = _refusal(path, store)
+                    if after is None:  # CURRENT was all that was wrong: the mark vouches for the rest, nobody retires
+                        return RepairResult(ledger=str(ledger_path), repaired=True, reason=reason, dry_run=dry_run,
+                                            current_written_back=back,
+                                            quarantine_folder=None if dry_run else str(ledger_path / kept_in))
+                    reason = f"{reason}; with CURRENT written back to generation {back}: {after}"
+                res = _repair(path, store, reason, dry_run=dry_run, shown_path=ledger_path)
+            except BaseException:
+                # the repair failed: CURRENT as it was, so the ledger is in the state repair found (a damaged ledger
+                # never blocks an erasure; one pointed at a snapshot that then failed could: review 32, F1)
+                if back is not None and (path / "CURRENT").read_text() == json.dumps({"generation": back}):
+                    atomic_write_text((path / kept_in / "CURRENT").read_text(), path / "CURRENT")
+                raise
             res.current_written_back = back
             return res
 
@@ -297,11 +304,14 @@ def _refusal(path: Path, store: FeatureStore) -> str | None:
         return str(exc)
 
 
-def _write_current_back(path: Path) -> tuple[int | None, Path | None]:
+def _write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> tuple[int | None, Path | None]:
     """When CURRENT names a snapshot that is missing (edited, or the snapshot removed: review 29), point it at the
-    newest snapshot present and return that generation and where the old CURRENT is kept (relative to ``path``,
-    under ``quarantine/``); (None, None) when CURRENT is fine or no snapshot is left. Safe either way: the caller checks the ledger against the store's mark again,
-    and a ledger older than the mark is repaired by retiring every record (no refund)."""
+    newest snapshot present that is this store's (and, for a bound store, its ledger's), and return that generation
+    and where the old CURRENT is kept (relative to ``path``, under ``quarantine/``); (None, None) when CURRENT is
+    fine. A stopped compaction's unpublished snapshot names the renumbered store and is passed over (review 32, F1:
+    pointed at it, every later command, erasures included, was told to "run again"). The caller checks the ledger
+    against the store's mark again (a ledger older than the mark is repaired by retiring every record: no refund)
+    and puts CURRENT back if the repair fails."""
     cur = path / "CURRENT"
     try:
         gen = int(json.loads(cur.read_text())["generation"])
@@ -310,10 +320,11 @@ def _write_current_back(path: Path) -> tuple[int | None, Path | None]:
     if (path / f"snapshot-{gen:06d}.parquet").is_file():
         return None, None
     present = sorted(int(m.group(1)) for p in path.glob("snapshot-*.parquet")
-                     if (m := re.fullmatch(r"snapshot-(\d{6})\.parquet", p.name)))
+                     if (m := re.fullmatch(r"snapshot-(\d{6})\.parquet", p.name)) and _belongs(p, store))
     if not present:
         raise LedgerIntegrityError(
-            f"{path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing, and no other snapshot is left: "
+            f"{shown_path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing, and no other snapshot of this "
+            "store's ledger is left: "
             "repair cannot rebuild the records' spent budgets; restore the ledger folder from a backup (one older "
             "than the store's high-water mark is refused), then run repair")
     folder = Path("quarantine") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -321,6 +332,18 @@ def _write_current_back(path: Path) -> tuple[int | None, Path | None]:
     shutil.copy2(cur, path / folder / "CURRENT")
     atomic_write_text(json.dumps({"generation": present[-1]}), cur)
     return present[-1], folder
+
+
+def _belongs(snapshot: Path, store: FeatureStore) -> bool:
+    """Whether a snapshot file names ``store`` (its uuid) and, when the store is bound, the bound ledger."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = json.loads((pq.read_schema(snapshot).metadata or {})[b"indknn"])
+    except Exception:  # noqa: BLE001 - unreadable: not a snapshot to point CURRENT at
+        return False
+    bound = (integrity.binding_of(store) or {}).get("ledger_uuid")
+    return meta.get("store_uuid") == store.uuid and (bound is None or meta.get("ledger_uuid") == bound)
 
 
 def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, shown_path: Path) -> RepairResult:

@@ -501,5 +501,47 @@ def test_repair_of_a_current_whose_snapshot_was_removed_retires_everyone_and_ref
         p.unlink()
     (lp / "CURRENT").write_text(json.dumps({"generation": 9}))
     r = _repair_cli(sp, lp)
-    assert r.returncode == 1 and r.stdout == "" and "no other snapshot is left" in r.stderr
+    assert r.returncode == 1 and r.stdout == "" and "no other snapshot of this store's ledger is left" in r.stderr
     assert json.loads((lp / "CURRENT").read_text()) == {"generation": 9}
+
+
+@pytest.mark.heavy
+def test_repair_passes_over_a_stopped_compactions_snapshot_and_puts_current_back_when_it_fails(tmp_path,
+                                                                                                monkeypatch):
+    """Review 32, F1: a store compaction stopped after it wrote the ledger's renumbered snapshot 2 (for the store it
+    had not published), then CURRENT damaged: repair pointed CURRENT at snapshot 2, failed ("run again"), and from
+    then on every command, erasures included, was refused. Repair now takes only a snapshot of this store (and its
+    bound ledger), and puts CURRENT back when the repair fails."""
+    from indknn_cli import ledger_repair
+
+    from .test_delete import Crash, _crash_at
+
+    sp, lp = _world(tmp_path)
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r001"])
+    _crash_at(monkeypatch, "compact-ledger-prepared")
+    with pytest.raises(Crash):
+        delete_records(store_path=sp, ledger_path=lp, compact=True)
+    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    assert (lp / "snapshot-000002.parquet").is_file() and _generation(lp) == 1
+    spent = BudgetLedger.open(lp).state.spent.copy()
+
+    (lp / "CURRENT").write_text(json.dumps({"generation": 99}))
+
+    def fails(*a, **k):
+        raise RuntimeError("disk gone")
+
+    monkeypatch.setattr(ledger_repair, "_refusal", lambda path, store, real=ledger_repair._refusal: (
+        fails() if _generation(path) != 99 else real(path, store)))
+    with pytest.raises(RuntimeError):
+        ledger_repair.repair_ledger(ledger_path=lp, store_path=sp)
+    assert json.loads((lp / "CURRENT").read_text()) == {"generation": 99}  # as repair found it
+    assert delete_records(store_path=sp, ledger_path=lp, record_ids=["r004"]).records_erased == 1  # not blocked
+    monkeypatch.undo()
+
+    r = _repair_cli(sp, lp)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["current_written_back"] == 1 and out["records_retired"] == 0, r.stderr
+    assert (BudgetLedger.open(lp).state.spent >= spent).all()
+    assert delete_records(store_path=sp, ledger_path=lp, record_ids=["r005"]).records_erased == 1
+    assert delete_records(store_path=sp, ledger_path=lp, compact=True).compaction is not None
+    assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]

@@ -51,22 +51,27 @@ def test_a_ledger_at_or_inside_the_store_folder_is_refused_before_anything_is_wr
         r = runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(inside), *INDEX])
         assert r.exit_code == 2 and "store's folder" in r.stderr, r.stderr
         assert _files(sp) == before
-    # a ledger moved into the store by hand: an erasure goes on, a compaction is refused before it starts
+    # a ledger moved into the store by hand (or made before this check): the compaction is refused, the erasure
+    # asked for with it goes through (review 32: `delete --record X --compact` erased nothing), exit 2
     lp = tmp_path / "L"
     assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), *INDEX]).exit_code == 0
     assert runner.invoke(app, ["serve-queries", str(tmp_path / "q.npy"), "--store", str(sp), "--ledger", str(lp),
                                "-q"]).exit_code == 0
     lp.rename(sp / "ledger")
-    kept = _files(sp / "ledger")
+    snapshots = sorted(p.name for p in (sp / "ledger").glob("snapshot-*.parquet"))
     r = runner.invoke(app, ["delete", "--record", "r1", "--compact", "--store", str(sp), "--ledger", str(sp / "ledger")])
+    assert r.exit_code == 2 and "--compact was refused, the erasure went through" in r.stderr, r.stderr
+    assert json.loads(r.stdout)["records_erased"] == 1 and "inside the store's folder" in r.stderr
+    assert FeatureStore.open(sp).read("private", "deleted").sum() == 1
+    assert sorted(p.name for p in (sp / "ledger").glob("snapshot-*.parquet")) == snapshots  # nothing compacted
+    r = runner.invoke(app, ["delete", "--compact", "--store", str(sp), "--ledger", str(sp / "ledger")])
     assert r.exit_code == 2 and "inside the store's folder" in r.stderr
-    assert _files(sp / "ledger") == kept and not FeatureStore.open(sp).read("private", "deleted").any()
     r = runner.invoke(app, ["serve-queries", str(tmp_path / "q.npy"), "--store", str(sp), "--ledger",
                             str(sp / "ledger"), "--batch-id", "again"])
     assert r.exit_code == 2 and "again" not in FeatureStore.open(sp).batches()  # refused before the embed
-    r = runner.invoke(app, ["delete", "--record", "r1", "--store", str(sp), "--ledger", str(sp / "ledger")])
+    r = runner.invoke(app, ["delete", "--record", "r2", "--store", str(sp), "--ledger", str(sp / "ledger")])
     assert r.exit_code == 0, r.stderr  # an erasure is never blocked
-    assert FeatureStore.open(sp).read("private", "deleted").sum() == 1
+    assert FeatureStore.open(sp).read("private", "deleted").sum() == 2
 
 
 def test_an_out_path_that_cannot_be_written_is_refused_before_anything_is_charged(tmp_path):

@@ -81,6 +81,12 @@ def delete_command(
     if dry_run:
         err.print("dry run: nothing was written", soft_wrap=True)
     emit_json(result.as_dict())
+    refused = (result.compaction or {}).get("refused")  # a ledger in the store's folder: exit 2, fix the flags
+    if refused:
+        err.print(f"[bold red]Error:[/] --compact was refused, the erasure went through: {escape(str(refused))}",
+                  soft_wrap=True)
+    if refused and result.physical_erasure is None:
+        raise typer.Exit(2)
     if result.physical_erasure is not None:  # recorded, but the bucket's old versions keep the vectors
         err.print(f"[bold red]Error:[/] physical erasure {escape(result.physical_erasure)}", soft_wrap=True)
         raise typer.Exit(1)

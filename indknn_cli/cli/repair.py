@@ -47,7 +47,7 @@ def repair_command(
     emit_json(result.as_dict())
     if result.current_written_back is not None:
         err.print(escape(f"CURRENT named a snapshot that is missing; {'would write' if result.dry_run else 'wrote'} it "
-                         f"back to generation {result.current_written_back}, the newest snapshot present (the old "
+                         f"back to generation {result.current_written_back}, the newest snapshot of this store's ledger (the old "
                          "CURRENT is kept in quarantine/)"))
     if not result.repaired:
         err.print("the ledger verifies: nothing to repair")
