@@ -56,6 +56,19 @@ def _world(root: Path):
     return Path(st.path), lp
 
 
+def _stopped_compaction(root: Path, monkeypatch):
+    """A world whose store compaction (r001 erased) stopped after it wrote the ledger's renumbered snapshot."""
+    from .test_delete import Crash, _crash_at
+
+    sp, lp = _world(root)
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r001"])
+    _crash_at(monkeypatch, "compact-ledger-prepared")
+    with pytest.raises(Crash):
+        delete_records(store_path=sp, ledger_path=lp, compact=True)
+    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    return sp, lp
+
+
 def _generation(lp: Path) -> int:
     return int(json.loads((lp / "CURRENT").read_text())["generation"])
 
@@ -325,14 +338,7 @@ def test_review_27_f3_a_stopped_compactions_copy_and_snapshot_are_removed_by_the
     """A compaction stopped before its publication leaves a copy of the store whose mark announces the unpublished
     snapshot, and that snapshot: swapped back in later, the pair rolled the ledger back. The next ledger writer
     removes both."""
-    from .test_delete import Crash, _crash_at
-
-    sp, lp = _world(tmp_path)
-    delete_records(store_path=sp, ledger_path=lp, record_ids=["r001"])
-    _crash_at(monkeypatch, "compact-ledger-prepared")
-    with pytest.raises(Crash):
-        delete_records(store_path=sp, ledger_path=lp, compact=True)
-    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    sp, lp = _stopped_compaction(tmp_path, monkeypatch)
     g = _generation(lp)
     assert (lp / f"snapshot-{g + 1:06d}.parquet").exists() and list(sp.parent.glob(".s.zarr.compacting-*"))
     serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=2, batch_size=60)
@@ -514,14 +520,7 @@ def test_repair_passes_over_a_stopped_compactions_snapshot_and_puts_current_back
     bound ledger), and puts CURRENT back when the repair fails."""
     from indknn_cli import ledger_repair
 
-    from .test_delete import Crash, _crash_at
-
-    sp, lp = _world(tmp_path)
-    delete_records(store_path=sp, ledger_path=lp, record_ids=["r001"])
-    _crash_at(monkeypatch, "compact-ledger-prepared")
-    with pytest.raises(Crash):
-        delete_records(store_path=sp, ledger_path=lp, compact=True)
-    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    sp, lp = _stopped_compaction(tmp_path, monkeypatch)
     assert (lp / "snapshot-000002.parquet").is_file() and _generation(lp) == 1
     spent = BudgetLedger.open(lp).state.spent.copy()
 
