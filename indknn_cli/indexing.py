@@ -20,7 +20,7 @@ from .ledger import BudgetLedger, PrivacyParams
 from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import user_keys
-from .wording import count
+from .wording import count, per_unit
 
 
 # -- index -------------------------------------------------------------------
@@ -199,7 +199,8 @@ def build_index(
             if params is not None and _differs(params, ledger.params):
                 raise LedgerError(
                     f"{ledger_path}: the ledger already exists with fixed parameters "
-                    f"(ε={ledger.params.epsilon}, δ={ledger.params.delta}, B={ledger.params.budget:.6g}, "
+                    f"(ε={ledger.params.epsilon} at δ={ledger.params.delta} ({ledger.params.conversion}, "
+                    f"{per_unit(ledger.params.privacy_unit)}), B={ledger.params.budget:.6g}, "
                     f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation. To "
                     f"add new records, run `indknn index --ledger {ledger_path}` without --eps and the other "
                     "privacy flags"

@@ -63,7 +63,7 @@ from .ledger_chain import (CHAIN_VERSION, GENESIS, _short, check_link, check_uni
                            snapshot_is_chained)
 from .ledger_mark import (_UNREAD, MARK_NAME, _read_local_mark, announced, carry_mark, check_mark,  # noqa: F401
                           mark_path, read_mark, write_mark)
-from .wording import count
+from .wording import count, per_unit
 
 BINDING_ATTR = "ledger_binding"
 #: Lock file in the store folder that every ledger writer of the store holds (whichever copy of the ledger).
@@ -134,13 +134,15 @@ def check_snapshot(snap_path: Path, meta: dict, params, answers_bytes: bytes) ->
         if not tuned_budget_matches(params.budget, params, tuning):
             raise LedgerIntegrityError(
                 f"{snap_path}: params.budget B={params.budget!r} is not the serving budget of the recorded "
-                f"private tuning composed to ε={params.epsilon!r}, δ={params.delta!r} (rdp); the ledger's "
+                f"private tuning composed to ε={params.epsilon!r}, δ={params.delta!r} (rdp, "
+                f"{per_unit(getattr(params, 'privacy_unit', 'record'))}); the ledger's "
                 "parameters or its tuning record were edited; refusing it")
     elif not budget_matches(params.budget, params):
         certifies = _certifies(float(params.budget), float(params.epsilon), float(params.delta), str(params.conversion))
         raise LedgerIntegrityError(
             f"{snap_path}: params.budget B={params.budget!r} is not the calibration of the ledger's own "
-            f"ε={params.epsilon!r}, δ={params.delta!r} ({params.conversion}): B "
+            f"ε={params.epsilon!r}, δ={params.delta!r} ({params.conversion}, "
+            f"{per_unit(getattr(params, 'privacy_unit', 'record'))}): B "
             f"{'is below the largest budget that certifies' if certifies else 'does not certify'} that ε; "
             "the ledger's parameters were edited; refusing it"
         )

@@ -13,7 +13,7 @@ from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import check_binding, head_seq, read_mark, snapshot_is_chained
 from .ledger_rows import check_erased_owners, check_rows_hold_records
-from .wording import count
+from .wording import count, per_unit
 
 def verify_ledger(ledger_path, *, store_path=None) -> dict:
     """Walk the chain and every check above; return what was verified (``verified`` False and ``error``
@@ -85,7 +85,8 @@ def _describe(ledger) -> dict:
         "head": {"seq": head, "sha256": ledger.head_sha256},
         "budgets": {"budget": p.budget, "calibrated_budget": cal, "bit_identical": p.budget == cal,
                     "epsilon": p.epsilon, "delta": p.delta,
-                    "conversion": p.conversion, "records": len(ledger.state), "records_at_budget": len(ledger.state)},
+                    "conversion": p.conversion, "unit": getattr(p, "privacy_unit", "record") or "record",
+                    "adjacency": per_unit(getattr(p, "privacy_unit", "record")).split(", ", 1)[1], "records": len(ledger.state), "records_at_budget": len(ledger.state)},
     }
 
 
@@ -108,7 +109,7 @@ def verification_lines(r: dict) -> list[str]:
         f"matches" + (f" ({ev['unchained_legacy']} written before chaining, unchecked)" if ev["unchained_legacy"] else ""),
         f"  chain head: event {h['seq']} sha256 {h['sha256']}",
         f"  budgets: B = {b['budget']!r} is the calibration of ε={b['epsilon']!r}, δ={b['delta']!r} "
-        f"({b['conversion']}){' (bit-identical)' if b['bit_identical'] else ' (to 1e-9)'}; "
+        f"({b['conversion']}, {per_unit(b.get('unit'))}){' (bit-identical)' if b['bit_identical'] else ' (to 1e-9)'}; "
         f"all {b['records']} records carry B",
     ]
     s = r.get("store")

@@ -423,7 +423,8 @@ def build_account_report(
             shown = "inf" if epsilon is None else f"{epsilon:.6g}"
             by = "an unbounded amount" if epsilon is None else f"{epsilon - eps:.6g}"
             failures.append((CheckFailedError,
-                             f"the ledger's guarantee ε({use_conv}) = {shown} at δ = {use_delta:g} is above "
+                             f"the ledger's guarantee ε({use_conv}) = {shown} at δ = {use_delta:g} "
+                             f"({data['unit'] if 'unit' in data else 'record'} unit, {data.get('adjacency', ADJACENCY)}) is above "
                              f"--eps {eps:g} by {by} (B = {budget:.6g})"))
     if min_spec is not None:
         kind, value = min_spec

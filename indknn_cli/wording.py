@@ -23,3 +23,10 @@ def count(n: int | float, noun: str, plural: str | None = None) -> str:
         head, _, last = noun.rpartition(" ")
         plural = f"{head} {plural_of(last)}" if head else plural_of(last)
     return f"{n:g} {noun if n == 1 else plural}" if isinstance(n, float) else f"{n} {noun if n == 1 else plural}"
+
+
+def per_unit(privacy_unit: str | None) -> str:
+    """What an ε is stated for (SPEC §8: every printed ε names its unit and adjacency): ``per record, add/remove one
+    record`` or ``per user, add/remove one user``."""
+    unit = "user" if privacy_unit == "user" else "record"
+    return f"per {unit}, add/remove one {unit}"

@@ -281,7 +281,7 @@ def test_eps_check_passes_and_fails(served):
     led = BudgetLedger.open(served)
     exact = [epsilon_for_budget(budget=float(x), delta=1e-5) for x in led.state.spent]
     assert chk["records_realised_above_eps"] == sum(e > 0.5 for e in exact) > 0
-    assert f"{chk['records_realised_above_eps']} records' realised loss ε(gdp) is above 0.5" in res.stderr
+    assert f"{chk['records_realised_above_eps']} records' realised loss ε(gdp, per record, add/remove one record) is above 0.5" in res.stderr
 
     res = account("--ledger", served, "--eps", "1", "--conversion", "rdp")  # rdp: ε ≈ 1.09 > 1
     assert res.exit_code == 4 and "ε(rdp)" in res.stderr

@@ -152,3 +152,21 @@ def test_a_finite_vector_past_float32s_range_is_stored_by_its_direction(tmp_path
     ok = [0, 1, 3, 5]
     assert np.array_equal(got[ok], normalize_rows(x[ok].astype(np.float32)))
     assert np.allclose(normalize_rows(np.array([[1e300, 1e300]])), [[2 ** -0.5, 2 ** -0.5]])
+
+
+def test_every_epsilon_that_account_verify_and_index_print_names_its_unit_and_adjacency(tmp_path):
+    """Review 32's sweep: `account --eps` (its failure and its realised-loss line), `account --verify` (its text and
+    JSON) and `index`'s fixed-parameters refusal printed an ε without the unit or the adjacency (SPEC §8)."""
+    sp = _store(tmp_path)
+    lp = tmp_path / "L"
+    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), *INDEX]).exit_code == 0
+    r = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--eps", "0.5", "--json"])
+    assert r.exit_code == 4 and "(record unit, add/remove one record) is above --eps 0.5" in r.stderr, r.stderr
+    assert "realised loss ε(gdp, per record, add/remove one record)" in r.stderr
+    r = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"])
+    assert r.exit_code == 0 and "(gdp, per record, add/remove one record)" in r.stdout + r.stderr
+    r = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify", "--json"])
+    budgets = json.loads(r.stdout)["budgets"]
+    assert budgets["unit"] == "record" and budgets["adjacency"] == "add/remove one record"
+    r = runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "2"])
+    assert r.exit_code == 2 and "(gdp, per record, add/remove one record)" in r.stderr, r.stderr

@@ -115,5 +115,6 @@ def plot(result: dict, out_dir, stem: str) -> list:
                        hbands={f"majority class ({maj['label_name']})": (maj["accuracy_min"], maj["accuracy_max"])},
                        xlabel=f"coverage (share of queries answered), M ∈ {{{margins}}} right to left",
                        ylabel="accuracy on answered queries (band: min–max over draws)",
-                       title=f"serve-queries --min-margin at ε={result['epsilon']:g}\n{d['name']} "
+                       title=f"serve-queries --min-margin at ε={result['epsilon']:g} (gdp, per record, add/remove "
+                             f"one record)\n{d['name']} "
                              f"({d['extractor']}, {d['split']['private']} private)")]

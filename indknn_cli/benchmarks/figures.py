@@ -56,7 +56,7 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
         paths.append(plot_lines(out_dir / f"{stem}.png", series=series, hlines=hl, bands=bands, hbands=hb,
                                 xlabel=f"total ε (δ={c['delta']:g}; Ind-KNN {c['conversion'].upper()}, tuned "
                                 f"privately RDP; P-kNN {c['pknn_accountant'].upper()}; SGD "
-                                f"{c['sgd_accountant'].upper()})",
+                                f"{c['sgd_accountant'].upper()}; per record, add/remove one record)",
                                 ylabel=f"median accuracy, {T} queries (band: min–max over draws)",
                                 title=f"Accuracy vs ε\n{_ds(result)}"))
     elif kind == "accuracy-vs-queries":
@@ -65,7 +65,8 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
         _majority(result, hl, hb)
         paths.append(plot_lines(out_dir / f"{stem}.png", series=series, bands=bands, hlines=hl, hbands=hb,
                                 xlabel="number of queries T", ylabel="median accuracy (band: min–max over draws)",
-                                logx=True, title=f"Accuracy vs T at ε={result['epsilon']:g}\n{_ds(result)}"))
+                                logx=True, title=f"Accuracy vs T at ε={result['epsilon']:g} (per record, add/remove one "
+                                f"record)\n{_ds(result)}"))
     elif kind == "retraining":
         rows = result["results"]
         qs = [r["retrain_every"] for r in rows]
@@ -83,7 +84,8 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
                 c["queries"], c["indknn_median_realised_epsilon_selected"])
         paths.append(plot_lines(out_dir / f"{stem}_privacy.png", series=series,
                                 hlines={"ind-knn guarantee": result["epsilon"]}, xlabel="queries answered",
-                                ylabel="ε", title=f"Privacy cost vs queries\n{_ds(result)}"))
+                                ylabel="ε (per record, add/remove one record)",
+                                title=f"Privacy cost vs queries\n{_ds(result)}"))
     elif kind == "speed":
         series = {}
         for r in result["results"]:

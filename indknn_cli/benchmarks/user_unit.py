@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
         eps = sorted({r["epsilon"] for r in rows})
         ax.axhline(float(np.median(majority)), color="grey", linestyle=":", label="majority class")
         ax.fill_between([eps[0], eps[-1]], min(majority), max(majority), color="grey", alpha=0.12, linewidth=0)
-        ax.set_xlabel("ε (gdp, δ = %g; per record or per user)" % a.delta)
+        ax.set_xlabel("ε (gdp, δ = %g; per record or per user, add/remove one of them)" % a.delta)
         ax.set_ylabel("median accuracy (%d draws)" % a.draws)
         ax.set_title("AG News, users of 1–%d records (bands: min–max over draws)" % a.max_records, fontsize=9)
         ax.legend()

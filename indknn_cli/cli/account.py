@@ -257,8 +257,8 @@ def account_command(
         verdict = "passed" if chk["passed"] else "FAILED"
         err.print(escape(f"--eps {chk['eps']:g} check {verdict}: guarantee ε({chk['conversion']}) = "
                          f"{_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}, {d['adjacency']}"))
-        err.print(escape(f"{over} {'record' if over == 1 else 'records'}' realised loss ε({chk['conversion']}) "
-                         f"is above {chk['eps']:g} (informational: {REALISED_LABEL})"))
+        err.print(escape(f"{over} {'record' if over == 1 else 'records'}' realised loss ε({chk['conversion']}, per "
+                         f"{d['unit']}, {d['adjacency']}) is above {chk['eps']:g} (informational: {REALISED_LABEL})"))
     chk = d.get("check_min_active")
     if chk is not None and chk["passed"]:
         err.print(escape(f"--min-active {chk['min_active']} check passed: {chk['records_active']} active "
