@@ -79,6 +79,7 @@ new row inherits the old spent budget.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,7 @@ from .deletion_compact import compact as _compact_store
 from .deletion_compact import recover as _recover
 from .deletion_compact import leftover_note as _leftover_note
 from .deletion_compact import recover_store_folder as _recover_store_folder
-from .errors import BadInputError, LedgerError, LedgerIntegrityError, StorageError, StoreError
+from .errors import BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, StorageError, StoreError
 from .ledger import BudgetLedger
 from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks
 from .wording import count
@@ -230,9 +231,9 @@ def delete_records(
         store = FeatureStore.open(store_path, mode="r")
         try:
             ledger = _open_readable(ledger_path, store)
-        except _LedgerUnreadable as exc:
+        except (_LedgerUnreadable, LedgerError, ConcurrentChangeError) as exc:
             if not (record_ids or user_ids):
-                raise exc.error from None
+                raise (exc.error if isinstance(exc, _LedgerUnreadable) else exc) from None
             ledger = None  # the store alone says which rows the ids name (see _erase_without_ledger)
         plan = _plan(store, ledger, record_ids, user_ids)
         _enforce_strict(plan, strict)
@@ -248,7 +249,23 @@ def delete_records(
                                 pending_completed=len(store.group("private").attrs.get(PENDING_ATTR, [])),
                                 compaction=compaction)
 
-    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+    # A ledger that cannot even be locked (a plain file, a read-only folder) or that is the store's own folder (its
+    # lock is the store's: a delete waited on itself) never blocks an erasure either: the store alone (review 32)
+    no_ledger = None
+    held = contextlib.ExitStack()
+    if Path(ledger_path).resolve() == Path(store_path).resolve():
+        no_ledger = (f"--ledger {ledger_path} is the store's folder: no ledger is read or written there (pass the "
+                     "ledger's own folder)")
+    else:
+        try:
+            held.enter_context(BudgetLedger.write_lock(ledger_path, timeout=lock_timeout))
+        except StorageError as exc:
+            if not (record_ids or user_ids):
+                raise
+            no_ledger = str(exc)
+    if no_ledger is not None and not (record_ids or user_ids):
+        raise BadInputError(no_ledger)
+    with held:
         _recover_store_folder(store_path)
         # A bucket versioned after the store was made never blocks an erasure (AUDIT_FINDINGS_2.md P9): the
         # request is recorded and the current chunks overwritten; what the old versions keep is reported.
@@ -261,6 +278,8 @@ def delete_records(
             cleanup: list = []
             recovered = False
             try:
+                if no_ledger is not None:
+                    raise _LedgerUnreadable(LedgerError(no_ledger))
                 ledger = _recover(store, ledger_path, cleanup)
                 recovered = True  # its leftovers step ran (cleanup holds what it could not remove)
                 if ledger is None:
@@ -270,11 +289,15 @@ def delete_records(
                         integrity.attach(store, ledger, ledger_path, bind=True, locked_store=store)
                     except LedgerIntegrityError as exc:  # damaged or rolled back: never blocks an erasure
                         raise _LedgerUnreadable(exc) from None
-            except _LedgerUnreadable as exc:
+            except (_LedgerUnreadable, LedgerError, ConcurrentChangeError) as exc:
+                # damaged, rolled back, another store's or bound elsewhere, or a ledger of a store compacted since
+                # (the store restored from a backup taken before the compaction: "run again" never cleared; under
+                # these locks nothing else changes it): the erasure goes on from the store alone (review 32)
+                error = exc.error if isinstance(exc, _LedgerUnreadable) else exc
                 if not (record_ids or user_ids):  # --compact alone needs the ledger: refused, nothing written
-                    raise exc.error from None
+                    raise error from None
                 res = _erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact,
-                                            reason=str(exc.error))
+                                            reason=str(error))
                 left = None if recovered else _leftover_note(store.path)  # not run: its leftovers are reported
                 notes = ([note] if note else []) + cleanup + ([left] if left else [])
                 res.physical_erasure = "; ".join(notes) if notes else None

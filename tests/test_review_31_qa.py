@@ -170,3 +170,30 @@ def test_every_epsilon_that_account_verify_and_index_print_names_its_unit_and_ad
     assert budgets["unit"] == "record" and budgets["adjacency"] == "add/remove one record"
     r = runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "2"])
     assert r.exit_code == 2 and "(gdp, per record, add/remove one record)" in r.stderr, r.stderr
+
+
+@pytest.mark.heavy
+def test_an_erasure_goes_through_whatever_the_ledger_path_holds(tmp_path):
+    """Review 32 (erasure sweep): `delete --record` erased nothing when --ledger was a plain file (its lock could not
+    be made), the store's own folder (a delete waited on its own lock, then said another process was writing), or a
+    ledger the store's binding did not name (exit 2). Each now erases from the store alone, tombstone pending, as for
+    a damaged ledger."""
+    from indknn_cli.ledger_integrity import BINDING_ATTR
+
+    sp = _store(tmp_path)
+    lp = tmp_path / "L"
+    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), *INDEX]).exit_code == 0
+    (tmp_path / "plain").write_text("not a ledger")
+    st = FeatureStore.open(sp, mode="a")
+    cases = [("r1", tmp_path / "plain"), ("r2", sp)]
+    for rid, ledger in cases:
+        r = runner.invoke(app, ["delete", "--record", rid, "--store", str(sp), "--ledger", str(ledger),
+                                "--lock-timeout", "2"])
+        assert r.exit_code == 0 and json.loads(r.stdout)["records_erased"] == 1, (ledger, r.stderr)
+    st.root.attrs.update({BINDING_ATTR: dict(st.root.attrs[BINDING_ATTR], ledger_uuid="0" * 32)})
+    r = runner.invoke(app, ["delete", "--record", "r3", "--store", str(sp), "--ledger", str(lp)])
+    assert r.exit_code == 0 and json.loads(r.stdout)["records_erased"] == 1, r.stderr
+    store = FeatureStore.open(sp)
+    rows = [1, 2, 3]  # r1, r2, r3 (their ids are blanked by the erasure)
+    assert store.read("private", "deleted")[rows].all() and not store.read("private", "features")[rows].any()
+    assert runner.invoke(app, ["delete", "--compact", "--store", str(sp), "--ledger", str(sp)]).exit_code == 2
