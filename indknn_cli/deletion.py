@@ -336,7 +336,8 @@ def _refuse_missing_bound_ledger(store: FeatureStore, ledger_path: Path) -> None
 def _open_readable(ledger_path: Path, store: FeatureStore) -> BudgetLedger | None:
     """The store's ledger (None when there is none); _LedgerUnreadable when it exists but cannot be read.
 
-    A readable ledger of *another* store is still refused (LedgerError): that is a wrong pairing, not damage.
+    A readable ledger of *another* store raises LedgerError (a wrong pairing, not damage); with ids to erase the
+    caller then erases from the store alone, as for a damaged ledger (review 32).
     """
     if not BudgetLedger.exists(ledger_path):
         return None

@@ -362,8 +362,8 @@ CASES: list[Case] = [
          lambda w: ["delete", *SL(w)], 2, "nothing to delete"),
     Case("delete-empty-id", "delete", "an empty record id (--record '')",
          lambda w: ["delete", *SL(w), "--record", ""], 2, "empty record"),
-    Case("delete-other-store-ledger", "delete", "the ledger of another store",
-         lambda w: ["delete", *SL(w, "L2"), "--record", "r001"], 2, "another feature store"),
+    # (the ledger of another store: the erasure goes on from the store alone since review 32, not a refusal:
+    # tests/test_review_31_qa.py::test_an_erasure_goes_through_whatever_the_ledger_path_holds)
     Case("delete-lock-timeout-nan", "delete", "--lock-timeout nan",
          lambda w: ["delete", *SL(w), "--record", "r001", "--lock-timeout", "nan"], 2, "--lock-timeout"),
     Case("delete-both-stdin", "delete", "--ids-file - and --users-file - together",

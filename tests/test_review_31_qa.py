@@ -184,8 +184,12 @@ def test_an_erasure_goes_through_whatever_the_ledger_path_holds(tmp_path):
     lp = tmp_path / "L"
     assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), *INDEX]).exit_code == 0
     (tmp_path / "plain").write_text("not a ledger")
+    other = tmp_path / "other"  # another store's ledger (was: exit 2, nothing erased)
+    other.mkdir()
+    osp = _store(other)
+    assert runner.invoke(app, ["index", "--store", str(osp), "--ledger", str(other / "L"), *INDEX]).exit_code == 0
     st = FeatureStore.open(sp, mode="a")
-    cases = [("r1", tmp_path / "plain"), ("r2", sp)]
+    cases = [("r1", tmp_path / "plain"), ("r2", sp), ("r4", other / "L")]
     for rid, ledger in cases:
         r = runner.invoke(app, ["delete", "--record", rid, "--store", str(sp), "--ledger", str(ledger),
                                 "--lock-timeout", "2"])
@@ -194,6 +198,6 @@ def test_an_erasure_goes_through_whatever_the_ledger_path_holds(tmp_path):
     r = runner.invoke(app, ["delete", "--record", "r3", "--store", str(sp), "--ledger", str(lp)])
     assert r.exit_code == 0 and json.loads(r.stdout)["records_erased"] == 1, r.stderr
     store = FeatureStore.open(sp)
-    rows = [1, 2, 3]  # r1, r2, r3 (their ids are blanked by the erasure)
+    rows = [1, 2, 3, 4]  # r1 … r4 (their ids are blanked by the erasure)
     assert store.read("private", "deleted")[rows].all() and not store.read("private", "features")[rows].any()
     assert runner.invoke(app, ["delete", "--compact", "--store", str(sp), "--ledger", str(sp)]).exit_code == 2
