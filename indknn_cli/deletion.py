@@ -296,8 +296,10 @@ def delete_records(
                 error = exc.error if isinstance(exc, _LedgerUnreadable) else exc
                 if not (record_ids or user_ids):  # --compact alone needs the ledger: refused, nothing written
                     raise error from None
-                res = _erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact,
-                                            reason=str(error))
+                why = str(error) if not isinstance(error, ConcurrentChangeError) else (
+                    f"{ledger_path}: the ledger's rows are those of a compaction of this store that it no longer "
+                    "matches (the store restored from a copy older than a compaction?)")
+                res = _erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact, reason=why)
                 left = None if recovered else _leftover_note(store.path)  # not run: its leftovers are reported
                 notes = ([note] if note else []) + cleanup + ([left] if left else [])
                 res.physical_erasure = "; ".join(notes) if notes else None
