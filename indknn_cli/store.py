@@ -259,8 +259,15 @@ class FeatureStore:
         return n
 
     def erase_pending_rows(self, role: str = "private") -> np.ndarray:
-        """Rows of an accepted but unfinished erasure request: committed rows only, sorted, unique."""
-        rows = np.asarray(self.group(role).attrs.get(ERASE_PENDING_ATTR, []), dtype=np.int64)
+        """Rows of an accepted but unfinished erasure request: committed rows only, sorted, unique.
+
+        A list that is not row numbers (edited, damaged) is read as every row flagged deleted: finishing the erasure
+        of an erased row changes nothing, and no accepted request is dropped (review 32: every command, erasures
+        included, failed with an internal error)."""
+        try:
+            rows = np.asarray(self.group(role).attrs.get(ERASE_PENDING_ATTR, []), dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError, OverflowError):
+            rows = np.flatnonzero(self.read(role, "deleted").astype(bool)) if self.n_rows(role) else np.zeros(0, np.int64)
         return np.unique(rows[(rows >= 0) & (rows < self.n_rows(role))])
 
     def read(self, role: str, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:

@@ -201,3 +201,21 @@ def test_an_erasure_goes_through_whatever_the_ledger_path_holds(tmp_path):
     rows = [1, 2, 3, 4]  # r1 … r4 (their ids are blanked by the erasure)
     assert store.read("private", "deleted")[rows].all() and not store.read("private", "features")[rows].any()
     assert runner.invoke(app, ["delete", "--compact", "--store", str(sp), "--ledger", str(sp)]).exit_code == 2
+
+
+@pytest.mark.heavy
+def test_a_pending_erasure_list_that_is_not_row_numbers_does_not_stop_erasures(tmp_path):
+    """Review 32 (erasure sweep, F7): `erase_pending` in private/zarr.json holding a non-integer made every command,
+    erasures included, fail with "Internal error: ValueError". It is read as every flagged row now."""
+    from indknn_cli.store import ERASE_PENDING_ATTR
+
+    sp = _store(tmp_path)
+    lp = tmp_path / "L"
+    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), *INDEX]).exit_code == 0
+    assert runner.invoke(app, ["delete", "--record", "r1", "--store", str(sp), "--ledger", str(lp)]).exit_code == 0
+    FeatureStore.open(sp, mode="a").group("private").attrs.update({ERASE_PENDING_ATTR: ["x", {"y": 1}]})
+    assert list(FeatureStore.open(sp).erase_pending_rows()) == [1]
+    r = runner.invoke(app, ["delete", "--record", "r2", "--store", str(sp), "--ledger", str(lp)])
+    assert r.exit_code == 0 and json.loads(r.stdout)["records_erased"] == 1, r.stderr
+    store = FeatureStore.open(sp)
+    assert store.read("private", "deleted")[[1, 2]].all() and not store.erase_pending_rows().size
