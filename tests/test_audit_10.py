@@ -25,7 +25,7 @@ import pytest
 from indknn_cli import deletion
 from indknn_cli import ledger_integrity as integrity
 from indknn_cli.deletion import delete_records
-from indknn_cli.errors import LedgerIntegrityError
+from indknn_cli.errors import LedgerIntegrityError, StoreError
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.ledger_integrity import MARK_NAME
 from indknn_cli.ledger_readonly import open_ledger_readonly
@@ -544,3 +544,25 @@ def test_repair_passes_over_a_stopped_compactions_snapshot_and_puts_current_back
     assert delete_records(store_path=sp, ledger_path=lp, record_ids=["r005"]).records_erased == 1
     assert delete_records(store_path=sp, ledger_path=lp, compact=True).compaction is not None
     assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
+
+
+@pytest.mark.heavy
+def test_strict_delete_mid_swap_of_a_stopped_compaction_erases_and_dry_run_says_why_it_cannot(tmp_path, monkeypatch):
+    """Review 32 (erasure sweep, F8): with a compaction stopped between its two renames, `delete --strict` (and
+    --dry-run) said "not an indknn feature store … create one with `indknn embed`" and erased nothing, though a plain
+    delete finished the compaction and erased. --strict now goes the locked way (recovery first, then the same
+    strict check); --dry-run, which writes nothing, says what stopped it."""
+    from .test_delete import Crash, _crash_at
+
+    sp, lp = _world(tmp_path)
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r001"])
+    monkeypatch.setattr(deletion, "USE_RENAME_EXCHANGE", False)
+    _crash_at(monkeypatch, "compact-half-swapped")
+    with pytest.raises(Crash):
+        delete_records(store_path=sp, ledger_path=lp, compact=True)
+    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    assert not sp.exists()
+    with pytest.raises(StoreError, match="stopped mid-swap"):
+        delete_records(store_path=sp, ledger_path=lp, record_ids=["r004"], dry_run=True)
+    res = delete_records(store_path=sp, ledger_path=lp, record_ids=["r004"], strict=True)
+    assert res.records_erased == 1 and sp.exists()
