@@ -316,6 +316,12 @@ def delete_records(
                     "matches (the store restored from a copy older than a compaction?)")
                 res = _erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact, reason=why)
                 left = None if recovered else _leftover_note(store.path)  # not run: its leftovers are reported
+                if left is not None and store.remote is None:
+                    from .deletion_compact import erase_in_leftovers
+
+                    in_copies = erase_in_leftovers(store.path, record_ids, user_ids)
+                    if in_copies:  # review 32, F5: the request's rows in those copies too
+                        left += f" ({count(in_copies, 'row')} of this request erased in them as well)"
                 notes = ([note] if note else []) + cleanup + ([left] if left else [])
                 res.physical_erasure = "; ".join(notes) if notes else None
                 if compact_refused is not None:

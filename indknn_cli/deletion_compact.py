@@ -65,6 +65,31 @@ def leftover_note(store_path: Path) -> str | None:
             "`indknn delete --compact` once the ledger is readable (or `indknn repair`)")
 
 
+def erase_in_leftovers(store_path: Path, record_ids, user_ids) -> int:
+    """For a delete that cannot run the recovery step: erase the requested ids in every copy a stopped compaction
+    left beside a local store (they are copies of the same people; the live store's rows are erased by the caller).
+    Review 32, F5: the copy kept the vector of a person whose erasure was accepted, and nothing removed it while the
+    ledger could not be read. Returns the rows erased; a copy that cannot be opened is left to the note."""
+    from .store import FeatureStore
+
+    want_r, want_u = {str(r) for r in record_ids}, {str(u) for u in user_ids}
+    erased = 0
+    for copy in _leftovers(Path(store_path)):
+        try:
+            st = FeatureStore.open(copy, mode="a")
+            if st.remote is not None or not st.n_rows("private"):
+                continue
+            rids, uids = st.read("private", "record_id"), st.read("private", "user_id")
+            rows = np.flatnonzero([str(r) in want_r or str(u or "") in want_u for r, u in zip(rids, uids)])
+            if rows.size:
+                st.mark_deleted("private", rows)
+                st.erase_rows("private", rows)
+                erased += int(rows.size)
+        except Exception:  # noqa: BLE001 - a copy that cannot be read stays reported by leftover_note
+            continue
+    return erased
+
+
 def recover_store_folder(store_path: Path) -> None:
     """The two-rename swap stopped between its renames: put the old store back (the ledger still binds it)."""
     if store_path.exists():

@@ -566,3 +566,25 @@ def test_strict_delete_mid_swap_of_a_stopped_compaction_erases_and_dry_run_says_
         delete_records(store_path=sp, ledger_path=lp, record_ids=["r004"], dry_run=True)
     res = delete_records(store_path=sp, ledger_path=lp, record_ids=["r004"], strict=True)
     assert res.records_erased == 1 and sp.exists()
+
+
+@pytest.mark.heavy
+def test_an_erasure_with_an_unreadable_ledger_reaches_a_stopped_compactions_copy(tmp_path, monkeypatch):
+    """Review 32 (erasure sweep, F5): a compaction stopped with its copy beside the store, and the ledger unreadable:
+    `delete` erased the live row but the copy kept the person's vector (the recovery that removes copies needs the
+    ledger). The request's rows are now erased in every such copy too; the note (exit 1) still says the copies are
+    there."""
+    from indknn_cli.store import FeatureStore
+
+    sp, lp = _stopped_compaction(tmp_path, monkeypatch)
+    copies = [p for p in sp.parent.iterdir() if p.name.startswith(f".{sp.name}.compacting-")]
+    assert copies
+    rid = "r050"
+    row = list(FeatureStore.open(copies[0]).read("private", "record_id")).index(rid)
+    assert FeatureStore.open(copies[0]).read("private", "features")[row].any()
+    (lp / "CURRENT").write_text("{not json")
+    res = delete_records(store_path=sp, ledger_path=lp, record_ids=[rid])
+    assert res.records_erased == 1 and "1 row of this request erased in them as well" in res.physical_erasure
+    copy = FeatureStore.open(copies[0])
+    assert not copy.read("private", "features")[row].any() and copy.read("private", "deleted")[row]
+    assert rid not in list(copy.read("private", "record_id"))
