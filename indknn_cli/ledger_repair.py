@@ -66,7 +66,7 @@ class RepairResult:
     #: store rows whose id belongs to a record of another user (an erased id embedded again under someone else):
     #: kept out of the ledger, as serving and `index` keep them out, so the tombstone stays its user's (audit 7)
     rows_left_out_other_user: int = 0
-    #: CURRENT named a missing snapshot and now names this generation (the newest snapshot present), else None
+    #: CURRENT named a missing snapshot and now names this generation (the newest snapshot of this store's ledger)
     current_written_back: int | None = None
     dry_run: bool = False
 
