@@ -379,13 +379,19 @@ def test_second_ledger_for_a_bound_store_is_refused(world, tmp_path):
 
 @pytest.mark.heavy
 def test_serve_delete_account_check_the_binding(world, tmp_path):
-    """A ledger made for the same store uuid by hand (no `index`): every command refuses it (exit 2)."""
+    """A ledger made for the same store uuid by hand (no `index`): serve and account refuse it (exit 2); a delete
+    with it erases from the store alone (an erasure is never blocked by its ledger: review 32), L2 untouched, the
+    tombstone pending for the bound ledger."""
     sp, lp = world
     st = FeatureStore.open(sp)
     l2 = tmp_path / "L2"
     BudgetLedger.create(l2, params=make_params(**PARAMS), store_uuid=st.uuid, store_path=str(sp))
     _refused(_serve(sp, l2, "q2"), 2, "bound to the ledger", str(lp.resolve()))
-    _refused(_cli("delete", "--record", "r1", "--store", str(sp), "--ledger", str(l2)), 2, "bound to the ledger")
+    before = {p: p.read_bytes() for p in l2.rglob("*") if p.is_file() and p.name != "LOCK"}
+    r = _cli("delete", "--record", "r1", "--store", str(sp), "--ledger", str(l2))
+    assert r.returncode == 0 and "bound to the ledger" in " ".join(r.stderr.split()), r.stderr
+    assert json.loads(r.stdout)["records_erased"] == 1
+    assert {p: p.read_bytes() for p in l2.rglob("*") if p.is_file() and p.name != "LOCK"} == before
     _refused(_cli("account", "--ledger", str(l2), "--store", str(sp)), 2, "bound to the ledger")
 
 
