@@ -102,7 +102,7 @@ def as_table(rows) -> pa.Table:
     return rows.table if isinstance(rows, AnswerRows) else rows_table(list(rows))
 
 
-def check_out_path(path: str | os.PathLike) -> None:
+def check_out_path(path: str | os.PathLike, *, probe: bool = True) -> None:
     """``--out`` must be a file that can be written (BadInputError, exit 2), checked before anything is charged: a
     folder, a parent that is a file or missing, or a folder this process cannot write in failed only when the
     answers were published, after the batch was charged (review 31, QA)."""
@@ -119,6 +119,8 @@ def check_out_path(path: str | os.PathLike) -> None:
         raise BadInputError(f"--out: {parent} is a file, not a folder")
     if not parent.is_dir():
         raise BadInputError(f"--out: folder {parent} does not exist")
+    if not probe:
+        return
     try:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.check-"):
             pass
@@ -132,7 +134,7 @@ class AnswersWriter:
 
     def __init__(self, path: str | os.PathLike, *, row_group_rows: int | None = None):
         self.path = Path(path)
-        check_out_path(self.path)
+        check_out_path(self.path, probe=False)  # its own temporary file, made next, is the write probe
         self.row_group_rows = int(row_group_rows or ROW_GROUP_ROWS)
         self.rows = 0
         self._pending: list[pa.Table] = []  # tables of SCHEMA, not yet written

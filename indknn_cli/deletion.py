@@ -227,13 +227,8 @@ def delete_records(
         return DeleteResult(records_erased=0, users=[], ids_not_found=[], users_not_found=[], already_deleted=[],
                             record_ids=[], bytes_rewritten=0, dry_run=dry_run)
 
-    look = dry_run or strict  # a lock-free look first: --dry-run and --strict refusals write nothing at all
-    if look and not dry_run:
-        try:
-            FeatureStore.open(store_path, mode="r")
-        except StoreError:  # mid-swap of a stopped compaction (review 32, F8): the locked path recovers the store
-            look = False    # folder first, then refuses an unknown id under --strict as here
-    if look:
+    store = None
+    if dry_run or strict:  # a lock-free look first: --dry-run and --strict refusals write nothing at all
         try:
             store = FeatureStore.open(store_path, mode="r")
         except StoreError:
@@ -241,9 +236,13 @@ def delete_records(
 
             if not _leftovers(Path(store_path)):
                 raise
-            raise StoreError(f"{store_path}: a compaction of this store stopped mid-swap (its copies are beside the "
-                             "store's name); --dry-run writes nothing, so it cannot finish it: run `indknn delete` "
-                             "without --dry-run (it finishes the compaction first, then erases)") from None
+            if dry_run:
+                raise StoreError(f"{store_path}: a compaction of this store stopped mid-swap (its copies are beside "
+                                 "the store's name); --dry-run writes nothing, so it cannot finish it: run `indknn "
+                                 "delete` without --dry-run (it finishes the compaction first, then erases)") from None
+            # --strict mid-swap (review 32, F8): the locked path recovers the store folder first, then refuses an
+            # unknown id as the look would
+    if store is not None:
         try:
             ledger = _open_readable(ledger_path, store)
         except (_LedgerUnreadable, LedgerError, ConcurrentChangeError) as exc:
