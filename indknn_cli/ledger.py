@@ -40,6 +40,14 @@ from .ledger_snapshot import unpublished_store_uuids
 from .ledger_state import ANSWER_SCHEMA, EVENT_SCHEMA, LedgerState, PrivacyParams, _check_finite_columns
 
 
+
+def _when(t) -> str:
+    """A ledger time as UTC, for messages."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(t)))
+    except (TypeError, ValueError, OverflowError):
+        return "time unknown"
+
 class BudgetLedger:
     """A ledger directory bound to one feature store."""
 
@@ -132,12 +140,27 @@ class BudgetLedger:
                             f"{', '.join(present) or 'none'}. `indknn repair` writes CURRENT back to the newest "
                             "one (nobody is retired when the store's high-water mark then agrees; every record when "
                             "the ledger is behind it); with none left, restore the ledger from a backup") from None
+                    answers = path / f"answers-{gen:06d}.parquet" if gen is not None else None
+                    if gen == gen0 and answers is not None and not answers.is_file():
+                        # the snapshot is there and CURRENT never moved: its released answers were removed, which
+                        # no compaction does (it writes both before CURRENT moves on); "try again" never clears
+                        raise LedgerIntegrityError(
+                            f"{answers}: missing (removed by hand or lost): the answers released up to snapshot "
+                            f"{gen} are gone, so the ledger is damaged, not busy; refusing it. Restore the ledger "
+                            "folder from a backup (one older than the store's high-water mark is refused; "
+                            "`indknn repair` then retires every record: no refund); `indknn delete` still erases "
+                            "meanwhile") from None
                     raise LedgerError(f"{path}: ledger files changed while reading; try again") from None
                 time.sleep(0.05)
         if store_uuid is not None and ledger.meta["store_uuid"] != store_uuid:
-            if (ledger.meta.get("store_compaction") or {}).get("from_store_uuid") == store_uuid:
-                raise ConcurrentChangeError(f"{path}: the feature store was compacted (rows renumbered) while "
-                                            "this command ran; nothing was written; run the command again")
+            compaction = ledger.meta.get("store_compaction") or {}
+            if compaction.get("from_store_uuid") == store_uuid:
+                raise ConcurrentChangeError(
+                    f"{path}: the feature store was compacted (rows renumbered) while this command ran; nothing was "
+                    f"written; run the command again. If this repeats, the store is a copy taken before that "
+                    f"compaction ({_when(compaction.get('time'))}, token {compaction.get('token')}), whose rows the "
+                    "ledger no longer matches: restore the store from a copy taken after it (`indknn delete` "
+                    "erases from the store alone meanwhile)")
             if store_uuid in unpublished_store_uuids(path, ledger.generation):
                 raise LedgerError(f"{path}: the ledger does not match the feature store: an `indknn delete "
                                   "--compact` was interrupted; run `indknn delete --compact` to finish it")

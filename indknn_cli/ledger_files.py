@@ -146,3 +146,7 @@ def atomic_write_parquet_tables(tables, schema: pa.Schema, path: Path, *,
 
 def atomic_write_text(text: str, path: Path) -> None:
     _atomic_replace(path, lambda tmp: _write_synced(tmp, text, "w"))
+
+
+def atomic_write_bytes(data: bytes, path: Path) -> None:
+    _atomic_replace(path, lambda tmp: _write_synced(tmp, data, "wb"))

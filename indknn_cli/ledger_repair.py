@@ -14,9 +14,13 @@ restored). Removing the offending file by hand would refund the charges it held.
 4. moves the store's high-water mark to the repair event.
 
 Repair costs utility (every current record retires; new records joining later start fresh, as always),
-never privacy: no record's spent ever goes down. A damaged snapshot cannot be repaired this way (restore
-it from a backup; repair refuses). A ``CURRENT`` naming a missing snapshot is first written back to the newest one
-present; when the ledger then verifies against the store's mark, nothing else is done (nobody retires).
+never privacy: no record's spent ever goes down. A damaged or missing snapshot or answers file cannot be
+repaired this way (restore the ledger folder from a backup; repair refuses, exit 1, naming the file). A ``CURRENT``
+naming a missing snapshot, or not readable at all, is first written back to the newest snapshot of this store's
+ledger; event files a repair killed while it probed left in ``.repair-probe-<pid>/`` are put back, and a removed
+``events/`` folder is made again; when the ledger then verifies against the store's mark, nothing else is done
+(nobody retires). A store restored from a copy older than a compaction the ledger recorded is a wrong pairing
+(exit 2): the ledger's rows are numbered for the compacted store.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -35,9 +38,10 @@ import numpy as np
 
 from . import ledger_integrity as integrity
 from . import store_versions
-from .errors import LedgerError, LedgerIntegrityError
+from .errors import ConcurrentChangeError, LedgerError, LedgerIntegrityError
 from .ledger import BudgetLedger
-from .ledger_files import atomic_write_text
+from .ledger_files import atomic_write_bytes
+from .ledger_repair_setup import put_back_probes, write_current_back
 from .ledger_rows import check_rows_hold_records, compare_rows
 from .store import ERASE_PENDING_ATTR, FeatureStore
 
@@ -68,12 +72,16 @@ class RepairResult:
     rows_left_out_other_user: int = 0
     #: CURRENT named a missing snapshot and now names this generation (the newest snapshot of this store's ledger)
     current_written_back: int | None = None
+    #: event files a repair killed while it probed had left in ``.repair-probe-<pid>/``, put back into events/
+    events_put_back: list[str] = field(default_factory=list)
     dry_run: bool = False
 
     def as_dict(self) -> dict:
-        if self.repaired and self.current_written_back is not None and not (
+        if self.repaired and (self.current_written_back is not None or self.events_put_back) and not (
                 self.records_retired or self.store_rows_added_retired or self.quarantined):
-            cost = "none: CURRENT written back, and the ledger then verified against the store's high-water mark"
+            cost = ("none: " + ("CURRENT written back" if self.current_written_back is not None else
+                                "a killed repair's event files put back") +
+                    ", and the ledger then verified against the store's high-water mark")
         else:
             cost = "utility only: every record not deleted is retired (spent = B); no spent budget goes down"
         return {**self.__dict__, "cost": cost}
@@ -166,6 +174,15 @@ def _opens(path: Path, store_uuid: str) -> BudgetLedger | None:
         return None
 
 
+def _why_not(path: Path, store_uuid: str) -> str:
+    """Why the ledger at ``path`` does not open (its snapshot alone, events moved aside)."""
+    try:
+        BudgetLedger.open(path, store_uuid=store_uuid)
+    except LedgerError as exc:
+        return str(exc)
+    return "it opens"  # pragma: no cover - only called after a failed open
+
+
 def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: str) -> tuple[int, int, str]:
     """Number of leading event files with which the ledger opens, the sequence number the snapshot folds
     through and the ledger's uuid; moves files aside while it probes."""
@@ -176,8 +193,13 @@ def _longest_good_prefix(path: Path, files: list[tuple[int, Path]], store_uuid: 
             os.replace(p, aside / p.name)
         base = _opens(path, store_uuid)
         if base is None:
-            raise LedgerIntegrityError(f"{path}: the snapshot itself is damaged or edited; repair cannot rebuild it "
-                                       "(restore the snapshot from a backup, then run repair)")
+            why = _why_not(path, store_uuid)
+            if "restore the ledger folder" in why.lower():  # the reason already says what to do
+                raise LedgerIntegrityError(f"repair cannot rebuild a snapshot or its answers file: {why}")
+            raise LedgerIntegrityError(f"{path}: the snapshot CURRENT names does not open without any event ({why}); "
+                                       "repair cannot rebuild a snapshot or its answers file: restore the ledger "
+                                       "folder from a backup, then run repair (`indknn delete` still erases "
+                                       "meanwhile)")
         lo, hi = 0, len(files)  # prefix lo opens; find the largest
         present = 0
         while lo < hi:
@@ -259,29 +281,33 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
     with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \
             integrity.writer_lock(store_path, timeout=lock_timeout):
         store = FeatureStore.open(store_path, mode="r")
-        reason = _refusal(ledger_path, store)
-        if reason is None:
-            return RepairResult(ledger=str(ledger_path), repaired=False, dry_run=dry_run)
         with (tempfile.TemporaryDirectory() if dry_run else contextlib.nullcontext()) as tmp:
             path = ledger_path
             if dry_run:
                 path = Path(tmp) / "ledger"
                 shutil.copytree(ledger_path, path, ignore=shutil.ignore_patterns("LOCK"))
-            back, kept_in = _write_current_back(path, store, shown_path=ledger_path)
+            put_back = put_back_probes(path)  # a repair killed while it probed (under this lock: nobody else's)
+            (path / "events").mkdir(exist_ok=True)  # removed by hand: the repair event goes there
+            reason = _refusal(path, store)
+            if reason is None:
+                return RepairResult(ledger=str(ledger_path), repaired=bool(put_back), dry_run=dry_run,
+                                    events_put_back=put_back)
+            back, kept_in = write_current_back(path, store, shown_path=ledger_path)
             try:
                 if back is not None:
                     after = _refusal(path, store)
                     if after is None:  # CURRENT was all that was wrong: the mark vouches for the rest, nobody retires
                         return RepairResult(ledger=str(ledger_path), repaired=True, reason=reason, dry_run=dry_run,
-                                            current_written_back=back,
+                                            current_written_back=back, events_put_back=put_back,
                                             quarantine_folder=None if dry_run else str(ledger_path / kept_in))
                     reason = f"{reason}; with CURRENT written back to generation {back}: {after}"
                 res = _repair(path, store, reason, dry_run=dry_run, shown_path=ledger_path)
+                res.events_put_back = put_back
             except BaseException:
                 # the repair failed: CURRENT as it was, so the ledger is in the state repair found (a damaged ledger
                 # never blocks an erasure; one pointed at a snapshot that then failed could: review 32, F1)
-                if back is not None and (path / "CURRENT").read_text() == json.dumps({"generation": back}):
-                    atomic_write_text((path / kept_in / "CURRENT").read_text(), path / "CURRENT")
+                if back is not None and (path / "CURRENT").read_bytes() == json.dumps({"generation": back}).encode():
+                    atomic_write_bytes((path / kept_in / "CURRENT").read_bytes(), path / "CURRENT")
                 raise
             res.current_written_back = back
             return res
@@ -289,61 +315,27 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
 
 def _refusal(path: Path, store: FeatureStore) -> str | None:
     """Why the ledger at ``path`` is refused for ``store`` (None: it verifies). A ledger of another store, or a
-    store bound to another ledger, is a wrong pairing, not damage: raised, never "repaired" into this store."""
+    store bound to another ledger, is a wrong pairing, not damage: raised, never "repaired" into this store. So is
+    a store older than a compaction the ledger recorded: repair holds both locks, so no compaction runs now."""
     try:
         led = BudgetLedger.open(path, store_uuid=store.uuid)
         integrity.check_binding(store, led, path)
         store_versions.check(store, led)  # a store restored from an older copy (audit 6)
         check_rows_hold_records(led, store)
         return None
+    except ConcurrentChangeError:
+        c = BudgetLedger.open(path).meta.get("store_compaction") or {}
+        raise LedgerError(
+            f"{store.path}: this store is a copy taken before the compaction the ledger recorded (token "
+            f"{c.get('token')}; the store's uuid is the one it replaced): the ledger's rows are numbered for the "
+            "compacted store, so repair cannot pair them with this copy. Restore the store from a copy taken after "
+            "that compaction; `indknn delete` erases from this copy alone meanwhile") from None
     except LedgerIntegrityError as exc:
         return str(exc)
     except LedgerError as exc:
         if "another feature store" in str(exc) or "bound to the ledger" in str(exc):
             raise
         return str(exc)
-
-
-def _write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> tuple[int | None, Path | None]:
-    """When CURRENT names a snapshot that is missing (edited, or the snapshot removed: review 29), point it at the
-    newest snapshot present that is this store's (and, for a bound store, its ledger's), and return that generation
-    and where the old CURRENT is kept (relative to ``path``, under ``quarantine/``); (None, None) when CURRENT is
-    fine. A stopped compaction's unpublished snapshot names the renumbered store and is passed over (review 32, F1:
-    pointed at it, every later command, erasures included, was told to "run again"). The caller checks the ledger
-    against the store's mark again (a ledger older than the mark is repaired by retiring every record: no refund)
-    and puts CURRENT back if the repair fails."""
-    cur = path / "CURRENT"
-    try:
-        gen = int(json.loads(cur.read_text())["generation"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, None  # unreadable CURRENT: opening says so; not guessed at here
-    if (path / f"snapshot-{gen:06d}.parquet").is_file():
-        return None, None
-    present = sorted(int(m.group(1)) for p in path.glob("snapshot-*.parquet")
-                     if (m := re.fullmatch(r"snapshot-(\d{6})\.parquet", p.name)) and _belongs(p, store))
-    if not present:
-        raise LedgerIntegrityError(
-            f"{shown_path}: CURRENT names snapshot-{gen:06d}.parquet, which is missing, and no other snapshot of this "
-            "store's ledger is left: "
-            "repair cannot rebuild the records' spent budgets; restore the ledger folder from a backup (one older "
-            "than the store's high-water mark is refused), then run repair")
-    folder = Path("quarantine") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    (path / folder).mkdir(parents=True, exist_ok=True)
-    shutil.copy2(cur, path / folder / "CURRENT")
-    atomic_write_text(json.dumps({"generation": present[-1]}), cur)
-    return present[-1], folder
-
-
-def _belongs(snapshot: Path, store: FeatureStore) -> bool:
-    """Whether a snapshot file names ``store`` (its uuid) and, when the store is bound, the bound ledger."""
-    import pyarrow.parquet as pq
-
-    try:
-        meta = json.loads((pq.read_schema(snapshot).metadata or {})[b"indknn"])
-    except Exception:  # noqa: BLE001 - unreadable: not a snapshot to point CURRENT at
-        return False
-    bound = (integrity.binding_of(store) or {}).get("ledger_uuid")
-    return meta.get("store_uuid") == store.uuid and (bound is None or meta.get("ledger_uuid") == bound)
 
 
 def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, shown_path: Path) -> RepairResult:

@@ -29,11 +29,13 @@ def repair_command(
     verified prefix of events, move the rest to quarantine/, and retire every record (spent = B) with one
     `repair` event. Costs utility, never privacy: no spent budget goes down. A healthy ledger is left as it is.
 
-    CURRENT naming a snapshot that is missing is written back to the newest snapshot present first; when the
-    ledger then verifies against the store's high-water mark, nothing is retired.
+    CURRENT naming a snapshot that is missing (or unreadable) is written back to the newest snapshot of this store's
+    ledger first, and event files a killed repair left in .repair-probe-*/ are put back; when the ledger then
+    verifies against the store's high-water mark, nothing is retired.
 
-    stdout: one JSON line. Exit codes: 0 repaired or nothing to repair; 1 the snapshot itself is damaged or none is
-    left (restore it from a backup); 2 bad input (no ledger, a ledger of another store).
+    stdout: one JSON line. Exit codes: 0 repaired or nothing to repair; 1 the snapshot or its answers file is
+    damaged or missing, or none is left (restore the ledger folder from a backup); 2 bad input (no ledger, a
+    ledger of another store).
     """
     _load()
     err = stderr_console()
@@ -45,14 +47,18 @@ def repair_command(
 
     result = run_library_call(call)
     emit_json(result.as_dict())
+    if result.events_put_back:
+        err.print(escape(f"a repair killed while it probed had left {count(len(result.events_put_back), 'event file')} "
+                         f"aside; {'would put' if result.dry_run else 'put'} them back into events/"))
     if result.current_written_back is not None:
-        err.print(escape(f"CURRENT named a snapshot that is missing; {'would write' if result.dry_run else 'wrote'} it "
+        err.print(escape(f"CURRENT was unreadable or named a snapshot that is missing; "
+                         f"{'would write' if result.dry_run else 'wrote'} it "
                          f"back to generation {result.current_written_back}, the newest snapshot of this store's ledger (the old "
                          "CURRENT is kept in quarantine/)"))
     if not result.repaired:
         err.print("the ledger verifies: nothing to repair")
-    elif result.current_written_back is not None and not result.records_retired and not result.quarantined \
-            and not result.store_rows_added_retired:
+    elif (result.current_written_back is not None or result.events_put_back) and not result.records_retired \
+            and not result.quarantined and not result.store_rows_added_retired:
         err.print("the ledger then verified against the store's high-water mark: nothing retired, no budget refunded")
     else:
         verb = "would quarantine" if result.dry_run else "quarantined"

@@ -1,0 +1,85 @@
+"""What `indknn repair` puts back before it judges a ledger: a ``CURRENT`` that names a missing snapshot (or is
+not readable) written back to the newest snapshot of this store's ledger, and the event files a repair killed while
+it probed left aside. Neither retires anyone; the caller then checks the ledger against the store's high-water mark
+(a ledger behind it is repaired by retiring every record: no refund)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from . import ledger_integrity as integrity
+from .errors import LedgerIntegrityError
+from .ledger_files import atomic_write_text
+from .store import FeatureStore
+
+
+def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> tuple[int | None, Path | None]:
+    """When CURRENT names a snapshot that is missing (edited, or the snapshot removed: review 29), point it at the
+    newest snapshot present that is this store's (and, for a bound store, its ledger's), and return that generation
+    and where the old CURRENT is kept (relative to ``path``, under ``quarantine/``); (None, None) when CURRENT is
+    fine. A stopped compaction's unpublished snapshot names the renumbered store and is passed over (review 32, F1:
+    pointed at it, every later command, erasures included, was told to "run again"). The caller checks the ledger
+    against the store's mark again (a ledger older than the mark is repaired by retiring every record: no refund)
+    and puts CURRENT back if the repair fails."""
+    cur = path / "CURRENT"
+    try:
+        gen = int(json.loads(cur.read_text())["generation"])
+        named = f"snapshot-{gen:06d}.parquet, which is missing"
+    except FileNotFoundError:
+        return None, None  # no CURRENT at all: not a ledger (refused before this)
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        gen, named = None, "no snapshot (it is not the JSON pointer indknn writes)"  # garbage: as a missing one
+    if gen is not None and (path / f"snapshot-{gen:06d}.parquet").is_file():
+        return None, None
+    present = sorted(int(m.group(1)) for p in path.glob("snapshot-*.parquet")
+                     if (m := re.fullmatch(r"snapshot-(\d{6})\.parquet", p.name)) and belongs(p, store))
+    if not present:
+        raise LedgerIntegrityError(
+            f"{shown_path}: CURRENT names {named}, and no other snapshot of this "
+            "store's ledger is left: "
+            "repair cannot rebuild the records' spent budgets; restore the ledger folder from a backup (one older "
+            "than the store's high-water mark is refused), then run repair")
+    folder = Path("quarantine") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    (path / folder).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(cur, path / folder / "CURRENT")
+    atomic_write_text(json.dumps({"generation": present[-1]}), cur)
+    return present[-1], folder
+
+
+def put_back_probes(path: Path) -> list[str]:
+    """Event files a repair killed while it probed left in ``.repair-probe-<pid>/`` go back to ``events/`` (the
+    caller holds the ledger lock, so no live repair owns them); a name ``events/`` already holds stays beside the
+    quarantine. Returns the names put back."""
+    put = []
+    for aside in sorted(path.glob(".repair-probe-*")):
+        if not aside.is_dir() or aside.is_symlink():
+            continue
+        (path / "events").mkdir(exist_ok=True)
+        for p in sorted(aside.iterdir()):
+            target = path / "events" / p.name
+            if p.is_file() and not target.exists():
+                os.replace(p, target)
+                put.append(p.name)
+            else:  # never overwrite an event; keep the copy for forensics
+                folder = path / "quarantine" / f"{aside.name.lstrip('.')}"
+                folder.mkdir(parents=True, exist_ok=True)
+                os.replace(p, folder / p.name)
+        aside.rmdir()
+    return put
+
+
+def belongs(snapshot: Path, store: FeatureStore) -> bool:
+    """Whether a snapshot file names ``store`` (its uuid) and, when the store is bound, the bound ledger."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = json.loads((pq.read_schema(snapshot).metadata or {})[b"indknn"])
+    except Exception:  # noqa: BLE001 - unreadable: not a snapshot to point CURRENT at
+        return False
+    bound = (integrity.binding_of(store) or {}).get("ledger_uuid")
+    return meta.get("store_uuid") == store.uuid and (bound is None or meta.get("ledger_uuid") == bound)

@@ -1,0 +1,134 @@
+"""Review 32's open LOW items (2026-11-28): ledger files removed or left behind by hand or by a killed repair.
+
+Each was a dead end before: a message that never cleared ("try again"), a repair that failed on its own folder,
+or a repair that retired everyone for what a killed repair of its own had left. None may refund a budget or block
+an erasure; each test checks both."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from indknn_cli.deletion import delete_records
+from indknn_cli.errors import ConcurrentChangeError, LedgerError, LedgerIntegrityError
+from indknn_cli.ledger import BudgetLedger
+from indknn_cli.ledger_readonly import open_ledger_readonly
+from indknn_cli.ledger_repair import repair_ledger
+from indknn_cli.ledger_verify import verify_ledger
+from indknn_cli.store import FeatureStore
+
+from .test_audit_10 import _repair_cli, _world
+
+
+def _spent(lp: Path) -> dict:
+    led = BudgetLedger.open(lp)
+    return dict(zip(led.state.record_id, led.state.spent))
+
+
+def _erases(sp: Path, lp: Path, rid: str) -> bool:
+    delete_records(store_path=sp, ledger_path=lp, record_ids=[rid])
+    st = FeatureStore.open(sp, mode="r")
+    ids = [str(x) for x in st.read("private", "record_id")]
+    return rid not in ids
+
+
+def test_a_missing_answers_file_is_damage_not_busy_and_repair_says_so(tmp_path):
+    """answers-<g>.parquet removed: every reader said "the ledger kept changing while reading; try again" (exit 2),
+    which never cleared. It is damage (exit 1) naming the file; repair names it too instead of "the snapshot itself
+    is damaged"; delete still erases."""
+    sp, lp = _world(tmp_path)
+    (lp / "answers-000001.parquet").unlink()
+    for read in (lambda: open_ledger_readonly(lp), lambda: BudgetLedger.open(lp)):
+        with pytest.raises(LedgerIntegrityError, match=r"answers-000001\.parquet: missing"):
+            read()
+    with pytest.raises(LedgerIntegrityError, match=r"answers-000001\.parquet: missing") as exc:
+        repair_ledger(ledger_path=lp, store_path=sp)
+    assert "snapshot itself" not in str(exc.value)
+    assert not (lp / "quarantine").exists() and not list(lp.glob(".repair-probe-*"))
+    assert _erases(sp, lp, "r050")
+
+
+def test_repair_recreates_a_removed_events_folder_and_refunds_nothing(tmp_path):
+    """events/ removed: the ledger is behind the store's mark (a rollback), and repair failed writing its own event
+    into the missing folder. It recreates it and retires every record."""
+    sp, lp = _world(tmp_path)
+    before = _spent(lp)
+    shutil.rmtree(lp / "events")
+    res = repair_ledger(ledger_path=lp, store_path=sp)
+    assert res.repaired and res.records_retired > 0
+    led = BudgetLedger.open(lp)
+    assert all(s >= before[r] for r, s in zip(led.state.record_id, led.state.spent))
+    assert (led.state.spent[~led.state.deleted] >= led.params.budget).all()
+    assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
+    assert _erases(sp, lp, "r050")
+
+
+def test_repair_writes_back_a_garbage_current_and_retires_nobody_when_the_mark_agrees(tmp_path):
+    """CURRENT not JSON: repair said "the snapshot itself is damaged" and stopped. Garbage is treated as a missing
+    snapshot's name: written back to the newest snapshot of this store's ledger, which the mark then vouches for."""
+    sp, lp = _world(tmp_path)
+    before = _spent(lp)
+    (lp / "CURRENT").write_bytes(b"garbage{\xff")
+    dry = repair_ledger(ledger_path=lp, store_path=sp, dry_run=True)
+    assert dry.current_written_back == 1 and (lp / "CURRENT").read_bytes() == b"garbage{\xff"
+    res = repair_ledger(ledger_path=lp, store_path=sp)
+    assert res.repaired and res.current_written_back == 1 and res.records_retired == 0
+    assert res.as_dict()["cost"].startswith("none")
+    assert (Path(res.quarantine_folder) / "CURRENT").read_bytes() == b"garbage{\xff"
+    assert _spent(lp) == before
+    assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
+
+
+@pytest.mark.heavy
+def test_a_killed_repairs_probe_folder_is_put_back_and_nobody_retires(tmp_path):
+    """A repair killed while it probed left event files in .repair-probe-<pid>/; the ledger then looked rolled back,
+    and the next repair retired every record and never looked there. It now puts them back first (nobody retires
+    when the ledger then verifies); a name events/ already holds is never overwritten."""
+    sp, lp = _world(tmp_path)
+    before = _spent(lp)
+    last = sorted((lp / "events").glob("*.parquet"))[-1]
+    probe = lp / ".repair-probe-99999"
+    probe.mkdir()
+    shutil.move(str(last), probe / last.name)
+    assert not verify_ledger(ledger_path=lp, store_path=sp)["verified"]  # behind the mark: looks rolled back
+    r = _repair_cli(sp, lp)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["events_put_back"] == [last.name] and out["records_retired"] == 0, r.stderr
+    assert "put them back into events/" in r.stderr and out["cost"].startswith("none")
+    assert not probe.exists() and last.is_file() and _spent(lp) == before
+    assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
+
+    probe.mkdir()  # a stale copy of a name events/ still holds: kept aside, never put over the live file
+    (probe / last.name).write_bytes(b"stale")
+    res = repair_ledger(ledger_path=lp, store_path=sp)
+    assert not res.repaired and res.events_put_back == [] and not probe.exists()
+    assert last.read_bytes() != b"stale" and list((lp / "quarantine").rglob(last.name))
+
+
+@pytest.mark.heavy
+def test_repair_of_a_store_restored_from_before_a_compaction_says_so_and_delete_still_erases(tmp_path):
+    """The store restored from a copy taken before a completed `delete --compact`: every reader, repair included,
+    said "the store was compacted while this command ran; run again", which never cleared. Readers now say what it
+    may be; repair, which holds both locks, says what it is (exit 2); delete erases from the copy alone."""
+    sp, lp = _world(tmp_path)
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r002"])
+    backup = tmp_path / "backup.zarr"
+    shutil.copytree(sp, backup)
+    delete_records(store_path=sp, ledger_path=lp, compact=True)
+    shutil.rmtree(sp)
+    shutil.copytree(backup, sp)
+    with pytest.raises(ConcurrentChangeError, match="If this repeats, the store is a copy taken before that compac"):
+        BudgetLedger.open(lp, store_uuid=FeatureStore.open(sp, mode="r").uuid)
+    before = sorted(p.name for p in lp.rglob("*"))
+    with pytest.raises(LedgerError, match="a copy taken before the compaction the ledger recorded"):
+        repair_ledger(ledger_path=lp, store_path=sp)
+    assert sorted(p.name for p in lp.rglob("*")) == before
+    r = _repair_cli(sp, lp)
+    assert r.returncode == 2 and "Restore the store from a copy taken after that compaction" in r.stderr
+    assert _erases(sp, lp, "r050")
+    st = FeatureStore.open(sp, mode="r")
+    assert np.asarray(st.read("private", "deleted")).astype(bool).sum() >= 2
