@@ -315,7 +315,7 @@ def delete_records(
                     "matches (the store restored from a copy older than a compaction?)")
                 res = _erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact, reason=why)
                 left = None if recovered else _leftover_note(store.path)  # not run: its leftovers are reported
-                if left is not None and store.remote is None:
+                if left is not None:  # a local copy, or the state folder of a copy in the bucket
                     from .deletion_compact import erase_in_leftovers
 
                     in_copies = erase_in_leftovers(store.path, record_ids, user_ids)

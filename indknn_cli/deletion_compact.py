@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import fcntl
 import json
+import logging
 import os
 import re
 import time
@@ -67,7 +68,8 @@ def leftover_note(store_path: Path) -> str | None:
 
 def erase_in_leftovers(store_path: Path, record_ids, user_ids) -> int:
     """For a delete that cannot run the recovery step: erase the requested ids in every copy a stopped compaction
-    left beside a local store (they are copies of the same people; the live store's rows are erased by the caller).
+    left beside the store: a local folder, or the state folder of a copy in the bucket (`<name>.compacted-<token>`,
+    reached since 2026-11-28). They are copies of the same people; the live store's rows are erased by the caller.
     Review 32, F5: the copy kept the vector of a person whose erasure was accepted, and nothing removed it while the
     ledger could not be read. Returns the rows erased; a copy that cannot be opened is left to the note."""
     from .store import FeatureStore
@@ -77,7 +79,7 @@ def erase_in_leftovers(store_path: Path, record_ids, user_ids) -> int:
     for copy in _leftovers(Path(store_path)):
         try:
             st = FeatureStore.open(copy, mode="a")
-            if st.remote is not None or not st.n_rows("private"):
+            if not st.n_rows("private"):
                 continue
             rids, uids = st.read("private", "record_id"), st.read("private", "user_id")
             rows = np.flatnonzero([str(r) in want_r or str(u or "") in want_u for r, u in zip(rids, uids)])
@@ -85,7 +87,8 @@ def erase_in_leftovers(store_path: Path, record_ids, user_ids) -> int:
                 st.mark_deleted("private", rows)
                 st.erase_rows("private", rows)
                 erased += int(rows.size)
-        except Exception:  # noqa: BLE001 - a copy that cannot be read stays reported by leftover_note
+        except Exception as exc:  # noqa: BLE001 - a copy that cannot be read stays reported by leftover_note
+            logging.getLogger(__name__).debug("copy %s not erased: %s", copy, type(exc).__name__)
             continue
     return erased
 

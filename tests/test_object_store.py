@@ -145,3 +145,35 @@ def test_cli_round_trip(s3, state, tmp_path):
     again = indknn("serve-queries", "q.npz", "--store", url, "--ledger", "led", "--batch-id", "b2").splitlines()
     assert len(again) == 20
     assert FeatureStore.open(url).n_rows() == 299
+
+
+@pytest.mark.heavy
+def test_an_erasure_with_an_unreadable_ledger_reaches_a_stopped_compactions_copy_in_the_bucket(s3, state, tmp_path,
+                                                                                               monkeypatch):
+    """Review 32, F5 (open for object storage until 2026-11-28): a compaction stopped after it copied the store to
+    `<name>.compacted-<token>`, then the ledger became unreadable. `delete --record X` erased X in the live prefix
+    only; the compaction's copy in the bucket kept X's vector, and nothing removed it while the ledger could not be
+    read. The erasure now reaches the copy too (local copies were reached since review 32)."""
+    from indknn_cli import deletion
+
+    from .test_delete import Crash, _crash_at
+
+    bucket = new_bucket(s3)
+    url = f"s3://{bucket}/stores/s1"
+    x = _inputs(tmp_path)
+    embed_into_store(tmp_path / "priv.npz", store_path=url, extractor="vectors", label_names=["0", "1", "2"])
+    lp = tmp_path / "ledger"
+    build_index(store_path=url, ledger_path=lp, params=make_params(**PARAMS))
+    delete_records(store_path=url, ledger_path=lp, record_ids=["r0001"])
+    _crash_at(monkeypatch, "compact-ledger-prepared")
+    with pytest.raises(Crash):
+        delete_records(store_path=url, ledger_path=lp, compact=True)
+    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    victim = x[9].tobytes()
+    holding = [k for k, body in raw_objects(s3, bucket).items() if victim in body]
+    assert any(".compacted-" in k for k in holding) and any(".compacted-" not in k for k in holding)
+
+    (lp / "CURRENT").write_text("garbage{")  # the ledger unreadable: no recovery step can run
+    res = delete_records(store_path=url, ledger_path=lp, record_ids=["r0009"])
+    assert res.records_erased == 1 and res.ledger_unreadable
+    assert not any(victim in body for body in raw_objects(s3, bucket).values())
