@@ -21,6 +21,7 @@ from . import object_store, store_lease
 from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .readers import Source, open_source
+from .readers_base import check_key_text
 from .record_keys import input_keys
 from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows
 from .wording import count
@@ -379,6 +380,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                 for rb in src.batches(labels=use_labels):
                     n = len(rb)
                     rows = list(range(rb.start, rb.start + n))
+                    check_key_text(rb.ids, what="record id", display=src.name, start=rb.start)
+                    check_key_text(rb.users, what="user id", display=src.name, start=rb.start)
                     ids = list(rb.ids) if rb.ids is not None else [None] * n
                     keep = []
                     for j, rid in enumerate(ids):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,6 +39,24 @@ class RecordBatch:
 
     def __len__(self) -> int:
         return len(self.items)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_key_text(values, *, what: str, display: str, start: int) -> None:
+    """Refuse a record or user id holding a control character (BadInputError naming the row and the character).
+
+    The store keeps ids as fixed-width Unicode, which drops trailing NULs: ``"r1\x00"`` became ``"r1"``, a second
+    live row of record r1 under another user, and every later serve was refused until both were erased (review 37,
+    F1); an id of NULs alone became ``""``, the id erased rows carry. Other control characters (tab, newline) make
+    an id that `delete --ids-file` and CSV exports cannot carry."""
+    if values is None:
+        return
+    for j, v in enumerate(values):
+        if v is not None and (m := _CONTROL.search(v)):
+            raise BadInputError(f"{display}: row {start + j + 1}: {what} {v!r} holds the control character "
+                                f"U+{ord(m.group()):04X}; ids must be printable text")
 
 
 def _label_str(v: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -353,6 +354,26 @@ def test_bad_input_into_a_new_store_leaves_nothing(tmp_path, case):
                          label_names=["a"])  # declared, so the check for the bad input is what fires
     assert not (tmp_path / "new.zarr").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".new.zarr")]
+
+
+@pytest.mark.parametrize("rid, uid, what", [("r01\x00", "u9", "record id 'r01\\x00'"),
+                                             ("\x00", "u9", "record id '\\x00'"),
+                                             ("n1", "u\n9", "user id 'u\\n9'")])
+def test_an_id_with_a_control_character_is_refused_and_the_store_left_as_it_was(vstore, tmp_path, rid, uid, what):
+    """Review 37, F1: the store keeps ids as fixed-width Unicode, which drops trailing NULs, so "r01\x00" was
+    accepted as new and stored as a second live r01 under another user (every later serve refused until both were
+    erased); an id of NULs alone became "", the id erased rows carry. Control characters in ids are refused (exit 2),
+    the store left as it was; the library's append refuses them too."""
+    pq.write_table(pa.table({"vector": pa.array(rng_vectors(2, 6, 5).tolist()), "label": ["a", "b"],
+                             "id": ["ok1", rid], "user": ["u1", uid]}), tmp_path / "bad.parquet")
+    before = snapshot(vstore)
+    with pytest.raises(BadInputError, match=re.escape(f"bad.parquet: row 2: {what} holds the control character U+00")):
+        embed_into_store(tmp_path / "bad.parquet", store_path=vstore, id_column="id", user_column="user")
+    assert snapshot(vstore) == before
+    st = FeatureStore.open(vstore, mode="a")
+    with pytest.raises(BadInputError, match="control character"):
+        st.append("private", rng_vectors(1, 6, 6), labels=[0], record_ids=[rid], user_ids=[uid])
+    assert snapshot(vstore) == before
 
 
 def test_unreadable_image_leaves_store_untouched(tmp_path):
