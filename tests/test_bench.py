@@ -138,9 +138,12 @@ def _png(path: str) -> bool:
 @pytest.mark.heavy
 def test_experiment_end_to_end_writes_json_and_png(labelled_store, tmp_path, experiment):
     out = tmp_path / "out"
+    lines: list[str] = []
     summary = bench_runner.run_bench(experiment, dataset=str(labelled_store.path), out_dir=out, quick=True, seed=5,
-                                     **TINY)
+                                     progress=lines.append, **TINY)
     data = json.loads(Path(summary["json"]).read_text())
+    # every ε a progress line prints names its unit and adjacency (SPEC §8; review 32's ε sweep left these)
+    assert all("add/remove one record" in m for m in lines if "ε" in m), [m for m in lines if "ε" in m]
     assert data["experiment"] == experiment and data["quick"] is True
     assert data["config"]["seed"] == 5 and data["environment"]["versions"]["opacus"]
     assert "git_commit" in data["environment"]
@@ -172,8 +175,13 @@ def test_experiment_end_to_end_writes_json_and_png(labelled_store, tmp_path, exp
         assert [r["retrain_every"] for r in rows] == [15, 45]
         assert rows[0]["noisysgd_epsilon_total"] > rows[1]["noisysgd_epsilon_total"]  # more retrainings
         assert all(r["indknn_epsilon_guarantee"] == 1.0 for r in rows)
+        assert all(r["unit"] == "record" and r["adjacency"] == "add/remove one record" and "Opacus"
+                   in r["noisysgd_accountant"] and r["indknn_conversion"] == "gdp" for r in rows)
+        assert "(gdp)" in " ".join(summary["table"]["columns"]) and "Opacus" in " ".join(summary["table"]["columns"])
     if experiment == "tune":
         assert "public or validation" in data["warning"] and "public rows" in data["data_used"]
+        assert data["unit"] == "record" and data["adjacency"] == "add/remove one record" and data["conversion"]
+        assert "add/remove one record" in summary["table"]["title"]
     if experiment == "min-margin":
         rows = {(r["min_margin"], r["reuse"]): r for r in data["results"]}
         assert rows[(0.0, False)]["coverage"]["median"] == 1.0  # M = 0 answers everything

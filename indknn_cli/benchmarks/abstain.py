@@ -20,7 +20,7 @@ from ..serving import check_min_margin, make_params
 from .config import BenchConfig
 from .progress import say
 from .data import Dataset, Split
-from .experiments import PROTOCOL, dataset_info, majority_class, prepare, privacy_note, query_draws
+from .experiments import PROTOCOL, dataset_info, eps_at, majority_class, prepare, privacy_note, query_draws
 from .methods import PrecomputedFinder, kernel_matrix, run_indknn, tune_indknn
 
 
@@ -47,7 +47,7 @@ def min_margin_curve(ds: Dataset, split: Split, cfg: BenchConfig, *, epsilon: fl
     margins = [check_min_margin(float(m)) for m in cfg.margins]
     p = prepare(ds, split, cfg)
     draws = query_draws(p.pool_x.shape[0], p.T, cfg.draws, cfg.seed)
-    progress(f"tuning Ind-KNN at ε={epsilon} on {p.val.q_x.shape[0]} validation queries")
+    progress(f"tuning Ind-KNN at {eps_at(epsilon, cfg.conversion)} on {p.val.q_x.shape[0]} validation queries")
     ti = tune_indknn(p.val, epsilons=(epsilon,), delta=cfg.delta, conversion=cfg.conversion, queries=p.T,
                      seed=cfg.seed, sigma2_grid=cfg.sigma2_grid, tau_offsets=cfg.tau_offsets, draws=cfg.tune_draws)
     ch = ti["chosen"][float(epsilon)]

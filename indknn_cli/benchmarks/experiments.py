@@ -83,6 +83,13 @@ def dataset_info(p: Prepared) -> dict:
 #: under add/remove of one record (Ind-KNN's record unit, dp-accounting's and Opacus's default relation).
 UNIT = {"unit": "record", "adjacency": "add/remove one record"}
 UNIT_TEXT = "per record, adjacency add/remove one record (under replace-one the Gaussian-DP μ doubles)"
+#: The short form for progress lines (stderr) and table headers.
+UNIT_SHORT = "per record, add/remove one record"
+
+
+def eps_at(eps: float, how: str) -> str:
+    """``ε=1 (gdp, per record, add/remove one record)``: an ε as the progress lines print it (SPEC §8)."""
+    return f"ε={float(eps):g} ({how}, {UNIT_SHORT})"
 
 
 def _indknn_row(p: Prepared, cfg: BenchConfig, *, eps: float, tau: float, sigma2: float, T: int,
@@ -165,7 +172,8 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
     draws = query_draws(p.pool_x.shape[0], p.T, cfg.draws, cfg.seed)
     tuning: dict = {}
     timing: dict = {}
-    progress(f"tuning Ind-KNN on {p.val.q_x.shape[0]} validation queries ({len(cfg.epsilons)} ε)")
+    progress(f"tuning Ind-KNN on {p.val.q_x.shape[0]} validation queries ({count(len(cfg.epsilons), 'ε value')}, "
+             f"{cfg.conversion}, {UNIT_SHORT})")
     t0 = time.perf_counter()
     tuning["indknn"] = tune_indknn(p.val, epsilons=cfg.epsilons, delta=cfg.delta, conversion=cfg.conversion,
                                    queries=p.T, seed=cfg.seed, sigma2_grid=cfg.sigma2_grid,
@@ -175,7 +183,8 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
     kcache: dict = {}  # exact κ of each query draw, shared by the privately tuned and oracle rows of every ε
     for i_eps, eps in enumerate(cfg.epsilons):
         ch = tuning["indknn"]["chosen"][float(eps)]
-        say(progress, f"ε={eps}: Ind-KNN τ={ch['tau']}, σ2={ch['sigma2']}; tuning Private-kNN and NoisySGD",
+        say(progress, f"{eps_at(eps, 'each method by its own accountant')}: Ind-KNN τ={ch['tau']}, "
+            f"σ2={ch['sigma2']}; tuning Private-kNN and NoisySGD",
             done=i_eps, total=len(cfg.epsilons))
         t0 = time.perf_counter()
         tp = tune_private_knn(p.val, epsilon=eps, delta=cfg.delta, queries=p.T, seed=cfg.seed,
@@ -194,7 +203,8 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
         models = _sgd_models(p, cfg, eps=eps, lr=ts["chosen"]["lr"], n=len(draws))
         rows.append(_sgd_row(p, cfg, eps=eps, lr=ts["chosen"]["lr"], models=models, draws=draws))
         timing[f"report_eps{eps}"] = time.perf_counter() - t0
-        say(progress, "ε=%s: " % eps + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]),
+        say(progress, f"{eps_at(eps, 'each method by its own accountant')}: "
+            + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]),
             done=i_eps + 1, total=len(cfg.epsilons))
         if cfg.private_tuning:
             from .private_tuning import private_rows
@@ -258,7 +268,7 @@ def accuracy_vs_queries(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: fl
     if not grid:
         raise ValueError(f"no T in {cfg.query_grid} fits the query pool of {p.pool_x.shape[0]}")
     t_tune = min(p.T, p.val.q_x.shape[0])
-    progress(f"tuning at ε={epsilon}, T={t_tune} on the validation split")
+    progress(f"tuning at {eps_at(epsilon, cfg.conversion)}, T={t_tune} on the validation split")
     ti = tune_indknn(p.val, epsilons=(epsilon,), delta=cfg.delta, conversion=cfg.conversion, queries=t_tune,
                      seed=cfg.seed, sigma2_grid=cfg.sigma2_grid, tau_offsets=cfg.tau_offsets, draws=cfg.tune_draws)
     tp = tune_private_knn(p.val, epsilon=epsilon, delta=cfg.delta, queries=t_tune, seed=cfg.seed,
@@ -349,13 +359,18 @@ def retraining(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: float = 1.0
                      "indknn_seconds_per_query": run.seconds / T, "indknn_accuracy": accuracy(run.labels, y),
                      "indknn_epsilon_guarantee": params.epsilon,
                      "noisysgd_seconds_per_query": (changes * train_s) / T + sgd_predict_s,
-                     "noisysgd_epsilon_total": sgd_eps, "noisysgd_accuracy_first_model": sgd_acc})
-        progress(f"Q={Q}: Ind-KNN {rows[-1]['indknn_seconds_per_query']:.2e} s/query, ε {params.epsilon:g}; "
-                 f"NoisySGD {rows[-1]['noisysgd_seconds_per_query']:.2e} s/query, ε {sgd_eps:.3g}")
+                     "noisysgd_epsilon_total": sgd_eps, "noisysgd_accuracy_first_model": sgd_acc,
+                     "indknn_conversion": cfg.conversion,
+                     "noisysgd_accountant": f"Opacus {cfg.sgd_accountant.upper()}, composed over the trainings",
+                     **UNIT})
+        progress(f"Q={Q}: Ind-KNN {rows[-1]['indknn_seconds_per_query']:.2e} s/query, ε({cfg.conversion}) "
+                 f"{params.epsilon:g}; NoisySGD {rows[-1]['noisysgd_seconds_per_query']:.2e} s/query, "
+                 f"ε(Opacus {cfg.sgd_accountant.upper()}, composed) {sgd_eps:.3g}; {UNIT_SHORT}")
         partial(rows)
     table = {"title": f"retraining every Q queries (T={T}; ε={epsilon:g} = Ind-KNN guarantee = each training's ε)",
-             "columns": ["Q", "Ind-KNN s/query", "Ind-KNN ε guarantee", "Ind-KNN median realised ε*",
-                         "NoisySGD s/query", "NoisySGD ε (composed)"],
+             "columns": ["Q", "Ind-KNN s/query", f"Ind-KNN ε guarantee ({cfg.conversion})",
+                         "Ind-KNN median realised ε*", "NoisySGD s/query",
+                         f"NoisySGD ε (Opacus {cfg.sgd_accountant.upper()}, composed)"],
              "rows": [[r["retrain_every"], f"{r['indknn_seconds_per_query']:.2e}", f"{r['indknn_epsilon_guarantee']:g}",
                        f"{curves[r['retrain_every']]['indknn_median_realised_epsilon_selected'][-1]:.3f}",
                        f"{r['noisysgd_seconds_per_query']:.2e}", f"{r['noisysgd_epsilon_total']:.3f}"]
@@ -402,15 +417,17 @@ def tune(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progress = lambd
     p = prepare(ds, split, cfg)
     progress(f"stage 1: non-private kernel weights of {p.val.q_x.shape[0]} validation queries")
     stage1 = tune_tau_stage1(p.val)
-    progress(f"stage 1: τ* = {stage1['tau_star']}; stage 2: (σ2, τ) grid for ε ∈ {list(cfg.epsilons)}")
+    progress(f"stage 1: τ* = {stage1['tau_star']}; stage 2: (σ2, τ) grid for ε ∈ {list(cfg.epsilons)} "
+             f"({cfg.conversion}, {UNIT_SHORT})")
     res = tune_indknn(p.val, epsilons=cfg.epsilons, delta=cfg.delta, conversion=cfg.conversion, queries=p.T,
                       seed=cfg.seed, sigma2_grid=cfg.sigma2_grid, tau_offsets=cfg.tau_offsets, draws=cfg.tune_draws,
                       stage1=stage1)
-    table = {"title": f"chosen Ind-KNN hyper-parameters (T={p.T}, δ={cfg.delta:g}, {cfg.conversion})",
-             "columns": ["ε", "τ", "σ2", "validation accuracy", "B"],
+    table = {"title": f"chosen Ind-KNN hyper-parameters (T={p.T}, δ={cfg.delta:g}, {cfg.conversion}, {UNIT_SHORT})",
+             "columns": [f"ε ({cfg.conversion})", "τ", "σ2", "validation accuracy", "B"],
              "rows": [[f"{e:g}", f"{c['tau']:g}", f"{c['sigma2']:g}", round(c["val_accuracy"], 4), f"{res['budget'][e]:.4g}"]
                       for e, c in res["chosen"].items()]}
     return {"experiment": "tune", "dataset": dataset_info(p), "config": cfg.as_dict(),
+            "conversion": cfg.conversion, **UNIT,
             "data_used": ("validation split: "
                           + ("the store's labelled public rows" if ds.public_rows is not None else
                              "carved from the private side (stand-in for public/validation data)")),

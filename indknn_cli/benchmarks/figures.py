@@ -106,5 +106,6 @@ def make_plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
             xlabel="τ", ylabel="validation accuracy", title=f"Tuner stage 1 (τ* = {res['stage1']['tau_star']})"))
         for eps, grid in res["grids"].items():
             paths.append(plot_grid(out_dir / f"{stem}_eps{eps}.png", grid=grid,
-                                   title=f"Tuner stage 2 at ε={eps}\n{_ds(result)}"))
+                                   title=f"Tuner stage 2 at ε={eps} ({result.get('conversion', 'gdp')}, per record, "
+                                         f"add/remove one record)\n{_ds(result)}"))
     return paths

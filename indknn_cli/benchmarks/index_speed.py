@@ -280,7 +280,8 @@ def _latency(fn, q, m):
 def table(res: dict) -> str:
     k = res["kinds"]
     lines = [f"{res['dataset']}: N={res['n']:,} d={res['d']} queries={res['queries']} τ={res['tau']} "
-             f"σ2={res['sigma2']} (accuracy: gdp, δ=1e-5); bare fp32 product {res['matmul_floor_q_per_s']} q/s",
+             f"σ2={res['sigma2']} (accuracy at ε: gdp, δ=1e-5, per record, add/remove one record); "
+             f"bare fp32 product {res['matmul_floor_q_per_s']} q/s",
              f"{'kind':<22}{'build s':>9}{'q/s':>10}{'recall':>8}{'mean|C|':>9}{'ms/q (1)':>10}"
              + "".join(f"{'acc ε=' + e:>11}" for e in map(str, EPSILONS))]
 
@@ -340,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {"bench": "index_speed", "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                                                    "faiss": faiss.__version__, "numpy": np.__version__,
                                                    "python": platform.python_version()},
-               "epsilons": list(EPSILONS), "run_keys": list(RUN_KEYS), "datasets": []}
+               "epsilons": list(EPSILONS), "conversion": "gdp", "delta": 1e-5, "unit": "record",
+               "adjacency": "add/remove one record", "run_keys": list(RUN_KEYS), "datasets": []}
     with tempfile.TemporaryDirectory(prefix="indknn-index-bench-") as tmp:
         tmp = Path(tmp)
         for n in a.n:

@@ -20,7 +20,7 @@ import numpy as np
 from .. import tuning
 from ..ledger_state import PrivacyParams
 from .config import BenchConfig
-from .experiments import UNIT, UNIT_TEXT, _summary
+from .experiments import UNIT, UNIT_TEXT, _summary, eps_at
 from .methods import PrecomputedFinder, accuracy, kernel_matrix, run_indknn
 
 PRIVATE = "ind-knn (tuned privately)"
@@ -63,7 +63,7 @@ def private_rows(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray], pr
         records.append(rec.as_dict())
         served.append(params)
     chosen = [(r["chosen_tau"], r["chosen_sigma2"]) for r in records]
-    progress(f"ε={eps}: tuned privately {', '.join(f'τ={t:g} σ2={s:g}' for t, s in chosen)}: "
+    progress(f"{eps_at(eps, 'total, by RDP')}: tuned privately {', '.join(f'τ={t:g} σ2={s:g}' for t, s in chosen)}: "
              f"median accuracy {np.median(accs):.3f}")
     first = records[0]
     row = {"method": PRIVATE, "epsilon": float(eps), "delta": cfg.delta, "conversion": "rdp",
@@ -82,7 +82,7 @@ def private_rows(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray], pr
     rows = [row]
     if cfg.oracle_grid:
         rows.append(oracle_row(p, cfg, eps=eps, draws=draws, params=served[0], grid=first["grid"], kcache=kcache))
-        progress(f"ε={eps}: best grid point at B_serve τ={rows[-1]['hyper']['tau']:g} "
+        progress(f"{eps_at(eps, 'total, by RDP')}: best grid point at B_serve τ={rows[-1]['hyper']['tau']:g} "
                  f"σ2={rows[-1]['hyper']['sigma2']:g}: {rows[-1]['accuracy_median']:.3f}")
     return rows
 
@@ -142,7 +142,8 @@ def chosen_point_accuracy(p, cfg: BenchConfig, *, eps: float, draws: list[np.nda
            "selection_ceiling": (selection_ceiling(grid_acc, shards=rec.validation_queries, rho=rec.rho_run)
                                  if rec.method == tuning.EXP_MECH else None)}
     ceiling = "" if out["selection_ceiling"] is None else f", selection ceiling {out['selection_ceiling']:.4f}"
-    progress(f"ε={eps} ({out['sigma2_grid']}): chosen point {out['chosen_mean']:.4f} ± {out['chosen_se']:.4f} "
+    progress(f"{eps_at(eps, 'total, by RDP')} ({out['sigma2_grid']}): chosen point {out['chosen_mean']:.4f} "
+             f"± {out['chosen_se']:.4f} "
              f"(mean ± s.e. over {acc.size} tuning seeds), best grid point {best:.4f}{ceiling}")
     return out
 

@@ -113,7 +113,8 @@ def main(argv: list[str]) -> int:
                          "accuracy_median": float(np.median(accs)), "accuracies": accs,
                          "queries_per_s_median": float(np.median(qps)),
                          "adjacency": f"add/remove one {unit}", "conversion": "gdp"})
-            print(f"ε={eps:g} {name:20s} acc {np.median(accs):.3f}  {np.median(qps):7.0f} q/s", file=sys.stderr)
+            print(f"ε={eps:g} (gdp, per {unit}, add/remove one {unit}) {name:20s} acc {np.median(accs):.3f}  "
+                  f"{np.median(qps):7.0f} q/s", file=sys.stderr)
     summary = {"experiment": "user-unit", "dataset": a.dataset, "private": len(ds.x) - a.queries,
                "queries": a.queries, "users_records": f"1..{a.max_records} uniform", "tau": a.tau,
                "sigma2": a.sigma2, "delta": a.delta, "draws": a.draws, "rows": rows,

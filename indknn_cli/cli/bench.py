@@ -121,7 +121,8 @@ def _common(quick, out, dataset, data_dir, cache, seed, features, conversion, de
 @bench_app.command("accuracy-vs-eps")
 def accuracy_vs_eps(
     eps: Optional[str] = typer.Option(None, "--eps", help="Comma-separated ε values (default 0.5,1,1.5,2; "
-                                      "--quick 0.5,1,2)."),
+                                      "--quick 0.5,1,2), per record, add/remove one record; each method by its "
+                                      "own accountant, Ind-KNN by --conversion."),
     quick: bool = QUICK, out: Path = OUT, dataset: str = DATASET, data_dir: Optional[Path] = DATA_DIR,
     cache: Optional[Path] = CACHE, seed: int = SEED, features: str = FEATURES, conversion: str = CONVERSION,
     delta: float = DELTA, draws: Optional[int] = DRAWS, queries: Optional[int] = QUERIES,
@@ -149,7 +150,8 @@ def accuracy_vs_eps(
 
 @bench_app.command("accuracy-vs-queries")
 def accuracy_vs_queries(
-    eps: float = typer.Option(1.0, "--eps", help="The fixed ε."),
+    eps: float = typer.Option(1.0, "--eps", help="The fixed ε (per record, add/remove one record; "
+                                      "Ind-KNN by --conversion)."),
     query_grid: Optional[str] = typer.Option(None, "--query-grid", help="Comma-separated T values (those that fit "
                                              "the query pool are run)."),
     quick: bool = QUICK, out: Path = OUT, dataset: str = DATASET, data_dir: Optional[Path] = DATA_DIR,
@@ -166,7 +168,8 @@ def accuracy_vs_queries(
 
 @bench_app.command("retraining")
 def retraining(
-    eps: float = typer.Option(1.0, "--eps", help="Ind-KNN's guarantee and each NoisySGD training's ε."),
+    eps: float = typer.Option(1.0, "--eps", help="Ind-KNN's guarantee (by --conversion) and each NoisySGD "
+                                      "training's ε (Opacus), per record, add/remove one record."),
     retrain_every: Optional[str] = typer.Option(None, "--retrain-every", help="Comma-separated Q values: the data "
                                                 "changes every Q queries."),
     deletions: Optional[int] = typer.Option(None, "--deletions", help="Records deleted at each change (default 10)."),
@@ -184,7 +187,8 @@ def retraining(
 
 @bench_app.command("min-margin")
 def min_margin(
-    eps: float = typer.Option(1.0, "--eps", help="The fixed ε of Ind-KNN."),
+    eps: float = typer.Option(1.0, "--eps", help="The fixed ε of Ind-KNN (per record, add/remove one "
+                                      "record; by --conversion)."),
     margins: Optional[str] = typer.Option(None, "--margins", help="Comma-separated M of serve-queries --min-margin "
                                           "(default 0,0.5,1,2,3)."),
     quick: bool = QUICK, out: Path = OUT, dataset: str = DATASET, data_dir: Optional[Path] = DATA_DIR,
@@ -213,7 +217,8 @@ def speed(
 
 @bench_app.command("tune")
 def tune(
-    eps: Optional[str] = typer.Option(None, "--eps", help="Comma-separated ε values to tune for."),
+    eps: Optional[str] = typer.Option(None, "--eps", help="Comma-separated ε values to tune for (by --conversion; per "
+                                      "record, add/remove one record)."),
     quick: bool = QUICK, out: Path = OUT, dataset: str = DATASET, data_dir: Optional[Path] = DATA_DIR,
     cache: Optional[Path] = CACHE, seed: int = SEED, features: str = FEATURES, conversion: str = CONVERSION,
     delta: float = DELTA, queries: Optional[int] = typer.Option(None, "--queries", help="Planned queries T "
@@ -308,7 +313,8 @@ def year_command(
     n: int = typer.Option(5000, "--n", min=1, help="Private records N of the synthetic clustered store."),
     d: int = typer.Option(64, "--d", min=2, help="Dimension of the synthetic vectors."),
     tau: float = typer.Option(0.5, "--tau", help="Cosine threshold τ."),
-    eps: float = typer.Option(100.0, "--eps", help="ε of the ledger (large, so that records stay active all year)."),
+    eps: float = typer.Option(100.0, "--eps", help="ε of the ledger (gdp, per record, add/remove one record; large, "
+                                    "so that records stay active all year)."),
     reuse: bool = typer.Option(False, "--reuse/--no-reuse", help="Serve with prediction reuse on."),
     keep: Optional[Path] = typer.Option(None, "--keep", help="Build the store and ledger in this new folder and keep "
                                         "them (default: a temporary folder, removed)."),
@@ -450,8 +456,8 @@ def user_unit_command(
 
 @bench_app.command("audit")
 def audit_command(
-    eps: float = typer.Option(2.0, "--eps", "--epsilon", help="Certified ε of the audited ledger (--epsilon: "
-                              "old name)."),
+    eps: float = typer.Option(2.0, "--eps", "--epsilon", help="Certified ε of the audited ledger (by --conversion, per "
+                              "record, add/remove one record; --epsilon: old name)."),
     delta: float = typer.Option(1e-5, "--delta", help="δ of the certificate."),
     conversion: str = typer.Option("gdp", "--conversion", help="gdp or rdp: how B is calibrated from (ε, δ)."),
     trials: int = typer.Option(2000, "--trials", help="Trials per world (with and without the canary); ≥ 20, "
