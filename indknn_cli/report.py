@@ -381,7 +381,12 @@ def build_account_report(
         "spent_p99": spent_q["p99"], "spent_max": spent_q["max"],
         "spent_quantiles": spent_q,
         "spent_fraction_quantiles": {k: (None if v is None else v / budget) for k, v in spent_q.items()},
-        "realised_epsilon": {"label": REALISED_LABEL, "conversion": use_conv, "delta": use_delta, **realised_q},
+        "realised_epsilon": {"label": REALISED_LABEL, "conversion": use_conv, "delta": use_delta,
+                             **{k: v for k, v in unit_figures(getattr(params, "privacy_unit", "record")).items()
+                                if k != "scope"},
+                             # quantiles over the ledger's records: under the user unit a user with m records is
+                             # counted m times (review 37 note)
+                             "over": "records", **realised_q},
         "history": _by_batch(points),
     }
     failures: list[tuple[type, str]] = []

@@ -238,6 +238,13 @@ def test_account_names_the_user_unit_and_shows_the_users_own_figures(tmp_path):
     text = runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--user", "u1"]).stdout
     flat = " ".join(text.split())
     assert "adjacency: add/remove one user" in flat and "realised individual loss" in flat
+    # review 37 notes: the distribution's JSON names its unit and that it is over records; a record's view says a
+    # user selected through m records pays m² times the count charge
+    re_q = head["realised_epsilon"]
+    assert re_q["unit"] == "user" and re_q["adjacency"] == "add/remove one user" and re_q["over"] == "records"
+    rid = str(led.state.record_id[0])
+    flat = " ".join(runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--record", rid]).stdout.split())
+    assert "m²× this" in flat, flat
 
 
 def test_tune_never_silently_downgrades_a_user_unit_request(tmp_path):

@@ -43,7 +43,9 @@ def _print_subject(console, title: str, rec: dict) -> None:
     t.add_column("value")
     rows = [("record id", rec["record_id"]), ("user id", rec["user_id"] or "—"), ("status", rec["status"]),
             ("spent", _f(rec["spent"])), ("remaining", _f(rec["remaining"])), ("budget B", _f(rec["budget"])),
-            ("next count charge", _f(rec["next_charge_at_least"])),
+            ("next count charge", _f(rec["next_charge_at_least"]) + (
+                " (per record selected; a user selected through m records pays m²× this)"
+                if rec.get("unit") == "user" else "")),
             ("times selected", str(rec["times_selected"]))]
     tuned = rec.get("tuning") is not None  # privately tuned: the record's loss includes its share of the search
     for c, v in rec["realised_epsilon_by_conversion"].items():
