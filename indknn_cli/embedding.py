@@ -96,7 +96,7 @@ def embed_rows(ex: Extractor, items, rows: Sequence[int], ids: Sequence[str | No
         raise BadInputError(f"{name}: extractor returned shape {x.shape} for {len(rows)} rows")
     if dim is not None and x.shape[1] != dim:
         if store_named is not None:
-            raise StoreError(f"{store_named}: store has d={dim}, input has d={x.shape[1]} (row {rows[0] + 1})")
+            raise StoreError(f"{store_named}: store has d={dim}, input {name} has d={x.shape[1]} (row {rows[0] + 1})")
         raise BadInputError(f"{name}: row {rows[0] + 1}: d={x.shape[1]}, earlier rows have d={dim}")
     _check_finite_nonzero(x, rows, ids, name)
     return normalize_rows(x, what=name)

@@ -17,6 +17,7 @@ from . import accounting, data_quality, indexes
 from . import ledger_integrity as integrity
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
+from .ledger_files import refuse_foreign_folder
 from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import user_keys
@@ -158,6 +159,8 @@ def build_index(
     if store.n_rows("private") == 0:
         raise BadInputError(f"{store_path}: the store has no private records to index")
 
+    if not BudgetLedger.exists(ledger_path):
+        refuse_foreign_folder(Path(ledger_path))  # before the search and the lock, which writes LOCK there
     record = None
     if tune is not None:
         if BudgetLedger.exists(ledger_path):

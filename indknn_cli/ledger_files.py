@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -150,3 +151,25 @@ def atomic_write_text(text: str, path: Path) -> None:
 
 def atomic_write_bytes(data: bytes, path: Path) -> None:
     _atomic_replace(path, lambda tmp: _write_synced(tmp, data, "wb"))
+
+
+_LEDGER_NAMES = re.compile(r"LOCK|events|quarantine|(snapshot|answers)-\d{6}\.parquet|\..*")
+
+
+def refuse_foreign_folder(path: Path) -> None:
+    """Before a new ledger is created at ``path``: a folder that already holds files no ledger writes (a data
+    folder, a home directory given as --ledger by mistake) is refused (BadInputError, exit 2), nothing written;
+    indknn would otherwise have added its files among them and later `repair`'s quarantine could move them. A
+    missing or empty folder, or one holding only a ledger's own names (a creation that stopped), is fine."""
+    from .errors import BadInputError
+
+    if not path.is_dir():
+        return
+    try:
+        foreign = sorted(p.name for p in path.iterdir() if not _LEDGER_NAMES.fullmatch(p.name))
+    except OSError:
+        return  # unreadable: the lock that follows reports it
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise BadInputError(f"--ledger {path}: the folder holds files that are not a ledger's ({shown}) and no "
+                            "ledger (no CURRENT); give a new or empty folder for the ledger")

@@ -314,7 +314,7 @@ BAD_VECTOR_INPUTS = {
     "nan": (_nan_file, BadInputError, r"row 10 \(id 'n9'\): vector contains NaN"),
     "inf": (_inf_file, BadInputError, r"row 2 \(id 'i1'\): vector contains NaN or infinite"),
     "zero": (_zero_file, BadInputError, r"row 3 \(id 'z2'\): zero vector"),
-    "wrong-d": (_wrong_d_file, StoreError, r"store has d=6, input has d=5"),
+    "wrong-d": (_wrong_d_file, StoreError, r"store has d=6, input .*bad\.npz has d=5"),
     "unknown-label": (_unknown_label_file, BadInputError, r"unknown label 'zebra'; the store's labels are \['a', 'b', 'c'\]"),
     "missing-label": (_missing_label_file, BadInputError, r"label array 'y' not found"),
     "empty": (_empty_file, BadInputError, r"empty input"),

@@ -70,8 +70,14 @@ def main() -> None:
     """The console entry point: no traceback ever reaches the terminal unless INDKNN_DEBUG=1."""
     import os
 
+    from ..errors import IndknnError
+    from .common import error_message
+
     try:
         app(prog_name="indknn")  # usage lines and completion scripts say `indknn`, also under python -m
+    except IndknnError as exc:  # a typed error raised outside a command's run_library_call: its documented code
+        error_message("Error:", str(exc))
+        raise SystemExit(exc.exit_code) from None
     except Exception as exc:  # noqa: BLE001 - typer re-raises what no command mapped (pretty exceptions off)
         if os.environ.get("INDKNN_DEBUG") == "1":
             raise

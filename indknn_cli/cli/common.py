@@ -199,8 +199,12 @@ def deprecated_alias(value, old_value, *, new: str, old: str):
 def resolve_store(path: str | Path | None) -> Path:
     """--store, else $INDKNN_STORE, else ./indknn-store.zarr. An ``s3://`` (fsspec) URL becomes its local
     state folder (docs/OBJECT_STORAGE.md), which the library takes as the store's path."""
+    from ..errors import BadInputError
     from ..object_store import local_path
 
+    if path is not None and not str(path).strip():  # read as "." before: the working folder taken as the store
+        raise BadInputError("--store is empty; give the feature store's path or URL (or leave --store out for "
+                            "$INDKNN_STORE, else ./indknn-store.zarr)")
     return local_path(path if path is not None else (os.environ.get("INDKNN_STORE") or DEFAULT_STORE))
 
 

@@ -42,7 +42,7 @@ def embed_command(
     """Embed INPUT into the feature store. stdout: one JSON line (store, role, rows_added, rows_skipped, d, extractor)."""
     _load()
     err = stderr_console()
-    store_path = resolve_store(store)
+    store_path = run_library_call(lambda: resolve_store(store))
     names = [n.strip() for n in label_names.split(",")] if label_names is not None else None
     batch_id = deprecated_alias(batch_id, batch, new="--batch-id", old="--batch")
 

@@ -97,7 +97,7 @@ def serve_command(
     """
     _load()
     err = stderr_console()
-    store_path = resolve_store(store)
+    store_path = run_library_call(lambda: resolve_store(store))
     ledger_path = resolve_ledger(ledger)
 
     bar: list = []  # the progress bar's update function (a no-op off a terminal), set once the batch is known
