@@ -128,6 +128,25 @@ def check_out_path(path: str | os.PathLike, *, probe: bool = True) -> None:
         raise BadInputError(f"--out: cannot write a file in {parent} ({exc.strerror or type(exc).__name__})") from None
 
 
+def refuse_output_over(path: str | os.PathLike, *, option: str, folders=(), files=()) -> None:
+    """An output file (``--out``, ``--export``) inside the ledger's or the store's folder, or that is the input
+    being read, is refused (BadInputError, exit 2) before anything is charged or written: `--out L/snapshot-….parquet`
+    was accepted, the batch charged, then the answers written over the ledger's snapshot, which `repair` cannot
+    rebuild (review 38, F1). ``folders``/``files``: (what, path) pairs; symlinks and ``..`` resolved."""
+    out = Path(path).resolve()
+    for what, folder in folders:
+        if folder is None:
+            continue
+        f = Path(folder).resolve()
+        if out == f or f in out.parents:
+            raise BadInputError(f"{option} {path} is inside {what} {folder}: writing there would replace its files; "
+                                "write the file somewhere else")
+    for what, file in files:
+        if file is not None and Path(file).exists() and out == Path(file).resolve():
+            raise BadInputError(f"{option} {path} is {what}: writing there would replace it; write the file "
+                                "somewhere else")
+
+
 class AnswersWriter:
     """Append released answers to ``path`` (via a temporary file); :meth:`commit` publishes it, :meth:`abort`
     removes the temporary file. As a context manager: commit on a normal exit, abort on an exception."""

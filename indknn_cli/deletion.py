@@ -206,8 +206,9 @@ def delete_records(
     ``BadInputError`` before anything is written. ``dry_run`` takes no lock and
     writes nothing.
     """
-    record_ids = list(dict.fromkeys(str(r) for r in record_ids))
-    user_ids = list(dict.fromkeys(str(u) for u in user_ids))
+    # ids as `embed` stores them, surrounding whitespace trimmed (review 38, F3: `--record ' sp1 '` was unknown)
+    record_ids = list(dict.fromkeys(str(r).strip() for r in record_ids))
+    user_ids = list(dict.fromkeys(str(u).strip() for u in user_ids))
     if any(not r.strip() for r in record_ids + user_ids):
         raise BadInputError("an empty record or user id was given")
     if not record_ids and not user_ids and not compact and not finish_pending:

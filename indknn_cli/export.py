@@ -39,10 +39,15 @@ def export_account(*, ledger_path: str | os.PathLike, out: str | os.PathLike, de
     from .ledger_readonly import open_ledger_readonly
     from .report import build_account_report, realised_loss, unit_figures
 
+    from .answers_out import refuse_output_over
+
     path = check_export_path(out)
     report = build_account_report(ledger_path=ledger_path, delta=delta, conversion=conversion)  # validates options
     d = report.data
     ledger = open_ledger_readonly(ledger_path)
+    # a read-only command wrote its export over the ledger's snapshot (review 38, F1): never into ledger or store
+    refuse_output_over(path, option="--export", folders=[("the ledger's folder", ledger_path),
+                                                        ("the store's folder", ledger.meta.get("store_path"))])
     s = ledger.state
     params = ledger.params
     n = len(s)

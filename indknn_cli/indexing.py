@@ -136,6 +136,7 @@ def build_index(
     kind: str | None = None, lock_timeout: float = 60.0, tables: int | None = None, bits: int | None = None,
     index_seed: int | None = None, nlist: int | None = None, nprobe: int | None = None,
     train_on: str | os.PathLike | None = None, tune: "tuning.TuneRequest | None" = None,
+    given: dict | None = None,
 ) -> IndexResult:
     """Create the ledger (or add the store's new records to it, keeping every spent budget).
 
@@ -208,6 +209,8 @@ def build_index(
                     f"add new records, run `indknn index --ledger {ledger_path}` without --eps and the other "
                     "privacy flags"
                 )
+            if params is None:
+                _check_given(given, ledger.params, ledger_path)
         else:
             if params is None:
                 raise BadInputError("creating a ledger needs --eps (the target ε; --delta, --tau and --sigma2 have "
@@ -291,6 +294,22 @@ def _discard_unbound(ledger_path, store_path, ledger) -> None:
         return
     if (b or {}).get("ledger_uuid") != uuid and (local or {}).get("ledger_uuid") != uuid:
         shutil.rmtree(ledger_path, ignore_errors=True)
+
+
+def _check_given(given: dict | None, params: PrivacyParams, ledger_path) -> None:
+    """Re-running `index` on an existing ledger without --eps: a privacy flag given with another value than the
+    ledger's (``given``: field → (flag, value)) is refused, not silently dropped (review 38, F4: `--privacy-unit
+    user --tau 0.9` exited 0 and the ledger stayed record-level at τ = 0.2, though `index`'s own warning suggested
+    that flag). The same value is fine: a re-run with the creation's flags adds new records."""
+    for name, (flag, value) in (given or {}).items():
+        have = getattr(params, name)
+        same = (math.isclose(float(value), float(have)) if isinstance(value, float) and have is not None
+                else value == have)
+        if not same:
+            raise BadInputError(
+                f"{flag} {value} differs from the ledger's {have} ({ledger_path}): a ledger's parameters are fixed "
+                f"when it is created ({per_unit(params.privacy_unit)}); re-running index only adds new records, so "
+                f"leave {flag} out, or create a new store and ledger for other parameters")
 
 
 def _differs(a: PrivacyParams, b: PrivacyParams) -> bool:

@@ -257,6 +257,9 @@ def build_account_report(
     ``report.failures``; :func:`enforce_checks` raises them, so the caller can
     print the report first.
     """
+    # ids as `embed` stores them: surrounding whitespace trimmed (review 38, F3: " sp1 " was "not in the ledger")
+    record_id = None if record_id is None else str(record_id).strip()
+    user_id = None if user_id is None else str(user_id).strip()
     # validate every option before reading anything
     if record_id is not None and user_id is not None:
         raise BadInputError(f"give --record or --user, not both (got --record {record_id!r} --user {user_id!r})")

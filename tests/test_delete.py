@@ -300,6 +300,23 @@ def test_cli_strict_unknown_id_exits_2_and_writes_nothing(vector_store, tmp_path
     assert r.exit_code == 2 and "nothing to delete" in r.stderr
 
 
+def test_ids_with_surrounding_spaces_find_the_record_as_embed_stored_it(vector_store, tmp_path):
+    """Review 38, F3: `embed` trims ids (" sp1 " is stored as "sp1") and `--ids-file` trims its lines, but
+    `delete --record ' sp1 ' --strict` said "unknown id; nothing was deleted" and `account --record ' sp1 '` "not in
+    the ledger": the id as it appears in the source file must reach the record."""
+    lp = _index(vector_store, tmp_path)
+    args = ["--store", str(vector_store.path), "--ledger", str(lp)]
+    r = runner.invoke(app, ["account", "--ledger", str(lp), "--record", " r0004 ", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["record_id"] == "r0004", r.stderr
+    r = runner.invoke(app, ["account", "--ledger", str(lp), "--user", "\tu001 ", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["user_id"] == "u001", r.stderr
+    r = runner.invoke(app, ["delete", "--record", " r0003 ", "--user", " u002", "--strict", *args])
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert "r0003" in out["record_ids"] and "r0052" in out["record_ids"] and out["ids_not_found"] == []
+    assert out["users_not_found"] == []
+
+
 def test_cli_ids_from_stdin_with_env_fallbacks(vector_store, tmp_path, monkeypatch):
     lp = _index(vector_store, tmp_path)
     monkeypatch.setenv("INDKNN_STORE", str(vector_store.path))

@@ -517,3 +517,29 @@ def test_a_crowded_bucket_or_list_never_forms_more_pairs_than_the_bound(tmp_path
     halves = [finder(q[:25], max_pairs=10**9), finder(q[25:], max_pairs=10**9)]
     assert [r.tolist() for r in whole.rows] == [r.tolist() for h in halves for r in h.rows]
     assert [k.tolist() for k in whole.kappa] == [k.tolist() for h in halves for k in h.kappa]
+
+
+@pytest.mark.parametrize("who", ["delete", "index again", "index flat"])
+def test_a_killed_builds_copy_of_the_codes_is_removed_by_the_next_erasure_or_index(tmp_path, data, who):
+    """Review 38, F2: `index --kind lsh` killed with -9 left `<store>/.index-build-<hex>/` (hyperplanes and the codes
+    of the private rows); a later `delete` zeroed the row's codes only in the live index, and nothing removed the
+    copy. Every index writer (delete's erasure, `index` again, in any kind) now removes such leftovers under the
+    index lock, which no live writer holds while they are there."""
+    from indknn_cli.deletion import delete_records
+
+    x, y, q, pub = data
+    store = make_store(tmp_path / "s.zarr", x, y, public=pub)
+    lp = tmp_path / "L"
+    build_index(store_path=store.path, ledger_path=lp, params=make_params(epsilon=1, delta=1e-5, tau=0.3,
+                                                                           sigma2=0.5, planned_queries=50),
+                kind="lsh", tables=8, bits=6, index_seed=1)
+    for name in (".index-build-0123abcd", ".index-renumber-89abcdef", ".index-old-deadbeef"):
+        shutil.copytree(store.path / "index", store.path / name)  # what a killed writer leaves
+    assert len(indexes.storage.stale_copies(store.path)) == 3
+    if who == "delete":
+        delete_records(store_path=store.path, ledger_path=lp, record_ids=[str(store.record_ids()[5])])
+    else:
+        build_index(store_path=store.path, ledger_path=lp, params=None,
+                    kind="lsh" if who == "index again" else "flat")
+    assert indexes.storage.stale_copies(store.path) == []
+    assert not [p for p in store.path.iterdir() if p.name.startswith(".index-")]

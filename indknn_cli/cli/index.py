@@ -26,7 +26,15 @@ def _load() -> None:
         globals().setdefault(key, value)
 
 
+#: Privacy flags of `index` and the ledger field each sets (checked on a re-run without --eps: review 38, F4).
+_PRIVACY_FLAGS = {"delta": "--delta", "conversion": "--conversion", "kernel": "--kernel", "tau": "--tau",
+                  "sigma2": "--sigma2", "sigma1": "--sigma1", "planned_queries": "--planned-queries", "nu": "--nu",
+                  "k_min": "--k-min", "privacy_unit": "--privacy-unit",
+                  "max_records_per_user": "--max-records-per-user", "user_for_missing": "--user-for-missing"}
+
+
 def index_command(
+    ctx: typer.Context,
     store: Optional[str] = typer.Option(None, "--store", help="Feature store: a folder or an s3:// URL (else the JSON line of `indknn embed` on stdin, $INDKNN_STORE, ./indknn-store.zarr)."),
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
     eps: Optional[float] = typer.Option(None, "--eps", help="Target ε of every record's guarantee."),
@@ -50,7 +58,7 @@ def index_command(
     privacy_unit: str = typer.Option("record", "--privacy-unit", help="record (default) or user: whose budget the filter keeps. With user, a person's records share one budget B and the guarantee is for adding or removing one user with all their records (SPEC §9)."),
     max_records_per_user: Optional[int] = typer.Option(None, "--max-records-per-user", help="user unit: only a user's k most similar records (largest κ) count per query (default: all)."),
     user_for_missing: str = typer.Option("refuse", "--user-for-missing", help="user unit: rows without a user id are refused (refuse, default) or each is its own user (record)."),
-    tune: Optional[str] = typer.Option(None, "--tune", help="Choose τ and σ2 when creating the ledger (docs/TUNING.md): private = a private selection on the private records (--tune-method), its cost composed into the ε target by RDP and recorded in the ledger; public = on the store's labelled public rows, free. --tau/--sigma2 are then ignored."),
+    tune: Optional[str] = typer.Option(None, "--tune", help="Choose τ and σ2 when creating the ledger (docs/TUNING.md): private = a private selection on the private records (--tune-method), its cost composed into the ε target by RDP and recorded in the ledger; public = on the store's labelled public rows, free. --tau/--sigma2 are then refused (give --tune-taus/--tune-sigma2s)."),
     tune_share: float = typer.Option(DEFAULT_TUNE_SHARE, "--tune-share", help="--tune private: fraction of --eps the search may cost (RDP, at --delta)."),
     tune_method: str = typer.Option(DEFAULT_TUNE_METHOD, "--tune-method", help="--tune private: exp-mech (default: every grid point scored, the best chosen by the exponential mechanism, one zCDP event) or random-search (Papernot & Steinke: a random number of runs at random grid points, dp-accounting RepeatAndSelectDpEvent)."),
     tune_runs: Optional[float] = typer.Option(None, "--tune-runs", help=f"--tune-method random-search: mean number of runs K (default {DEFAULT_TUNE_RUNS:g})."),
@@ -87,6 +95,11 @@ def index_command(
             raise BadInputError(f"{given[0]} applies to --tune private (or public): give --tune, or leave "
                                 f"{given[0]} out")
         if tune is not None:
+            for f, grid in (("tau", "--tune-taus"), ("sigma2", "--tune-sigma2s")):
+                if getattr(ctx.get_parameter_source(f), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP"):
+                    # dropped without a word before (review 38, F4)
+                    raise BadInputError(f"{_PRIVACY_FLAGS[f]} is what --tune chooses: leave it out (or give the "
+                                        f"grid to choose from with {grid})")
             if eps is None:
                 raise BadInputError("--tune needs --eps (the total ε, tuning included)")
             if privacy_unit != "record" or max_records_per_user is not None:
@@ -117,9 +130,14 @@ def index_command(
                                  sigma2=sigma2, sigma1=sigma1, planned_queries=planned_queries, nu=nu, k_min=k_min,
                                  privacy_unit=privacy_unit, max_records_per_user=max_records_per_user,
                                  user_for_missing=user_for_missing)
+        values = dict(delta=delta, conversion=conversion, kernel=kernel, tau=tau, sigma2=sigma2, sigma1=sigma1,
+                      planned_queries=planned_queries, nu=nu, k_min=k_min, privacy_unit=privacy_unit,
+                      max_records_per_user=max_records_per_user, user_for_missing=user_for_missing)
+        given = {f: (flag, values[f]) for f, flag in _PRIVACY_FLAGS.items()
+                 if getattr(ctx.get_parameter_source(f), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
         return build_index(store_path=store_path, ledger_path=resolve_ledger(ledger), params=params, kind=kind,
                            lock_timeout=lock_timeout, tables=tables, bits=bits, index_seed=index_seed, nlist=nlist,
-                           nprobe=nprobe, train_on=train_on)
+                           nprobe=nprobe, train_on=train_on, given=given)
 
     result = run_library_call(call)
     tuned = result.tuning or {}

@@ -21,7 +21,7 @@ def _load() -> None:
     from ..ledger import BudgetLedger
     from .. import gate
     from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, check_seed, queries_answered, resolve_query_batch, serve_queries)
-    from ..answers_out import AnswerRows, AnswersWriter, check_out_path
+    from ..answers_out import AnswerRows, AnswersWriter, check_out_path, refuse_output_over
     from ..ledger_integrity import check_binding, read_mark, refuse_ledger_in_store
     from ..object_store import local_path
     from ..store import FeatureStore
@@ -41,6 +41,9 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
         raise BadInputError(f"--max-memory must be at least 16 MiB, got {max_memory} bytes")
     if out is not None:  # else the answers would be charged, then not written
         check_out_path(out)
+        refuse_output_over(out, option="--out", folders=[("the ledger's folder", ledger_path),
+                                                         ("the store's folder", local_path(store_path))],
+                           files=[("the query file being read", None if queries == "-" else queries)])
     refuse_ledger_in_store(local_path(store_path), ledger_path)
     if not BudgetLedger.exists(ledger_path):
         raise LedgerError(f"{ledger_path}: no budget ledger here (create one with `indknn index`)")

@@ -19,7 +19,8 @@ from ..store import FeatureStore, checksum_compressors, vectors_sha256
 from .common import DEFAULT_BITS, DEFAULT_TABLES, INDEX_FORMAT_VERSION, KINDS, KMEANS_NITER, REFUSED_KINDS, _read_private
 from .ivf import IvfFinder, IvfIndex, calibrate_nprobe, default_nlist, default_nprobe, kmeans_seed, load_training_vectors
 from .lsh import LshFinder, LshIndex
-from .storage import _structure, _swap_out, _fill, add_rows, index_lock, index_path, read_meta, reconcile
+from .storage import (_structure, _swap_out, _fill, add_rows, index_lock, index_path, read_meta, reconcile,
+                      remove_stale_copies)
 
 
 # -- planning and building --------------------------------------------------------------
@@ -130,6 +131,7 @@ def apply_plan(store: FeatureStore, plan: IndexPlan, *, lock_timeout: float = 30
         meta = read_meta(store.path) or {"kind": "flat"}
         return _public_meta(meta, rows_added=info.get("added", 0), seconds=time.perf_counter() - t0)
     with index_lock(store.path, lock_timeout):
+        remove_stale_copies(store.path)  # a killed build's codes (review 38, F2)
         if plan.action == "remove":
             _swap_out(path)
             return {"kind": "flat", "removed_index": True}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -46,6 +47,29 @@ def index_lock(store_path: str | os.PathLike, timeout: float = 300.0) -> Iterato
     with exclusive_file(Path(store_path) / LOCK_NAME, timeout=timeout, on_timeout=lambda: LockTimeoutError(
             f"{store_path}: another indknn process is writing the candidate index")):
         yield
+
+
+_STALE = re.compile(r"\.index-(?:build|renumber|old)-[0-9a-f]{8}")
+
+
+def stale_copies(store_path: str | os.PathLike) -> list[Path]:
+    """Index folders a build, renumbering or swap killed before its cleanup left in the store folder."""
+    try:
+        return sorted(p for p in Path(store_path).iterdir() if _STALE.fullmatch(p.name) and p.is_dir())
+    except OSError:
+        return []
+
+
+def remove_stale_copies(store_path: str | os.PathLike) -> int:
+    """Remove :func:`stale_copies`; the caller holds :func:`index_lock`, so none belongs to a live writer. They hold
+    LSH codes or IVF lists derived from the private vectors, erased ones included, which no erasure reached: an
+    `index --kind lsh` killed with -9 left `.index-build-*` beside the index, and a later `delete` zeroed the row's
+    codes only in the live index (review 38, F2). Returns the folders removed."""
+    gone = 0
+    for p in stale_copies(store_path):
+        shutil.rmtree(p, ignore_errors=True)
+        gone += not p.exists()
+    return gone
 
 
 def _structure(group: zarr.Group, meta: dict) -> LshIndex | IvfIndex:
@@ -135,9 +159,10 @@ def remove_rows(store: FeatureStore, rows, *, lock_timeout: float = 300.0) -> in
     the sentinel for rows the store marks deleted. Returns rows overwritten.
     """
     rows = np.unique(np.asarray(rows, dtype=np.int64))
-    if rows.size == 0 or read_meta(store.path) is None:
+    if rows.size == 0 or (read_meta(store.path) is None and not stale_copies(store.path)):
         return 0
     with index_lock(store.path, lock_timeout):
+        remove_stale_copies(store.path)  # an erasure reaches every copy of the codes: killed builds' are removed
         meta = read_meta(store.path)
         if meta is None or meta.get("kind") == "flat" or meta.get("store_uuid") != store.uuid:
             return 0
@@ -162,6 +187,7 @@ def renumber_rows(store: FeatureStore, new_row_of, *, lock_timeout: float = 300.
         return 0
     new_row_of = np.asarray(new_row_of, dtype=np.int64)
     with index_lock(store.path, lock_timeout):
+        remove_stale_copies(store.path)
         meta = read_meta(store.path)
         if meta is None or meta.get("kind") == "flat":
             return 0
@@ -190,7 +216,11 @@ def renumber_rows(store: FeatureStore, new_row_of, *, lock_timeout: float = 300.
 
 
 def reconcile(store: FeatureStore, *, lock_timeout: float = 300.0) -> dict:
-    """Bring the index up to the store: encode new rows, overwrite rows the store has deleted since."""
+    """Bring the index up to the store: encode new rows, overwrite rows the store has deleted since, remove what a
+    killed index writer left (:func:`remove_stale_copies`)."""
+    if stale_copies(store.path):
+        with index_lock(store.path, lock_timeout):
+            remove_stale_copies(store.path)
     meta = read_meta(store.path)
     if meta is None or meta.get("kind") == "flat" or meta.get("store_uuid") != store.uuid:
         return {"added": 0, "removed": 0}
