@@ -20,6 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from .errors import IndknnError, SchedulerError
+from .scheduler_address import check_scheduler_address
 from .store import GROUP_OF_ROLE, ExtractorInfo
 
 SCHEDULER_ENV = "INDKNN_SCHEDULER"
@@ -38,6 +39,7 @@ def connect_client(address: str):
         from distributed import Client
     except ImportError:
         raise SchedulerError("--scheduler needs Dask's distributed package: pip install 'indknn[dask]'") from None
+    address = check_scheduler_address(address)  # a malformed one waited the whole timeout (review 38, F6)
     try:
         return Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
     except (OSError, TimeoutError, ValueError) as exc:

@@ -34,6 +34,7 @@ import numpy as np
 
 from .engine import ArraySource, Candidates, TooManyPairs, find_candidates
 from .errors import BadInputError, ConcurrentChangeError, IndknnError, SchedulerError, StoreError
+from .scheduler_address import check_scheduler_address
 
 SCHEDULER_ENV = "INDKNN_SCHEDULER"
 CONNECT_TIMEOUT = 10.0
@@ -58,6 +59,7 @@ def connect(address: str, *, timeout: float = CONNECT_TIMEOUT):
         raise SchedulerError("--scheduler needs Dask's distributed scheduler: pip install 'indknn[dask]'") from None
     if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
         raise BadInputError(f"--scheduler-timeout must be a positive number of seconds, got {timeout!r}")
+    address = check_scheduler_address(address)  # a malformed one waited the whole timeout (review 38, F6)
     try:
         return Client(address, timeout=timeout, set_as_default=False)
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, ValueError (bad address), ...

@@ -162,6 +162,9 @@ def build_index(
 
     if not BudgetLedger.exists(ledger_path):
         refuse_foreign_folder(Path(ledger_path))  # before the search and the lock, which writes LOCK there
+        if params is None and tune is None:  # before the locks, whose files a refusal left behind (review 38)
+            raise BadInputError("creating a ledger needs --eps (the target ε; --delta, --tau and --sigma2 have "
+                                "defaults: indknn index -h)")
     record = None
     if tune is not None:
         if BudgetLedger.exists(ledger_path):

@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import EXIT_BUDGET_EXHAUSTED
+from ..errors import EXIT_BUDGET_EXHAUSTED, BadInputError
 from ..wording import count
 from .common import emit_json, resolve_ledger, run_library_call, say, stderr_console, stdout_console, verbosity
 
@@ -180,7 +180,28 @@ def _one_line_check(report: AccountReport) -> None:
     raise typer.Exit(code=0)
 
 
+def _modes(ctx, *, queries_left: bool, verify: bool, export, eps, min_active, record, user, plot) -> None:
+    """One job per run: --verify, --export and --queries-left each print their own output, so the options of
+    another job were silently ignored (review 38: `--queries-left --eps 0.5` exited 0 where the check gives 4;
+    `--max-queries` without --queries-left did nothing). Refused (exit 2) instead."""
+    jobs = [flag for flag, on in (("--verify", verify), ("--export", export is not None),
+                                  ("--queries-left", queries_left)) if on]
+    if len(jobs) > 1:
+        raise BadInputError(f"{jobs[0]} and {jobs[1]} are separate jobs: run account once for each")
+    if jobs:
+        extra = [flag for flag, on in (("--eps", eps is not None), ("--min-active", min_active is not None),
+                                       ("--record", record is not None), ("--user", user is not None),
+                                       ("--plot", plot is not None)) if on]
+        if extra:
+            raise BadInputError(f"{extra[0]} does not apply to {jobs[0]}, which prints only its own result: run "
+                                "account once for each")
+    source = getattr(ctx.get_parameter_source("max_queries"), "name", "DEFAULT")
+    if source == "COMMANDLINE" and not queries_left:
+        raise BadInputError("--max-queries is the T of --queries-left: give --queries-left too")
+
+
 def account_command(
+    ctx: typer.Context,
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
     store: Optional[str] = typer.Option(None, "--store", envvar="INDKNN_STORE", show_envvar=False,
                                          help="Feature store: a folder or an s3:// URL (else $INDKNN_STORE; optional): checks that the ledger belongs to it and reports its label names and rows not yet indexed."),
@@ -211,6 +232,8 @@ def account_command(
 
     Exit codes: 0 ok (all checks passed); 1 a damaged or rolled-back ledger (or --verify failed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 no query left (--queries-left) or fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
     """
+    run_library_call(lambda: _modes(ctx, queries_left=queries_left, verify=verify, export=export, eps=eps,
+                                    min_active=min_active, record=record, user=user, plot=plot))
     _load()
     err = stderr_console()
     ledger_path = resolve_ledger(ledger)

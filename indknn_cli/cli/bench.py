@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -10,7 +11,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..wording import count
-from .common import deprecated_alias, emit_json, progress_bar, run_library_call, stderr_console, verbosity
+from .common import (check_device, deprecated_alias, emit_json, progress_bar, run_library_call, stderr_console,
+                     verbosity)
 
 bench_app = typer.Typer(
     help=(
@@ -41,23 +43,38 @@ TEST_STORE = typer.Option(None, "--test-store", help="Score on this store's labe
                           "FILE --role test --label-column ...`) instead of queries carved out of the data; their "
                           "labels score answers only. Same extractor and label names as --dataset.")
 PKNN_ACC = typer.Option("pld", "--pknn-accountant", help="Private-kNN accountant: pld or rdp (dp-accounting).")
-DEVICE = typer.Option("cpu", "--device", help="cpu or cuda for the engine and the feature extractor.")
+DEVICE = typer.Option("cpu", "--device", callback=check_device, help="cpu or cuda for the engine and the feature extractor.")
 
 
 def _floats(text: Optional[str], what: str) -> Optional[tuple]:
+    from ..errors import BadInputError
+
     if text is None:
         return None
     try:
-        return tuple(float(t) for t in text.split(",") if t.strip())
+        vals = tuple(float(t) for t in text.split(",") if t.strip())
     except ValueError:
-        from ..errors import BadInputError
-
         raise BadInputError(f"{what}: expected comma-separated numbers, got {text!r}") from None
+    if not vals:  # `--eps ""` ran with no ε at all (review 38)
+        raise BadInputError(f"{what}: no number given ({text!r})")
+    bad = [v for v in vals if not math.isfinite(v)]
+    if bad:
+        raise BadInputError(f"{what}: {bad[0]!r} is not a finite number")
+    return vals
 
 
 def _ints(text: Optional[str], what: str) -> Optional[tuple]:
+    """Comma-separated positive whole numbers (1e4 allowed): `--n -5`, `--n 2.5` and `--n 0` ran and printed junk
+    rows, `--n 1e99` or `nan` ended in "Internal error" (review 38, F7)."""
+    from ..errors import BadInputError
+
     vals = _floats(text, what)
-    return None if vals is None else tuple(int(v) for v in vals)
+    if vals is None:
+        return None
+    bad = [v for v in vals if v < 1 or v != int(v) or v > 2**40]
+    if bad:
+        raise BadInputError(f"{what}: {bad[0]:g} is not a positive whole number (at most 2^40)")
+    return tuple(int(v) for v in vals)
 
 
 def _cell(v) -> str:
@@ -286,7 +303,7 @@ def serve_speed_command(
     tau: float = typer.Option(0.54, "--tau", help="Cosine threshold τ of the synthetic clustered store (0.54: "
                               "~200 candidates per query at N = 50,000, d = 768)."),
     batch_size: int = typer.Option(1024, "--batch-size", min=1, help="Queries scored and committed together."),
-    device: str = typer.Option("cpu", "--device", help="Device of the serve-queries process: auto, cpu or cuda "
+    device: str = typer.Option("cpu", "--device", callback=check_device, help="Device of the serve-queries process: auto, cpu or cuda "
                                "(the matmul, candidate and FAISS timings run on the CPU)."),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="Candidate phase on Dask: local (a LocalCluster of worker processes per --workers count) or a scheduler ADDRESS; compared with the in-process run in the same run."),
     workers: str = typer.Option("1,2,4", "--workers", help="Comma-separated worker counts for --scheduler local."),
@@ -361,7 +378,7 @@ def stream_command(
     tau: float = typer.Option(0.5, "--tau", help="Cosine threshold τ."),
     batch_size: int = typer.Option(1024, "--batch-size", min=1, help="serve-queries --batch-size of both runs."),
     fmt: str = typer.Option("npy", "--format", help="Query file format: npy or parquet (a list column 'vector')."),
-    device: str = typer.Option("cpu", "--device", help="serve-queries --device of both runs."),
+    device: str = typer.Option("cpu", "--device", callback=check_device, help="serve-queries --device of both runs."),
     reuse: bool = typer.Option(False, "--reuse/--no-reuse", help="Serve with prediction reuse on (quadratic in "
                                "the run's queries)."),
     keep: Optional[Path] = typer.Option(None, "--keep", help="Build everything in this new folder and keep it "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -206,6 +207,19 @@ def resolve_store(path: str | Path | None) -> Path:
         raise BadInputError("--store is empty; give the feature store's path or URL (or leave --store out for "
                             "$INDKNN_STORE, else ./indknn-store.zarr)")
     return local_path(path if path is not None else (os.environ.get("INDKNN_STORE") or DEFAULT_STORE))
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(?::\d+)?")
+
+
+def check_device(value: str) -> str:
+    """Typer callback of every --device: auto, cpu, cuda or cuda:N, else a usage error (exit 2) before anything
+    runs. `--device tpu` reached torch after the query batch was stored and ended in "Internal error: RuntimeError"
+    (review 38, F5)."""
+    if value is not None and not _DEVICE.fullmatch(str(value)):
+        error_message("Error:", f"--device {value!r} is not a device: give auto, cpu, cuda or cuda:N")
+        raise typer.Exit(code=2)
+    return value
 
 
 def resolve_ledger(path: Path | None) -> Path:

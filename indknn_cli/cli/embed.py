@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from .common import deprecated_alias, emit_json, progress_bar, resolve_store, run_library_call, stderr_console
+from .common import (check_device, deprecated_alias, emit_json, progress_bar, resolve_store, run_library_call,
+                     stderr_console)
 
 
 def _load() -> None:
@@ -35,7 +36,7 @@ def embed_command(
     if_exists: str = typer.Option("error", "--if-exists", help="error | skip: what to do with a record id that is already in the store."),
     batch_id: Optional[str] = typer.Option(None, "--batch-id", help="Name of the stored query batch (--role query or test; default q-<sha256 of the input>, test-<sha256> for test): give it to serve-queries as QUERIES. Re-running the same input is a no-op."),
     batch: Optional[str] = typer.Option(None, "--batch", hidden=True, help="Deprecated spelling of --batch-id."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    device: str = typer.Option("auto", "--device", callback=check_device, help="auto | cpu | cuda."),
     batch_size: int = typer.Option(256, "--batch-size", help="Rows read and embedded per batch (bounds memory)."),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="Dask scheduler address (tcp://HOST:8786; else $INDKNN_SCHEDULER, else in process): the rows are embedded on its workers, which write them into the store (a shared folder or an s3:// URL); the commit stays here. Unreachable: exit 1."),
 ) -> None:

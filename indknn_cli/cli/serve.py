@@ -13,7 +13,7 @@ from ..errors import BadInputError, ConcurrentChangeError, LedgerError
 from ..wording import count
 from .common import (check_lock_timeout, emit_json_lines, parse_size, read_json_line_from_stdin, resolve_ledger,
                      resolve_store, run_library_call, stderr_console)
-from .common import progress_bar
+from .common import check_device, progress_bar
 
 
 def _load() -> None:
@@ -78,7 +78,7 @@ def serve_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Write answers to this Parquet file instead of JSON lines on stdout."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Experiments only: fixed noise seed (recorded in output and ledger). Default: OS entropy."),
     batch_size: int = typer.Option(1024, "--batch-size", help="Queries scored and committed together (never changes answers)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    device: str = typer.Option("auto", "--device", callback=check_device, help="auto, cpu or cuda."),
     no_reuse: bool = typer.Option(False, "--no-reuse", help="Switch off prediction reuse (SPEC §4)."),
     max_memory: str = typer.Option("2G", "--max-memory", help="Memory bound for cached features and scores: bytes, or a number with K, M, G or T (powers of 1024; KiB/KB read the same), e.g. 512M or 2G; at least 16M."),
     lock_timeout: float = typer.Option(60.0, "--lock-timeout", help="Seconds to wait for the ledger lock (and for the store's lock when a query file is embedded first)."),

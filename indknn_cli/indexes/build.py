@@ -86,6 +86,8 @@ def plan_index(
             return IndexPlan("lsh", "keep", meta=existing)
         tables = tables if tables is not None else (existing["tables"] if same else DEFAULT_TABLES)
         bits = bits if bits is not None else (existing["bits"] if same else DEFAULT_BITS)
+        if seed is not None and not 0 <= int(seed) < 2**63:  # "Internal error: ValueError" before (review 38, F7)
+            raise BadInputError(f"--index-seed must be a whole number in [0, 2^63), got {seed}")
         seed = secrets.randbits(63) if seed is None else int(seed)
         lsh = LshIndex.from_seed(seed=seed, tables=int(tables), bits=int(bits), dim=store.dim)
         return IndexPlan("lsh", "build", lsh, meta={
@@ -103,6 +105,8 @@ def plan_index(
                                                     nprobe_calibration={"method": "set with --nprobe"}))
     public, source = load_training_vectors(store, train_on)
     nlist = default_nlist(public.shape[0]) if nlist is None else int(nlist)
+    if seed is not None and not 0 <= int(seed) < 2**31:
+        raise BadInputError(f"--index-seed must be a whole number in [0, 2^31) for ivf, got {seed}")
     seed = secrets.randbits(31) if seed is None else int(seed)
     source.update(rows=int(public.shape[0]), sha256=vectors_sha256(public))
     t0 = time.perf_counter()

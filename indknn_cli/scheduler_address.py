@@ -1,0 +1,30 @@
+"""A Dask scheduler address checked before a client is made (review 38, F6).
+
+``--scheduler notaurl`` (or ``$INDKNN_SCHEDULER``) reached ``distributed.Client``, which waited its whole connect
+timeout (20 s), then the command printed its error and a traceback from ``Client.__del__`` (the half-made client
+collected). An address Dask cannot parse is bad input: refused at once, exit 2, no client made.
+"""
+
+from __future__ import annotations
+
+from .errors import BadInputError
+
+
+def check_scheduler_address(address: str, *, option: str = "--scheduler") -> str:
+    """``scheme://host:port`` or ``host:port`` as Dask parses them (``distributed.comm.addressing``); ``inproc://``
+    and other schemes without a port pass as Dask takes them."""
+    try:
+        from distributed.comm.addressing import parse_address, parse_host_port
+    except ImportError:
+        return address  # the caller says distributed is missing
+    text = str(address).strip()
+    try:
+        scheme, loc = parse_address(text)
+        if scheme in ("tcp", "tls", "ws", "wss", "ucx"):
+            host, port = parse_host_port(loc)
+            if not host or not 0 < int(port) < 65536:
+                raise ValueError("host or port")
+    except (ValueError, TypeError):
+        raise BadInputError(f"{option} {address!r} is not a Dask scheduler address: give tcp://HOST:PORT (for "
+                            "example tcp://127.0.0.1:8786)") from None
+    return text
