@@ -212,15 +212,21 @@ def test_cli_bench_prints_table_on_stderr_and_one_json_line(labelled_store, tmp_
 @pytest.mark.parametrize("args", [["--eps", "one"], ["--dataset", "/nonexistent/store"], ["--eps", "-1"],
                                   ["--conversion", "moments"], ["--eps", ""], ["--eps", "nan"], ["--device", "tpu"],
                                   ["speed", "--n", "-5"], ["speed", "--n", "2.5"], ["speed", "--n", "nan"],
-                                  ["speed", "--n", "1e99"], ["speed", "--d", "0"]])
+                                  ["speed", "--n", "1e99"], ["speed", "--d", "0"], ["--tune-share", "5"],
+                                  ["speed", "--out-is-a-file"]])
 def test_cli_bench_bad_input_exits_2_with_nothing_on_stdout(tmp_path, args):
     """(review 38, F5/F7: `--eps ""` ran with no ε, `--device tpu` and `speed --n nan/1e99` ended in "Internal
     error", `--n -5/2.5/0` printed junk rows)"""
     cmd = ["speed", *args[1:]] if args[0] == "speed" else ["accuracy-vs-eps", *args]
-    res = cli.invoke(app, ["bench", *cmd, "--out", str(tmp_path / "o")])
+    out = tmp_path / "o"
+    if "--out-is-a-file" in cmd:
+        cmd.remove("--out-is-a-file")
+        out = tmp_path / "taken"
+        out.write_text("mine")
+    res = cli.invoke(app, ["bench", *cmd, "--out", str(out)])
     assert res.exit_code == 2, (res.stdout, res.stderr)
     assert res.stdout == ""
-    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists() and (out == tmp_path / "o" or out.read_text() == "mine")
 
 
 # -- issue 15 §5: no unaccounted private tuning by default; tables say where tuning happened -------------------

@@ -61,6 +61,8 @@ def run_bench(experiment: str, *, dataset: str | None = "ag_news", data_dir: Pat
     _validate(cfg, epsilon)
     env = environment()
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():  # failed with "File exists" after the whole run (review 38)
+        raise BadInputError(f"--out {out_dir} is a file; give a folder for the JSON and the plots")
     stem = _stem(experiment, None if experiment == "speed" else dataset)
     partial_path = out_dir / f"{stem}.partial.json"
 
@@ -144,3 +146,7 @@ def _validate(cfg: BenchConfig, epsilon: float) -> None:
         raise BadInputError(f"--conversion must be gdp or rdp, got {cfg.conversion!r}")
     if cfg.pknn_accountant not in ("rdp", "pld"):
         raise BadInputError(f"--pknn-accountant must be rdp or pld, got {cfg.pknn_accountant!r}")
+    if cfg.tune_share is not None:  # refused only after the baselines' tuning before (review 38)
+        from ..tuning_accounting import _positive
+
+        _positive("--tune-share", cfg.tune_share, hi=0.9)
