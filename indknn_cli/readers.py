@@ -14,6 +14,9 @@ Formats (``open_source``):
   optional ``y`` (labels), ``ids``, ``users``, or Parquet / JSON lines with a
   list column (``--vector-column``, default ``vector``).
 
+Each of these files but ``.npz`` may be gzip-compressed (``.csv.gz``, ``.jsonl.gz``, ``.npy.gz``, …; a gzip
+stream on stdin too): it is decompressed to a temporary file first (disk, not memory), removed on close.
+
 Every source can be read twice (a label scan, then the batches), so stdin is
 spooled first. Labels are returned as strings.
 
@@ -363,6 +366,25 @@ def _spool_stdin(stream: BinaryIO | None = None) -> Path:
     return Path(name)
 
 
+def _gunzip(path: Path, display: str) -> Path:
+    """A gzip-compressed input decompressed to a temporary file (streamed, O(1) memory; the caller removes it).
+    A file that is not gzip or is cut short is bad input naming it, and no temporary file is left."""
+    import gzip
+    import zlib
+
+    fd, name = tempfile.mkstemp(prefix="indknn-gunzip-")
+    try:
+        with os.fdopen(fd, "wb") as out, gzip.open(path, "rb") as src:
+            shutil.copyfileobj(src, out, 1 << 20)
+    except (OSError, EOFError, zlib.error) as exc:
+        Path(name).unlink(missing_ok=True)
+        raise BadInputError(f"{display}: not a readable gzip file ({type(exc).__name__})") from None
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+    return Path(name)
+
+
 def sniff_format(path: Path) -> str:
     """Format of a spooled stream: parquet / npy / npz by magic bytes, jsonl if it starts with '{', else csv."""
     with open(path, "rb") as f:
@@ -396,6 +418,14 @@ def open_source(
     spooled = None
     if str(path_or_dash) == "-":
         spooled = _spool_stdin(stdin)
+        with open(spooled, "rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+        if gz:  # `zcat`-less pipelines: a gzip stream on stdin is decompressed like a .gz file
+            try:
+                plain = _gunzip(spooled, "<stdin>")
+            finally:
+                spooled.unlink(missing_ok=True)
+            spooled = plain
         path, display, fmt, base = spooled, "<stdin>", sniff_format(spooled), Path.cwd()
         if spooled.stat().st_size == 0:
             spooled.unlink()
@@ -408,6 +438,18 @@ def open_source(
         if path.is_dir():
             return ImageFolderSource(path, extractor_kind=extractor_kind, batch_rows=batch_rows)
         suffix = path.suffix.lower()
+        if suffix == ".gz":  # x.csv.gz, x.jsonl.gz, x.tsv.gz, x.npy.gz: decompressed to a temporary file first
+            inner = Path(path.stem).suffix.lower()
+            if inner not in TABLE_SUFFIXES and inner != ".npy":
+                raise BadInputError(f"{path}: a .gz input must name what it holds (.csv.gz, .tsv.gz, .jsonl.gz, "
+                                    f".parquet.gz or .npy.gz), got {inner or '(nothing)'}")
+            if path.stat().st_size == 0:
+                raise BadInputError(f"{path}: empty input")
+            spooled = _gunzip(path, display)
+            if spooled.stat().st_size == 0:
+                spooled.unlink()
+                raise BadInputError(f"{path}: empty input (nothing after decompressing)")
+            path, suffix = spooled, inner
         if suffix == ".npy":
             fmt = "npy"
         elif suffix == ".npz":
@@ -416,7 +458,8 @@ def open_source(
             fmt = TABLE_SUFFIXES[suffix]
         else:
             raise BadInputError(f"{path}: unknown input format {suffix or '(no extension)'}; expected .csv, .parquet, "
-                                f".jsonl, .npy, .npz, a folder of images, or - for stdin")
+                                f".jsonl, .npy, .npz (each but .npz also gzip-compressed, .csv.gz …), a folder "
+                                "of images, or - for stdin")
         if path.stat().st_size == 0:
             raise BadInputError(f"{path}: empty input")
     try:

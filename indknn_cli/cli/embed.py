@@ -21,7 +21,7 @@ def _load() -> None:
 
 
 def embed_command(
-    input: str = typer.Argument(..., metavar="INPUT", help="CSV, Parquet or JSON lines file; a folder of images (one sub-folder per class); .npy/.npz vectors; or - for stdin."),
+    input: str = typer.Argument(..., metavar="INPUT", help="CSV, Parquet or JSON lines file; a folder of images (one sub-folder per class); .npy/.npz vectors; or - for stdin. Files but .npz may be gzip-compressed (.csv.gz, .jsonl.gz, ...)."),
     store: Optional[str] = typer.Option(None, "--store", help="Feature store: a folder or an s3:// URL (else $INDKNN_STORE, else ./indknn-store.zarr). Created if missing (private/public)."),
     role: str = typer.Option("private", "--role", help="private | query | public | test. Labels are required for private, public and test, ignored for queries. test: a labelled query batch (default name test-<sha256>) whose labels are kept for `indknn bench --test-store` scoring only; serve-queries never reads them and refuses the piped line of a test batch."),
     extractor: Optional[str] = typer.Option(None, "--extractor", help="text | image | pixels | hog | vectors. Default: the store's own extractor, else text."),
