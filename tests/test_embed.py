@@ -485,3 +485,17 @@ def test_real_pipe_into_a_json_reader(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(store), "6", "5"]
     assert FeatureStore.open(store).n_rows() == 6
+
+
+def test_label_names_with_commas_are_given_as_a_json_list(tmp_path):
+    """Review 31 QA (LOW): a class name holding a comma could not be declared with --label-names a,b,c."""
+    runner = CliRunner()
+    p = write_npz(tmp_path / "c.npz", rng_vectors(4, 6), y=["a, b", "c", "a, b", "c"], ids=["c0", "c1", "c2", "c3"])
+    res = runner.invoke(app, ["embed", str(p), "--store", str(tmp_path / "c.zarr"), "--extractor", "vectors",
+                              "--label-names", '["a, b", "c"]'])
+    assert res.exit_code == 0, res.stderr
+    assert FeatureStore.open(tmp_path / "c.zarr").label_names == ["a, b", "c"]
+    for bad in ('["a, b", 3]', '["a, b"'):
+        res = runner.invoke(app, ["embed", str(p), "--store", str(tmp_path / "d.zarr"), "--extractor", "vectors",
+                                  "--label-names", bad])
+        assert res.exit_code == 2 and "--label-names" in res.stderr and not (tmp_path / "d.zarr").exists()

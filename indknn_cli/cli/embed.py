@@ -20,6 +20,26 @@ def _load() -> None:
         globals().setdefault(key, value)
 
 
+def parse_label_names(text: Optional[str]) -> Optional[list]:
+    """--label-names: ``a,b,c``, or a JSON list of strings for names that hold commas (review 31 QA: a class name
+    with a comma could not be given)."""
+    import json
+
+    from ..errors import BadInputError
+
+    if text is None:
+        return None
+    if text.lstrip().startswith("["):
+        try:
+            names = json.loads(text)
+        except ValueError:
+            raise BadInputError(f"--label-names {text!r}: not a JSON list (give a,b,c or [\"a\", \"b\"])") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise BadInputError(f"--label-names {text!r}: the JSON list must hold strings only")
+        return [n.strip() for n in names]
+    return [n.strip() for n in text.split(",")]
+
+
 def embed_command(
     input: str = typer.Argument(..., metavar="INPUT", help="CSV, Parquet or JSON lines file; a folder of images (one sub-folder per class); .npy/.npz vectors; or - for stdin. Files but .npz may be gzip-compressed (.csv.gz, .jsonl.gz, ...)."),
     store: Optional[str] = typer.Option(None, "--store", help="Feature store: a folder or an s3:// URL (else $INDKNN_STORE, else ./indknn-store.zarr). Created if missing (private/public)."),
@@ -32,7 +52,7 @@ def embed_command(
     user_column: Optional[str] = typer.Option(None, "--user-column", help="User id column (optional; .npz: users)."),
     image_column: Optional[str] = typer.Option(None, "--image-column", help="Image path column of a table of images (default: path; relative to the table's folder)."),
     vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed vectors in Parquet / JSON lines (default: vector; .npz: x)."),
-    label_names: Optional[str] = typer.Option(None, "--label-names", help="Comma-separated class names, fixed at store creation: required when the store is created from private rows (every answer is one of them, so the list is declared, never read from private data); from --role public or test rows the default is their sorted distinct labels."),
+    label_names: Optional[str] = typer.Option(None, "--label-names", help="Comma-separated class names (or a JSON list, '[\"a, b\", \"c\"]', for names holding commas), fixed at store creation: required when the store is created from private rows (every answer is one of them, so the list is declared, never read from private data); from --role public or test rows the default is their sorted distinct labels."),
     if_exists: str = typer.Option("error", "--if-exists", help="error | skip: what to do with a record id that is already in the store."),
     batch_id: Optional[str] = typer.Option(None, "--batch-id", help="Name of the stored query batch (--role query or test; default q-<sha256 of the input>, test-<sha256> for test): give it to serve-queries as QUERIES. Re-running the same input is a no-op."),
     batch: Optional[str] = typer.Option(None, "--batch", hidden=True, help="Deprecated spelling of --batch-id."),
@@ -44,7 +64,7 @@ def embed_command(
     _load()
     err = stderr_console()
     store_path = run_library_call(lambda: resolve_store(store))
-    names = [n.strip() for n in label_names.split(",")] if label_names is not None else None
+    names = run_library_call(lambda: parse_label_names(label_names))
     batch_id = deprecated_alias(batch_id, batch, new="--batch-id", old="--batch")
 
     def call():
