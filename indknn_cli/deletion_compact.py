@@ -87,6 +87,12 @@ def erase_in_leftovers(store_path: Path, record_ids, user_ids) -> int:
                 st.mark_deleted("private", rows)
                 st.erase_rows("private", rows)
                 erased += int(rows.size)
+                from . import indexes
+
+                indexes.remove_rows(st, rows)  # the copy's LSH codes / IVF entries too (review 39, F2)
+            from .indexes.storage import remove_stale_copies
+
+            remove_stale_copies(st.path)  # no index writer runs in a compaction's copy
         except Exception as exc:  # noqa: BLE001 - a copy that cannot be read stays reported by leftover_note
             logging.getLogger(__name__).debug("copy %s not erased: %s", copy, type(exc).__name__)
             continue

@@ -286,8 +286,18 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
             if dry_run:
                 path = Path(tmp) / "ledger"
                 shutil.copytree(ledger_path, path, ignore=shutil.ignore_patterns("LOCK"))
+            events = path / "events"
+            if events.is_symlink():  # repair would move another folder's files, and write its event there (review 39)
+                raise LedgerIntegrityError(
+                    f"{ledger_path}/events is a symbolic link (to {os.readlink(events)}): repair moves and writes "
+                    "event files only in the ledger's own folder; put the ledger's events folder itself there, "
+                    "then run repair")
+            if events.exists() and not events.is_dir():  # a file in its place (review 39, F3): kept, not lost
+                folder = path / "quarantine" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+                folder.mkdir(parents=True, exist_ok=True)
+                os.replace(events, folder / "events.not-a-folder")
             put_back = put_back_probes(path)  # a repair killed while it probed (under this lock: nobody else's)
-            (path / "events").mkdir(exist_ok=True)  # removed by hand: the repair event goes there
+            events.mkdir(exist_ok=True)  # removed by hand: the repair event goes there
             reason = _refusal(path, store)
             if reason is None:
                 return RepairResult(ledger=str(ledger_path), repaired=bool(put_back), dry_run=dry_run,

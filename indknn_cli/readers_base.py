@@ -44,19 +44,28 @@ class RecordBatch:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def check_key_text(values, *, what: str, display: str, start: int) -> None:
+def check_key_text(values, *, what: str, display: str, start: int, surrounding_space: bool = False) -> None:
     """Refuse a record or user id holding a control character (BadInputError naming the row and the character).
 
     The store keeps ids as fixed-width Unicode, which drops trailing NULs: ``"r1\x00"`` became ``"r1"``, a second
     live row of record r1 under another user, and every later serve was refused until both were erased (review 37,
     F1); an id of NULs alone became ``""``, the id erased rows carry. Other control characters (tab, newline) make
-    an id that `delete --ids-file` and CSV exports cannot carry."""
+    an id that `delete --ids-file` and CSV exports cannot carry.
+
+    ``surrounding_space`` (the library's append): also refuse leading or trailing whitespace, Unicode spaces
+    included. `embed`'s readers trim ids, and `delete`/`account` trim the ids asked for; a store made through the
+    library with ids "a" and "a " had `delete --record "a "` erase "a", another person (review 39, F1)."""
     if values is None:
         return
     for j, v in enumerate(values):
-        if v is not None and (m := _CONTROL.search(v)):
+        if v is None:
+            continue
+        if m := _CONTROL.search(v):
             raise BadInputError(f"{display}: row {start + j + 1}: {what} {v!r} holds the control character "
                                 f"U+{ord(m.group()):04X}; ids must be printable text")
+        if surrounding_space and v != v.strip():
+            raise BadInputError(f"{display}: row {start + j + 1}: {what} {v!r} starts or ends with whitespace; "
+                                "ids are stored trimmed (as `embed` reads them)")
 
 
 def _label_str(v: Any) -> str:

@@ -278,6 +278,11 @@ def build_account_report(
         eps = _check_epsilon(eps)
     min_spec = parse_min_active(min_active)
     plot = check_plot_path(plot_path) if plot_path is not None else None
+    if plot is not None:  # like --out and --export (review 39: `--plot L/events/x.png` was written there)
+        from .answers_out import refuse_output_over
+
+        refuse_output_over(plot, option="--plot", folders=[("the ledger's folder", ledger_path),
+                                                           ("the store's folder", store_path)])
 
     store_uuid = None
     store = None

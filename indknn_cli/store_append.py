@@ -64,9 +64,10 @@ class Appender:
         if labels is None:
             labels = np.full(m, -1, dtype=np.int32)
         start, stop = self.stop, self.stop + m
-        check_key_text([str(r) for r in record_ids], what="record id", display="append", start=0)  # review 37, F1
+        check_key_text([str(r) for r in record_ids], what="record id", display="append", start=0,  # review 37, F1
+                       surrounding_space=True)
         check_key_text(None if user_ids is None else [None if u is None else str(u) for u in user_ids],
-                       what="user id", display="append", start=0)
+                       what="user id", display="append", start=0, surrounding_space=True)
         arrays = {
             "labels": np.asarray(labels, dtype=np.int32),
             "record_id": np.asarray([str(r) for r in record_ids], dtype=str),

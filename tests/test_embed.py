@@ -499,3 +499,15 @@ def test_label_names_with_commas_are_given_as_a_json_list(tmp_path):
         res = runner.invoke(app, ["embed", str(p), "--store", str(tmp_path / "d.zarr"), "--extractor", "vectors",
                                   "--label-names", bad])
         assert res.exit_code == 2 and "--label-names" in res.stderr and not (tmp_path / "d.zarr").exists()
+
+
+def test_the_library_refuses_ids_with_surrounding_whitespace(vstore):
+    """Review 39, F1: `delete` and `account` trim the ids asked for (as `embed`'s readers trim the ids they read),
+    so a store made through the library with ids "a" and "a " had `delete --record "a "` erase "a", another person,
+    and `account --record "a "` show "a"'s figures. The library's append refuses such ids (Unicode spaces too)."""
+    st = FeatureStore.open(vstore, mode="a")
+    before = snapshot(vstore)
+    for rid, uid in (("a ", "u1"), (" a", "u1"), ("b\u2003", "u1"), ("c", "u1 "), ("d", "\u00a0u1")):
+        with pytest.raises(BadInputError, match="starts or ends with whitespace"):
+            st.append("private", rng_vectors(1, 6, 7), labels=[0], record_ids=[rid], user_ids=[uid])
+    assert snapshot(vstore) == before

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zarr
 
 from indknn_cli.deletion import delete_records
 from indknn_cli.errors import ConcurrentChangeError, LedgerError, LedgerIntegrityError
@@ -132,3 +133,55 @@ def test_repair_of_a_store_restored_from_before_a_compaction_says_so_and_delete_
     assert _erases(sp, lp, "r050")
     st = FeatureStore.open(sp, mode="r")
     assert np.asarray(st.read("private", "deleted")).astype(bool).sum() >= 2
+
+
+@pytest.mark.heavy
+def test_an_erasure_in_a_stopped_compactions_copy_reaches_the_copys_index_codes(tmp_path, monkeypatch):
+    """Review 39, F2: with the ledger unreadable, `delete` erased the request's row in a stopped compaction's copy
+    (review 32, F5) but the copy's LSH codes of that row stayed (and `erased` false). The copy's index rows are now
+    overwritten as the live index's are, and a killed index writer's folders in the copy removed."""
+    from indknn_cli import deletion, indexes
+
+    from .test_delete import Crash, _crash_at
+
+    sp, lp = _world(tmp_path)
+    indexes.build(FeatureStore.open(sp, mode="a"), kind="lsh", tables=4, bits=6, seed=1)
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r001"])
+    _crash_at(monkeypatch, "compact-ledger-prepared")
+    with pytest.raises(Crash):
+        delete_records(store_path=sp, ledger_path=lp, compact=True)
+    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    copy_path = next(p for p in sp.parent.iterdir() if p.name.startswith(f".{sp.name}.compacting-"))
+    shutil.copytree(copy_path / "index", copy_path / ".index-build-0123abcd")  # a killed build inside the copy
+    copy = FeatureStore.open(copy_path)
+    row = list(copy.read("private", "record_id")).index("r050")
+    codes = lambda: np.asarray(zarr.open_group(str(copy_path / "index"), mode="r")["codes"][row])  # noqa: E731
+    assert codes().any()
+    (lp / "CURRENT").write_text("{not json")
+    res = delete_records(store_path=sp, ledger_path=lp, record_ids=["r050"])
+    assert res.records_erased == 1
+    assert not codes().any() and zarr.open_group(str(copy_path / "index"), mode="r")["erased"][row]
+    assert not (copy_path / ".index-build-0123abcd").exists()
+
+
+def test_repair_keeps_a_file_in_place_of_events_and_refuses_a_linked_events_folder(tmp_path):
+    """Review 39, F3/F4: a regular file named `events` made repair fail with "File exists"; an `events` symbolic
+    link to another ledger's folder let repair move that ledger's event files into this one's quarantine and write
+    its own event there. The file is kept under quarantine/ (every record then retires: no refund); the link is
+    refused (exit 1) and the other ledger left as it was."""
+    sp, lp = _world(tmp_path)
+    other = tmp_path / "other-events"
+    shutil.copytree(lp / "events", other)
+    before = sorted(p.name for p in other.iterdir())
+    shutil.rmtree(lp / "events")
+    (lp / "events").symlink_to(other)
+    with pytest.raises(LedgerIntegrityError, match="events is a symbolic link"):
+        repair_ledger(ledger_path=lp, store_path=sp)
+    assert sorted(p.name for p in other.iterdir()) == before and not (lp / "quarantine").exists()
+
+    (lp / "events").unlink()
+    (lp / "events").write_text("not a folder")
+    res = repair_ledger(ledger_path=lp, store_path=sp)
+    assert res.repaired and res.records_retired > 0
+    assert list((lp / "quarantine").rglob("events.not-a-folder"))
+    assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
