@@ -179,7 +179,7 @@ def _torch_device(device: str):
     torch.backends.cudnn.allow_tf32 = False
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
         from .errors import BadInputError
 
         raise BadInputError("--device cuda was asked for but no CUDA device is available")

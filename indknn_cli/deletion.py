@@ -182,8 +182,14 @@ class _Plan:
 
 
 def read_ids(lines: Iterable[str]) -> list[str]:
-    """One id per line; surrounding white space stripped, blank lines skipped."""
-    return [s for s in (line.strip() for line in lines) if s]
+    """One id per line; surrounding white space stripped, blank lines skipped; a UTF-8 byte-order mark at the start
+    dropped (a file saved by Excel or Notepad: its first id was "not found", its erasure silently skipped: review 40)."""
+    out = []
+    for i, line in enumerate(lines):
+        s = (line.lstrip("\ufeff") if i == 0 else line).strip()
+        if s:
+            out.append(s)
+    return out
 
 
 # -- the library call ------------------------------------------------------------

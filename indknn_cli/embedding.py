@@ -278,6 +278,15 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
         label_names = [str(n).strip() for n in label_names]
         if not label_names or any(not n for n in label_names) or len(set(label_names)) != len(label_names):
             raise BadInputError(f"--label-names must be distinct non-empty names, got {label_names}")
+        for n in label_names:  # review 40: a lone surrogate made a store every serve failed on (UnicodeEncodeError)
+            try:
+                n.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadInputError(f"--label-names: {n!r} is not valid Unicode text") from None
+            check_key_text([n], what="label name", display="--label-names", start=0)
+            if n == "abstain":
+                raise BadInputError("--label-names: 'abstain' is the label name of an abstention "
+                                    "(serve-queries --min-margin); name the class otherwise")
     if role == "query" and not test:
         if src.has_labels:
             warnings.append(f"{src.name}: labels are ignored for queries (not stored; --role test keeps them "

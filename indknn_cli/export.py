@@ -31,7 +31,7 @@ def check_export_path(path: str | os.PathLike) -> Path:
 
 
 def export_account(*, ledger_path: str | os.PathLike, out: str | os.PathLike, delta: float | None = None,
-                   conversion: str | None = None) -> dict:
+                   conversion: str | None = None, store_path: str | os.PathLike | None = None) -> dict:
     """Write one row per record: id, user, status, spent, budget, remaining, realised ε by conversion, times
     selected, last change and deletion time (UTC timestamps), and ε, δ, B, conversion, unit, adjacency."""
     import pyarrow as pa
@@ -42,12 +42,14 @@ def export_account(*, ledger_path: str | os.PathLike, out: str | os.PathLike, de
     from .answers_out import refuse_output_over
 
     path = check_export_path(out)
-    report = build_account_report(ledger_path=ledger_path, delta=delta, conversion=conversion)  # validates options
+    # validates options; --store (a copied store and ledger): checked against that store, not the recorded path
+    report = build_account_report(ledger_path=ledger_path, store_path=store_path, delta=delta, conversion=conversion)
     d = report.data
     ledger = open_ledger_readonly(ledger_path)
     # a read-only command wrote its export over the ledger's snapshot (review 38, F1): never into ledger or store
     refuse_output_over(path, option="--export", folders=[("the ledger's folder", ledger_path),
-                                                        ("the store's folder", ledger.meta.get("store_path"))])
+                                                        ("the store's folder", ledger.meta.get("store_path")),
+                                                        ("the store's folder", store_path)])
     s = ledger.state
     params = ledger.params
     n = len(s)

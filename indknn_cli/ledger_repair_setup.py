@@ -51,6 +51,10 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
     return present[-1], folder
 
 
+#: What an event file is named (a probe folder moves only those; review 40: a notes.txt went into events/).
+_EVENT_NAME = re.compile(r"\d{8}-[^/]*\.parquet")
+
+
 def put_back_probes(path: Path) -> list[str]:
     """Event files a repair killed while it probed left in ``.repair-probe-<pid>/`` go back to ``events/`` (the
     caller holds the ledger lock, so no live repair owns them); a name ``events/`` already holds stays beside the
@@ -62,7 +66,7 @@ def put_back_probes(path: Path) -> list[str]:
         (path / "events").mkdir(exist_ok=True)
         for p in sorted(aside.iterdir()):
             target = path / "events" / p.name
-            if p.is_file() and not target.exists():
+            if p.is_file() and not p.is_symlink() and _EVENT_NAME.fullmatch(p.name) and not target.exists():
                 os.replace(p, target)
                 put.append(p.name)
             else:  # never overwrite an event; keep the copy for forensics

@@ -41,7 +41,9 @@ class RecordBatch:
         return len(self.items)
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: C0 and C1 controls, and invisible format characters (zero-width, direction marks, byte-order mark): an id holding
+#: one looks like another id it is not (review 40, L4: "x\u200b" beside "x").
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2064\ufeff]")
 
 
 def check_key_text(values, *, what: str, display: str, start: int, surrounding_space: bool = False) -> None:
@@ -62,7 +64,7 @@ def check_key_text(values, *, what: str, display: str, start: int, surrounding_s
             continue
         if m := _CONTROL.search(v):
             raise BadInputError(f"{display}: row {start + j + 1}: {what} {v!r} holds the control character "
-                                f"U+{ord(m.group()):04X}; ids must be printable text")
+                                f"U+{ord(m.group()):04X} (a control or invisible character); ids must be printable text")
         if surrounding_space and v != v.strip():
             raise BadInputError(f"{display}: row {start + j + 1}: {what} {v!r} starts or ends with whitespace; "
                                 "ids are stored trimmed (as `embed` reads them)")

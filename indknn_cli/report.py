@@ -485,6 +485,10 @@ def build_account_report(
                            spent_fraction=(np.minimum(spent, budget) / budget) if budget > 0 else spent,
                            failures=failures)
     if plot is not None:
+        from .answers_out import refuse_output_over
+
+        # the store the ledger records too, when --store was not given (review 40, M9)
+        refuse_output_over(plot, option="--plot", folders=[("the store's folder", ledger.meta.get("store_path"))])
         plot_account_report(report, plot)
         data["plot"] = str(plot)
     return report

@@ -11,8 +11,9 @@ from .errors import BadInputError
 
 
 def check_scheduler_address(address: str, *, option: str = "--scheduler") -> str:
-    """``scheme://host:port`` or ``host:port`` as Dask parses them (``distributed.comm.addressing``); ``inproc://``
-    and other schemes without a port pass as Dask takes them."""
+    """``scheme://host:port`` or ``host:port`` as Dask parses them (``distributed.comm.addressing``), the scheme one
+    a separate process can reach: tcp, tls, ws, wss or ucx (review 40: ``inproc://x`` and ``udp://h:1`` waited the
+    whole timeout and printed a traceback)."""
     try:
         from distributed.comm.addressing import parse_address, parse_host_port
     except ImportError:
@@ -20,10 +21,11 @@ def check_scheduler_address(address: str, *, option: str = "--scheduler") -> str
     text = str(address).strip()
     try:
         scheme, loc = parse_address(text)
-        if scheme in ("tcp", "tls", "ws", "wss", "ucx"):
-            host, port = parse_host_port(loc)
-            if not host or not 0 < int(port) < 65536:
-                raise ValueError("host or port")
+        if scheme not in ("tcp", "tls", "ws", "wss", "ucx"):
+            raise ValueError(f"scheme {scheme}")
+        host, port = parse_host_port(loc)
+        if not host or not 0 < int(port) < 65536:
+            raise ValueError("host or port")
     except (ValueError, TypeError):
         raise BadInputError(f"{option} {address!r} is not a Dask scheduler address: give tcp://HOST:PORT (for "
                             "example tcp://127.0.0.1:8786)") from None

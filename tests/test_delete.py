@@ -643,3 +643,17 @@ def test_deleted_record_leaves_every_candidate_index(vector_store, tmp_path, kin
     serve_queries(store_path=store.path, ledger_path=lp, query_batch="compacted", seed=3,
                   candidate_finder_factory=lambda s, led: indexes.load_candidate_finder(s, led))
     assert _ledger(lp).state.times_selected[t] == 8
+
+
+def test_an_ids_file_saved_with_a_byte_order_mark_erases_its_first_id(vector_store, tmp_path):
+    """Review 40, M7: an ids file from Excel or Notepad (UTF-8 with a BOM, CRLF lines) had its first id read as
+    "\\ufeffr0001": not found, that erasure silently skipped (exit 0)."""
+    lp = _index(vector_store, tmp_path)
+    (tmp_path / "ids.txt").write_bytes(b"\xef\xbb\xbfr0001\r\nr0002\r\n")
+    r = runner.invoke(app, ["delete", "--ids-file", str(tmp_path / "ids.txt"), "--strict",
+                            "--store", str(vector_store.path), "--ledger", str(lp)])
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["record_ids"] == ["r0001", "r0002"]
+    r = runner.invoke(app, ["delete", "--ids-file", "-", "--store", str(vector_store.path), "--ledger", str(lp)],
+                      input="\ufeffr0003\n")
+    assert r.exit_code == 0 and json.loads(r.stdout)["record_ids"] == ["r0003"], r.stderr

@@ -511,3 +511,26 @@ def test_the_library_refuses_ids_with_surrounding_whitespace(vstore):
         with pytest.raises(BadInputError, match="starts or ends with whitespace"):
             st.append("private", rng_vectors(1, 6, 7), labels=[0], record_ids=[rid], user_ids=[uid])
     assert snapshot(vstore) == before
+
+
+@pytest.mark.parametrize("names, why", [('["a", "\\ud800"]', "not valid Unicode"), ('["a", "abstain"]', "abstention"),
+                                        ('["a", "b\\u200b"]', "control or invisible")])
+def test_label_names_that_would_break_serving_or_look_like_another_are_refused(tmp_path, names, why):
+    """Review 40, M4/L5: a lone surrogate in --label-names made a store every serve failed on (UnicodeEncodeError);
+    "abstain" is the label name of an abstention; "b\\u200b" looks like "b"."""
+    runner = CliRunner()
+    p = write_npz(tmp_path / "c.npz", rng_vectors(2, 6), y=["a", "a"], ids=["c0", "c1"])
+    res = runner.invoke(app, ["embed", str(p), "--store", str(tmp_path / "c.zarr"), "--extractor", "vectors",
+                              "--label-names", names])
+    assert res.exit_code == 2 and why in res.stderr and not (tmp_path / "c.zarr").exists(), res.stderr
+
+
+def test_ids_with_invisible_characters_are_refused(vstore):
+    """Review 40, L4: "x\\u200b" (zero-width space), a direction mark or a C1 control made an id that looks like
+    another ("x") and that `account --record x` could not find."""
+    st = FeatureStore.open(vstore, mode="a")
+    before = snapshot(vstore)
+    for rid in ("x\u200b", "x\u200f", "x\x85y", "\ufeffx"):
+        with pytest.raises(BadInputError, match="control or invisible character"):
+            st.append("private", rng_vectors(1, 6, 8), labels=[0], record_ids=[rid], user_ids=["u1"])
+    assert snapshot(vstore) == before

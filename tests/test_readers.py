@@ -329,3 +329,29 @@ def test_bad_gzip_inputs_are_refused_and_leave_no_temporary_file(tmp_path, monke
     with pytest.raises(BadInputError, match="empty input"):
         open_source(tmp_path / "nothing.csv.gz", extractor_kind="text")
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_tsv_gz_is_read_tab_separated_and_stale_temporaries_of_dead_processes_are_swept(tmp_path, monkeypatch):
+    """Review 40: `.tsv.gz` was read as comma-separated (the dialect came from the temporary file's name); a
+    decompressed or spooled input left by a process killed with -9 or SIGTERM (cron, systemd) stayed in $TMPDIR
+    with the input's rows. Such files of processes that are gone are removed by the next reader; a live
+    process's file is kept."""
+    import gzip
+    import os
+    import subprocess
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / "tmp" / f"indknn-gunzip-{dead.pid}-abc"
+    stale.write_bytes(b"private rows")
+    live = tmp_path / "tmp" / f"indknn-stdin-{os.getppid()}-abc"
+    live.write_bytes(b"a live process's spool")
+    (tmp_path / "d.tsv.gz").write_bytes(gzip.compress(b"id\ttext\tlabel\nr1\tone, two\tWorld\nr2\tthree\tSports\n"))
+    src = open_source(tmp_path / "d.tsv.gz", extractor_kind="text", id_column="id")
+    items, labels, ids, _, _ = collect(src)
+    src.close()
+    assert items == ["one, two", "three"] and labels == ["World", "Sports"] and ids == ["r1", "r2"]
+    assert not stale.exists() and live.exists()

@@ -105,9 +105,11 @@ def test_a_killed_repairs_probe_folder_is_put_back_and_nobody_retires(tmp_path):
 
     probe.mkdir()  # a stale copy of a name events/ still holds: kept aside, never put over the live file
     (probe / last.name).write_bytes(b"stale")
+    (probe / "notes.txt").write_text("not an event")  # nor is a file that is no event moved into events/ (review 40)
     res = repair_ledger(ledger_path=lp, store_path=sp)
     assert not res.repaired and res.events_put_back == [] and not probe.exists()
     assert last.read_bytes() != b"stale" and list((lp / "quarantine").rglob(last.name))
+    assert not (lp / "events" / "notes.txt").exists() and list((lp / "quarantine").rglob("notes.txt"))
 
 
 @pytest.mark.heavy
@@ -185,3 +187,26 @@ def test_repair_keeps_a_file_in_place_of_events_and_refuses_a_linked_events_fold
     assert res.repaired and res.records_retired > 0
     assert list((lp / "quarantine").rglob("events.not-a-folder"))
     assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
+
+
+def test_account_outputs_never_land_in_the_recorded_store_and_export_checks_the_store_given(tmp_path):
+    """Review 40, M8/M9: `account --plot s.zarr/p.png` without --store wrote into the store the ledger records
+    (only a given --store was checked); `account --store COPY --export` of a copied store and ledger checked the
+    recorded original instead of COPY and said "rolled back"."""
+    from typer.testing import CliRunner
+
+    from indknn_cli.cli.app import app
+
+    runner = CliRunner()
+    sp, lp = _world(tmp_path / "a")
+    r = runner.invoke(app, ["account", "--ledger", str(lp), "--plot", str(sp / "p.png")])
+    assert r.exit_code == 2 and "inside the store's folder" in r.stderr and not (sp / "p.png").exists()
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r003"])  # the original moves on after the copy
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    from indknn_cli.serving import serve_queries
+
+    serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", seed=4)
+    r = runner.invoke(app, ["account", "--ledger", str(tmp_path / "b" / "L"), "--store", str(tmp_path / "b" / "s.zarr"),
+                            "--export", str(tmp_path / "e.csv")])
+    assert r.exit_code == 0, r.stderr
+    assert (tmp_path / "e.csv").is_file()

@@ -246,7 +246,7 @@ def account_command(
         from ..export import EXPORT_NOTE, export_account
 
         result = run_library_call(lambda: export_account(ledger_path=ledger_path, out=export, delta=delta,
-                                                         conversion=conversion))
+                                                         conversion=conversion, store_path=_store(store)))
         emit_json(result)
         say(f"wrote {count(result['rows'], 'record')} to {result['export']} ({EXPORT_NOTE})")
         return

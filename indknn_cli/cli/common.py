@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import EXIT_RUNTIME, IndknnError
+from ..wording import count
 
 T = TypeVar("T")
 DEFAULT_STORE = "indknn-store.zarr"
@@ -219,6 +220,16 @@ def check_device(value: str) -> str:
     if value is not None and not _DEVICE.fullmatch(str(value)):
         error_message("Error:", f"--device {value!r} is not a device: give auto, cpu, cuda or cuda:N")
         raise typer.Exit(code=2)
+    if value is not None and value.startswith("cuda"):  # cuda:N passed the library's `== "cuda"` check (review 40)
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(value.split(":", 1)[1]) if ":" in value else 0
+        if index >= n:
+            error_message("Error:", f"--device {value}: " + ("no CUDA device is available here" if n == 0 else
+                                                             f"this machine has {count(n, 'CUDA device')}, "
+                                                             f"cuda:0..cuda:{n - 1}") + "; use --device cpu or auto")
+            raise typer.Exit(code=2)
     return value
 
 
