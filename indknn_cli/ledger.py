@@ -40,13 +40,13 @@ from .ledger_snapshot import unpublished_store_uuids
 from .ledger_state import ANSWER_SCHEMA, EVENT_SCHEMA, LedgerState, PrivacyParams, _check_finite_columns
 
 
-
 def _when(t) -> str:
     """A ledger time as UTC, for messages."""
     try:
         return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(t)))
     except (TypeError, ValueError, OverflowError):
         return "time unknown"
+
 
 class BudgetLedger:
     """A ledger directory bound to one feature store."""

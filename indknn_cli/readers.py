@@ -20,8 +20,9 @@ stream on stdin too): it is decompressed to a temporary file first (disk, not me
 Every source can be read twice (a label scan, then the batches), so stdin is
 spooled first. Labels are returned as strings.
 
-Shared pieces live in :mod:`indknn_cli.readers_base`, image folders in :mod:`indknn_cli.readers_images` and
-vector files in :mod:`indknn_cli.readers_numpy`; tables and ``open_source`` are here.
+Shared pieces live in :mod:`indknn_cli.readers_base`, image folders in :mod:`indknn_cli.readers_images`,
+vector files in :mod:`indknn_cli.readers_numpy`, stdin spooling and gzip in :mod:`indknn_cli.input_spool`; tables and
+``open_source`` are here.
 """
 
 from __future__ import annotations
@@ -29,15 +30,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
 
 import numpy as np
 
 from .errors import BadInputError
+from .input_spool import gunzip, spool_stdin
 from .readers_base import (DEFAULT_ID_COLUMN, DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_TEXT_COLUMN,
                            DEFAULT_VECTOR_COLUMN, TABLE_SUFFIXES, TEXT_JOINER, RecordBatch, Source, _has_surrogates,
                            _label_str)
@@ -360,68 +359,6 @@ class TableSource(Source):
 # ---------------------------------------------------------------------------
 # opening
 # ---------------------------------------------------------------------------
-def _sweep_stale_temporaries() -> int:
-    """Remove the spooled stdin and decompressed inputs of indknn processes that are gone (kill -9, or SIGTERM from
-    cron or systemd, skip the cleanup): they hold the input's rows, private ones included (review 40, M5). Named
-    ``indknn-(stdin|gunzip)-<pid>-…`` so a live process's file is never taken."""
-    import re
-
-    removed = 0
-    pattern = re.compile(r"indknn-(?:stdin|gunzip)-(\d+)-.*")
-    try:
-        entries = list(Path(tempfile.gettempdir()).iterdir())
-    except OSError:
-        return 0
-    for p in entries:
-        m = pattern.fullmatch(p.name)
-        if m is None or int(m.group(1)) == os.getpid():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue  # alive (or another user's: PermissionError below)
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError, ValueError):
-            continue
-        try:
-            p.unlink()
-            removed += 1
-        except OSError:
-            pass
-    return removed
-
-
-def _spool_stdin(stream: BinaryIO | None = None) -> Path:
-    stream = stream if stream is not None else sys.stdin.buffer
-    _sweep_stale_temporaries()
-    fd, name = tempfile.mkstemp(prefix=f"indknn-stdin-{os.getpid()}-")
-    with os.fdopen(fd, "wb") as out:
-        shutil.copyfileobj(stream, out, 1 << 20)
-    return Path(name)
-
-
-def _gunzip(path: Path, display: str) -> Path:
-    """A gzip-compressed input decompressed to a temporary file (decompression streams in O(1) memory; the file takes
-    the decompressed size on disk, and the reader then reads it as it would the plain file; the caller removes it).
-    A file that is not gzip or is cut short is bad input naming it, and no temporary file is left."""
-    import gzip
-    import zlib
-
-    _sweep_stale_temporaries()
-    fd, name = tempfile.mkstemp(prefix=f"indknn-gunzip-{os.getpid()}-")
-    try:
-        with os.fdopen(fd, "wb") as out, gzip.open(path, "rb") as src:
-            shutil.copyfileobj(src, out, 1 << 20)
-    except (OSError, EOFError, zlib.error) as exc:
-        Path(name).unlink(missing_ok=True)
-        why = "corrupt compressed data" if isinstance(exc, zlib.error) else type(exc).__name__
-        raise BadInputError(f"{display}: not a readable gzip file ({why})") from None
-    except BaseException:
-        Path(name).unlink(missing_ok=True)
-        raise
-    return Path(name)
-
-
 def sniff_format(path: Path) -> str:
     """Format of a spooled stream: parquet / npy / npz by magic bytes, jsonl if it starts with '{', else csv."""
     with open(path, "rb") as f:
@@ -454,12 +391,12 @@ def open_source(
     """Open an input for streaming (see the module doc for the formats). Close it when done."""
     spooled = None
     if str(path_or_dash) == "-":
-        spooled = _spool_stdin(stdin)
+        spooled = spool_stdin(stdin)
         with open(spooled, "rb") as f:
             gz = f.read(2) == b"\x1f\x8b"
         if gz:  # `zcat`-less pipelines: a gzip stream on stdin is decompressed like a .gz file
             try:
-                plain = _gunzip(spooled, "<stdin>")
+                plain = gunzip(spooled, "<stdin>")
             finally:
                 spooled.unlink(missing_ok=True)
             spooled = plain
@@ -482,7 +419,7 @@ def open_source(
                                     f".parquet.gz or .npy.gz), got {inner or '(nothing)'}")
             if path.stat().st_size == 0:
                 raise BadInputError(f"{path}: empty input")
-            spooled = _gunzip(path, display)
+            spooled = gunzip(path, display)
             if spooled.stat().st_size == 0:
                 spooled.unlink()
                 raise BadInputError(f"{path}: empty input (nothing after decompressing)")
