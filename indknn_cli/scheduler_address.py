@@ -7,13 +7,16 @@ collected). An address Dask cannot parse is bad input: refused at once, exit 2, 
 
 from __future__ import annotations
 
+import os
+
 from .errors import BadInputError
 
 
 def check_scheduler_address(address: str, *, option: str = "--scheduler") -> str:
     """``scheme://host:port`` or ``host:port`` as Dask parses them (``distributed.comm.addressing``), the scheme one
     a separate process can reach: tcp, tls, ws, wss or ucx (review 40: ``inproc://x`` and ``udp://h:1`` waited the
-    whole timeout and printed a traceback)."""
+    whole timeout and printed a traceback). ``inproc://HOST/PID/N`` only when PID is this process (a library caller's
+    ``LocalCluster(processes=False)``)."""
     try:
         from distributed.comm.addressing import parse_address, parse_host_port
     except ImportError:
@@ -21,6 +24,11 @@ def check_scheduler_address(address: str, *, option: str = "--scheduler") -> str
     text = str(address).strip()
     try:
         scheme, loc = parse_address(text)
+        if scheme == "inproc":  # an in-process cluster (LocalCluster(processes=False)) of this very process only
+            parts = loc.split("/")
+            if len(parts) == 3 and parts[1].isdigit() and int(parts[1]) == os.getpid():
+                return text
+            raise ValueError("inproc address of another process")
         if scheme not in ("tcp", "tls", "ws", "wss", "ucx"):
             raise ValueError(f"scheme {scheme}")
         host, port = parse_host_port(loc)
