@@ -72,6 +72,8 @@ def erase_in_leftovers(store_path: Path, record_ids, user_ids) -> int:
     reached since 2026-11-28). They are copies of the same people; the live store's rows are erased by the caller.
     Review 32, F5: the copy kept the vector of a person whose erasure was accepted, and nothing removed it while the
     ledger could not be read. Returns the rows erased; a copy that cannot be opened is left to the note."""
+    from . import indexes
+    from .indexes.storage import remove_stale_copies
     from .store import FeatureStore
 
     want_r, want_u = {str(r) for r in record_ids}, {str(u) for u in user_ids}
@@ -87,11 +89,7 @@ def erase_in_leftovers(store_path: Path, record_ids, user_ids) -> int:
                 st.mark_deleted("private", rows)
                 st.erase_rows("private", rows)
                 erased += int(rows.size)
-                from . import indexes
-
                 indexes.remove_rows(st, rows)  # the copy's LSH codes / IVF entries too (review 39, F2)
-            from .indexes.storage import remove_stale_copies
-
             remove_stale_copies(st.path)  # no index writer runs in a compaction's copy
         except Exception as exc:  # noqa: BLE001 - a copy that cannot be read stays reported by leftover_note
             logging.getLogger(__name__).debug("copy %s not erased: %s", copy, type(exc).__name__)

@@ -21,7 +21,7 @@ from . import object_store, store_lease
 from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .readers import Source, open_source
-from .readers_base import check_key_text
+from .readers_base import _has_surrogates, check_key_text
 from .record_keys import input_keys
 from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows
 from .wording import count
@@ -279,10 +279,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
         if not label_names or any(not n for n in label_names) or len(set(label_names)) != len(label_names):
             raise BadInputError(f"--label-names must be distinct non-empty names, got {label_names}")
         for n in label_names:  # review 40: a lone surrogate made a store every serve failed on (UnicodeEncodeError)
-            try:
-                n.encode("utf-8")
-            except UnicodeEncodeError:
-                raise BadInputError(f"--label-names: {n!r} is not valid Unicode text") from None
+            if _has_surrogates(n):
+                raise BadInputError(f"--label-names: {n!r} is not valid Unicode text")
             check_key_text([n], what="label name", display="--label-names", start=0)
             if n == "abstain":
                 raise BadInputError("--label-names: 'abstain' is the label name of an abstention "

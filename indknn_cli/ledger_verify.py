@@ -13,7 +13,7 @@ from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import check_binding, head_seq, read_mark, snapshot_is_chained
 from .ledger_rows import check_erased_owners, check_rows_hold_records
-from .wording import count, per_unit
+from .wording import adjacency, count, per_unit
 
 def verify_ledger(ledger_path, *, store_path=None) -> dict:
     """Walk the chain and every check above; return what was verified (``verified`` False and ``error``
@@ -86,7 +86,8 @@ def _describe(ledger) -> dict:
         "budgets": {"budget": p.budget, "calibrated_budget": cal, "bit_identical": p.budget == cal,
                     "epsilon": p.epsilon, "delta": p.delta,
                     "conversion": p.conversion, "unit": getattr(p, "privacy_unit", "record") or "record",
-                    "adjacency": per_unit(getattr(p, "privacy_unit", "record")).split(", ", 1)[1], "records": len(ledger.state), "records_at_budget": len(ledger.state)},
+                    "adjacency": adjacency(getattr(p, "privacy_unit", "record")), "records": len(ledger.state),
+                    "records_at_budget": len(ledger.state)},
     }
 
 

@@ -278,11 +278,6 @@ def build_account_report(
         eps = _check_epsilon(eps)
     min_spec = parse_min_active(min_active)
     plot = check_plot_path(plot_path) if plot_path is not None else None
-    if plot is not None:  # like --out and --export (review 39: `--plot L/events/x.png` was written there)
-        from .answers_out import refuse_output_over
-
-        refuse_output_over(plot, option="--plot", folders=[("the ledger's folder", ledger_path),
-                                                           ("the store's folder", store_path)])
 
     store_uuid = None
     store = None
@@ -487,8 +482,11 @@ def build_account_report(
     if plot is not None:
         from .answers_out import refuse_output_over
 
-        # the store the ledger records too, when --store was not given (review 40, M9)
-        refuse_output_over(plot, option="--plot", folders=[("the store's folder", ledger.meta.get("store_path"))])
+        # like --out and --export (review 39: `--plot L/events/x.png` was written there), the store the ledger
+        # records included when --store is not given (review 40, M9); nothing is written before this point
+        refuse_output_over(plot, option="--plot", folders=[("the ledger's folder", ledger_path),
+                                                           ("the store's folder", store_path),
+                                                           ("the store's folder", ledger.meta.get("store_path"))])
         plot_account_report(report, plot)
         data["plot"] = str(plot)
     return report

@@ -64,14 +64,14 @@ class Appender:
         if labels is None:
             labels = np.full(m, -1, dtype=np.int32)
         start, stop = self.stop, self.stop + m
-        check_key_text([str(r) for r in record_ids], what="record id", display="append", start=0,  # review 37, F1
-                       surrounding_space=True)
-        check_key_text(None if user_ids is None else [None if u is None else str(u) for u in user_ids],
-                       what="user id", display="append", start=0, surrounding_space=True)
+        rids = [str(r) for r in record_ids]
+        uids = ["" if u is None else str(u) for u in (user_ids or [""] * m)]
+        check_key_text(rids, what="record id", display="append", start=0, surrounding_space=True)  # review 37, F1
+        check_key_text(uids, what="user id", display="append", start=0, surrounding_space=True)
         arrays = {
             "labels": np.asarray(labels, dtype=np.int32),
-            "record_id": np.asarray([str(r) for r in record_ids], dtype=str),
-            "user_id": np.asarray(["" if u is None else str(u) for u in (user_ids or [""] * m)], dtype=str),
+            "record_id": np.asarray(rids, dtype=str),
+            "user_id": np.asarray(uids, dtype=str),
             "deleted": np.zeros(m, dtype=bool),
         }
         if features is not None:

@@ -29,4 +29,9 @@ def per_unit(privacy_unit: str | None) -> str:
     """What an ε is stated for (SPEC §8: every printed ε names its unit and adjacency): ``per record, add/remove one
     record`` or ``per user, add/remove one user``."""
     unit = "user" if privacy_unit == "user" else "record"
-    return f"per {unit}, add/remove one {unit}"
+    return f"per {unit}, {adjacency(unit)}"
+
+
+def adjacency(privacy_unit: str | None) -> str:
+    """The neighbouring relation of a privacy unit: ``add/remove one record`` or ``add/remove one user``."""
+    return f"add/remove one {'user' if privacy_unit == 'user' else 'record'}"

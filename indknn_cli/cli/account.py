@@ -15,7 +15,8 @@ from rich.table import Table
 
 from ..errors import EXIT_BUDGET_EXHAUSTED, BadInputError
 from ..wording import count
-from .common import emit_json, resolve_ledger, run_library_call, say, stderr_console, stdout_console, verbosity
+from .common import (emit_json, given_on_command_line, resolve_ledger, run_library_call, say, stderr_console,
+                     stdout_console, verbosity)
 
 
 def _load() -> None:
@@ -195,8 +196,7 @@ def _modes(ctx, *, queries_left: bool, verify: bool, export, eps, min_active, re
         if extra:
             raise BadInputError(f"{extra[0]} does not apply to {jobs[0]}, which prints only its own result: run "
                                 "account once for each")
-    source = getattr(ctx.get_parameter_source("max_queries"), "name", "DEFAULT")
-    if source == "COMMANDLINE" and not queries_left:
+    if given_on_command_line(ctx, "max_queries") and not queries_left:
         raise BadInputError("--max-queries is the T of --queries-left: give --queries-left too")
 
 

@@ -233,6 +233,12 @@ def check_device(value: str) -> str:
     return value
 
 
+def given_on_command_line(ctx, name: str) -> bool:
+    """Whether option ``name`` was typed on the command line (not its default, nor an environment fallback).
+    Compared by name: typer's vendored click has its own ParameterSource enum."""
+    return getattr(ctx.get_parameter_source(name), "name", "DEFAULT") == "COMMANDLINE"
+
+
 def resolve_ledger(path: Path | None) -> Path:
     """--ledger, else $INDKNN_LEDGER, else ./indknn-ledger."""
     if path is not None:

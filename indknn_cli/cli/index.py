@@ -14,8 +14,8 @@ from ..errors import BadInputError
 from ..tuning_grid import (BROAD_TAUS, DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_METHOD, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS, REFERENCE_BUDGET_PER_QUERY,
                            DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
 from ..wording import count
-from .common import (check_lock_timeout, emit_json, read_json_line_from_stdin, stdin_is_pipe, resolve_ledger, resolve_store,
-                     run_library_call, stderr_console)
+from .common import (check_lock_timeout, emit_json, given_on_command_line, read_json_line_from_stdin, stdin_is_pipe,
+                     resolve_ledger, resolve_store, run_library_call, stderr_console)
 
 
 def _load() -> None:
@@ -96,7 +96,7 @@ def index_command(
                                 f"{given[0]} out")
         if tune is not None:
             for f, grid in (("tau", "--tune-taus"), ("sigma2", "--tune-sigma2s")):
-                if getattr(ctx.get_parameter_source(f), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP"):
+                if given_on_command_line(ctx, f):
                     # dropped without a word before (review 38, F4)
                     raise BadInputError(f"{_PRIVACY_FLAGS[f]} is what --tune chooses: leave it out (or give the "
                                         f"grid to choose from with {grid})")
@@ -134,7 +134,7 @@ def index_command(
                       planned_queries=planned_queries, nu=nu, k_min=k_min, privacy_unit=privacy_unit,
                       max_records_per_user=max_records_per_user, user_for_missing=user_for_missing)
         given = {f: (flag, values[f]) for f, flag in _PRIVACY_FLAGS.items()
-                 if getattr(ctx.get_parameter_source(f), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+                 if given_on_command_line(ctx, f)}
         return build_index(store_path=store_path, ledger_path=resolve_ledger(ledger), params=params, kind=kind,
                            lock_timeout=lock_timeout, tables=tables, bits=bits, index_seed=index_seed, nlist=nlist,
                            nprobe=nprobe, train_on=train_on, given=given)
