@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from .errors import IndknnError, SchedulerError
-from .scheduler_address import check_scheduler_address
+from .scheduler_address import check_scheduler_address, open_client
 from .store import GROUP_OF_ROLE, ExtractorInfo
 
 SCHEDULER_ENV = "INDKNN_SCHEDULER"
@@ -36,13 +36,13 @@ def resolve_scheduler(address: str | None) -> str | None:
 def connect_client(address: str):
     """A ``distributed.Client`` for ``address``; unreachable (or no ``distributed``): SchedulerError."""
     try:
-        from distributed import Client
+        import distributed  # noqa: F401 - installed? (open_client makes the client)
     except ImportError:
         raise SchedulerError("--scheduler needs Dask's distributed package: pip install 'indknn[dask]'") from None
     address = check_scheduler_address(address)  # a malformed one waited the whole timeout (review 38, F6)
     try:
-        return Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
-    except (OSError, TimeoutError, ValueError) as exc:
+        return open_client(address, timeout=CONNECT_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, TypeError (tls:// without certificates), ...
         raise SchedulerError(f"cannot reach the Dask scheduler at {address} ({type(exc).__name__}: {exc}); "
                              "nothing was written") from None
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from .engine import ArraySource, Candidates, TooManyPairs, find_candidates
 from .errors import BadInputError, ConcurrentChangeError, IndknnError, SchedulerError, StoreError
-from .scheduler_address import check_scheduler_address
+from .scheduler_address import check_scheduler_address, open_client
 
 SCHEDULER_ENV = "INDKNN_SCHEDULER"
 CONNECT_TIMEOUT = 10.0
@@ -54,14 +54,14 @@ def resolve_scheduler(address: str | None) -> str | None:
 def connect(address: str, *, timeout: float = CONNECT_TIMEOUT):
     """A ``distributed.Client`` on the scheduler at ``address``; SchedulerError when it cannot be reached."""
     try:
-        from distributed import Client
+        import distributed  # noqa: F401 - installed? (open_client makes the client)
     except ImportError:
         raise SchedulerError("--scheduler needs Dask's distributed scheduler: pip install 'indknn[dask]'") from None
     if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
         raise BadInputError(f"--scheduler-timeout must be a positive number of seconds, got {timeout!r}")
     address = check_scheduler_address(address)  # a malformed one waited the whole timeout (review 38, F6)
     try:
-        return Client(address, timeout=timeout, set_as_default=False)
+        return open_client(address, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, ValueError (bad address), ...
         raise SchedulerError(
             f"cannot reach the Dask scheduler at {address!r} within {timeout:g} s ({type(exc).__name__}); start one "

@@ -74,7 +74,10 @@ class BudgetLedger:
     # -- opening -----------------------------------------------------------
     @staticmethod
     def exists(path: str | os.PathLike) -> bool:
-        return (Path(path) / "CURRENT").is_file()
+        """A ledger is here when anything named CURRENT is: a folder or a broken link in its place is a damaged
+        ledger (opening it says so; `indknn repair` writes it back), never "no ledger", which would let `index`
+        make a second one beside the store's snapshots (review 40, left)."""
+        return os.path.lexists(Path(path) / "CURRENT")
 
     @classmethod
     def create(cls, path: str | os.PathLike, *, params: PrivacyParams, store_uuid: str, store_path: str,

@@ -38,10 +38,9 @@ import numpy as np
 
 from . import ledger_integrity as integrity
 from . import store_versions
-from .errors import ConcurrentChangeError, LedgerError, LedgerIntegrityError
+from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerIntegrityError
 from .ledger import BudgetLedger
-from .ledger_files import atomic_write_bytes
-from .ledger_repair_setup import put_back_probes, write_current_back
+from .ledger_repair_setup import put_back_probes, put_current_back, write_current_back
 from .ledger_rows import check_rows_hold_records, compare_rows
 from .store import ERASE_PENDING_ATTR, FeatureStore
 
@@ -285,42 +284,61 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
             path = ledger_path
             if dry_run:
                 path = Path(tmp) / "ledger"
-                shutil.copytree(ledger_path, path, ignore=shutil.ignore_patterns("LOCK"))
-            events = path / "events"
-            if events.is_symlink():  # repair would move another folder's files, and write its event there (review 39)
-                raise LedgerIntegrityError(
-                    f"{ledger_path}/events is a symbolic link (to {os.readlink(events)}): repair moves and writes "
-                    "event files only in the ledger's own folder; put the ledger's events folder itself there, "
-                    "then run repair")
-            if events.exists() and not events.is_dir():  # a file in its place (review 39, F3): kept, not lost
-                folder = path / "quarantine" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-                folder.mkdir(parents=True, exist_ok=True)
-                os.replace(events, folder / "events.not-a-folder")
-            put_back = put_back_probes(path)  # a repair killed while it probed (under this lock: nobody else's)
-            events.mkdir(exist_ok=True)  # removed by hand: the repair event goes there
-            reason = _refusal(path, store)
-            if reason is None:
-                return RepairResult(ledger=str(ledger_path), repaired=bool(put_back), dry_run=dry_run,
-                                    events_put_back=put_back)
-            back, kept_in = write_current_back(path, store, shown_path=ledger_path)
+                cur = ledger_path / "CURRENT"
+                broken = cur.is_symlink() and not cur.exists()  # copytree fails on it; the copy keeps it as it is
+                skip = ("LOCK", "CURRENT") if broken else ("LOCK",)
+                shutil.copytree(ledger_path, path, ignore=shutil.ignore_patterns(*skip))
+                if broken:
+                    (path / "CURRENT").symlink_to(os.readlink(cur))
             try:
-                if back is not None:
-                    after = _refusal(path, store)
-                    if after is None:  # CURRENT was all that was wrong: the mark vouches for the rest, nobody retires
-                        return RepairResult(ledger=str(ledger_path), repaired=True, reason=reason, dry_run=dry_run,
-                                            current_written_back=back, events_put_back=put_back,
-                                            quarantine_folder=None if dry_run else str(ledger_path / kept_in))
-                    reason = f"{reason}; with CURRENT written back to generation {back}: {after}"
-                res = _repair(path, store, reason, dry_run=dry_run, shown_path=ledger_path)
-                res.events_put_back = put_back
-            except BaseException:
-                # the repair failed: CURRENT as it was, so the ledger is in the state repair found (a damaged ledger
-                # never blocks an erasure; one pointed at a snapshot that then failed could: review 32, F1)
-                if back is not None and (path / "CURRENT").read_bytes() == json.dumps({"generation": back}).encode():
-                    atomic_write_bytes((path / kept_in / "CURRENT").read_bytes(), path / "CURRENT")
-                raise
-            res.current_written_back = back
+                res = _repair_at(path, store, ledger_path=ledger_path, dry_run=dry_run)
+            except IndknnError as exc:
+                if not dry_run:
+                    raise
+                # the copy's temporary path means nothing to the operator: name their ledger (review 40, left)
+                raise type(exc)(str(exc).replace(str(path), str(ledger_path))) from None
+            if dry_run and res.reason:
+                res.reason = res.reason.replace(str(path), str(ledger_path))
             return res
+
+
+def _repair_at(path: Path, store: FeatureStore, *, ledger_path: Path, dry_run: bool) -> RepairResult:
+    """The repair itself, on ``path`` (the ledger, or its copy under --dry-run); both locks are held."""
+    events = path / "events"
+    if events.is_symlink():  # repair would move another folder's files, and write its event there (review 39)
+        raise LedgerIntegrityError(
+            f"{ledger_path}/events is a symbolic link (to {os.readlink(events)}): repair moves and writes "
+            "event files only in the ledger's own folder; put the ledger's events folder itself there, "
+            "then run repair")
+    if events.exists() and not events.is_dir():  # a file in its place (review 39, F3): kept, not lost
+        folder = path / "quarantine" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        folder.mkdir(parents=True, exist_ok=True)
+        os.replace(events, folder / "events.not-a-folder")
+    put_back = put_back_probes(path)  # a repair killed while it probed (under this lock: nobody else's)
+    events.mkdir(exist_ok=True)  # removed by hand: the repair event goes there
+    reason = _refusal(path, store)
+    if reason is None:
+        return RepairResult(ledger=str(ledger_path), repaired=bool(put_back), dry_run=dry_run,
+                            events_put_back=put_back)
+    back, kept_in = write_current_back(path, store, shown_path=ledger_path)
+    try:
+        if back is not None:
+            after = _refusal(path, store)
+            if after is None:  # CURRENT was all that was wrong: the mark vouches for the rest, nobody retires
+                return RepairResult(ledger=str(ledger_path), repaired=True, reason=reason, dry_run=dry_run,
+                                    current_written_back=back, events_put_back=put_back,
+                                    quarantine_folder=None if dry_run else str(ledger_path / kept_in))
+            reason = f"{reason}; with CURRENT written back to generation {back}: {after}"
+        res = _repair(path, store, reason, dry_run=dry_run, shown_path=ledger_path)
+        res.events_put_back = put_back
+    except BaseException:
+        # the repair failed: CURRENT as it was, so the ledger is in the state repair found (a damaged ledger
+        # never blocks an erasure; one pointed at a snapshot that then failed could: review 32, F1)
+        if back is not None:
+            put_current_back(path, generation=back, kept_in=kept_in)
+        raise
+    res.current_written_back = back
+    return res
 
 
 def _refusal(path: Path, store: FeatureStore) -> str | None:

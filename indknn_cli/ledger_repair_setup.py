@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import ledger_integrity as integrity
 from .errors import LedgerIntegrityError
-from .ledger_files import atomic_write_text
+from .ledger_files import atomic_write_bytes, atomic_write_text
 from .store import FeatureStore
 
 
@@ -27,7 +27,10 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
     against the store's mark again (a ledger older than the mark is repaired by retiring every record: no refund)
     and puts CURRENT back if the repair fails."""
     cur = path / "CURRENT"
+    not_a_file = cur.is_dir() or (cur.is_symlink() and not cur.exists())  # a folder or a broken link in its place
     try:
+        if not_a_file:
+            raise ValueError("not a file")
         gen = int(json.loads(cur.read_text())["generation"])
         named = f"snapshot-{gen:06d}.parquet, which is missing"
     except FileNotFoundError:
@@ -46,9 +49,30 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
             "than the store's high-water mark is refused), then run repair")
     folder = Path("quarantine") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     (path / folder).mkdir(parents=True, exist_ok=True)
-    shutil.copy2(cur, path / folder / "CURRENT")
+    if not_a_file:  # kept as it was (moved, not copied: a file cannot be written over it)
+        os.replace(cur, path / folder / NOT_A_FILE)
+    else:
+        shutil.copy2(cur, path / folder / "CURRENT")
     atomic_write_text(json.dumps({"generation": present[-1]}), cur)
     return present[-1], folder
+
+
+#: Where :func:`write_current_back` keeps a CURRENT that was a folder or a broken link, under its quarantine folder.
+NOT_A_FILE = "CURRENT.not-a-file"
+
+
+def put_current_back(path: Path, *, generation: int, kept_in: Path) -> None:
+    """Undo :func:`write_current_back` after a repair that failed (so the ledger is in the state repair found: one
+    pointed at a snapshot that then failed could block an erasure, review 32, F1), unless CURRENT changed since."""
+    cur = path / "CURRENT"
+    if not cur.is_file() or cur.read_bytes() != json.dumps({"generation": generation}).encode():
+        return
+    kept = path / kept_in
+    if (kept / NOT_A_FILE).exists() or (kept / NOT_A_FILE).is_symlink():
+        cur.unlink()
+        os.replace(kept / NOT_A_FILE, cur)
+    else:
+        atomic_write_bytes((kept / "CURRENT").read_bytes(), cur)
 
 
 #: What an event file is named (a probe folder moves only those; review 40: a notes.txt went into events/).

@@ -46,11 +46,19 @@ def current_generation(path: Path) -> int | None:
 
 def read_snapshot(path: Path) -> Snapshot:
     """Read the snapshot CURRENT names (FileNotFoundError passes through: a compaction may have removed it)."""
+    cur = path / "CURRENT"
     try:
-        current = json.loads((path / "CURRENT").read_text())
+        current = json.loads(cur.read_text())
         generation = int(current["generation"])
     except (ValueError, KeyError, TypeError):
         raise LedgerIntegrityError(f"{path}/CURRENT: corrupt (not the JSON pointer indknn writes)") from None
+    except (IsADirectoryError, NotADirectoryError, FileNotFoundError):
+        if not (cur.is_dir() or (cur.is_symlink() and not cur.exists())):
+            raise  # a CURRENT that vanished while read: the caller's retry sorts it out
+        raise LedgerIntegrityError(
+            f"{path}/CURRENT: not a file ({'a folder' if cur.is_dir() else 'a link to nothing'} in its place): the "
+            "ledger is damaged; `indknn repair` keeps it under quarantine/ and writes CURRENT back to the newest "
+            "snapshot (nobody is retired when the store's high-water mark then agrees)") from None
     snap_path = path / f"snapshot-{generation:06d}.parquet"
     try:
         snap_bytes = snap_path.read_bytes()

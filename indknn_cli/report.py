@@ -261,6 +261,10 @@ def build_account_report(
     record_id = None if record_id is None else str(record_id).strip()
     user_id = None if user_id is None else str(user_id).strip()
     # validate every option before reading anything
+    for flag, value in (("--record", record_id), ("--user", user_id)):
+        if value == "":  # before: "record id '' is not in the ledger", which read like a lookup that ran
+            raise BadInputError(f"{flag} '': an empty id was given (ids are trimmed of surrounding spaces, as embed "
+                                "stores them)")
     if record_id is not None and user_id is not None:
         raise BadInputError(f"give --record or --user, not both (got --record {record_id!r} --user {user_id!r})")
     if record_id is not None or user_id is not None:

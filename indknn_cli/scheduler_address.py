@@ -2,7 +2,8 @@
 
 ``--scheduler notaurl`` (or ``$INDKNN_SCHEDULER``) reached ``distributed.Client``, which waited its whole connect
 timeout (20 s), then the command printed its error and a traceback from ``Client.__del__`` (the half-made client
-collected). An address Dask cannot parse is bad input: refused at once, exit 2, no client made.
+collected). An address Dask cannot parse is bad input: refused at once, exit 2, no client made. A well-formed
+address that cannot be reached (:func:`open_client`) fails after the timeout without that traceback.
 """
 
 from __future__ import annotations
@@ -38,3 +39,32 @@ def check_scheduler_address(address: str, *, option: str = "--scheduler") -> str
         raise BadInputError(f"{option} {address!r} is not a Dask scheduler address: give tcp://HOST:PORT (for "
                             "example tcp://127.0.0.1:8786)") from None
     return text
+
+
+def open_client(address: str, *, timeout: float):
+    """``distributed.Client(address)``; when it cannot connect, the half-made client is closed here, briefly, and its
+    ``__del__`` does nothing, so the caller's error is all the user sees (review 40: an unreachable ``tls://``
+    address printed ``Client.__del__``'s traceback 20 s after the error, and ``embed`` said "Internal error" for
+    the TypeError a TLS address without certificates raises). The exception passes through."""
+    from distributed import Client
+
+    class _QuietClient(Client):
+        _failed = False
+
+        def __init__(self, *args, **kwargs):
+            try:
+                super().__init__(*args, **kwargs)
+            except BaseException:
+                self._failed = True
+                try:
+                    super().close(timeout=1)
+                except Exception:  # noqa: BLE001 - it never connected: nothing of ours to close
+                    pass
+                raise
+
+        def __del__(self):
+            if not self._failed:
+                super().__del__()
+
+    return _QuietClient(address, timeout=timeout, set_as_default=False)
+

@@ -174,6 +174,27 @@ def test_unreachable_scheduler_is_exit_1_and_nothing_written(tmp_path):
         distributed.connect(address, timeout=0)
 
 
+@pytest.mark.heavy
+def test_an_unreachable_tls_scheduler_is_one_clean_error_in_serve_and_embed(tmp_path):
+    """tls:// without certificates (or unreachable): serving printed `Client.__del__`'s traceback 20 s after its
+    error, and embed said "Internal error: TypeError" (review 40, left). One error line, exit 1, nothing written."""
+    store_path, ledger_path = make_world(tmp_path, "flat")
+    before = _tree(tmp_path)
+    address = f"tls://127.0.0.1:{_closed_port()}"
+    qfile = tmp_path.parent / f"{tmp_path.name}-q.npz"
+    np.savez(qfile, x=clustered(5, 16, 3, seed=9)[0])
+    env = dict(os.environ, INDKNN_SCHEDULER_TIMEOUT="1")
+    for args in (["serve-queries", str(qfile), "--ledger", str(ledger_path)],
+                 ["embed", str(qfile), "--role", "query", "--extractor", "vectors"]):
+        proc = subprocess.run([sys.executable, "-m", "indknn_cli", *args, "--store", str(store_path), "--scheduler",
+                               address], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+        assert "cannot reach the Dask scheduler" in proc.stderr, proc.stderr
+        for noise in ("Traceback", "Exception ignored", "Internal error"):
+            assert noise not in proc.stderr, proc.stderr
+        assert _tree(tmp_path) == before
+
+
 def test_cli_scheduler_option_answers_equal_in_process(tmp_path, scheduler):
     """`indknn serve-queries --scheduler ADDRESS` (typer, in this process) prints the in-process answers."""
     from typer.testing import CliRunner

@@ -84,6 +84,49 @@ def test_repair_writes_back_a_garbage_current_and_retires_nobody_when_the_mark_a
     assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
 
 
+@pytest.mark.parametrize("kind", ["folder", "broken link"])
+def test_a_current_that_is_not_a_file_is_damage_and_repair_writes_it_back(tmp_path, kind):
+    """CURRENT a folder (or a link to nothing): every command said "no budget ledger here (create one with
+    `indknn index`)", and repair said the same and stopped (review 40, left). It is damage (exit 1, "run repair");
+    repair keeps it under quarantine/ and writes CURRENT back; nobody retires when the mark agrees; delete erases
+    throughout."""
+    sp, lp = _world(tmp_path)
+    before = _spent(lp)
+    (lp / "CURRENT").unlink()
+    if kind == "folder":
+        (lp / "CURRENT").mkdir()
+    else:
+        (lp / "CURRENT").symlink_to(tmp_path / "nowhere")
+    assert BudgetLedger.exists(lp)  # a damaged ledger is still a ledger: `index` must not make a new one here
+    for read in (lambda: open_ledger_readonly(lp), lambda: BudgetLedger.open(lp)):
+        with pytest.raises(LedgerIntegrityError, match=r"CURRENT: not a file.*indknn repair"):
+            read()
+    assert not verify_ledger(ledger_path=lp, store_path=sp)["verified"]
+    dry = repair_ledger(ledger_path=lp, store_path=sp, dry_run=True)
+    assert dry.current_written_back == 1 and (lp / "CURRENT").is_symlink() == (kind == "broken link")
+    assert dry.reason.startswith(f"{lp}/CURRENT: not a file")  # the operator's ledger, not the dry run's copy
+    res = repair_ledger(ledger_path=lp, store_path=sp)
+    assert res.repaired and res.current_written_back == 1 and res.records_retired == 0
+    assert (Path(res.quarantine_folder) / "CURRENT.not-a-file").is_symlink() == (kind == "broken link")
+    assert (lp / "CURRENT").is_file() and _spent(lp) == before
+    assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
+    assert _erases(sp, lp, "r050")
+
+
+def test_a_current_folder_goes_back_when_the_repair_fails(tmp_path):
+    """No snapshot of this store's ledger left: repair refuses (exit 1) and leaves the folder CURRENT where it was."""
+    sp, lp = _world(tmp_path)
+    (lp / "CURRENT").unlink()
+    (lp / "CURRENT").mkdir()
+    for snap in lp.glob("snapshot-*.parquet"):
+        snap.unlink()
+    for dry_run in (True, False):
+        with pytest.raises(LedgerIntegrityError, match="no other snapshot"):
+            repair_ledger(ledger_path=lp, store_path=sp, dry_run=dry_run)
+    assert (lp / "CURRENT").is_dir()
+    assert _erases(sp, lp, "r050")
+
+
 @pytest.mark.heavy
 def test_a_killed_repairs_probe_folder_is_put_back_and_nobody_retires(tmp_path):
     """A repair killed while it probed left event files in .repair-probe-<pid>/; the ledger then looked rolled back,

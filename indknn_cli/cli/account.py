@@ -181,7 +181,8 @@ def _one_line_check(report: AccountReport) -> None:
     raise typer.Exit(code=0)
 
 
-def _modes(ctx, *, queries_left: bool, verify: bool, export, eps, min_active, record, user, plot) -> None:
+def _modes(ctx, *, queries_left: bool, verify: bool, export, eps, min_active, record, user, plot,
+           delta=None, conversion=None) -> None:
     """One job per run: --verify, --export and --queries-left each print their own output, so the options of
     another job were silently ignored (review 38: `--queries-left --eps 0.5` exited 0 where the check gives 4;
     `--max-queries` without --queries-left did nothing). Refused (exit 2) instead."""
@@ -193,6 +194,9 @@ def _modes(ctx, *, queries_left: bool, verify: bool, export, eps, min_active, re
         extra = [flag for flag, on in (("--eps", eps is not None), ("--min-active", min_active is not None),
                                        ("--record", record is not None), ("--user", user is not None),
                                        ("--plot", plot is not None)) if on]
+        if jobs[0] != "--export":  # the export's ε columns use them; the check and the allowance read no ε
+            extra += [flag for flag, on in (("--delta", delta is not None), ("--conversion", conversion is not None))
+                      if on]
         if extra:
             raise BadInputError(f"{extra[0]} does not apply to {jobs[0]}, which prints only its own result: run "
                                 "account once for each")
@@ -233,7 +237,8 @@ def account_command(
     Exit codes: 0 ok (all checks passed); 1 a damaged or rolled-back ledger (or --verify failed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 no query left (--queries-left) or fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
     """
     run_library_call(lambda: _modes(ctx, queries_left=queries_left, verify=verify, export=export, eps=eps,
-                                    min_active=min_active, record=record, user=user, plot=plot))
+                                    min_active=min_active, record=record, user=user, plot=plot, delta=delta,
+                                    conversion=conversion))
     _load()
     err = stderr_console()
     ledger_path = resolve_ledger(ledger)
