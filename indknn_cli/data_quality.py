@@ -91,3 +91,24 @@ def clamp_share(*, answers: int, at_k_min: int, k_min: float) -> dict:
     answer_clamp_counts). Operator-only: shown by ``account``, never by ``serve-queries``."""
     return {"answers": int(answers), "at_k_min": int(at_k_min), "share": (at_k_min / answers) if answers else None,
             "k_min": float(k_min), "note": OPERATOR_ONLY}
+
+
+#: Fewer private records per validation shard than this, and `--tune private` can hardly compare its grid points.
+MIN_RECORDS_PER_SHARD = 4
+
+
+def tuning_size_warning(*, records: int, tuning: dict | None) -> str | None:
+    """`index --tune private` on a private set too small for its S shards (docs/TUNING.md, "The base run": each shard
+    holds about N/S records, one of them its validation record, the others its P set): a warning naming N, which
+    is exact (operator only: index's stderr). Before, 20 records were tuned over 500 shards without a word (review
+    42, M2)."""
+    if not tuning or tuning.get("mode") != "private":
+        return None
+    shards = int(tuning.get("validation_queries") or 0)
+    if shards <= 0 or records >= MIN_RECORDS_PER_SHARD * shards:
+        return None
+    return (f"--tune private split {count(records, 'private record')} into S = {shards} validation shards (about "
+            f"{records / shards:.2g} per shard; at least {MIN_RECORDS_PER_SHARD} give each shard a record to "
+            "validate and others to answer it from): the search could hardly tell its grid points apart, and it "
+            f"still took its share of ε. With few records, give fewer shards (--tune-queries "
+            f"{max(1, records // 10)}), tune on labelled public rows (--tune public), or give --tau and --sigma2")

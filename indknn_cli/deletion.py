@@ -88,7 +88,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from . import ledger_integrity as integrity
-from . import object_store
+from . import object_store, store_twins
 from .deletion_compact import LedgerUnreadable as _LedgerUnreadable
 from .deletion_compact import compact as _compact_store
 from .deletion_compact import recover as _recover
@@ -151,12 +151,15 @@ class DeleteResult:
     #: "incomplete: ..." when the store's bucket is versioned: the erasure is recorded and the current chunks
     #: overwritten, but earlier object versions keep the vectors (the CLI exits 1)
     physical_erasure: str | None = None
+    #: users all of whose records were erased before this run (review 42: a second `delete --user U` named U nowhere)
+    users_already_deleted: list[str] = field(default_factory=list)
 
 
     def as_dict(self) -> dict:
         out = {
             "records_erased": self.records_erased, "users": self.users, "ids_not_found": self.ids_not_found,
             "users_not_found": self.users_not_found, "already_deleted": self.already_deleted,
+            "users_already_deleted": self.users_already_deleted,
             "record_ids": self.record_ids, "bytes_rewritten": self.bytes_rewritten, "dry_run": self.dry_run,
             "pending_completed": self.pending_completed,
         }
@@ -179,6 +182,7 @@ class _Plan:
     not_found: list[str] = field(default_factory=list)
     users_not_found: list[str] = field(default_factory=list)
     already_deleted: list[str] = field(default_factory=list)
+    users_already_deleted: list[str] = field(default_factory=list)
 
 
 def read_ids(lines: Iterable[str]) -> list[str]:
@@ -266,6 +270,7 @@ def delete_records(
                               "store_rows": store.n_rows("private") - flagged - int(plan.rows.size)}
             return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
                                 users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
+                                users_already_deleted=plan.users_already_deleted,
                                 record_ids=plan.record_ids, bytes_rewritten=0, dry_run=True,
                                 pending_completed=len(store.group("private").attrs.get(PENDING_ATTR, [])),
                                 compaction=compaction)
@@ -340,12 +345,17 @@ def delete_records(
             compaction = _compact(store, ledger) if compact else None
             if compaction and compaction.get("leftover"):
                 cleanup.append(compaction["leftover"])
+            twin = store_twins.twin_of(store, ledger) if ledger is not None else None
+            if twin is not None and (record_ids or user_ids):  # review 42, M3: the rows live on in that copy
+                cleanup.append(f"incomplete: another copy of this store (the same uuid, {store.uuid}) is at {twin} "
+                               "and still holds these rows: run the same delete there, or remove that copy")
             if cleanup:  # objects of an earlier copy that may keep vectors: reported with the result (exit 1)
                 note = "; ".join(([note] if note else []) + cleanup)
     if compact_refused is not None:
         compaction = {"refused": compact_refused}
     return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
                         users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
+                        users_already_deleted=plan.users_already_deleted,
                         record_ids=plan.record_ids, bytes_rewritten=written, dry_run=False,
                         pending_completed=pending, compaction=compaction, physical_erasure=note)
 
@@ -405,6 +415,7 @@ def _erase_without_ledger(store: FeatureStore, record_ids: list[str], user_ids: 
             hook(store, rows)
     return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
                         users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
+                        users_already_deleted=plan.users_already_deleted,
                         record_ids=plan.record_ids, bytes_rewritten=written, dry_run=False,
                         compaction={"skipped": "the ledger cannot be read"} if compact else None,
                         ledger_unreadable=reason, tombstones_pending=int(rows.size))
@@ -468,6 +479,8 @@ def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str
             extra = un_users.get(uid, [])
             if not mine and not extra:
                 plan.users_not_found.append(uid)
+            elif not extra and all(s.deleted[i] for i in mine):
+                plan.users_already_deleted.append(uid)
             li.update(i for i in mine if not s.deleted[i])
             rows.update(extra)
 

@@ -60,7 +60,8 @@ class EmbedResult:
             "extractor": self.extractor.as_dict(),
         }
         if self.role in ("query", TEST_ROLE):
-            out["batch"] = self.batch
+            out["batch_id"] = self.batch  # the name answers carry too (review 42, M4)
+            out["batch"] = self.batch  # the same, under the name it had before 2026-11-28 (pipes written for it)
         return out
 
 

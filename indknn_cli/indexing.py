@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import accounting, data_quality, indexes
+from . import accounting, data_quality, indexes, store_twins
 from . import ledger_integrity as integrity
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
@@ -203,6 +203,7 @@ def build_index(
             if record is not None:  # created while we tuned: the tuning result is dropped, never applied
                 raise LedgerError(f"{ledger_path}: another process created the ledger while this one tuned")
             integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
+            store_twins.refuse_twin(store, ledger, ledger_path)  # a copied pair used from both copies (review 42)
             if params is not None and _differs(params, ledger.params):
                 raise LedgerError(
                     f"{ledger_path}: the ledger already exists with fixed parameters "
@@ -246,6 +247,8 @@ def build_index(
     # operator-only (index's stderr, never serve's); only when the ledger is made or grows, not on every cron re-run
     sparse = data_quality.neighbour_warning(store, ledger.params) if created or added else None
     warnings = warnings + ([sparse] if sparse else [])
+    small = data_quality.tuning_size_warning(records=len(ledger.state), tuning=record) if created else None
+    warnings = warnings + ([small] if small else [])
     if created and store.label_names_source in (None, "unrecorded"):
         warnings.append("the store does not record where its class names came from (it was created before indknn "
                         "recorded that, or by a library call that did not say): the guarantee assumes the class list was declared in advance, never read "

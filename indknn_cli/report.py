@@ -336,6 +336,10 @@ def build_account_report(
 
     tuning_share = tuning_headline(ledger.meta.get("tuning"), budget=budget, delta=use_delta)
     if tuning_share is not None:
+        if conversion == "gdp":  # before: ignored, and `--eps E --conversion gdp` checked the rdp figure (review 42)
+            raise BadInputError("--conversion gdp: this ledger was tuned privately (index --tune private); its "
+                                "guarantee composes the search with serving by RDP, and the Gaussian-DP curve does "
+                                "not apply to the search: give --conversion rdp, or leave it out")
         tuning_share["epsilon_serving_alone"] = headline["rdp"]
         headline = {"gdp": None, "rdp": _finite(tuning_share["epsilon_total"])}
         for g in guarantees:

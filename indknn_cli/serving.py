@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from . import gate, indexes
+from . import gate, indexes, store_twins
 from . import ledger_integrity as integrity
 from .answers_out import SCHEMA as ANSWERS_SCHEMA
 from .answers_out import AnswerRows
@@ -157,6 +157,7 @@ def serve_queries(
         q_start, q_stop, q_sha = store.query_batch(query_batch)
         ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
         integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
+        store_twins.refuse_twin(store, ledger, ledger_path)  # a copied pair served from both (review 42)
         from .deletion_compact import discard_unpublished
 
         discard_unpublished(store, ledger)  # a stopped compaction's leftovers (review 27, F3)
@@ -401,9 +402,10 @@ def resolve_query_batch(
             raise BadInputError(f"stdin: batch {upstream.get('batch')!r} was embedded with --role test (labelled test "
                                 f"rows for `indknn bench --test-store`), not to be served; give its name to serve it "
                                 f"anyway")
-        if not upstream or upstream.get("role") != "query" or "batch" not in upstream:
+        name = (upstream or {}).get("batch_id", (upstream or {}).get("batch"))
+        if not upstream or upstream.get("role") != "query" or name is None:
             raise BadInputError("stdin: expected the JSON line of `indknn embed --role query`")
-        return str(upstream["batch"])
+        return str(name)
     path = Path(queries)
     if path.exists():
         from .embedding import embed_query_file

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -87,3 +88,41 @@ def vector_store(tmp_path):
     q, _, _ = clustered(40, 16, 3, seed=2)
     store.append("query", q, record_ids=[f"q{i:03d}" for i in range(40)], batch="q1")
     return store
+
+
+def copies_of_pair(store, ledger, *roots):
+    """Copies of a store and its ledger for tests that serve the same pair several ways and compare: the pair moves
+    (``mv``) to the first root and is copied from there into the others, so that nothing is left at the path the
+    ledger records (a copied pair is refused while its original is still there: store_twins, review 42). Returns
+    [(store, ledger)] per root, the store's and ledger's folder names kept."""
+    import shutil
+    from pathlib import Path
+
+    store, ledger = Path(store), Path(ledger)
+    first = Path(roots[0])
+    first.mkdir(parents=True, exist_ok=True)
+    out = [(first / store.name, first / ledger.name)]
+    shutil.move(store, out[0][0])
+    shutil.move(ledger, out[0][1])
+    for root in roots[1:]:
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(out[0][0], root / store.name)
+        shutil.copytree(out[0][1], root / ledger.name)
+        out.append((root / store.name, root / ledger.name))
+    return out
+
+
+@contextlib.contextmanager
+def original_set_aside(store):
+    """For a reference run on a copy of a live pair: the original store is moved aside (renamed) for the run and
+    put back after, so the copy is not served beside a live original (refused: store_twins, review 42)."""
+    from pathlib import Path
+
+    store = Path(store)
+    aside = store.with_name(store.name + ".aside")
+    store.rename(aside)
+    try:
+        yield
+    finally:
+        aside.rename(store)

@@ -57,9 +57,10 @@ def _build_world(tmp_path):
 @pytest.fixture(scope="module")
 def _world_template(tmp_path_factory):
     """The world is built once per module (eight CLI processes) and copied into each test's folder."""
-    root = tmp_path_factory.mktemp("audit6-world")
+    root = tmp_path_factory.mktemp("audit6-world") / "built"
+    root.mkdir()
     _build_world(root)
-    return root
+    return root.rename(root.parent / "template")  # its copies are not twins of a live original (store_twins)
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
-def invoke(*args, env=None):
+def invoke(*args, env=None, input=None):
     """The CLI in this process (fast); INDKNN_* from the caller's environment are masked."""
     base = {k: None for k in os.environ if k.startswith("INDKNN_")}
     base.update(INDKNN_WIDTH="120", COLUMNS="200")
-    return runner.invoke(app, [str(a) for a in args], env={**base, **(env or {})})
+    return runner.invoke(app, [str(a) for a in args], env={**base, **(env or {})}, input=input)
 
 
 def listing(folder: Path) -> dict:
@@ -245,7 +245,7 @@ def test_batch_id_everywhere_with_a_hidden_deprecated_alias(vector_store, tmp_pa
     q = tmp_path / "q.npy"
     np.save(q, np.random.default_rng(0).standard_normal((5, 16)))
     res = invoke("embed", q, "--role", "query", "--store", vector_store.path, "--batch-id", "day-1")
-    assert res.exit_code == 0 and json.loads(res.stdout)["batch"] == "day-1", res.output
+    assert res.exit_code == 0 and json.loads(res.stdout)["batch_id"] == "day-1", res.output
     res = invoke("embed", q, "--role", "query", "--store", vector_store.path, "--batch", "day-1")  # old spelling
     assert res.exit_code == 0 and "--batch is deprecated, use --batch-id" in res.stderr, res.output
     assert json.loads(res.stdout)["batch"] == "day-1" and json.loads(res.stdout)["rows_added"] == 0
@@ -254,6 +254,40 @@ def test_batch_id_everywhere_with_a_hidden_deprecated_alias(vector_store, tmp_pa
     assert res.exit_code == 2 and "old name of --batch-id" in res.stderr and listing(tmp_path) == before
     res = invoke("embed", q, "--role", "private", "--store", vector_store.path, "--batch-id", "x")
     assert res.exit_code == 2 and "--batch-id applies to --role query only" in res.stderr
+
+
+def test_serve_queries_takes_a_stored_batch_by_its_batch_id(vector_store, tmp_path):
+    """Review 42, M4: `embed --role query --batch-id q4` then `serve-queries --batch-id q4` said "Missing argument
+    'queries'", `serve-queries --batch q4` "No such option", and embed's JSON line said "batch" where answers say
+    "batch_id". One name now: QUERIES may be left out when --batch-id names a stored batch."""
+    import json
+
+    from indknn_cli.serving import build_index, make_params
+
+    build_index(store_path=vector_store.path, ledger_path=tmp_path / "L",
+                params=make_params(epsilon=1, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=100))
+    where = ["--store", vector_store.path, "--ledger", tmp_path / "L", "--seed", "3"]
+    res = invoke("serve-queries", "--batch-id", "q1", *where)
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    assert len(lines) == 40 and {x["batch_id"] for x in lines} == {"q1"}
+    res = invoke("serve-queries", "--batch", "q1", *where)  # the old spelling: the same batch, replayed
+    assert res.exit_code == 0 and "--batch is deprecated" in res.stderr, res.output
+    assert [json.loads(x) for x in res.stdout.splitlines()] == lines
+    before = listing(tmp_path)
+    for args, says in ((("serve-queries", *where), "give QUERIES"),
+                       (("serve-queries", "--batch-id", "nope", *where), "no such file, folder or stored query batch")):
+        res = invoke(*args)
+        assert res.exit_code == 2 and says in res.stderr and res.stdout == "", res.output
+    assert listing(tmp_path) == before
+    q = tmp_path / "q.npy"
+    import numpy as np
+
+    np.save(q, np.random.default_rng(0).standard_normal((5, 16)))
+    emb = json.loads(invoke("embed", q, "--role", "query", "--store", vector_store.path, "--batch-id", "d2").stdout)
+    assert emb["batch_id"] == emb["batch"] == "d2"
+    piped = invoke("serve-queries", "-", *where, input=json.dumps({k: v for k, v in emb.items() if k != "batch"}))
+    assert piped.exit_code == 0 and len(piped.stdout.splitlines()) == 5, piped.output
 
 
 # -- 8. shell completion, as typer offers it, for a program named `indknn` ------------------------------------

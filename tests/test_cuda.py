@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from indknn_cli.ledger import BudgetLedger, PrivacyParams
 from indknn_cli.serving import build_index, make_params
 from indknn_cli.store import ExtractorInfo, FeatureStore, normalize_rows
 
-from .conftest import clustered, queries_at_level
+from .conftest import clustered, copies_of_pair, queries_at_level
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: torch sees no GPU")]
@@ -102,14 +101,15 @@ def test_cli_serve_on_cuda_equals_cpu(tmp_path):
     """Real processes: the same store and ledger served with --device cpu and --device cuda."""
     d, n = 384, 20000
     x, y, _ = clustered(n, d, 5, seed=31)
-    store = FeatureStore.create(tmp_path / "cpu" / "store.zarr", extractor=ExtractorInfo("vectors", "none", "1"),
+    store = FeatureStore.create(tmp_path / "built" / "store.zarr", extractor=ExtractorInfo("vectors", "none", "1"),
                                 dim=d, label_names=list("abcde"), chunk_rows=4096)
     store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(n)])
     q = normalize_rows(_stream(x, d, level=0.5, seed=40))
     store.append("query", q, record_ids=[f"q{i}" for i in range(len(q))], batch="b")
-    build_index(store_path=store.path, ledger_path=tmp_path / "cpu" / "ledger",
+    build_index(store_path=store.path, ledger_path=tmp_path / "built" / "ledger",
                 params=make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.5, planned_queries=2000))
-    shutil.copytree(tmp_path / "cpu", tmp_path / "cuda")
+    # two copies of one pair, none beside a live original (store_twins)
+    copies_of_pair(store.path, tmp_path / "built" / "ledger", tmp_path / "cpu", tmp_path / "cuda")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                HF_HUB_OFFLINE="1")
     out = {}

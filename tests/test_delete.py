@@ -159,6 +159,8 @@ def test_user_deletion_and_unindexed_rows(vector_store, tmp_path):
     assert build_index(store_path=vector_store.path, ledger_path=lp, params=None).records_added == 1  # only n2
     again = delete_records(store_path=vector_store.path, ledger_path=lp, user_ids=["u003"], record_ids=["r0003"])
     assert again.records_erased == 0 and again.already_deleted == ["r0003"] and again.users_not_found == []
+    assert again.users_already_deleted == ["u003"] == again.as_dict()["users_already_deleted"]  # review 42, L5
+    assert res.users_already_deleted == []
 
 
 # -- returning ids keep their spent budget ------------------------------------------------

@@ -32,7 +32,7 @@ from indknn_cli.ledger_verify import verify_ledger
 from indknn_cli.serving import build_index, make_params, serve_queries, sync_ledger
 from indknn_cli.store import ExtractorInfo, FeatureStore
 
-from .conftest import clustered
+from .conftest import clustered, original_set_aside
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", INDKNN_WIDTH="200")
@@ -402,7 +402,11 @@ def test_store_copied_with_its_ledger_keeps_working_without_it_refuses(world, tm
     dest.mkdir()
     shutil.copytree(sp, dest / "store.zarr")
     shutil.copytree(lp, dest / "L")
-    ok = _serve(dest / "store.zarr", dest / "L", "q2")
+    # beside the live original (at the path its ledger records), the copy is refused: two live copies would give
+    # every record a budget in each (review 42, store_twins); with the original gone (set aside here), it serves
+    _refused(_serve(dest / "store.zarr", dest / "L", "q2"), 2, "another copy of this store")
+    with original_set_aside(sp):
+        ok = _serve(dest / "store.zarr", dest / "L", "q2")
     assert ok.returncode == 0, ok.stderr
     assert len(ok.stdout.splitlines()) == 40
     alone = tmp_path / "alone"

@@ -50,7 +50,7 @@ from indknn_cli.ledger import BudgetLedger
 from indknn_cli.serving import build_index, make_params, serve_queries
 from indknn_cli.store import ExtractorInfo, FeatureStore
 
-from .conftest import clustered
+from .conftest import clustered, original_set_aside
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", INDKNN_WIDTH="200")
@@ -197,8 +197,9 @@ def _kill_campaign(root: Path, *, kills: int, per_batch: int, n_queries: int, rn
         assert sorted(p.name for p in (lp / "events").iterdir()) == files
         _same_state(BudgetLedger.open(lp), led)
         if seed is not None:  # killed-and-resumed == uninterrupted: no lost, no double charge
-            serve_queries(store_path=ref_sp, ledger_path=ref_lp, query_batch="big", batch_id=bid, seed=seed,
-                          batch_size=8)
+            with original_set_aside(store):  # the reference copy is not served beside the live pair (store_twins)
+                serve_queries(store_path=ref_sp, ledger_path=ref_lp, query_batch="big", batch_id=bid, seed=seed,
+                              batch_size=8)
             ref = BudgetLedger.open(ref_lp)
             assert np.array_equal(ref.state.spent, led.state.spent)
             assert np.array_equal(ref.state.times_selected, led.state.times_selected)
@@ -455,13 +456,16 @@ def _concurrent(root: Path, *, n_serve: int, n_delete: int, n_queries: int = 40)
     assert np.isclose(per_record.sum(), (led.state.spent - led0.state.spent).sum(), rtol=1e-12)
     assert np.allclose(per_record, led.state.spent - led0.state.spent, rtol=1e-12, atol=0)
     assert tombstoned == set(np.flatnonzero(led.state.deleted).tolist())
-    # A serial replay of the same operations in the committed order gives the same ledger.
-    for kind, key in seen_order:
-        if kind == "serve":
-            serve_queries(store_path=ref_store, ledger_path=ref_lp, query_batch=key, seed=int(key[1:]), batch_size=8)
-        else:
-            delete_records(store_path=ref_store, ledger_path=ref_lp, user_ids=[deletes[key]["user"]],
-                           record_ids=deletes[key]["records"])
+    # A serial replay of the same operations in the committed order gives the same ledger (on the copy, the live
+    # pair set aside: a copy is not served beside its live original, store_twins).
+    with original_set_aside(store):
+        for kind, key in seen_order:
+            if kind == "serve":
+                serve_queries(store_path=ref_store, ledger_path=ref_lp, query_batch=key, seed=int(key[1:]),
+                              batch_size=8)
+            else:
+                delete_records(store_path=ref_store, ledger_path=ref_lp, user_ids=[deletes[key]["user"]],
+                               record_ids=deletes[key]["records"])
     _same_state(BudgetLedger.open(ref_lp), led)
     return {"processes": len(procs), "charges": n_charges, "events": len(events),
             "spent_total": float(led.state.spent.sum())}

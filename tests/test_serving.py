@@ -21,7 +21,7 @@ from indknn_cli.ledger import BudgetLedger
 from indknn_cli.serving import build_index, make_params, serve_queries
 from indknn_cli.store import ExtractorInfo, FeatureStore
 
-from .conftest import clustered
+from .conftest import clustered, copies_of_pair
 
 
 def _index(store, tmp_path, **kw):
@@ -76,12 +76,9 @@ def test_seed_is_recorded_in_output_and_event(vector_store, tmp_path):
 @pytest.mark.parametrize("fail_on", [1, 3])
 def test_fault_injection_never_releases_uncommitted_answers(vector_store, tmp_path, point, fail_on):
     # Uninterrupted reference run on a copy of the same state (same seed → same answers).
-    import shutil
-
     lp = _index(vector_store, tmp_path)
-    ref_lp, ref_sp = tmp_path / "ref-ledger", tmp_path / "ref-store.zarr"
-    shutil.copytree(lp, ref_lp)
-    shutil.copytree(vector_store.path, ref_sp)  # a ledger copy serves with its store copy (one store, one ledger)
+    # a ledger copy serves with its store copy (one store, one ledger), none beside a live original (store_twins)
+    (sp, lp), (ref_sp, ref_lp) = copies_of_pair(vector_store.path, lp, tmp_path / "live", tmp_path / "ref")
     ref = serve_queries(store_path=ref_sp, ledger_path=ref_lp, query_batch="q1", seed=11, batch_size=8)
 
     released: list[dict] = []
@@ -96,7 +93,7 @@ def test_fault_injection_never_releases_uncommitted_answers(vector_store, tmp_pa
     ledger_mod.FAULT_HOOK = hook
     try:
         with pytest.raises(RuntimeError):
-            serve_queries(store_path=vector_store.path, ledger_path=lp, query_batch="q1", seed=11, batch_size=8,
+            serve_queries(store_path=sp, ledger_path=lp, query_batch="q1", seed=11, batch_size=8,
                           on_committed=released.extend)
     finally:
         ledger_mod.FAULT_HOOK = None
@@ -105,7 +102,7 @@ def test_fault_injection_never_releases_uncommitted_answers(vector_store, tmp_pa
     assert {r["query_index"] for r in released} <= committed  # nothing released without its charge
     assert not list((lp / "events").glob(".*tmp*"))  # no half-written event left visible
     spent_crash = led.state.spent.copy()
-    done = serve_queries(store_path=vector_store.path, ledger_path=lp, query_batch="q1", seed=11, batch_size=8)
+    done = serve_queries(store_path=sp, ledger_path=lp, query_batch="q1", seed=11, batch_size=8)
     assert done.already_answered == len(committed)
     assert [a["label"] for a in done.answers] == [a["label"] for a in ref.answers]
     spent_final, _ = _state(lp)

@@ -23,7 +23,7 @@ from indknn_cli.cli.app import app
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.serving import build_index, make_params, serve_queries
 
-from .conftest import clustered
+from .conftest import clustered, copies_of_pair
 
 runner = CliRunner()
 M = 300  # queries: several parts of --batch-size 32, across the store's 64-row chunks
@@ -42,14 +42,6 @@ def _setup(vector_store, tmp_path, fmt="npy") -> tuple[Path, Path, Path]:
         qfile = tmp_path / "q.parquet"
         pq.write_table(pa.table({"vector": pa.array(list(q), pa.list_(pa.float32()))}), qfile, row_group_size=100)
     return vector_store.path, lp, qfile
-
-
-def _copy(sp: Path, lp: Path, root: Path) -> tuple[Path, Path]:
-    """The same store and ledger in ``root`` (a ledger copy serves with its store copy)."""
-    root.mkdir()
-    shutil.copytree(sp, root / "s.zarr")
-    shutil.copytree(lp, root / "L")
-    return root / "s.zarr", root / "L"
 
 
 def _serve(sp, lp, queries, *extra):
@@ -71,8 +63,8 @@ def _ledger_state(lp: Path) -> dict:
 def test_streamed_file_equals_stored_batch_and_out_equals_stdout(vector_store, tmp_path, fmt, monkeypatch):
     monkeypatch.setattr(answers_out, "ROW_GROUP_ROWS", 64)  # --out appended in several row groups
     sp, lp, qfile = _setup(vector_store, tmp_path, fmt)
-    sb, lb = _copy(sp, lp, tmp_path / "stored")
-    sc, lc = _copy(sp, lp, tmp_path / "stdout")
+    (sp, lp), (sb, lb), (sc, lc) = copies_of_pair(sp, lp, tmp_path / "live", tmp_path / "stored",
+                                                  tmp_path / "stdout")
     # (a) streamed: the file embedded and answered in one run, answers to --out
     res = _serve(sp, lp, qfile, "--out", str(tmp_path / "a.parquet"))
     assert res.exit_code == 0, res.stderr
@@ -103,7 +95,7 @@ def test_streamed_file_equals_stored_batch_and_out_equals_stdout(vector_store, t
 
 def test_library_streams_parts_without_keeping_answers(vector_store, tmp_path):
     sp, lp, _ = _setup(vector_store, tmp_path)
-    s2, l2 = _copy(sp, lp, tmp_path / "kept")
+    (sp, lp), (s2, l2) = copies_of_pair(sp, lp, tmp_path / "live", tmp_path / "kept")
     parts: list[list[dict]] = []
     res = serve_queries(store_path=sp, ledger_path=lp, query_batch="q1", seed=4, batch_size=8, device="cpu",
                         on_committed=parts.append, keep_answers=False)
@@ -122,7 +114,7 @@ def test_library_streams_parts_without_keeping_answers(vector_store, tmp_path):
 @pytest.mark.parametrize("previous", [False, True])
 def test_out_absent_or_unchanged_after_a_failure_midway(vector_store, tmp_path, previous):
     sp, lp, qfile = _setup(vector_store, tmp_path)
-    sr, lr = _copy(sp, lp, tmp_path / "ref")
+    (sp, lp), (sr, lr) = copies_of_pair(sp, lp, tmp_path / "live", tmp_path / "ref")
     ref = _serve(sr, lr, qfile)
     assert ref.exit_code == 0, ref.stderr
     out = tmp_path / "out" / "a.parquet"
@@ -217,6 +209,7 @@ def test_streamed_run_memory_is_bounded(tmp_path):
     store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(n)])
     build_index(store_path=base / "s.zarr", ledger_path=base / "L",
                 params=make_params(epsilon=100.0, delta=1e-5, tau=0.5, sigma2=0.5, planned_queries=big))
+    base = base.rename(tmp_path / "pristine")  # each run a copy, none beside a live original (store_twins)
     q, _, _ = clustered(big, d, 3, seed=2)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), INDKNN_DEBUG="1")
     rss = {}

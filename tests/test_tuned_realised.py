@@ -72,6 +72,14 @@ def test_realised_loss_of_a_tuned_ledger_composes_the_search(tmp_path, method):
     res = runner.invoke(app, ["account", "--ledger", str(tmp_path / "l"), "--record", str(led.state.record_id[idle])])
     assert res.exit_code == 0, res.output
     assert "tuning + serving" in " ".join(res.stdout.split())
+    # --conversion gdp was ignored on a tuned ledger, and `--eps E --conversion gdp` passed on the rdp figure
+    # (review 42): refused, for the report, its check and the export alike
+    for args in (["--conversion", "gdp"], ["--eps", "1", "--conversion", "gdp"], ["--export", str(tmp_path / "x.csv"),
+                                                                                  "--conversion", "gdp"]):
+        res = runner.invoke(app, ["account", "--ledger", str(tmp_path / "l"), *args])
+        assert res.exit_code == 2 and "tuned privately" in res.stderr and res.stdout == "", res.output
+    assert not (tmp_path / "x.csv").exists()
+    assert runner.invoke(app, ["account", "--ledger", str(tmp_path / "l"), "--conversion", "rdp"]).exit_code == 0
     # many distinct spent values (the grid path) never understate the composed figure
     many = np.linspace(0.0, led.params.budget, 400)
     vals = realised_loss(many, budget=led.params.budget, delta=1e-5, conversion="rdp", tuning=t)
@@ -105,3 +113,17 @@ def test_export_user_spent_keeps_records_without_a_user_apart(tmp_path):
     for u in {u for u in tab["user_id"] if u}:
         m = np.array([x == u for x in tab["user_id"]])
         assert np.all(user_spent[m] == spent[m].max())
+
+
+def test_tuning_a_private_set_too_small_for_its_shards_warns_the_operator(tmp_path):
+    """Review 42, M2: 20 records tuned over 500 shards exited 0 without a word. index's warnings (operator only)
+    now say so, naming N and S; enough records per shard, no warning."""
+    for n, shards, warned in ((60, 40, True), (60, 10, False)):
+        st = _store(tmp_path / f"s{n}-{shards}.zarr", n=n)
+        req = tuning.TuneRequest(epsilon=1.0, delta=1e-5, seed=3, taus=(0.3,), sigma2s=(0.5,), n_val=shards,
+                                 share=0.2, planned_queries=100)
+        res = build_index(store_path=st.path, ledger_path=tmp_path / f"l{n}-{shards}", params=None, tune=req)
+        said = [w for w in res.extra.get("warnings", []) if "--tune private split" in w]
+        assert bool(said) == warned, res.extra
+        if warned:
+            assert f"{n} private records into S = {shards} validation shards" in said[0]

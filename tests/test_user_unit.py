@@ -238,6 +238,9 @@ def test_account_names_the_user_unit_and_shows_the_users_own_figures(tmp_path):
     text = runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--user", "u1"]).stdout
     flat = " ".join(text.split())
     assert "adjacency: add/remove one user" in flat and "realised individual loss" in flat
+    # review 42, L6: the user's figure (the privacy unit's) comes first and says per user; the rows are not units
+    assert "per record:" not in flat and flat.index("(the privacy unit)") < flat.index("record id")
+    assert "per user, add/remove one user" in flat
     # review 37 notes: the distribution's JSON names its unit and that it is over records; a record's view says a
     # user selected through m records pays m² times the count charge
     re_q = head["realised_epsilon"]

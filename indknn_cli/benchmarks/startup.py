@@ -82,9 +82,12 @@ def small_serve(*, n: int, d: int, m: int, repeat: int) -> dict:
         build_index(store_path=base / "s.zarr", ledger_path=base / "L",
                     params=make_params(epsilon=100.0, delta=1e-5, tau=0.5, sigma2=0.6, planned_queries=1000 * m))
 
+        pristine = root / "pristine"  # not at the path the ledger records: its copies are not twins of it
+        base.rename(pristine)
+
         def fresh() -> None:  # every serve starts from the same store and ledger (a re-run would replay)
             shutil.rmtree(work, ignore_errors=True)
-            shutil.copytree(base, work)
+            shutil.copytree(pristine, work)
 
         serve = _best([sys.executable, "-m", "indknn_cli", "serve-queries", "small", "--store", str(work / "s.zarr"),
                        "--ledger", str(work / "L"), "--seed", "1", "--no-reuse", "--quiet"], repeat, before=fresh)

@@ -101,17 +101,21 @@ def run(m: int, n: int, d: int, tau: float, reuse: bool, batch_size: int, fmt: s
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(keep) if keep else Path(tmp)
-        a, b = root / "streamed", root / "stored"
-        a.mkdir(parents=True)
-        store = FeatureStore.create(a / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
+        a, b, built = root / "streamed", root / "stored", root / "built"
+        built.mkdir(parents=True)
+        store = FeatureStore.create(built / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
                                     label_names=[str(i) for i in range(10)], label_names_source="declared")
         x, y = clustered(n, d, 10, np.random.default_rng(0))
         store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(n)])
-        build_index(store_path=a / "s.zarr", ledger_path=a / "L",
+        build_index(store_path=built / "s.zarr", ledger_path=built / "L",
                     params=make_params(epsilon=100.0, delta=1e-5, tau=tau, sigma2=0.6, planned_queries=m))
         qfile = root / ("q.npy" if fmt == "npy" else "q.parquet")
         _write_queries(qfile, m, d, fmt)
-        shutil.copytree(a, b)  # the same starting store and ledger for both runs
+        # the same starting store and ledger for both runs: two copies, and the pair they were copied from removed
+        # (a copy is refused while its original is still where the ledger was made: store_twins)
+        shutil.copytree(built, a)
+        shutil.copytree(built, b)
+        shutil.rmtree(built)
         opts = ["--seed", "1", "--device", device, "--batch-size", str(batch_size)] + ([] if reuse else ["--no-reuse"])
         load0 = os.getloadavg()
         streamed = _child(["serve-queries", str(qfile), "--store", str(a / "s.zarr"), "--ledger", str(a / "L"),

@@ -108,13 +108,17 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
             t.add_row(escape(r["record_id"]), r["status"], _f(r["spent"]), _f(r["remaining"]),
                       str(r["times_selected"]), _f(r["realised_epsilon_by_conversion"][d["conversion"]], ".4g"),
                       r["deleted_at"] or "—")
-        out.print(t)
-        out.print(escape(f"realised ε ({d['conversion']}) per record: [{REALISED_LABEL}]"))
-        if d["unit"] == "user":
-            out.print(escape(f"user {u['user_id']}: spent {_f(u['spent'])}, remaining {_f(u['remaining'])}, "
-                             f"realised ε ({d['conversion']}) "
+        if d["unit"] == "user":  # the privacy unit's own figure first, then its records' rows (review 42, L6)
+            out.print(escape(f"user {u['user_id']} (the privacy unit): spent {_f(u['spent'])}, remaining "
+                             f"{_f(u['remaining'])}, realised ε ({d['conversion']}, per user, {d['adjacency']}) "
                              f"{_f(u['realised_epsilon_by_conversion'][d['conversion']], '.4g')} "
                              f"[{REALISED_LABEL}]"))
+        out.print(t)
+        if d["unit"] == "user":
+            out.print(escape(f"the table's realised ε ({d['conversion']}) is each record's own spent converted alone "
+                             "(a row of the user's, not a privacy unit): the user's figure is the line above"))
+        else:
+            out.print(escape(f"realised ε ({d['conversion']}) per record: [{REALISED_LABEL}]"))
         out.print(escape(u["user_level"]))
     if not full:
         return
@@ -234,7 +238,7 @@ def account_command(
     the private data. They must never drive what query-senders see (whether to serve, what to release): gate
     serving on public figures with --queries-left or serve-queries --max-queries.
 
-    Exit codes: 0 ok (all checks passed); 1 a damaged or rolled-back ledger (or --verify failed); 2 bad input, unknown --record/--user or a corrupt ledger; 3 no query left (--queries-left) or fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
+    Exit codes: 0 ok (all checks passed); 1 a damaged or rolled-back ledger (or --verify failed); 2 bad input or an unknown --record/--user; 3 no query left (--queries-left) or fewer active records than --min-active; 4 the guarantee is above --eps (4 when both checks fail).
     """
     run_library_call(lambda: _modes(ctx, queries_left=queries_left, verify=verify, export=export, eps=eps,
                                     min_active=min_active, record=record, user=user, plot=plot, delta=delta,

@@ -47,7 +47,28 @@ def _register() -> None:
     # --quiet/-q and --verbose/-v on every command, sub-commands of `bench` included
     for group in [app] + [g.typer_instance for g in app.registered_groups]:
         for info in group.registered_commands:
+            if info.help is None and info.callback.__doc__:
+                info.help = _reflow(info.callback.__doc__)
             info.callback = with_verbosity(info.callback)
+
+
+def _reflow(doc: str) -> str:
+    """A docstring's paragraphs as single lines, so that help wraps them at the terminal's width (rich keeps a
+    docstring's own line breaks: mid-sentence breaks at ~110 columns, review 42, L8). A line starting with "- " or
+    "* " stays a list item."""
+    import inspect
+
+    paragraphs = []
+    for para in inspect.cleandoc(doc).split("\n\n"):
+        lines = [ln.strip() for ln in para.splitlines() if ln.strip()]
+        out: list[str] = []
+        for ln in lines:
+            if out and not ln.startswith(("- ", "* ")):
+                out[-1] += " " + ln
+            else:
+                out.append(ln)
+        paragraphs.append("\n".join(out))
+    return "\n\n".join(paragraphs)
 
 
 def _version(value: bool) -> None:

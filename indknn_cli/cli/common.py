@@ -70,6 +70,8 @@ def _log_indknn_to_stderr(on: bool) -> None:
 def stderr_console(*, errors: bool = False) -> Console:
     """The stderr console for messages and progress; silent under --quiet unless ``errors`` (errors always show)."""
     width = os.environ.get("INDKNN_WIDTH")
+    if not width and not sys.stderr.isatty():  # cron mail, a log file: one message, one line (review 42, L7)
+        width = "1000"
     return Console(stderr=True, width=int(width) if width else None, highlight=False,
                    quiet=verbosity() == 0 and not errors)
 
@@ -180,7 +182,7 @@ def with_verbosity(fn: Callable) -> Callable:
                  False, "--quiet", "-q", help="Only errors on stderr (no progress, warnings or summaries); stdout "
                  "is unchanged.")),
              inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-                 False, "--verbose", "-v", help="More detail on stderr (library log messages)."))]
+                 False, "--verbose", "-v", help="More detail on stderr (indknn's own log lines; no other library's)."))]
     wrapper.__signature__ = sig.replace(parameters=list(sig.parameters.values()) + extra)
     wrapper.__annotations__ = {**getattr(fn, "__annotations__", {}), "quiet": bool, "verbose": bool}
     return wrapper

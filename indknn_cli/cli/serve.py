@@ -13,7 +13,7 @@ from ..errors import BadInputError, ConcurrentChangeError, LedgerError
 from ..wording import count
 from .common import (check_lock_timeout, emit_json_lines, parse_size, read_json_line_from_stdin, resolve_ledger,
                      resolve_store, run_library_call, stderr_console)
-from .common import check_device, progress_bar
+from .common import check_device, deprecated_alias, progress_bar
 
 
 def _load() -> None:
@@ -23,6 +23,7 @@ def _load() -> None:
     from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, check_seed, queries_answered, resolve_query_batch, serve_queries)
     from ..answers_out import AnswerRows, AnswersWriter, check_out_path, refuse_output_over
     from ..ledger_integrity import check_binding, read_mark, refuse_ledger_in_store
+    from ..store_twins import refuse_twin
     from ..object_store import local_path
     from ..store import FeatureStore
     from ..distributed import resolve_scheduler, session as scheduler_session
@@ -54,11 +55,26 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
         mark = read_mark(store.path)  # before the ledger: no lock is held here
         led = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
         check_binding(store, led, ledger_path, mark=mark)
+        refuse_twin(store, led, ledger_path)  # before the file is embedded (nothing written on a refusal)
         # Refusals that would come after the embed, checked before it (nothing written): a reused
         # --batch-id, and a public allowance that is already used up.
         check_batch_id_before_embedding(store=store, ledger=led, batch_id=batch_id)
         check_allowance_before_embedding(store=store, ledger=led, queries=queries, batch_id=batch_id,
                                          max_queries=max_queries, reader_options=reader_options)
+
+
+def _queries_or_stored_batch(queries: Optional[str], batch_id: Optional[str]) -> str:
+    """QUERIES as given; omitted, the stored batch --batch-id names (one name for a stored batch in `embed --role
+    query` and here: review 42, M4)."""
+    if queries is not None:
+        return queries
+    if batch_id is None:
+        raise BadInputError("give QUERIES (a query file or folder, a stored batch name, or - for embed's JSON line), "
+                            "or --batch-id NAME of a batch stored by `indknn embed --role query --batch-id NAME`")
+    if batch_id == "-" or Path(batch_id).exists():  # that would embed a file: say which one is meant
+        raise BadInputError(f"--batch-id {batch_id!r} without QUERIES names a stored batch, and a file or folder of "
+                            "that name is here: give it as QUERIES to embed it, or run from another folder")
+    return batch_id
 
 
 def _batch_size_or_none(store_path: Path, name) -> Optional[int]:
@@ -71,10 +87,11 @@ def _batch_size_or_none(store_path: Path, name) -> Optional[int]:
 
 
 def serve_command(
-    queries: str = typer.Argument(..., help="Query file/folder (embedded with the store's extractor), a stored query batch name, or - for the JSON line of `indknn embed --role query`."),
+    queries: Optional[str] = typer.Argument(None, show_default=False, help="Query file/folder (embedded with the store's extractor), a stored query batch name, or - for the JSON line of `indknn embed --role query`. Omitted: the stored batch named by --batch-id."),
     store: Optional[str] = typer.Option(None, "--store", help="Feature store: a folder or an s3:// URL (else $INDKNN_STORE, ./indknn-store.zarr)."),
     ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger folder (else $INDKNN_LEDGER, ./indknn-ledger)."),
-    batch_id: Optional[str] = typer.Option(None, "--batch-id", help="Idempotency key: re-running a batch id returns its released answers and charges nothing. Default: the query batch name (a hash of the query file)."),
+    batch_id: Optional[str] = typer.Option(None, "--batch-id", help="The batch's name: a query file is stored under it (as `embed --role query --batch-id` does), and it is the idempotency key: re-running a batch id returns its released answers and charges nothing. Without QUERIES: serve the stored batch of that name. Default: the query batch name (a hash of the query file)."),
+    batch: Optional[str] = typer.Option(None, "--batch", hidden=True, help="Deprecated spelling of --batch-id."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write answers to this Parquet file instead of JSON lines on stdout."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Experiments only: fixed noise seed (recorded in output and ledger). Default: OS entropy."),
     batch_size: int = typer.Option(1024, "--batch-size", help="Queries scored and committed together (never changes answers)."),
@@ -98,6 +115,8 @@ def serve_command(
     ledger-dependent refusal is the public gate --max-queries. Exit codes: 0 answered; 1 runtime error;
     2 bad input (nothing written); 3 --max-queries allowance reached (nothing answered or charged).
     """
+    batch_id = deprecated_alias(batch_id, batch, new="--batch-id", old="--batch")
+    queries = run_library_call(lambda: _queries_or_stored_batch(queries, batch_id))
     _load()
     err = stderr_console()
     store_path = run_library_call(lambda: resolve_store(store))

@@ -1,0 +1,48 @@
+"""A store and its ledger copied, and both copies served (review 42, M3).
+
+Each copy of a store carries its own high-water mark, so each copy's ledger verifies against it, and every record
+could spend its budget once in each copy: two budgets per record, which no file of either copy shows. A store copied
+on another machine cannot be seen from here; one copied on this machine can: the ledger records the path of the store
+it was made for (``store_path`` in its metadata), and when a writer runs with the store elsewhere while a store of the
+same uuid is still at that path, the pair has a twin. ``serve-queries`` and ``index`` refuse (exit 2) until one copy
+is removed or renamed; ``delete`` still erases (an erasure is never blocked) and says where the other copy is.
+A pair moved with ``mv``, or copied with the original then removed, has no twin at the recorded path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import LedgerError
+
+
+def twin_of(store, ledger) -> Path | None:
+    """The recorded path of ``ledger``'s store when a store with ``store``'s uuid is there and it is not ``store``
+    itself; None otherwise (no recorded path, a relative one, nothing there, another store there)."""
+    from .store import FeatureStore
+
+    if getattr(store, "remote", None) is not None:  # one store in a bucket, seen through local state folders: its
+        return None  # copies on several machines are the bucket's mark's job (docs/OBJECT_STORAGE.md)
+    recorded = str(ledger.meta.get("store_path") or "")
+    if not recorded or not os.path.isabs(recorded):
+        return None
+    there, here = Path(recorded), Path(store.path)
+    try:
+        if not (there / "zarr.json").is_file() or there.resolve() == here.resolve() or os.path.samefile(there, here):
+            return None
+        other = FeatureStore.open(there, mode="r")
+    except Exception:  # noqa: BLE001 - unreadable or half-written: not a live copy to report
+        return None
+    return there if other.uuid == store.uuid else None
+
+
+def refuse_twin(store, ledger, ledger_path) -> None:
+    """Before a writer charges or adds records: a live twin of this store at the ledger's recorded path → exit 2."""
+    there = twin_of(store, ledger)
+    if there is not None:
+        raise LedgerError(
+            f"{store.path}: another copy of this store (uuid {store.uuid}) is at {there}, the path the ledger "
+            f"{ledger_path} was made for: the store and its ledger were copied, and serving from both copies would "
+            "let every record spend its budget once in each. Keep one pair: remove or rename the other copy (a pair "
+            "moved with `mv`, or copied and the original removed, is fine); `indknn delete` still erases in either")
