@@ -211,6 +211,9 @@ def _vectors(values: Any, *, col: str, start: int, display: str) -> np.ndarray:
         flat = values.flatten()
         if flat.null_count:
             raise BadInputError(f"{display}: vector column {col!r} contains null numbers")
+        if not (pa.types.is_integer(flat.type) or pa.types.is_floating(flat.type) or pa.types.is_decimal(flat.type)
+                or pa.types.is_null(flat.type)):  # "1.5" and true were read as numbers (review 38, left)
+            raise BadInputError(f"{display}: vector column {col!r} holds {flat.type} values, not numbers")
         try:
             arr = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.float64)
         except (TypeError, ValueError, pa.ArrowException) as exc:
@@ -226,6 +229,14 @@ def _vectors(values: Any, *, col: str, start: int, display: str) -> np.ndarray:
             d = len(v)
         elif len(v) != d:
             raise BadInputError(f"{display}: row {start + j + 1}: vector has d={len(v)}, row {start + 1} has d={d}")
+    for j, v in enumerate(rows):  # "1.5" and true were read as numbers (review 38, left): a number is int or float
+        if all(type(x) in _NUMBER_TYPES for x in v):
+            continue
+        bad = next(x for x in v if type(x) not in _NUMBER_TYPES)
+        if not isinstance(bad, (bool, str, bytes)) and bad is not None:
+            continue  # another numeric type (numpy's): numpy converts it below, or says why not
+        what = "null" if bad is None else f"a {type(bad).__name__} ({bad!r:.20})"
+        raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: {what} in the vector, not a number")
     try:
         return np.asarray(rows, dtype=np.float64).reshape(len(rows), d or 0)
     except (TypeError, ValueError) as exc:
@@ -238,6 +249,9 @@ def _vectors(values: Any, *, col: str, start: int, display: str) -> np.ndarray:
                 raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: a number is too large for a "
                                     "float (past ±1.8e308)") from None
         raise BadInputError(f"{display}: vector column {col!r}: a number is too large for a float") from None
+
+
+_NUMBER_TYPES = frozenset((int, float))
 
 
 class TableSource(Source):

@@ -355,3 +355,14 @@ def test_a_tsv_gz_is_read_tab_separated_and_stale_temporaries_of_dead_processes_
     src.close()
     assert items == ["one, two", "three"] and labels == ["World", "Sports"] and ids == ["r1", "r2"]
     assert not stale.exists() and live.exists()
+
+
+@pytest.mark.parametrize("values,says", [([["0.5", "1"], ["2", "3"]], "holds string values"),
+                                         ([[True, False], [False, True]], "holds bool values")])
+def test_a_parquet_vector_column_of_strings_or_booleans_is_refused(tmp_path, values, says):
+    """Review 38 (left): list<string> and list<bool> vector columns were read as numbers ("0.5" → 0.5, true → 1)."""
+    path = tmp_path / "v.parquet"
+    pq.write_table(pa.table({"vector": values}), path)
+    with pytest.raises(BadInputError, match=says):
+        with open_source(path, extractor_kind="vector") as src:
+            list(src.batches(labels=False))
