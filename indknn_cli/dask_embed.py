@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from .errors import IndknnError, SchedulerError
-from .scheduler_address import check_scheduler_address, open_client
+from .scheduler_address import TLS_NOTE, check_scheduler_address, open_client, tls_unconfigured
 from .store import GROUP_OF_ROLE, ExtractorInfo
 
 SCHEDULER_ENV = "INDKNN_SCHEDULER"
@@ -43,6 +43,8 @@ def connect_client(address: str):
     try:
         return open_client(address, timeout=CONNECT_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, TypeError (tls:// without certificates), ...
+        if tls_unconfigured(address, exc):  # review 43, L3: not "unreachable"
+            raise SchedulerError(TLS_NOTE.format(address=address)) from None
         raise SchedulerError(f"cannot reach the Dask scheduler at {address} ({type(exc).__name__}: {exc}); "
                              "nothing was written") from None
 

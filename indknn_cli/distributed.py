@@ -34,7 +34,7 @@ import numpy as np
 
 from .engine import ArraySource, Candidates, TooManyPairs, find_candidates
 from .errors import BadInputError, ConcurrentChangeError, IndknnError, SchedulerError, StoreError
-from .scheduler_address import check_scheduler_address, open_client
+from .scheduler_address import TLS_NOTE, check_scheduler_address, open_client, tls_unconfigured
 
 SCHEDULER_ENV = "INDKNN_SCHEDULER"
 CONNECT_TIMEOUT = 10.0
@@ -63,6 +63,8 @@ def connect(address: str, *, timeout: float = CONNECT_TIMEOUT):
     try:
         return open_client(address, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, ValueError (bad address), ...
+        if tls_unconfigured(address, exc):  # review 43, L3: not "unreachable"
+            raise SchedulerError(TLS_NOTE.format(address=address)) from None
         raise SchedulerError(
             f"cannot reach the Dask scheduler at {address!r} within {timeout:g} s ({type(exc).__name__}); start one "
             "with `dask scheduler` and workers with `dask worker ADDRESS`, or leave --scheduler and "

@@ -344,6 +344,10 @@ def recorded_store(ledger_path) -> tuple[Path | None, str | None, str]:
     it is reachable (the audit's D3); the path is None (and the note says why) when it is not."""
     import pyarrow.parquet as pq
 
+    from .ledger_current import not_a_file
+
+    if not_a_file(Path(ledger_path) / "CURRENT") is not None:  # never read (a named pipe would block)
+        return None, None, "unchecked against the store: the ledger does not name one"
     try:
         gen = int(json.loads((Path(ledger_path) / "CURRENT").read_text())["generation"])
         meta = json.loads((pq.read_schema(Path(ledger_path) / f"snapshot-{gen:06d}.parquet").metadata or {})[b"indknn"])

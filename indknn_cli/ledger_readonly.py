@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -11,10 +10,9 @@ from .errors import LedgerError, LedgerIntegrityError
 
 
 def _read_generation(path: Path) -> int | None:
-    try:
-        return int(json.loads((path / "CURRENT").read_text())["generation"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    from .ledger_snapshot import current_generation
+
+    return current_generation(path)  # CURRENT looked at before it is read (a named pipe would block)
 
 
 def open_ledger_readonly(path: str | os.PathLike, *, store_uuid: str | None = None, retries: int = 40):

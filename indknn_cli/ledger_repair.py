@@ -40,6 +40,7 @@ from . import ledger_integrity as integrity
 from . import store_versions
 from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerIntegrityError
 from .ledger import BudgetLedger
+from .ledger_current import not_a_file, stand_in
 from .ledger_repair_setup import put_back_probes, put_current_back, write_current_back
 from .ledger_rows import check_rows_hold_records, compare_rows
 from .store import ERASE_PENDING_ATTR, FeatureStore
@@ -285,11 +286,11 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
             if dry_run:
                 path = Path(tmp) / "ledger"
                 cur = ledger_path / "CURRENT"
-                broken = cur.is_symlink() and not cur.exists()  # copytree fails on it; the copy keeps it as it is
-                skip = ("LOCK", "CURRENT") if broken else ("LOCK",)
+                odd = not_a_file(cur) is not None  # copytree would fail on it or block reading it (a named pipe)
+                skip = ("LOCK", "CURRENT") if odd else ("LOCK",)
                 shutil.copytree(ledger_path, path, ignore=shutil.ignore_patterns(*skip))
-                if broken:
-                    (path / "CURRENT").symlink_to(os.readlink(cur))
+                if odd:
+                    stand_in(cur, path / "CURRENT")  # what is there, without reading it
             try:
                 res = _repair_at(path, store, ledger_path=ledger_path, dry_run=dry_run)
             except IndknnError as exc:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import ledger_integrity as integrity
 from .errors import LedgerIntegrityError
+from .ledger_current import not_a_file
 from .ledger_files import atomic_write_bytes, atomic_write_text
 from .store import FeatureStore
 
@@ -27,9 +28,9 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
     against the store's mark again (a ledger older than the mark is repaired by retiring every record: no refund)
     and puts CURRENT back if the repair fails."""
     cur = path / "CURRENT"
-    not_a_file = cur.is_dir() or (cur.is_symlink() and not cur.exists())  # a folder or a broken link in its place
+    not_file = not_a_file(cur) is not None  # a folder, a broken link, a named pipe, ... in its place: never read
     try:
-        if not_a_file:
+        if not_file:
             raise ValueError("not a file")
         gen = int(json.loads(cur.read_text())["generation"])
         named = f"snapshot-{gen:06d}.parquet, which is missing"
@@ -49,7 +50,7 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
             "than the store's high-water mark is refused), then run repair")
     folder = Path("quarantine") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     (path / folder).mkdir(parents=True, exist_ok=True)
-    if not_a_file:  # kept as it was (moved, not copied: a file cannot be written over it)
+    if not_file:  # kept as it was (moved, not copied: a file cannot be written over it, and it is never read)
         os.replace(cur, path / folder / NOT_A_FILE)
     else:
         shutil.copy2(cur, path / folder / "CURRENT")

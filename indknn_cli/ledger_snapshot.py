@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from . import FORMAT_VERSION, ledger_history
 from .errors import LedgerError, LedgerIntegrityError
+from .ledger_current import not_a_file
 from .ledger_integrity import snapshot_is_chained
 from .ledger_state import RECORD_SCHEMA, LedgerState, PrivacyParams
 
@@ -37,7 +38,9 @@ class Snapshot:
 
 
 def current_generation(path: Path) -> int | None:
-    """The generation CURRENT names, or None where it is missing or unreadable."""
+    """The generation CURRENT names, or None where it is missing or unreadable (or not a file: never read)."""
+    if not_a_file(path / "CURRENT") is not None:
+        return None
     try:
         return int(json.loads((path / "CURRENT").read_text())["generation"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -47,18 +50,17 @@ def current_generation(path: Path) -> int | None:
 def read_snapshot(path: Path) -> Snapshot:
     """Read the snapshot CURRENT names (FileNotFoundError passes through: a compaction may have removed it)."""
     cur = path / "CURRENT"
+    kind = not_a_file(cur)  # looked at, never read: a named pipe would block (review 43, H1)
+    if kind is not None:
+        raise LedgerIntegrityError(
+            f"{path}/CURRENT: not a file ({kind} in its place): the ledger is damaged; `indknn repair` keeps it "
+            "under quarantine/ and writes CURRENT back to the newest snapshot (nobody is retired when the store's "
+            "high-water mark then agrees)")
     try:
         current = json.loads(cur.read_text())
         generation = int(current["generation"])
     except (ValueError, KeyError, TypeError):
         raise LedgerIntegrityError(f"{path}/CURRENT: corrupt (not the JSON pointer indknn writes)") from None
-    except (IsADirectoryError, NotADirectoryError, FileNotFoundError):
-        if not (cur.is_dir() or (cur.is_symlink() and not cur.exists())):
-            raise  # a CURRENT that vanished while read: the caller's retry sorts it out
-        raise LedgerIntegrityError(
-            f"{path}/CURRENT: not a file ({'a folder' if cur.is_dir() else 'a link to nothing'} in its place): the "
-            "ledger is damaged; `indknn repair` keeps it under quarantine/ and writes CURRENT back to the newest "
-            "snapshot (nobody is retired when the store's high-water mark then agrees)") from None
     snap_path = path / f"snapshot-{generation:06d}.parquet"
     try:
         snap_bytes = snap_path.read_bytes()

@@ -68,3 +68,13 @@ def open_client(address: str, *, timeout: float):
 
     return _QuietClient(address, timeout=timeout, set_as_default=False)
 
+
+#: A ``tls://`` address without certificates fails at once with a TypeError in ``distributed``: not "unreachable".
+TLS_NOTE = ("--scheduler {address!r}: TLS needs certificates, and none are configured (Dask's distributed.comm.tls "
+            "settings: ca-file, and the client's cert and key); nothing was written")
+
+
+def tls_unconfigured(address: str, exc: BaseException) -> bool:
+    """Whether connecting to ``address`` failed for want of TLS certificates (review 43, L3)."""
+    return isinstance(exc, TypeError) and str(address).startswith("tls://")
+

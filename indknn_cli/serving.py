@@ -402,10 +402,13 @@ def resolve_query_batch(
             raise BadInputError(f"stdin: batch {upstream.get('batch')!r} was embedded with --role test (labelled test "
                                 f"rows for `indknn bench --test-store`), not to be served; give its name to serve it "
                                 f"anyway")
-        name = (upstream or {}).get("batch_id", (upstream or {}).get("batch"))
-        if not upstream or upstream.get("role") != "query" or name is None:
+        names = {str(v) for v in ((upstream or {}).get("batch_id"), (upstream or {}).get("batch")) if v is not None}
+        if not upstream or upstream.get("role") != "query" or not names:
             raise BadInputError("stdin: expected the JSON line of `indknn embed --role query`")
-        return str(name)
+        if len(names) > 1:  # review 43, L2: batch_id was taken silently
+            raise BadInputError(f"stdin: the JSON line names two batches ({', '.join(sorted(map(repr, names)))} under "
+                                "batch_id and batch); embed writes the same name under both")
+        return names.pop()
     path = Path(queries)
     if path.exists():
         from .embedding import embed_query_file

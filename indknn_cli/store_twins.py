@@ -7,6 +7,11 @@ it was made for (``store_path`` in its metadata), and when a writer runs with th
 same uuid is still at that path, the pair has a twin. ``serve-queries`` and ``index`` refuse (exit 2) until one copy
 is removed or renamed; ``delete`` still erases (an erasure is never blocked) and says where the other copy is.
 A pair moved with ``mv``, or copied with the original then removed, has no twin at the recorded path.
+
+Not seen (review 43, M1/M2): copies of which none is at the recorded path (``cp -a A B; mv A C`` leaves B and C,
+both served), and, from the original's side, any copy (``delete`` in the original cannot name the copy that still
+holds the rows). Seeing those needs a record kept outside both copies (a per-machine registry of where each store
+uuid was last written), which indknn does not keep.
 """
 
 from __future__ import annotations

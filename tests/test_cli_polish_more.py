@@ -276,7 +276,10 @@ def test_serve_queries_takes_a_stored_batch_by_its_batch_id(vector_store, tmp_pa
     assert [json.loads(x) for x in res.stdout.splitlines()] == lines
     before = listing(tmp_path)
     for args, says in ((("serve-queries", *where), "give QUERIES"),
-                       (("serve-queries", "--batch-id", "nope", *where), "no such file, folder or stored query batch")):
+                       (("serve-queries", "--batch-id", "nope", *where), "no such file, folder or stored query batch"),
+                       (("serve-queries", "", *where), "QUERIES is empty"),  # "" was the working folder (review 43)
+                       (("serve-queries", "--batch-id", " ", *where), "--batch-id is empty"),
+                       (("serve-queries", "--batch-id", "-", *where), "'-' means embed's JSON line on stdin")):
         res = invoke(*args)
         assert res.exit_code == 2 and says in res.stderr and res.stdout == "", res.output
     assert listing(tmp_path) == before
@@ -288,6 +291,11 @@ def test_serve_queries_takes_a_stored_batch_by_its_batch_id(vector_store, tmp_pa
     assert emb["batch_id"] == emb["batch"] == "d2"
     piped = invoke("serve-queries", "-", *where, input=json.dumps({k: v for k, v in emb.items() if k != "batch"}))
     assert piped.exit_code == 0 and len(piped.stdout.splitlines()) == 5, piped.output
+    # a null under one key is no name; two different names are refused (review 43, L2)
+    piped = invoke("serve-queries", "-", *where, input=json.dumps(dict(emb, batch_id=None)))
+    assert piped.exit_code == 0 and len(piped.stdout.splitlines()) == 5, piped.output
+    piped = invoke("serve-queries", "-", *where, input=json.dumps(dict(emb, batch="other")))
+    assert piped.exit_code == 2 and "names two batches" in piped.stderr, piped.output
 
 
 # -- 8. shell completion, as typer offers it, for a program named `indknn` ------------------------------------

@@ -7,6 +7,7 @@ an erasure; each test checks both."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -84,31 +85,58 @@ def test_repair_writes_back_a_garbage_current_and_retires_nobody_when_the_mark_a
     assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
 
 
-@pytest.mark.parametrize("kind", ["folder", "broken link"])
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["folder", "broken link", "named pipe", "link to a device"])
 def test_a_current_that_is_not_a_file_is_damage_and_repair_writes_it_back(tmp_path, kind):
     """CURRENT a folder (or a link to nothing): every command said "no budget ledger here (create one with
     `indknn index`)", and repair said the same and stopped (review 40, left). It is damage (exit 1, "run repair");
     repair keeps it under quarantine/ and writes CURRENT back; nobody retires when the mark agrees; delete erases
     throughout."""
+    if kind not in ("named pipe", "link to a device"):
+        _not_a_file_case(tmp_path, kind)
+        return
+    # a regression would block on the pipe (or read the device) forever: run it in a child and fail on a timeout
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=_not_a_file_case, args=(tmp_path, kind))
+    child.start()
+    child.join(timeout=300)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(f"CURRENT as {kind}: a command read it and blocked (review 43, H1)")
+    assert child.exitcode == 0, f"the case failed in its child process (exit {child.exitcode}; its output above)"
+
+
+def _not_a_file_case(tmp_path, kind):
     sp, lp = _world(tmp_path)
     before = _spent(lp)
     (lp / "CURRENT").unlink()
     if kind == "folder":
         (lp / "CURRENT").mkdir()
+    elif kind == "named pipe":  # read, it blocks forever: delete hung (review 43, H1)
+        os.mkfifo(lp / "CURRENT")
+    elif kind == "link to a device":  # read, it never ends
+        (lp / "CURRENT").symlink_to("/dev/zero")
     else:
         (lp / "CURRENT").symlink_to(tmp_path / "nowhere")
     assert BudgetLedger.exists(lp)  # a damaged ledger is still a ledger: `index` must not make a new one here
+    # an erasure goes through first, the ledger unreadable (its tombstone pending), and nothing reads CURRENT
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r051"])
+    assert "r051" not in [str(x) for x in FeatureStore.open(sp, mode="r").read("private", "record_id")]
     for read in (lambda: open_ledger_readonly(lp), lambda: BudgetLedger.open(lp)):
         with pytest.raises(LedgerIntegrityError, match=r"CURRENT: not a file.*indknn repair"):
             read()
     assert not verify_ledger(ledger_path=lp, store_path=sp)["verified"]
     dry = repair_ledger(ledger_path=lp, store_path=sp, dry_run=True)
-    assert dry.current_written_back == 1 and (lp / "CURRENT").is_symlink() == (kind == "broken link")
+    assert dry.current_written_back == 1 and (lp / "CURRENT").is_symlink() == ("link" in kind)
     assert dry.reason.startswith(f"{lp}/CURRENT: not a file")  # the operator's ledger, not the dry run's copy
     res = repair_ledger(ledger_path=lp, store_path=sp)
     assert res.repaired and res.current_written_back == 1 and res.records_retired == 0
-    assert (Path(res.quarantine_folder) / "CURRENT.not-a-file").is_symlink() == (kind == "broken link")
-    assert (lp / "CURRENT").is_file() and _spent(lp) == before
+    assert (Path(res.quarantine_folder) / "CURRENT.not-a-file").is_symlink() == ("link" in kind)
+    assert (lp / "CURRENT").is_file() and not (lp / "CURRENT").is_symlink()
+    spent = _spent(lp)
+    assert all(spent[r] == before[r] for r in before if r != "r051")  # nobody refunded, nobody retired
     assert verify_ledger(ledger_path=lp, store_path=sp)["verified"]
     assert _erases(sp, lp, "r050")
 

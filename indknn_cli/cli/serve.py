@@ -66,12 +66,19 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
 def _queries_or_stored_batch(queries: Optional[str], batch_id: Optional[str]) -> str:
     """QUERIES as given; omitted, the stored batch --batch-id names (one name for a stored batch in `embed --role
     query` and here: review 42, M4)."""
+    for flag, value, want in (("QUERIES", queries, "a query file or folder, a stored batch name, or -"),
+                              ("--batch-id", batch_id, "a name")):
+        if value is not None and not value.strip():  # "" read as "." (the working folder): review 43, L1
+            raise BadInputError(f"{flag} is empty: give {want}")
     if queries is not None:
         return queries
     if batch_id is None:
         raise BadInputError("give QUERIES (a query file or folder, a stored batch name, or - for embed's JSON line), "
                             "or --batch-id NAME of a batch stored by `indknn embed --role query --batch-id NAME`")
-    if batch_id == "-" or Path(batch_id).exists():  # that would embed a file: say which one is meant
+    if batch_id == "-":
+        raise BadInputError("--batch-id '-' without QUERIES: '-' means embed's JSON line on stdin; give it as QUERIES "
+                            "(serve-queries -), or name a stored batch")
+    if Path(batch_id).exists():  # that would embed a file: say which one is meant
         raise BadInputError(f"--batch-id {batch_id!r} without QUERIES names a stored batch, and a file or folder of "
                             "that name is here: give it as QUERIES to embed it, or run from another folder")
     return batch_id
