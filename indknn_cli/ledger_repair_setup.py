@@ -58,7 +58,7 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
     return present[-1], folder
 
 
-#: Where :func:`write_current_back` keeps a CURRENT that was a folder or a broken link, under its quarantine folder.
+#: Where :func:`write_current_back` keeps a CURRENT that was not a regular file (ledger_current.not_a_file).
 NOT_A_FILE = "CURRENT.not-a-file"
 
 
