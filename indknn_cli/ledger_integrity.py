@@ -344,12 +344,12 @@ def recorded_store(ledger_path) -> tuple[Path | None, str | None, str]:
     it is reachable (the audit's D3); the path is None (and the note says why) when it is not."""
     import pyarrow.parquet as pq
 
-    from .ledger_current import not_a_file
+    from .ledger_snapshot import current_generation  # looks at CURRENT before reading it (a named pipe would block)
 
-    if not_a_file(Path(ledger_path) / "CURRENT") is not None:  # never read (a named pipe would block)
+    gen = current_generation(Path(ledger_path))
+    if gen is None:
         return None, None, "unchecked against the store: the ledger does not name one"
     try:
-        gen = int(json.loads((Path(ledger_path) / "CURRENT").read_text())["generation"])
         meta = json.loads((pq.read_schema(Path(ledger_path) / f"snapshot-{gen:06d}.parquet").metadata or {})[b"indknn"])
         path, uuid_ = Path(str(meta["store_path"])), str(meta["store_uuid"])
     except Exception:  # noqa: BLE001 - the full open reports a damaged ledger

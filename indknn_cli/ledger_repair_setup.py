@@ -29,15 +29,15 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
     and puts CURRENT back if the repair fails."""
     cur = path / "CURRENT"
     not_file = not_a_file(cur) is not None  # a folder, a broken link, a named pipe, ... in its place: never read
-    try:
-        if not_file:
-            raise ValueError("not a file")
-        gen = int(json.loads(cur.read_text())["generation"])
-        named = f"snapshot-{gen:06d}.parquet, which is missing"
-    except FileNotFoundError:
-        return None, None  # no CURRENT at all: not a ledger (refused before this)
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
-        gen, named = None, "no snapshot (it is not the JSON pointer indknn writes)"  # garbage: as a missing one
+    gen, named = None, "no snapshot (it is not the JSON pointer indknn writes)"  # garbage: as a missing one
+    if not not_file:
+        try:
+            gen = int(json.loads(cur.read_text())["generation"])
+            named = f"snapshot-{gen:06d}.parquet, which is missing"
+        except FileNotFoundError:
+            return None, None  # no CURRENT at all: not a ledger (refused before this)
+        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+            pass
     if gen is not None and (path / f"snapshot-{gen:06d}.parquet").is_file():
         return None, None
     present = sorted(int(m.group(1)) for p in path.glob("snapshot-*.parquet")
@@ -69,7 +69,7 @@ def put_current_back(path: Path, *, generation: int, kept_in: Path) -> None:
     if not cur.is_file() or cur.read_bytes() != json.dumps({"generation": generation}).encode():
         return
     kept = path / kept_in
-    if (kept / NOT_A_FILE).exists() or (kept / NOT_A_FILE).is_symlink():
+    if os.path.lexists(kept / NOT_A_FILE):
         cur.unlink()
         os.replace(kept / NOT_A_FILE, cur)
     else:
