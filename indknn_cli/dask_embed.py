@@ -20,33 +20,16 @@ from typing import Iterator
 import numpy as np
 
 from .errors import IndknnError, SchedulerError
-from .scheduler_address import TLS_NOTE, check_scheduler_address, open_client, tls_unconfigured
+from .scheduler_address import connect
 from .store import GROUP_OF_ROLE, ExtractorInfo
 
-SCHEDULER_ENV = "INDKNN_SCHEDULER"
 CONNECT_TIMEOUT_S = 10
 _EXTRACTORS: dict = {}  # on a worker: (extractor info, device, d) -> extractor, loaded once per process
 
 
-def resolve_scheduler(address: str | None) -> str | None:
-    """``--scheduler``, else ``$INDKNN_SCHEDULER``, else None (embed in process)."""
-    return address or os.environ.get(SCHEDULER_ENV) or None
-
-
 def connect_client(address: str):
-    """A ``distributed.Client`` for ``address``; unreachable (or no ``distributed``): SchedulerError."""
-    try:
-        import distributed  # noqa: F401 - installed? (open_client makes the client)
-    except ImportError:
-        raise SchedulerError("--scheduler needs Dask's distributed package: pip install 'indknn[dask]'") from None
-    address = check_scheduler_address(address)  # a malformed one waited the whole timeout (review 38, F6)
-    try:
-        return open_client(address, timeout=CONNECT_TIMEOUT_S)
-    except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, TypeError (tls:// without certificates), ...
-        if tls_unconfigured(address, exc):  # review 43, L3: not "unreachable"
-            raise SchedulerError(TLS_NOTE.format(address=address)) from None
-        raise SchedulerError(f"cannot reach the Dask scheduler at {address} ({type(exc).__name__}: {exc}); "
-                             "nothing was written") from None
+    """A ``distributed.Client`` for ``address`` (:func:`indknn_cli.scheduler_address.connect`, embed's timeout)."""
+    return connect(address, timeout=CONNECT_TIMEOUT_S)
 
 
 def _target(store) -> dict:

@@ -21,7 +21,6 @@ released for the failing part.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 import time
@@ -34,41 +33,11 @@ import numpy as np
 
 from .engine import ArraySource, Candidates, TooManyPairs, find_candidates
 from .errors import BadInputError, ConcurrentChangeError, IndknnError, SchedulerError, StoreError
-from .scheduler_address import TLS_NOTE, check_scheduler_address, open_client, tls_unconfigured
+from .scheduler_address import CONNECT_TIMEOUT, connect
 
-SCHEDULER_ENV = "INDKNN_SCHEDULER"
-CONNECT_TIMEOUT = 10.0
 RETRIES = 2
 TASKS_PER_WORKER = 2
 TASK_PREFIX = "indknn-candidates"
-
-
-def resolve_scheduler(address: str | None) -> str | None:
-    """``--scheduler ADDRESS``, else ``$INDKNN_SCHEDULER``; None (blank) = the in-process engine."""
-    if address is None:
-        address = os.environ.get(SCHEDULER_ENV)
-    address = (address or "").strip()
-    return address or None
-
-
-def connect(address: str, *, timeout: float = CONNECT_TIMEOUT):
-    """A ``distributed.Client`` on the scheduler at ``address``; SchedulerError when it cannot be reached."""
-    try:
-        import distributed  # noqa: F401 - installed? (open_client makes the client)
-    except ImportError:
-        raise SchedulerError("--scheduler needs Dask's distributed scheduler: pip install 'indknn[dask]'") from None
-    if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
-        raise BadInputError(f"--scheduler-timeout must be a positive number of seconds, got {timeout!r}")
-    address = check_scheduler_address(address)  # a malformed one waited the whole timeout (review 38, F6)
-    try:
-        return open_client(address, timeout=timeout)
-    except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, ValueError (bad address), ...
-        if tls_unconfigured(address, exc):  # review 43, L3: not "unreachable"
-            raise SchedulerError(TLS_NOTE.format(address=address)) from None
-        raise SchedulerError(
-            f"cannot reach the Dask scheduler at {address!r} within {timeout:g} s ({type(exc).__name__}); start one "
-            "with `dask scheduler` and workers with `dask worker ADDRESS`, or leave --scheduler and "
-            f"${SCHEDULER_ENV} unset to answer in process. Nothing was written.") from None
 
 
 # -- where a worker finds the store ----------------------------------------------------

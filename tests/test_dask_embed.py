@@ -114,6 +114,16 @@ def test_unreachable_scheduler_is_exit_1(tmp_path, monkeypatch):
     assert FeatureStore.open(b.path).n_rows() == 37
 
 
+def test_a_blank_scheduler_variable_embeds_in_process_as_serve_does(tmp_path, monkeypatch):
+    """`INDKNN_SCHEDULER="  "` is unset for `embed` as for `serve-queries` (one resolve_scheduler for both): before,
+    embed took the blanks for an address and refused (exit 2) what serve-queries answered in process."""
+    x, (_, b) = _pair(tmp_path, n=50)
+    monkeypatch.setenv("INDKNN_SCHEDULER", "  ")
+    res = CliRunner().invoke(app, ["embed", str(tmp_path / "in.npz"), "--store", str(b.path)])
+    assert res.exit_code == 0, res.output
+    assert FeatureStore.open(b.path).n_rows() == 37 + 50
+
+
 @pytest.mark.slow
 def test_embed_on_workers_into_s3(cluster, tmp_path, monkeypatch):
     """The workers write straight into the bucket (the store's remote URL and options travel with the task;

@@ -16,7 +16,8 @@ from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store
 
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
-    from ..deletion import delete_records, read_ids
+    from ..deletion import delete_records
+    from ..deletion_plan import read_ids
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)
 

@@ -14,7 +14,7 @@ from .common import (check_device, deprecated_alias, emit_json, progress_bar, re
 
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
-    from ..dask_embed import resolve_scheduler
+    from ..scheduler_address import resolve_scheduler
     from ..embedding import embed_into_store
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)

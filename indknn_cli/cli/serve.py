@@ -26,7 +26,8 @@ def _load() -> None:
     from ..store_twins import refuse_twin
     from ..object_store import local_path
     from ..store import FeatureStore
-    from ..distributed import resolve_scheduler, session as scheduler_session
+    from ..distributed import session as scheduler_session
+    from ..scheduler_address import resolve_scheduler
     from ..engine import ABSTAIN_LABEL
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)

@@ -1,0 +1,173 @@
+"""Which records and store rows an erasure request names, and what `indknn delete` reports (read only).
+
+Split out of :mod:`indknn_cli.deletion` (which executes the plan under the ledger and store locks): the plan
+reads the ledger's state and the store's ids and names, for each requested record or user id, the live ledger
+records to tombstone, the store rows to erase (rows not yet in the ledger included), and what was unknown or
+already erased. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+from .errors import BadInputError, StoreError
+from .ledger import BudgetLedger
+from .store import FeatureStore, _read_chunks
+from .wording import count
+
+
+# -- results ---------------------------------------------------------------------
+@dataclass
+class DeleteResult:
+    records_erased: int
+    users: list[str]
+    ids_not_found: list[str]
+    users_not_found: list[str]
+    already_deleted: list[str]
+    record_ids: list[str]
+    bytes_rewritten: int
+    dry_run: bool
+    pending_completed: int = 0
+    compaction: dict | None = None
+    ledger_unreadable: str | None = None     # the ledger could not be read: vectors erased, tombstones pending
+    tombstones_pending: int = 0
+    #: "incomplete: ..." when the store's bucket is versioned: the erasure is recorded and the current chunks
+    #: overwritten, but earlier object versions keep the vectors (the CLI exits 1)
+    physical_erasure: str | None = None
+    #: users all of whose records were erased before this run (review 42: a second `delete --user U` named U nowhere)
+    users_already_deleted: list[str] = field(default_factory=list)
+
+
+    def as_dict(self) -> dict:
+        out = {
+            "records_erased": self.records_erased, "users": self.users, "ids_not_found": self.ids_not_found,
+            "users_not_found": self.users_not_found, "already_deleted": self.already_deleted,
+            "users_already_deleted": self.users_already_deleted,
+            "record_ids": self.record_ids, "bytes_rewritten": self.bytes_rewritten, "dry_run": self.dry_run,
+            "pending_completed": self.pending_completed,
+        }
+        if self.compaction is not None:
+            out["compaction"] = self.compaction
+        if self.ledger_unreadable is not None:
+            out["ledger_unreadable"] = self.ledger_unreadable
+            out["tombstones_pending"] = self.tombstones_pending
+        if self.physical_erasure is not None:
+            out["physical_erasure"] = self.physical_erasure
+        return out
+
+
+@dataclass
+class _Plan:
+    ledger_idx: np.ndarray                   # live ledger records to tombstone
+    rows: np.ndarray                         # store rows to erase
+    record_ids: list[str]
+    users: list[str]
+    not_found: list[str] = field(default_factory=list)
+    users_not_found: list[str] = field(default_factory=list)
+    already_deleted: list[str] = field(default_factory=list)
+    users_already_deleted: list[str] = field(default_factory=list)
+
+
+def read_ids(lines: Iterable[str]) -> list[str]:
+    """One id per line; surrounding white space stripped, blank lines skipped; a UTF-8 byte-order mark at the start
+    dropped (a file saved by Excel or Notepad: its first id was "not found", its erasure silently skipped: review 40)."""
+    out = []
+    for i, line in enumerate(lines):
+        s = (line.lstrip("\ufeff") if i == 0 else line).strip()
+        if s:
+            out.append(s)
+    return out
+
+
+
+def _enforce_strict(plan: _Plan, strict: bool) -> None:
+    if not strict or not (plan.not_found or plan.users_not_found):
+        return
+    missing = [f"record {r!r}" for r in plan.not_found] + [f"user {u!r}" for u in plan.users_not_found]
+    more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+    raise BadInputError(f"--strict: {count(len(missing), 'unknown id')}: {', '.join(missing[:5])}{more}; "
+                        "nothing was deleted")
+
+
+# -- planning (read only) ---------------------------------------------------------
+def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str], user_ids: list[str]) -> _Plan:
+    """Which ledger records and store rows the ids name. Reads only."""
+    n = store.n_rows("private")
+    flagged = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
+    row_map = ledger.store_row_map(n) if ledger is not None else np.full(n, -1, np.int64)
+    # rows that are in the store but not (yet) in the ledger: erased in the store only
+    unindexed = np.flatnonzero((row_map < 0) & ~flagged)
+    un_ids: dict[str, list[int]] = {}
+    un_users: dict[str, list[int]] = {}
+    un_user_of: dict[int, str] = {}
+    if unindexed.size:
+        lo, hi = int(unindexed[0]), int(unindexed[-1]) + 1
+        ids = store.read("private", "record_id", lo, hi)[unindexed - lo]
+        users = store.read("private", "user_id", lo, hi)[unindexed - lo]
+        for r, rid, uid in zip(unindexed.tolist(), ids, users):
+            un_ids.setdefault(str(rid), []).append(r)
+            un_user_of[r] = str(uid)
+            if str(uid):
+                un_users.setdefault(str(uid), []).append(r)
+
+    s = ledger.state if ledger is not None else None
+    li: set[int] = set()
+    rows: set[int] = set()
+    plan = _Plan(np.empty(0, np.int64), np.empty(0, np.int64), [], [])
+    if record_ids:
+        index_of = {rid: i for i, rid in enumerate(s.record_id)} if s is not None else {}
+        for rid in record_ids:
+            i = index_of.get(rid)
+            extra = un_ids.get(rid, [])
+            rows.update(extra)
+            if i is not None and not s.deleted[i]:
+                li.add(i)
+            elif i is not None and not extra:
+                plan.already_deleted.append(rid)
+            elif i is None and not extra:
+                plan.not_found.append(rid)
+    if user_ids:
+        by_user: dict[str, list[int]] = {}
+        if s is not None:
+            wanted = set(user_ids)
+            for i, u in enumerate(s.user_id):
+                if u in wanted:
+                    by_user.setdefault(u, []).append(i)
+        for uid in user_ids:
+            mine = by_user.get(uid, [])
+            extra = un_users.get(uid, [])
+            if not mine and not extra:
+                plan.users_not_found.append(uid)
+            elif not extra and all(s.deleted[i] for i in mine):
+                plan.users_already_deleted.append(uid)
+            li.update(i for i in mine if not s.deleted[i])
+            rows.update(extra)
+
+    plan.ledger_idx = np.array(sorted(li), dtype=np.int64)
+    led_rows = s.row[plan.ledger_idx] if plan.ledger_idx.size else np.empty(0, np.int64)
+    rows.update(int(r) for r in led_rows if r >= 0)
+    plan.rows = np.array(sorted(rows), dtype=np.int64)
+    # the ledger and the store must agree on which record a row holds before anything is erased
+    check = led_rows >= 0
+    if check.any():
+        got = _read_chunks(store.path, "private", "record_id", lambda: np.asarray(
+            store.group("private")["record_id"].oindex[led_rows[check]])).astype(object)
+        want = s.record_id[plan.ledger_idx[check]]
+        bad = np.flatnonzero(got != want)
+        if bad.size:
+            raise StoreError(f"{store.path}: store row {int(led_rows[check][bad[0]])} holds record "
+                             f"{got[bad[0]]!r}, the ledger expects {want[bad[0]]!r}; nothing was deleted")
+    names = [str(x) for x in s.record_id[plan.ledger_idx]] if plan.ledger_idx.size else []
+    led_row_set = {int(r) for r in led_rows}
+    un_rows = [r for r in plan.rows.tolist() if r not in led_row_set]
+    if un_rows:
+        rid_of = {r: rid for rid, rs in un_ids.items() for r in rs}
+        names += [rid_of[r] for r in un_rows]
+    plan.record_ids = names
+    users = {str(u) for u in (s.user_id[plan.ledger_idx] if plan.ledger_idx.size else []) if u}
+    users.update(un_user_of[r] for r in un_rows if un_user_of.get(r))
+    plan.users = sorted(users)
+    return plan
