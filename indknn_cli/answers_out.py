@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import BadInputError
+from .output_files import refuse_not_a_file
 
 #: Answers per row group of the --out file (rows are buffered until then; the last group holds the rest).
 ROW_GROUP_ROWS = 1 << 16
@@ -112,6 +113,7 @@ def check_out_path(path: str | os.PathLike, *, probe: bool = True) -> None:
     parent = path.parent
     if path.is_dir():
         raise BadInputError(f"--out {path} is a folder; give a file path (answers are one Parquet file)")
+    refuse_not_a_file(path, option="--out")  # /dev/null or a named pipe was replaced by the file (review 44, H1)
     if path.suffix.lower() in (".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".txt"):
         raise BadInputError(f"--out writes a Parquet file, and {path.name} ends in {path.suffix}: name it .parquet, "
                             "or leave --out out for JSON lines on stdout")
@@ -133,6 +135,7 @@ def refuse_output_over(path: str | os.PathLike, *, option: str, folders=(), file
     being read, is refused (BadInputError, exit 2) before anything is charged or written: `--out L/snapshot-….parquet`
     was accepted, the batch charged, then the answers written over the ledger's snapshot, which `repair` cannot
     rebuild (review 38, F1). ``folders``/``files``: (what, path) pairs; symlinks and ``..`` resolved."""
+    refuse_not_a_file(path, option=option)
     out = Path(path).resolve()
     for what, folder in folders:
         if folder is None:

@@ -166,10 +166,23 @@ def build_index(
             raise BadInputError("creating a ledger needs --eps (the target ε; --delta, --tau and --sigma2 have "
                                 "defaults: indknn index -h)")
     record = None
-    if tune is not None:
-        if BudgetLedger.exists(ledger_path):
+    rerun_note = None
+    if tune is not None and BudgetLedger.exists(ledger_path):
+        from . import tuning as _tuning
+
+        existing = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+        tuned = existing.meta.get("tuning") or {}
+        differ = _tuning.same_request(tuned.get("request"), tune, extractor=store.extractor.name)
+        if differ:
             raise LedgerError(f"{ledger_path}: the ledger already exists; --tune chooses τ and σ2 once, when the "
-                              "ledger is created (its parameters and budget cannot change afterwards)")
+                              "ledger is created (its parameters and budget cannot change afterwards), and this "
+                              f"--tune request differs from the one that created it ({', '.join(differ[:4])}). To add "
+                              f"new records, run `indknn index --ledger {ledger_path}` without --eps and --tune")
+        # the creation's own command again (a re-run pipeline): nothing is tuned again; new records are added
+        rerun_note = (f"the ledger was tuned when it was created (τ={existing.params.tau:g}, "
+                      f"σ2={existing.params.sigma2:g}) with these --tune options: nothing was tuned again")
+        tune = None
+    if tune is not None:
         integrity.refuse_second_ledger(store, ledger_path)  # refused before the search, not after (audit 5, F3)
         with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
             if BudgetLedger.exists(ledger_path):
@@ -177,7 +190,7 @@ def build_index(
             from . import tuning as _tuning
 
             rec, params = _tuning.run_tuning(store, tune)
-            record = rec.as_dict()
+            record = {**rec.as_dict(), "request": _tuning.request_record(tune, extractor=store.extractor.name)}
 
     def known_params():  # τ and kernel for IVF's nprobe calibration; read only when an IVF is trained
         if params is not None or not BudgetLedger.exists(ledger_path):
@@ -248,7 +261,7 @@ def build_index(
     sparse = data_quality.neighbour_warning(store, ledger.params) if created or added else None
     warnings = warnings + ([sparse] if sparse else [])
     small = data_quality.tuning_size_warning(records=len(ledger.state), tuning=record) if created else None
-    warnings = warnings + ([small] if small else [])
+    warnings = warnings + ([small] if small else []) + ([rerun_note] if rerun_note else [])
     if created and store.label_names_source in (None, "unrecorded"):
         warnings.append("the store does not record where its class names came from (it was created before indknn "
                         "recorded that, or by a library call that did not say): the guarantee assumes the class list was declared in advance, never read "

@@ -41,6 +41,7 @@ from . import store_versions
 from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerIntegrityError
 from .ledger import BudgetLedger
 from .ledger_current import not_a_file, stand_in
+from .ledger_repair_lost import answers_in_lost_events, checked_answers, ids_in_lost_events
 from .ledger_repair_setup import put_back_probes, put_current_back, write_current_back
 from .ledger_rows import check_rows_hold_records, compare_rows
 from .store import ERASE_PENDING_ATTR, FeatureStore
@@ -95,76 +96,6 @@ def _event_files(path: Path) -> list[tuple[int, Path]]:
         head = p.name.split("-", 1)[0]
         out.append((int(head) if head.isdigit() else -1, p))
     return sorted(out, key=lambda t: (t[0], t[1].name))
-
-
-def _ids_in_lost_events(paths: list[Path]) -> list[tuple[str, str]]:
-    """(record id, user id) of every add/delete row in the quarantined events that can still be read."""
-    import pyarrow.parquet as pq
-
-    out = []
-    for p in paths:
-        try:
-            t = pq.read_table(p, columns=["kind", "record_id", "user_id"])
-        except Exception:  # noqa: BLE001 - the damaged event itself: nothing can be read from it
-            continue
-        for kind, rid, uid in zip(*(t.column(c).to_pylist() for c in ("kind", "record_id", "user_id"))):
-            if kind in ("add", "delete") and rid:
-                out.append((str(rid), str(uid or "")))
-    return out
-
-
-def _answers_in_lost_events(paths: list[Path]) -> tuple["object", list[str]]:
-    """The answer rows of the quarantined events that can still be read (a pyarrow table in the event schema,
-    or None) and the names of those that cannot. Those answers were released: the repair event writes them
-    again, so queries answered (the public --max-queries gate) never goes down, a re-run batch returns them
-    instead of answering them again with fresh noise, and reuse keeps them (audit 9, F3)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from .ledger_state import ANSWER_SCHEMA
-
-    parts, unreadable = [], []
-    for p in paths:
-        try:
-            t = pq.read_table(p)
-            t = t.filter(pc.equal(t.column("kind"), "answer").fill_null(False))
-            parts.append(pa.table({f.name: t.column(f.name).cast(f.type) for f in ANSWER_SCHEMA}))
-        except Exception:  # noqa: BLE001 - the damaged event itself: its answers cannot be known
-            unreadable.append(p.name)
-    parts = [t for t in parts if t.num_rows]
-    return (pa.concat_tables(parts) if parts else None), unreadable
-
-
-def _checked_answers(table, store: FeatureStore, have: set) -> tuple["object", int]:
-    """The recovered answer rows that fit the store (a stored batch, the row inside it, query_index = row −
-    batch start, a label of the class list or the abstention, its name, a finite count), each (batch, query)
-    once and none the kept events already hold; and how many rows were left out. A quarantined file is not
-    verified, so nothing in it is trusted further than that (review 9)."""
-    import math
-
-    from .engine import ABSTAIN_LABEL, ABSTAIN_NAME
-
-    names = list(store.label_names)
-    stored = store.batches()
-    batches = {}
-    keep, seen = [], set(have)
-    cols = table.to_pydict()
-    for i, (b, qi, row, lab, name, cnt) in enumerate(zip(cols["batch_id"], cols["query_index"], cols["query_row"],
-                                                       cols["label"], cols["label_name"],
-                                                       cols["released_count"])):
-        if b is None or qi is None or row is None or lab is None or cnt is None or (b, qi) in seen:
-            continue
-        if b not in batches:
-            batches[b] = store.query_batch(b)[:2] if b in stored else None
-        span = batches[b]
-        if span is None or not (span[0] <= row < span[1]) or qi != row - span[0] or not math.isfinite(cnt):
-            continue
-        if not ((lab == ABSTAIN_LABEL and name == ABSTAIN_NAME) or (0 <= lab < len(names) and name == names[lab])):
-            continue
-        seen.add((b, qi))
-        keep.append(i)
-    return (table.take(keep) if keep else None), table.num_rows - len(keep)
 
 
 def _opens(path: Path, store_uuid: str) -> BudgetLedger | None:
@@ -412,7 +343,7 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # the ledger (audit 6 review). An id the store's log names was erased in this store and embedded again since
     # (a re-admission the kept ledger lost in a rollback): kept, brought in retired like any other row (review 14).
     quarantined = [quarantine / p.name for p in moved]
-    lost_ids, store_erased = _ids_in_lost_events(quarantined), store.erased_ids()  # each read once
+    lost_ids, store_erased = ids_in_lost_events(quarantined), store.erased_ids()  # each read once
     logged = {rid for rid, _ in store_erased}
     erased_ids = {str(r) for r in s.record_id[s.deleted]} - logged
     back = np.asarray([r for r in new_rows if str(ids[r]) in erased_ids], np.int64)
@@ -460,12 +391,12 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
             lost_tombs.append(add(rid, uid, -1))
     tomb = np.concatenate([tomb, np.asarray(lost_tombs, np.int64)]).astype(np.int64)
     index_rid = dict(zip(add_li, add_rid))
-    lost_answers, unreadable = _answers_in_lost_events(quarantined)
+    lost_answers, unreadable = answers_in_lost_events(quarantined)
     refused = 0
-    if lost_answers is not None:  # never twice, and only rows that fit the store (_checked_answers)
+    if lost_answers is not None:  # never twice, and only rows that fit the store (checked_answers)
         have = {(b, int(q)) for b, q in zip(s.answer_column("batch_id", object), s.answer_column("query_index",
                                                                                                    np.int64))}
-        lost_answers, refused = _checked_answers(lost_answers, store, have)
+        lost_answers, refused = checked_answers(lost_answers, store, have)
     nans = 0 if lost_answers is None else lost_answers.num_rows
     # Released answers the mark counted that neither the kept events nor the recovered rows hold: they stay
     # counted (state.answers_not_held), so queries answered never goes down (review 9, item 2).

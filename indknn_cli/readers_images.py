@@ -44,8 +44,8 @@ class ImageFolderSource(Source):
     def __init__(self, folder: Path, *, extractor_kind: str, batch_rows: int):
         super().__init__(extractor_kind=extractor_kind, batch_rows=batch_rows)
         if extractor_kind != "image":
-            raise BadInputError(f"{folder}: a folder of images needs an image extractor "
-                                f"(--extractor pixels, hog or image)")
+            raise BadInputError(f"{folder} is a folder: a folder is read only as images, with an image extractor "
+                                f"(--extractor pixels, hog or image); give the file itself (.npy, .parquet, .csv, …)")
         self.folder = folder
         self.name = str(folder)
         subdirs = [d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")]

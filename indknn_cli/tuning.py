@@ -345,6 +345,34 @@ class TuneRequest:
         return self
 
 
+def request_record(req: TuneRequest, *, extractor: str) -> dict:
+    """``req`` as the ledger's tuning record keeps it (``tuning.request``; JSON types, the device left out): a re-run
+    of `index --tune` with the same options is then recognised as a re-run, not refused (review 44)."""
+    import dataclasses
+    import json
+
+    d = asdict(dataclasses.replace(req, extractor=req.extractor or extractor))
+    d.pop("device")
+    if d["shape"] == POISSON:
+        d["shape"] = "poisson"
+    return json.loads(json.dumps(d))
+
+
+def same_request(recorded: dict | None, req: TuneRequest, *, extractor: str) -> list[str]:
+    """The options of ``req`` that differ from the ledger's recorded request (every one when none is recorded)."""
+    now = request_record(req, extractor=extractor)
+    if not isinstance(recorded, dict):
+        return ["it records none: made before indknn recorded the request, or without --tune"]
+    return [_REQUEST_FLAGS.get(k, k) for k in now if recorded.get(k, object()) != now[k]]
+
+
+_REQUEST_FLAGS = {"epsilon": "--eps", "delta": "--delta", "on": "--tune", "share": "--tune-share",
+                  "mean_runs": "--tune-runs", "shape": "--tune-shape", "taus": "--tune-taus", "sigma2s": "--tune-sigma2s",
+                  "n_val": "--tune-queries", "method": "--tune-method", "seed": "--tune-seed",
+                  "conversion": "--conversion", "kernel": "--kernel", "nu": "--nu", "k_min": "--k-min",
+                  "sigma1": "--sigma1", "planned_queries": "--planned-queries", "extractor": "the store's extractor"}
+
+
 def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
     """Tune on ``store`` (a FeatureStore) as ``req`` says; returns (record for the ledger, serving params)."""
     if req.extractor is None:  # the store's extractor picks the τ prior (a public attribute, not the data)

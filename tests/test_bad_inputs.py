@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,11 +73,17 @@ def build_world(root: Path) -> Path:
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    """Every path under root (folders too) → sha256 of its bytes ('dir' for folders)."""
+    """Every path under root (folders too) → sha256 of its bytes ('dir' for folders, 'link:' and its target for a
+    symbolic link, 'fifo' for a named pipe: neither is read)."""
     out = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
-        out[rel] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        if p.is_symlink():
+            out[rel] = "link:" + os.readlink(p)
+        elif stat.S_ISFIFO(p.lstat().st_mode):
+            out[rel] = "fifo"
+        else:
+            out[rel] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 
 
@@ -391,6 +399,14 @@ CASES: list[Case] = [
     Case("serve-out-over-input", "serve-queries", "--out the query file being read",
          lambda w: ["serve-queries", _save_npy(w / "in.npy", vecs(3)), *SL(w), "--out", str(w / "in.npy")], 2,
          "the query file being read", "refused; no query batch is stored, nothing charged"),
+    Case("serve-out-named-pipe", "serve-queries", "--out a named pipe (a consumer reading the answers from it)",
+         lambda w: ["serve-queries", "q2", *SL(w), "--out", _fifo(w / "answers.parquet")], 2, "is a named pipe",
+         "refused before any query is answered (before: charged, then the pipe replaced by the Parquet file, exit 0; "
+         "review 44)"),
+    Case("serve-out-link-to-dev-null", "serve-queries", "--out a link to /dev/null (as --out /dev/null)",
+         lambda w: ["serve-queries", "q2", *SL(w), "--out", _link(w / "null.parquet", os.devnull)], 2,
+         "is a character device", "refused before any query is answered (before: `--out /dev/null` as root replaced "
+         "the machine's /dev/null with the Parquet file, exit 0; review 44, H1)"),
     Case("serve-device-unknown", "serve-queries", "--device tpu (a query file given)",
          lambda w: ["serve-queries", _save_npy(w / "in.npy", vecs(3)), *SL(w), "--device", "tpu"], 2,
          "is not a device", "refused before the query file is stored (before: stored, then \"Internal error: "
@@ -429,6 +445,12 @@ CASES: list[Case] = [
     Case("account-export-over-ledger", "account", "--export onto the ledger's snapshot file",
          lambda w: ["account", "--ledger", str(w / "L"), "--export", str(w / "L" / "snapshot-000001.parquet")], 2,
          "inside the ledger's folder", "refused (before: a read-only command replaced the snapshot)"),
+    Case("account-export-named-pipe", "account", "--export a named pipe ending in .csv",
+         lambda w: ["account", "--ledger", str(w / "L"), "--export", _fifo(w / "budgets.csv")], 2, "is a named pipe",
+         "refused (before: the pipe replaced by the file; review 44)"),
+    Case("account-plot-named-pipe", "account", "--plot a named pipe ending in .png",
+         lambda w: ["account", "--ledger", str(w / "L"), "--plot", _fifo(w / "budgets.png")], 2, "is a named pipe",
+         "refused (before: the pipe replaced by the picture; review 44)"),
     Case("account-queries-left-with-eps", "account", "--queries-left --eps 0.5 (two jobs' options)",
          lambda w: ["account", "--ledger", str(w / "L"), "--queries-left", "--eps", "0.5"], 2,
          "does not apply to --queries-left", "refused (before: --eps silently ignored, exit 0 where the check gives 4)"),
@@ -474,6 +496,16 @@ def _flip_byte(p: Path, offset: int) -> None:
     data = bytearray(p.read_bytes())
     data[offset] ^= 0x01
     p.write_bytes(bytes(data))
+
+
+def _fifo(p: Path) -> str:
+    os.mkfifo(p)
+    return str(p)
+
+
+def _link(p: Path, target: str) -> str:
+    p.symlink_to(target)
+    return str(p)
 
 
 def _touch(p: Path) -> str:

@@ -426,9 +426,12 @@ def test_failed_tuning_leaves_no_ledger_and_nothing_to_charge(tune_store, tmp_pa
 
 def test_tune_refused_on_an_existing_ledger_and_with_gdp(tune_store, tmp_path):
     ledger_path = tmp_path / "ledger"
-    build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+    first = build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+    # the same request again is a re-run (review 44): nothing is tuned again
+    again = build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+    assert not again.created and again.tuning == first.tuning and again.params == first.params
     with pytest.raises(LedgerError, match="once"):
-        build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req())
+        build_index(store_path=tune_store.path, ledger_path=ledger_path, params=None, tune=_req(share=0.25))
     with pytest.raises(BadInputError, match="rdp"):
         build_index(store_path=tune_store.path, ledger_path=tmp_path / "l2", params=None,
                     tune=_req(conversion="gdp"))
@@ -517,6 +520,40 @@ def test_cli_index_tune(tune_store, tmp_path):
 
 
 # -- serve-queries --min-margin ---------------------------------------------------------------------------------
+def test_the_creations_tune_command_run_again_adds_records_and_tunes_nothing(tune_store, tmp_path):
+    """Review 44 (QA, L1): the README's `embed … | index --tune private …` run a second time (cron, or a pasted
+    pipeline) was refused (exit 2), though `index --tau T` run again with the creation's value adds new records
+    (exit 0). The same --tune options again: nothing is tuned or charged, new records join; other options: refused."""
+    led = tmp_path / "l"
+    cmd = ["index", "--store", str(tune_store.path), "--ledger", str(led), "--eps", "2", "--tune", "private",
+           "--tune-taus", "0.3,0.6", "--tune-sigma2s", "0.5", "--tune-queries", "30", "--planned-queries", "100"]
+    res = runner.invoke(app, cmd)
+    assert res.exit_code == 0, res.output
+    first = BudgetLedger.open(led)
+    assert first.meta["tuning"]["request"]["share"] == 0.2 and "device" not in first.meta["tuning"]["request"]
+    x, y, _ = clustered(5, 16, 3, seed=9)
+    FeatureStore.open(tune_store.path, mode="a").append("private", x, labels=y,
+                                                        record_ids=[f"new{i}" for i in range(5)])
+    res = runner.invoke(app, cmd)  # no --tune-seed: a second search would draw other coins and noise
+    assert res.exit_code == 0, res.output
+    assert "nothing was tuned again" in " ".join(res.stderr.split())
+    again = BudgetLedger.open(led)
+    assert again.meta["tuning"] == first.meta["tuning"] and again.params == first.params
+    assert len(again.state) == len(first.state) + 5 and float(np.max(again.state.spent)) == 0.0
+    before = sorted((p.name, p.read_bytes()) for p in led.rglob("*") if p.is_file() and p.name != "LOCK")
+    for flag, value in (("--tune-share", "0.3"), ("--tune-method", "random-search"), ("--tune-taus", "0.3"),
+                        ("--eps", "1")):
+        other = list(cmd)
+        if flag in other:
+            other[other.index(flag) + 1] = value
+        else:
+            other += [flag, value]
+        res = runner.invoke(app, other)
+        assert res.exit_code != 0 and "differs from the one that created it" in " ".join(res.stderr.split()), \
+            (flag, res.output)
+    assert sorted((p.name, p.read_bytes()) for p in led.rglob("*") if p.is_file() and p.name != "LOCK") == before
+
+
 def _own_store(store, dest):
     import shutil
 

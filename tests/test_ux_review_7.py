@@ -87,6 +87,7 @@ def test_index_after_a_failed_embed_in_a_pipe_says_that_no_line_arrived(tmp_path
                        shell=True, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert p.returncode == 2, p.stderr
     assert "no line from `indknn embed` arrived on stdin" in " ".join(p.stderr.split())
+    assert "indknn-store.zarr" not in p.stderr  # review 44: a default store the user never named
     assert not (tmp_path / "L").exists() and not (tmp_path / "indknn-store.zarr").exists()
 
 

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..output_files import refuse_not_a_file
+
 PACKAGES = ("indknn", "numpy", "scipy", "torch", "opacus", "dp-accounting", "sentence-transformers",
             "scikit-image", "zarr", "pyarrow", "matplotlib")
 
@@ -61,6 +63,7 @@ def _clean(obj):
 
 def write_json(path: Path, obj: dict) -> Path:
     path = Path(path)
+    refuse_not_a_file(path, option="bench's JSON file")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:

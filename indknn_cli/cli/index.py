@@ -79,8 +79,10 @@ def index_command(
             if (upstream is None and stdin_is_pipe() and not os.environ.get("INDKNN_STORE")
                     and not (Path(store_path) / "zarr.json").is_file()):
                 # `embed … | index` whose embed failed: say so, not "not an indknn feature store" (UX review 7)
-                raise BadInputError(f"no line from `indknn embed` arrived on stdin (did the command before the "
-                                    f"pipe fail?), and there is no store at {store_path}: give --store")
+                # (review 44: "there is no store at indknn-store.zarr" sent the reader after a default never named)
+                raise BadInputError("no line from `indknn embed` arrived on stdin: the command before the pipe "
+                                    "failed or printed nothing (its message is above); nothing was indexed. Without a "
+                                    "pipe, give --store")
         params = None
         if planned_queries < 1:  # make_params would take 0 for "not given" and use 1000
             raise BadInputError(f"--planned-queries must be ≥ 1, got {planned_queries}")

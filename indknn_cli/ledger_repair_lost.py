@@ -1,0 +1,82 @@
+"""What the events `indknn repair` quarantines still tell: the ids they added or deleted, the answers they released.
+
+Split out of :mod:`indknn_cli.ledger_repair`. A quarantined event is not verified, so nothing read here is trusted
+further than a check against the store allows: ids only keep a returning record from a fresh budget, answers are
+written again by the repair event only where they fit a stored query batch (:func:`checked_answers`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .store import FeatureStore
+
+
+def ids_in_lost_events(paths: list[Path]) -> list[tuple[str, str]]:
+    """(record id, user id) of every add/delete row in the quarantined events that can still be read."""
+    import pyarrow.parquet as pq
+
+    out = []
+    for p in paths:
+        try:
+            t = pq.read_table(p, columns=["kind", "record_id", "user_id"])
+        except Exception:  # noqa: BLE001 - the damaged event itself: nothing can be read from it
+            continue
+        for kind, rid, uid in zip(*(t.column(c).to_pylist() for c in ("kind", "record_id", "user_id"))):
+            if kind in ("add", "delete") and rid:
+                out.append((str(rid), str(uid or "")))
+    return out
+
+
+def answers_in_lost_events(paths: list[Path]) -> tuple["object", list[str]]:
+    """The answer rows of the quarantined events that can still be read (a pyarrow table in the event schema,
+    or None) and the names of those that cannot. Those answers were released: the repair event writes them
+    again, so queries answered (the public --max-queries gate) never goes down, a re-run batch returns them
+    instead of answering them again with fresh noise, and reuse keeps them (audit 9, F3)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from .ledger_state import ANSWER_SCHEMA
+
+    parts, unreadable = [], []
+    for p in paths:
+        try:
+            t = pq.read_table(p)
+            t = t.filter(pc.equal(t.column("kind"), "answer").fill_null(False))
+            parts.append(pa.table({f.name: t.column(f.name).cast(f.type) for f in ANSWER_SCHEMA}))
+        except Exception:  # noqa: BLE001 - the damaged event itself: its answers cannot be known
+            unreadable.append(p.name)
+    parts = [t for t in parts if t.num_rows]
+    return (pa.concat_tables(parts) if parts else None), unreadable
+
+
+def checked_answers(table, store: FeatureStore, have: set) -> tuple["object", int]:
+    """The recovered answer rows that fit the store (a stored batch, the row inside it, query_index = row −
+    batch start, a label of the class list or the abstention, its name, a finite count), each (batch, query)
+    once and none the kept events already hold; and how many rows were left out. A quarantined file is not
+    verified, so nothing in it is trusted further than that (review 9)."""
+    import math
+
+    from .engine import ABSTAIN_LABEL, ABSTAIN_NAME
+
+    names = list(store.label_names)
+    stored = store.batches()
+    batches = {}
+    keep, seen = [], set(have)
+    cols = table.to_pydict()
+    for i, (b, qi, row, lab, name, cnt) in enumerate(zip(cols["batch_id"], cols["query_index"], cols["query_row"],
+                                                       cols["label"], cols["label_name"],
+                                                       cols["released_count"])):
+        if b is None or qi is None or row is None or lab is None or cnt is None or (b, qi) in seen:
+            continue
+        if b not in batches:
+            batches[b] = store.query_batch(b)[:2] if b in stored else None
+        span = batches[b]
+        if span is None or not (span[0] <= row < span[1]) or qi != row - span[0] or not math.isfinite(cnt):
+            continue
+        if not ((lab == ABSTAIN_LABEL and name == ABSTAIN_NAME) or (0 <= lab < len(names) and name == names[lab])):
+            continue
+        seen.add((b, qi))
+        keep.append(i)
+    return (table.take(keep) if keep else None), table.num_rows - len(keep)
