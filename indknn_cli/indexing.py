@@ -197,8 +197,10 @@ def build_index(
             return params
         return BudgetLedger.open(ledger_path, store_uuid=store.uuid).params
 
+    existing_ledger = BudgetLedger.exists(ledger_path)
     warnings = _unit_checks(store, params if params is not None else (
-        BudgetLedger.open(ledger_path, store_uuid=store.uuid).params if BudgetLedger.exists(ledger_path) else None))
+        BudgetLedger.open(ledger_path, store_uuid=store.uuid).params if existing_ledger else None),
+        creating=not existing_ledger)
     # Refusals and IVF training (public data only) happen before anything is written.
     plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
                               nprobe=nprobe, train_on=train_on, params=known_params)
@@ -279,8 +281,10 @@ def _roll_forward_pending(store_path, ledger: BudgetLedger, lock_timeout: float)
     roll_forward_pending(store_path, ledger, lock_timeout=lock_timeout)
 
 
-def _unit_checks(store: FeatureStore, params: PrivacyParams | None) -> list[str]:
-    """User unit: refuse records without a user id (with their count) unless each may be its own user.
+def _unit_checks(store: FeatureStore, params: PrivacyParams | None, *, creating: bool = True) -> list[str]:
+    """User unit: at creation, refuse records without a user id (with their count) unless each may be its own
+    user; on an existing ledger such rows (arrived later) are never candidates, as serve-queries treats them, and
+    a warning counts them (review 44, L2: one such row refused the whole re-run, so no other new record joined).
     Record unit on a store that has user ids: a warning (a person with many records is protected per record)."""
     if params is None:
         return []
@@ -290,6 +294,10 @@ def _unit_checks(store: FeatureStore, params: PrivacyParams | None) -> list[str]
     if params.privacy_unit == "user":
         missing = int((~has_user & ~deleted).sum())
         if missing and params.user_for_missing != "record":
+            if not creating:
+                return [f"{count(missing, 'private row')} of the store {'has' if missing == 1 else 'have'} no user "
+                        "id: under the user unit (--user-for-missing refuse) they stay out of the ledger (never "
+                        "candidates); to serve them, delete them and embed them again with a user id (--user-column)"]
             raise BadInputError(f"--privacy-unit user: {missing} private rows have no user id; give them one "
                                 "(embed --user-column) or pass --user-for-missing record (each its own user)")
         return []

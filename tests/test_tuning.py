@@ -29,6 +29,24 @@ def _req(**kw):
 
 
 # -- accounting -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [0.0, 0.5, 1.0, 2.0, 5.0])
+@pytest.mark.parametrize("mean", [1.5, 2.0, 3.0, 10.0, 30.0, 100.0])
+def test_the_number_of_runs_is_sampled_with_a_mean_no_larger_than_the_one_accounted(shape, mean):
+    """Review 44, L1: K was drawn from the TNB at dp-accounting's γ (the lower end of its bisection), whose mean
+    is up to ~4e-10 above the mean the bound is evaluated at, so the composed ε sat ~1e-10 above its target. The
+    sampled γ is now ≥ the accountant's (its log(1/γ) term rounds against the user) and its mean ≤ the accounted
+    mean (the log(mean) term too), and no further from it than a relative 1e-8."""
+    from dp_accounting.rdp.rdp_privacy_accountant import (_gamma_truncated_negative_binomial,
+                                                          _truncated_negative_binomial_mean)
+
+    from indknn_cli.tuning_accounting import sampling_gamma
+
+    gamma = sampling_gamma(shape=shape, mean_runs=mean)
+    assert gamma >= _gamma_truncated_negative_binomial(shape, mean)
+    sampled_mean = _truncated_negative_binomial_mean(gamma, shape)
+    assert sampled_mean <= mean and (mean - sampled_mean) / mean < 1e-8
+
+
 @pytest.mark.parametrize("shape", [0.0, 1.0, 2.5, "poisson"])
 def test_tuning_cost_is_dp_accountings_figure(shape):
     from dp_accounting import dp_event

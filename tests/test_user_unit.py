@@ -199,6 +199,30 @@ def test_missing_user_ids_refused_with_count_or_each_its_own_user(tmp_path):
     assert rec.exit_code == 0 and "--privacy-unit user" in rec.stderr  # warned: user ids, record unit
 
 
+def test_a_later_row_without_a_user_id_is_never_a_candidate_and_does_not_block_index(tmp_path):
+    """Review 44, L2: under --user-for-missing refuse, one row without a user id embedded after creation made
+    every later `index` refuse (exit 2), so no other new record could join; docs/USER_UNIT.md said such rows
+    stay out of selection. Now index warns with their count and adds the others; the row is never a candidate."""
+    users = [f"u{i % 3}" for i in range(30)]
+    store, x, y, q = _user_store(tmp_path, users)
+    res = runner.invoke(app, ["index", "--store", str(store.path), "--ledger", str(tmp_path / "L"), "--eps", "1",
+                              "--tau", "0.3", "--sigma2", "0.5", "--planned-queries", "30", "--k-min", "5",
+                              "--privacy-unit", "user"])
+    assert res.exit_code == 0, res.stderr
+    store = FeatureStore.open(store.path, mode="a")
+    store.append("private", q[:2], labels=y[:2], record_ids=["nobody", "late"], user_ids=["", "u1"])
+    res = runner.invoke(app, ["index", "--store", str(store.path), "--ledger", str(tmp_path / "L")])
+    assert res.exit_code == 0, res.stderr
+    assert "1 private row of the store has no user id" in " ".join(res.stderr.split())
+    led = BudgetLedger.open(tmp_path / "L")
+    assert "late" in list(led.state.record_id) and "nobody" not in list(led.state.record_id)
+    # the query batch holds the no-user row's own vector (κ = 1 ≥ τ): it would be selected if it could be
+    serve_queries(store_path=store.path, ledger_path=tmp_path / "L", query_batch="q1", seed=4, reuse=False)
+    s = BudgetLedger.open(tmp_path / "L").state
+    ids = list(s.record_id)
+    assert "nobody" not in ids and s.spent[ids.index("late")] > 0.0  # it stayed out of the ledger: never selected
+
+
 def test_a_new_record_of_a_known_user_joins_that_users_budget(tmp_path):
     users = [f"u{i % 3}" for i in range(30)]
     store, x, y, q = _user_store(tmp_path, users)
