@@ -172,7 +172,7 @@ def build_index(
 
         existing = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
         tuned = existing.meta.get("tuning") or {}
-        differ = _tuning.same_request(tuned.get("request"), tune, extractor=store.extractor.name)
+        differ = _tuning.request_differences(tuned.get("request"), tune, extractor=store.extractor.name)
         if differ:
             raise LedgerError(f"{ledger_path}: the ledger already exists; --tune chooses τ and σ2 once, when the "
                               "ledger is created (its parameters and budget cannot change afterwards), and this "

@@ -358,8 +358,8 @@ def request_record(req: TuneRequest, *, extractor: str) -> dict:
     return json.loads(json.dumps(d))
 
 
-def same_request(recorded: dict | None, req: TuneRequest, *, extractor: str) -> list[str]:
-    """The options of ``req`` that differ from the ledger's recorded request (every one when none is recorded)."""
+def request_differences(recorded: dict | None, req: TuneRequest, *, extractor: str) -> list[str]:
+    """The options of ``req`` that differ from the ledger's recorded request; one explanation when none is recorded."""
     now = request_record(req, extractor=extractor)
     if not isinstance(recorded, dict):
         return ["it records none: made before indknn recorded the request, or without --tune"]
