@@ -243,6 +243,9 @@ class AnswersWriter:
             self._writer = None
             with open(self.tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
+            # a path that became a pipe or a device since the run began (review 45, F3): refused, not replaced; the
+            # answers are in the ledger, and the same --batch-id run again returns them without a charge
+            refuse_not_a_file(self.path, option="--out")
             os.replace(self.tmp, self.path)
         except OSError as exc:
             self.abort()

@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import IndknnError, SchedulerError
 from .scheduler_address import connect
+from .scheduler_address import SCHEDULER_ENV, resolve_scheduler  # noqa: F401 (their home before: library callers)
 from .store import GROUP_OF_ROLE, ExtractorInfo
 
 CONNECT_TIMEOUT_S = 10

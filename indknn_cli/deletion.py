@@ -94,6 +94,7 @@ from .deletion_compact import recover as _recover
 from .deletion_compact import leftover_note as _leftover_note
 from .deletion_compact import recover_store_folder as _recover_store_folder
 from .deletion_plan import DeleteResult, _enforce_strict, _plan, _Plan
+from .deletion_plan import read_ids  # noqa: F401 (its home before the split: library callers)
 from .errors import BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, StorageError, StoreError
 from .ledger import BudgetLedger
 from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path

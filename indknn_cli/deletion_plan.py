@@ -20,6 +20,10 @@ from .wording import count
 
 
 # -- results ---------------------------------------------------------------------
+OPERATOR_ONLY_DELETE = ("operator-only: the ids, users and counts above are exact figures of the private data "
+                        "(for the data holder and the people who asked for their erasure, never for query-senders)")
+
+
 @dataclass
 class DeleteResult:
     records_erased: int
@@ -56,6 +60,7 @@ class DeleteResult:
             out["tombstones_pending"] = self.tombstones_pending
         if self.physical_erasure is not None:
             out["physical_erasure"] = self.physical_erasure
+        out["operator_only"] = OPERATOR_ONLY_DELETE  # review 46, F8: exact ids and counts of the private data
         return out
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from .engine import ArraySource, Candidates, TooManyPairs, find_candidates
 from .errors import BadInputError, ConcurrentChangeError, IndknnError, SchedulerError, StoreError
 from .scheduler_address import CONNECT_TIMEOUT, connect
+from .scheduler_address import SCHEDULER_ENV, resolve_scheduler  # noqa: F401 (their home before: library callers)
 
 RETRIES = 2
 TASKS_PER_WORKER = 2

@@ -101,14 +101,15 @@ def export_account(*, ledger_path: str | os.PathLike, out: str | os.PathLike, de
                         ("adjacency", unit["adjacency"]), ("note", EXPORT_NOTE)):
         cols[name] = pa.array([value] * n)
     table = pa.table(cols)
-    tmp = path.with_name(path.name + ".tmp")
-    if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
+    from .output_files import atomic_output
 
-        pq.write_table(table, tmp)
-    else:
-        import pyarrow.csv as pacsv
+    with atomic_output(path, option="--export") as fh:  # a random O_EXCL name, never NAME.tmp (review 45, F1)
+        if path.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
 
-        pacsv.write_csv(table, tmp)
-    os.replace(tmp, path)
+            pq.write_table(table, fh)
+        else:
+            import pyarrow.csv as pacsv
+
+            pacsv.write_csv(table, fh)
     return {"export": str(path), "rows": n, "columns": table.column_names, "note": EXPORT_NOTE}

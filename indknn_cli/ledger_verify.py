@@ -56,6 +56,13 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
             }
         else:
             out["store"] = None
+            # review 46, F7: the chain alone cannot see a rolled-back or truncated ledger, or an edited newest event
+            # (nothing after it links to it): only the store's high-water mark can. Without the store, not verified.
+            out["error"] = (f"{out.get('store_note') or 'the store was not found'}: the hash chain holds (events "
+                            f"{out['events']['first_seq'] or '-'}..{out['events']['last_seq'] or '-'}), but without "
+                            "the store's high-water mark a rolled-back or truncated ledger, or an edited newest event, "
+                            "cannot be told from an intact one; give --store STORE (a copy of the store will do)")
+            return out
         out["verified"] = True
     except LedgerError as exc:
         out["error"] = str(exc)
@@ -127,4 +134,6 @@ def verification_lines(r: dict) -> list[str]:
         if "records_at_their_rows" in s:
             lines.append(f"  store rows: each of the {count(s['records_at_their_rows'], 'live record')} sits at a row "
                          "holding its own record id")
+    lines.append("  [OPERATOR ONLY] the counts above are exact figures of the private data: for the data holder, "
+                 "never for query-senders")
     return lines

@@ -5,13 +5,23 @@ JSON) is written to a temporary file beside it and renamed into place, so a read
 replaces whatever has the name: ``--out /dev/null`` run as root turned the machine's ``/dev/null`` into a Parquet
 file and exited 0, and a named pipe that a consumer was reading from was replaced (its reader never got the
 answers). Such a path is refused before anything is read, charged or written. A symbolic link is followed: a link
-to a device or a pipe is refused too; a link to a regular file is replaced by the new file, as before.
+to a device or a pipe is refused too; a link to a regular file is replaced by the new file, as before. A path in
+``/dev`` or ``/proc`` (``--out /dev/stdout``: a link to ``/proc/self/fd/1``, a regular file when stdout is redirected
+to one) is refused as well: the rename replaced the link in ``/dev`` itself (review 45, F2).
+
+:func:`atomic_output` is the one way these files are written: a temporary file made with ``O_EXCL`` under a random
+name beside the target (never a predictable ``NAME.tmp``, which a link left there turned into a write through the
+link: `account --export` wrote over the ledger's snapshot; review 45, F1), written through its descriptor, fsync'd,
+checked again and renamed into place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import tempfile
+from pathlib import Path
 
 from .errors import BadInputError
 
@@ -19,8 +29,28 @@ _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")
           (stat.S_ISSOCK, "a socket"))
 
 
+_SYSTEM_FOLDERS = (Path("/dev"), Path("/proc"))
+
+
+_SHARED_MEMORY = Path("/dev/shm")  # a tmpfs folder of ordinary files, where users do write
+
+
+def _in_system_folder(p: Path) -> bool:
+    if p == _SHARED_MEMORY or _SHARED_MEMORY in p.parents:
+        return False
+    return any(p == f or f in p.parents for f in _SYSTEM_FOLDERS)
+
+
 def refuse_not_a_file(path: str | os.PathLike, *, option: str) -> None:
-    """BadInputError (exit 2) when ``path`` exists (links followed) and is a device, a named pipe or a socket."""
+    """BadInputError (exit 2) when ``path`` exists (links followed) and is a device, a named pipe or a socket, or
+    names something in /dev or /proc (itself, or the folder it is in, links resolved)."""
+    hint = " (without --out, serve-queries prints its answers on stdout as JSON lines)" if option == "--out" else ""
+    p = Path(os.path.abspath(path))
+    if _in_system_folder(p.parent) or _in_system_folder(Path(os.path.realpath(p.parent))) \
+            or _in_system_folder(Path(os.path.realpath(p))):
+        raise BadInputError(f"{option} {os.fspath(path)} is in /dev or /proc, not a file of yours: indknn writes a new "
+                            f"file and renames it into place, which would replace what is there; give the path of a "
+                            f"file{hint}")
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -28,5 +58,32 @@ def refuse_not_a_file(path: str | os.PathLike, *, option: str) -> None:
     for test, kind in _KINDS:
         if test(mode):
             raise BadInputError(f"{option} {os.fspath(path)} is {kind}, not a file: indknn writes a new file and "
-                                "renames it into place, which would replace it; give the path of a file (without "
-                                "--out, serve-queries prints its answers on stdout as JSON lines)")
+                                f"renames it into place, which would replace it; give the path of a file{hint}")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, *, option: str, mode: str = "wb"):
+    """Yield a file object open on a new temporary file beside ``path`` (``O_EXCL``, random name); on success it is
+    fsync'd, ``path`` is checked again (:func:`refuse_not_a_file`: it may have become a pipe meanwhile) and the file
+    renamed over it; on failure it is removed and ``path`` is left as it was."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.",
+                               suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it (mkstemp makes 0600)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        refuse_not_a_file(path, option=option)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -60,7 +60,7 @@ USER_SCOPE = ("the guarantee is per user (the ledger's privacy unit), for neighb
               "adding or removing one user with all their records; under replace-one adjacency the Gaussian-DP μ "
               "doubles")
 USER_UNIT_NOTE = ("per user: the filter charges this user as one unit (SPEC §9); every record of the user carries "
-                  "the user's spent, and the realised ε below is the user's")
+                  "the user's spent, and the user's realised ε is the user's spent converted")
 
 #: What a data subject's view (--record / --user) is: exact figures of that record or user alone.
 SUBJECT_NOTE = ("operator-only: spent, remaining, times_selected, status and realised_epsilon are exact, noise-free "

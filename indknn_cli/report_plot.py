@@ -58,13 +58,13 @@ def plot_account_report(report, path: str | os.PathLike) -> Path:
     axes[2].set_xlabel("spent / B")
     axes[2].set_ylabel("records")
     axes[2].set_title(f"spent budget (B = {d['budget']:.4g}, {d['records']} records)")
+    fig.suptitle("operator only: exact figures of the private data, never for query-senders", fontsize=9, color="firebrick")  # review 46, F8
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    from .output_files import atomic_output
+
     try:
-        fig.savefig(tmp)
-        os.replace(tmp, path)
+        with atomic_output(path, option="--plot") as fh:  # a random O_EXCL name (review 45, F1)
+            fig.savefig(fh, format=path.suffix.lower().lstrip("."))
     finally:
         plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
     return path

@@ -405,7 +405,7 @@ CASES: list[Case] = [
          "review 44)"),
     Case("serve-out-link-to-dev-null", "serve-queries", "--out a link to /dev/null (as --out /dev/null)",
          lambda w: ["serve-queries", "q2", *SL(w), "--out", _link(w / "null.parquet", os.devnull)], 2,
-         "is a character device", "refused before any query is answered (before: `--out /dev/null` as root replaced "
+         "in /dev or /proc", "refused before any query is answered (before: `--out /dev/null` as root replaced "
          "the machine's /dev/null with the Parquet file, exit 0; review 44, H1)"),
     Case("serve-device-unknown", "serve-queries", "--device tpu (a query file given)",
          lambda w: ["serve-queries", _save_npy(w / "in.npy", vecs(3)), *SL(w), "--device", "tpu"], 2,

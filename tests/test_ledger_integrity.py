@@ -478,6 +478,30 @@ def test_account_verify_reports_what_it_checked(world):
 
 
 @pytest.mark.heavy
+def test_verify_without_the_store_is_not_a_pass(world, tmp_path):
+    """Review 46, F7: with no store at the recorded path and no --store, `account --verify` checked the hash chain
+    alone and exited 0, on a ledger whose newest event had been deleted (or an older copy restored, or the newest
+    event edited: nothing after it links to it). Only the store's high-water mark can see those: without it the
+    ledger is not verified (exit 1, saying why and what to give); with --store the same tamper is caught."""
+    sp, lp = world
+    copy = tmp_path / "copy"
+    shutil.copytree(lp, copy)
+    _events(copy)[-1].unlink()  # a truncated ledger: its chain still holds
+    moved = sp.rename(sp.parent / "elsewhere.zarr")
+    for ledger in (lp, copy):  # the intact ledger is not verified without its store either
+        res = runner.invoke(app, ["account", "--verify", "--ledger", str(ledger)])
+        assert res.exit_code == 1 and "NOT verified" in res.stdout, res.output
+        assert "give --store" in " ".join(res.stdout.split())
+    res = runner.invoke(app, ["account", "--verify", "--json", "--ledger", str(lp)])
+    v = json.loads(res.stdout)
+    assert res.exit_code == 1 and v["verified"] is False and v["events"]["count"] > 0  # what was checked is shown
+    ok = runner.invoke(app, ["account", "--verify", "--ledger", str(lp), "--store", str(moved)])
+    assert ok.exit_code == 0, ok.output
+    bad = runner.invoke(app, ["account", "--verify", "--ledger", str(copy), "--store", str(moved)])
+    assert bad.exit_code == 1 and "NOT verified" in bad.stdout
+
+
+@pytest.mark.heavy
 def test_review_27_f2_a_ledger_stripped_of_its_chain_binding_and_mark_is_refused(world):
     """The snapshot rewritten without its chain fields and with every spent at 0, the events removed, the store's
     binding and mark removed (no hash computed): it was accepted as a ledger from before chaining, and every record

@@ -47,6 +47,35 @@ def test_the_number_of_runs_is_sampled_with_a_mean_no_larger_than_the_one_accoun
     assert sampled_mean <= mean and (mean - sampled_mean) / mean < 1e-8
 
 
+@pytest.mark.parametrize("shape,mean", [(1e9, 2.0), (1e6, 1.001), (2.0, 1 + 1e-9), (0.5, 1 + 1e-8)])
+def test_extreme_shapes_and_means_near_one_draw_quickly_at_the_accounted_mean(shape, mean):
+    """Review 45: at η = 1e9 the doubling step overshot γ (K drawn at a mean 9 % below the accounted one: safe, but
+    a utility loss); at a mean close to 1 with η > 0, rejection sampling of K ≥ 1 accepted with probability
+    1 − γ^η ≈ 8e-10 and `index --tune` hung under the ledger's lock. A bounded bisection, and inversion there."""
+    import signal
+
+    from dp_accounting.rdp.rdp_privacy_accountant import _truncated_negative_binomial_mean
+
+    from indknn_cli.tuning_accounting import draw_runs, sampling_gamma
+
+    gamma = sampling_gamma(shape=shape, mean_runs=mean)
+    got = _truncated_negative_binomial_mean(gamma, shape)
+    assert got <= mean and (mean - got) / mean < 1e-4
+
+    def _hung(*_):
+        raise TimeoutError("draw_runs did not return")
+
+    old = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(30)
+    try:
+        rng = np.random.default_rng(1)
+        ks = [tuning.draw_runs(mean_runs=mean, shape=shape, rng=rng) for _ in range(50)]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert min(ks) >= 1 and draw_runs is tuning.draw_runs
+
+
 @pytest.mark.parametrize("shape", [0.0, 1.0, 2.5, "poisson"])
 def test_tuning_cost_is_dp_accountings_figure(shape):
     from dp_accounting import dp_event

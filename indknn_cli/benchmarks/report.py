@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..output_files import refuse_not_a_file
+from ..output_files import atomic_output, refuse_not_a_file
 
 PACKAGES = ("indknn", "numpy", "scipy", "torch", "opacus", "dp-accounting", "sentence-transformers",
             "scikit-image", "zarr", "pyarrow", "matplotlib")
@@ -65,13 +65,9 @@ def write_json(path: Path, obj: dict) -> Path:
     path = Path(path)
     refuse_not_a_file(path, option="bench's JSON file")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_output(path, option="bench's JSON file", mode="w") as f:  # random O_EXCL name (review 45, F1)
         json.dump(_clean(obj), f, indent=1, ensure_ascii=False)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return path
 
 

@@ -33,8 +33,34 @@ def _load() -> None:
 HISTORY_ROWS = 20
 
 
-def _f(x, fmt: str = ".6g") -> str:
-    return "—" if x is None else format(x, fmt)
+def _up(x, digits: int = 6) -> str:
+    """``x`` to ``digits`` significant digits, rounded up (ε, spent, B: never printed below the figure, review 46,
+    F1: ε(rdp) 1.0921503 was printed 1.092). Exact: the binary value is rounded as a Decimal."""
+    return _sig(x, digits, up=True)
+
+
+def _down(x, digits: int = 6) -> str:
+    """``x`` to ``digits`` significant digits, rounded down (what remains of a budget)."""
+    return _sig(x, digits, up=False)
+
+
+def _sig(x, digits: int, *, up: bool) -> str:
+    from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
+
+    if x is None:
+        return "—"
+    x = float(x)
+    if x == 0 or x != x or x in (float("inf"), float("-inf")):
+        return format(x, "g")
+    d = Decimal(x)
+    q = d.quantize(Decimal(1).scaleb(d.adjusted() - digits + 1), rounding=ROUND_CEILING if up else ROUND_FLOOR)
+    return format(float(q), f".{digits}g")  # q has ≤ digits significant digits (a carry, 9.9995 → 10.00, fewer)
+
+
+def _given(x) -> str:
+    """A number the user gave, exactly (``--eps 0.9999999999999455`` was shown as 1: review 46, F9)."""
+    s = repr(float(x))
+    return s[:-2] if s.endswith(".0") else s
 
 
 def _print_subject(console, title: str, rec: dict) -> None:
@@ -43,8 +69,8 @@ def _print_subject(console, title: str, rec: dict) -> None:
     t.add_column("field", style="bold")
     t.add_column("value")
     rows = [("record id", rec["record_id"]), ("user id", rec["user_id"] or "—"), ("status", rec["status"]),
-            ("spent", _f(rec["spent"])), ("remaining", _f(rec["remaining"])), ("budget B", _f(rec["budget"])),
-            ("next count charge", _f(rec["next_charge_at_least"]) + (
+            ("spent", _up(rec["spent"])), ("remaining", _down(rec["remaining"])), ("budget B", _up(rec["budget"])),
+            ("next count charge", _up(rec["next_charge_at_least"]) + (
                 " (per record selected; a user selected through m records pays m²× this)"
                 if rec.get("unit") == "user" else "")),
             ("times selected", str(rec["times_selected"]))]
@@ -52,7 +78,7 @@ def _print_subject(console, title: str, rec: dict) -> None:
     for c, v in rec["realised_epsilon_by_conversion"].items():
         what = f"{c}, tuning + serving" if tuned and c == "rdp" else (
             f"{c}: not applicable to tuning + serving" if tuned else c)
-        rows.append((f"realised ε ({what})", f"{_f(v, '.4g')}  [{REALISED_LABEL}]"))  # escaped below
+        rows.append((f"realised ε ({what})", f"{_up(v, 4)}  [{REALISED_LABEL}]"))  # escaped below
     rows.append(("deleted", f"yes, at {rec['deleted_at']}" if rec["deleted"] else "no"))
     rows.append(("last change", rec["last_change"] or "—"))
     for k, v in rows:
@@ -63,7 +89,7 @@ def _print_subject(console, title: str, rec: dict) -> None:
 def _print_tables(report: AccountReport, *, full: bool) -> None:
     d = report.data
     out = stdout_console()
-    out.print(f"[bold]Guarantee[/] (the filter's): every {d['unit']}'s total charge ≤ B = {d['budget']:.6g}")
+    out.print(f"[bold]Guarantee[/] (the filter's): every {d['unit']}'s total charge ≤ B = {_up(d['budget'])}")
     out.print(escape(f"unit: one {d['unit']}; adjacency: {d['adjacency']} ({d['scope']})"))
     out.print(f"ledger: {escape(d['ledger'])}")
     g = Table()
@@ -71,9 +97,9 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     for c in ("gdp", "rdp"):
         g.add_column(f"ε ({c})", justify="right")
     for row in d["guarantees"]:
-        g.add_row(f"{row['delta']:g}", *[_f(row["epsilon_by_conversion"][c], ".4g") for c in ("gdp", "rdp")])
+        g.add_row(f"{row['delta']:g}", *[_up(row["epsilon_by_conversion"][c], 4) for c in ("gdp", "rdp")])
     out.print(g)
-    out.print(f"headline: ε({d['conversion']}) = {_f(d['epsilon'], '.6g')} at δ = {d['delta']:g}, "
+    out.print(f"headline: ε({d['conversion']}) = {_up(d['epsilon'])} at δ = {d['delta']:g}, "
               f"{escape(d['adjacency'])}")
     for c in ("gdp", "rdp"):
         out.print(escape(f"  {c}: {CONVERSION_LABEL[c]}"))
@@ -84,9 +110,9 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
         how = ("by the exponential mechanism" if t.get("method") == "exp-mech" else
                f"{t['runs_drawn']} runs, a figure for the operator only")
         out.print(escape(f"of which tuning (τ={t['chosen']['tau']:g}, σ2={t['chosen']['sigma2']:g}, "
-                         f"{how}): ε(rdp) = {_f(t['epsilon_tuning'], '.4g')} alone; serving "
-                         f"alone ε(rdp) = {_f(t['epsilon_serving_alone'], '.4g')}; composed by RDP = "
-                         f"{_f(t['epsilon_total'], '.6g')} at δ = {d['delta']:g}, {d['adjacency']} (gdp: not "
+                         f"{how}): ε(rdp) = {_up(t['epsilon_tuning'], 4)} alone; serving "
+                         f"alone ε(rdp) = {_up(t['epsilon_serving_alone'], 4)}; composed by RDP = "
+                         f"{_up(t['epsilon_total'])} at δ = {d['delta']:g}, {d['adjacency']} (gdp: not "
                          "applicable to the composition)"))
         if t.get("seeded"):
             from ..tuning import SEEDED_NOTE
@@ -105,18 +131,19 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
                     f"realised ε ({d['conversion']})", "deleted at"):
             t.add_column(col, justify="right" if col not in ("record id", "status") else "left")
         for r in u["record_list"]:
-            t.add_row(escape(r["record_id"]), r["status"], _f(r["spent"]), _f(r["remaining"]),
-                      str(r["times_selected"]), _f(r["realised_epsilon_by_conversion"][d["conversion"]], ".4g"),
+            t.add_row(escape(r["record_id"]), r["status"], _up(r["spent"]), _down(r["remaining"]),
+                      str(r["times_selected"]), _up(r["realised_epsilon_by_conversion"][d["conversion"]], 4),
                       r["deleted_at"] or "—")
         if d["unit"] == "user":  # the privacy unit's own figure first, then its records' rows (review 42, L6)
-            out.print(escape(f"user {u['user_id']} (the privacy unit): spent {_f(u['spent'])}, remaining "
-                             f"{_f(u['remaining'])}, realised ε ({d['conversion']}, per user, {d['adjacency']}) "
-                             f"{_f(u['realised_epsilon_by_conversion'][d['conversion']], '.4g')} "
+            out.print(escape(f"user {u['user_id']} (the privacy unit): spent {_up(u['spent'])}, remaining "
+                             f"{_down(u['remaining'])}, realised ε ({d['conversion']}, per user, {d['adjacency']}) "
+                             f"{_up(u['realised_epsilon_by_conversion'][d['conversion']], 4)} "
                              f"[{REALISED_LABEL}]"))
         out.print(t)
         if d["unit"] == "user":
-            out.print(escape(f"the table's realised ε ({d['conversion']}) is each record's own spent converted alone "
-                             "(a row of the user's, not a privacy unit): the user's figure is the line above"))
+            out.print(escape(f"the table's rows are the user's records (each live one carries the user's spent, so its row's "
+                             f"realised ε ({d['conversion']}) is the user's); the privacy unit's figure is the line "
+                             "above the table"))
         else:
             out.print(escape(f"realised ε ({d['conversion']}) per record: [{REALISED_LABEL}]"))
         out.print(escape(u["user_level"]))
@@ -141,10 +168,10 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     q.add_column("")
     for name, _ in QUANTILES:
         q.add_column(name, justify="right")
-    q.add_row("spent", *[_f(d["spent_quantiles"][k], ".4g") for k, _ in QUANTILES])
-    q.add_row("spent / B", *[_f(d["spent_fraction_quantiles"][k], ".3f") for k, _ in QUANTILES])
+    q.add_row("spent", *[_up(d["spent_quantiles"][k], 4) for k, _ in QUANTILES])
+    q.add_row("spent / B", *[_up(d["spent_fraction_quantiles"][k], 3) for k, _ in QUANTILES])
     re = d["realised_epsilon"]
-    q.add_row(f"realised ε ({re['conversion']})", *[_f(re[k], ".4g") for k, _ in QUANTILES])
+    q.add_row(f"realised ε ({re['conversion']})", *[_up(re[k], 4) for k, _ in QUANTILES])
     out.print(q)
     out.print(escape(f"realised ε({re['conversion']}) at δ = {re['delta']:g}: {REALISED_LABEL}"))
     hist = d["history"]
@@ -157,7 +184,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
         for row in hist[-HISTORY_ROWS:]:
             h.add_row(escape(str(row["batch_id"])), str(row["answers"]), str(row["queries_answered"]),
                       str(row["records_active"]), str(row["records_retired"]), f"{100 * row['retired_fraction']:.1f}",
-                      str(row["records_deleted"]), _f(row["realised_epsilon_median"], ".4g"))
+                      str(row["records_deleted"]), _up(row["realised_epsilon_median"], 4))
         out.print(h)
         if len(hist) > HISTORY_ROWS:
             out.print(f"last {HISTORY_ROWS} of {len(hist)} batches (all of them in --json)")
@@ -170,8 +197,8 @@ def _one_line_check(report: AccountReport) -> None:
     parts = []
     chk = d.get("check_eps")
     if chk is not None:
-        parts.append(f"--eps {chk['eps']:g} check {'passed' if chk['passed'] else 'FAILED'}: guarantee "
-                     f"ε({chk['conversion']}) = {_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}, "
+        parts.append(f"--eps {_given(chk['eps'])} check {'passed' if chk['passed'] else 'FAILED'}: guarantee "
+                     f"ε({chk['conversion']}) = {_up(chk['epsilon'])} at δ = {chk['delta']:g}, "
                      f"{d['adjacency']}")
     chk = d.get("check_min_active")
     if chk is not None:
@@ -289,10 +316,10 @@ def account_command(
     if chk is not None:
         over = chk["records_realised_above_eps"]
         verdict = "passed" if chk["passed"] else "FAILED"
-        err.print(escape(f"--eps {chk['eps']:g} check {verdict}: guarantee ε({chk['conversion']}) = "
-                         f"{_f(chk['epsilon'], '.6g')} at δ = {chk['delta']:g}, {d['adjacency']}"))
+        err.print(escape(f"--eps {_given(chk['eps'])} check {verdict}: guarantee ε({chk['conversion']}) = "
+                         f"{_up(chk['epsilon'])} at δ = {chk['delta']:g}, {d['adjacency']}"))
         err.print(escape(f"{over} {'record' if over == 1 else 'records'}' realised loss ε({chk['conversion']}, per "
-                         f"{d['unit']}, {d['adjacency']}) is above {chk['eps']:g} (informational: {REALISED_LABEL})"))
+                         f"{d['unit']}, {d['adjacency']}) is above {_given(chk['eps'])} (informational: {REALISED_LABEL})"))
     chk = d.get("check_min_active")
     if chk is not None and chk["passed"]:
         err.print(escape(f"--min-active {chk['min_active']} check passed: {chk['records_active']} active "
