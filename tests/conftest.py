@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,3 +127,20 @@ def original_set_aside(store):
         yield
     finally:
         aside.rename(store)
+
+
+def served_pair(root: Path) -> tuple[Path, Path]:
+    """A store of 120 clustered records (d = 16) with query batches q1 and q2 (10 each), its ledger, q1 served."""
+    from indknn_cli.serving import build_index, make_params, serve_queries
+
+    x, y, _ = clustered(120, 16, 3, seed=5)
+    st = FeatureStore.create(root / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=16,
+                             label_names=["a", "b", "c"])
+    st.append("private", x, labels=y, record_ids=[f"r{i:03d}" for i in range(120)])
+    for name, seed in (("q1", 6), ("q2", 7)):
+        q, _, _ = clustered(10, 16, 3, seed=seed)
+        st.append("query", q, record_ids=[f"{name}-{i}" for i in range(10)], batch=name)
+    build_index(store_path=st.path, ledger_path=root / "L",
+                params=make_params(epsilon=1, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=50))
+    serve_queries(store_path=st.path, ledger_path=root / "L", query_batch="q1", seed=1)
+    return root / "s.zarr", root / "L"

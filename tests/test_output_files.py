@@ -18,27 +18,13 @@ from indknn_cli.answers_out import AnswersWriter
 from indknn_cli.cli.app import app
 from indknn_cli.errors import BadInputError
 from indknn_cli.output_files import refuse_not_a_file
-from indknn_cli.serving import build_index, make_params, serve_queries
-from indknn_cli.store import ExtractorInfo, FeatureStore
 
-from .conftest import clustered
+from .conftest import served_pair
 
 runner = CliRunner()
 
 
-def _world(root: Path) -> tuple[Path, Path]:
-    x, y, _ = clustered(200, 8, 3, seed=5)
-    st = FeatureStore.create(root / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
-                             label_names=["a", "b", "c"])
-    st.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(200)])
-    for k, name in enumerate(("q1", "q2")):
-        q, _, _ = clustered(12, 8, 3, seed=50 + k)
-        st.append("query", q, record_ids=[f"{name}-{i}" for i in range(12)], batch=name)
-    lp = root / "L"
-    build_index(store_path=st.path, ledger_path=lp, params=make_params(epsilon=2.0, delta=1e-5, tau=0.5, sigma2=2.0,
-                                                                         planned_queries=100))
-    serve_queries(store_path=st.path, ledger_path=lp, query_batch="q1", seed=1)
-    return Path(st.path), lp
+_world = served_pair
 
 
 def _digest(*roots: Path) -> dict[str, str]:

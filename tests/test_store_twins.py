@@ -15,26 +15,15 @@ from typer.testing import CliRunner
 from indknn_cli.cli.app import app
 from indknn_cli.deletion import delete_records
 from indknn_cli.errors import LedgerError
-from indknn_cli.serving import build_index, make_params, serve_queries
-from indknn_cli.store import ExtractorInfo, FeatureStore
+from indknn_cli.serving import build_index, serve_queries
+from indknn_cli.store import FeatureStore
 
-from .conftest import clustered
+from .conftest import clustered, served_pair
 
 runner = CliRunner()
 
 
-def _pair(root: Path) -> tuple[Path, Path]:
-    x, y, _ = clustered(120, 16, 3, seed=5)
-    st = FeatureStore.create(root / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=16,
-                             label_names=["a", "b", "c"])
-    st.append("private", x, labels=y, record_ids=[f"r{i:03d}" for i in range(120)])
-    for name, seed in (("q1", 6), ("q2", 7)):
-        q, _, _ = clustered(10, 16, 3, seed=seed)
-        st.append("query", q, record_ids=[f"{name}-{i}" for i in range(10)], batch=name)
-    build_index(store_path=st.path, ledger_path=root / "L",
-                params=make_params(epsilon=1, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=50))
-    serve_queries(store_path=st.path, ledger_path=root / "L", query_batch="q1", seed=1)
-    return root / "s.zarr", root / "L"
+_pair = served_pair
 
 
 def _tree(path: Path) -> dict:
