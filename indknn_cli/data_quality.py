@@ -71,6 +71,9 @@ def neighbour_warning(store, params) -> str | None:
     if n_priv == 0:
         return None
     live = ~store.read("private", "deleted").astype(bool)
+    if getattr(params, "privacy_unit", "record") == "user" and getattr(params, "user_for_missing", "refuse") != "record":
+        # rows without a user id stay out of a user-unit ledger: never neighbours (review 45, F6)
+        live &= np.array([bool(u) for u in store.read("private", "user_id")], dtype=bool)
     best = np.full(rows.shape[0], -np.inf)
     for lo in range(0, n_priv, 65536):
         block = store.read("private", "features", lo, min(n_priv, lo + 65536)).astype(np.float32)
