@@ -76,8 +76,8 @@ def atomic_output(path: str | os.PathLike, *, option: str, mode: str = "wb"):
     fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.",
                                suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it (mkstemp makes 0600)
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+            os.fchmod(fh.fileno(), 0o666 & ~_umask())  # as open() would make it (mkstemp makes 0600)
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
