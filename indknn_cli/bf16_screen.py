@@ -103,9 +103,22 @@ def bf16_screen_margin(*, dim: int, norm_product: float) -> float:
     return (1.0 + u) * a + u * b
 
 
+SETTINGS = ("auto", "bf16", "fp32")
+
+
 def _mode() -> str:
     raw = os.environ.get("INDKNN_SCREEN", "").strip().lower()
     return raw if raw in ("bf16", "fp32") else "auto"  # anything else: auto (a setting never raises mid-serve)
+
+
+def check_setting() -> None:
+    """Refuse an ``INDKNN_SCREEN`` that is not blank, ``auto``, ``bf16`` or ``fp32`` (a misspelt ``fp23`` would
+    otherwise leave the screen on "auto" without a word). Called by ``serve-queries`` before anything is read or
+    written; :func:`_mode` itself stays forgiving, so a setting never raises mid-serve."""
+    raw = os.environ.get("INDKNN_SCREEN", "").strip().lower()
+    if raw and raw not in SETTINGS:
+        raise ValueError(f"INDKNN_SCREEN must be one of {', '.join(SETTINGS)} (or unset), "
+                         f"got {os.environ['INDKNN_SCREEN']!r}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -157,6 +157,7 @@ class Case:
     keyword: str                               # must appear in stderr
     behaviour: str = "refused before anything is written"
     stdin: str | None = None
+    env: dict[str, str] | None = None            # environment settings for the run (as a cron job would set them)
 
 
 def S(w):  # noqa: N802 - short helpers for the table
@@ -324,6 +325,9 @@ CASES: list[Case] = [
          lambda w: ["index", "--store", _empty_store(w), "--ledger", str(w / "new-ledger"), "--eps", "1"], 2,
          "no private records"),
     # ---------------------------------------------------------------- serve-queries
+    Case("serve-screen-setting-unknown", "serve-queries", "INDKNN_SCREEN=fp23 (a misspelt screen setting)",
+         lambda w: ["serve-queries", "q2", *SL(w)], 2, "INDKNN_SCREEN must be one of",
+         "refused before anything is read (before: taken as auto without a word)", env={"INDKNN_SCREEN": "fp23"}),
     Case("serve-empty-query-file", "serve-queries", "a query file with no vectors (.npy of shape (0, 8))",
          lambda w: ["serve-queries", _save_npy(w / "in.npy", np.zeros((0, D))), *SL(w)], 2, "empty"),
     Case("serve-wrong-d", "serve-queries", "a query file of another dimension (d=5)",
@@ -564,7 +568,7 @@ def world_template(tmp_path_factory) -> Path:
 def run_case(case: Case, w: Path):
     args = case.args(w)
     before = tree_digest(w)
-    res = runner.invoke(app, args, input=case.stdin)
+    res = runner.invoke(app, args, input=case.stdin, env=case.env)
     after = tree_digest(w)
     return res, before, after
 

@@ -29,6 +29,7 @@ def _load() -> None:
     from ..distributed import session as scheduler_session
     from ..scheduler_address import resolve_scheduler
     from ..engine import ABSTAIN_LABEL
+    from ..bf16_screen import check_setting as check_screen_setting
     for key, value in dict(locals()).items():
         globals().setdefault(key, value)
 
@@ -39,6 +40,10 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
     before the library call, and the library's ledger lock would create a missing ledger folder."""
     if batch_size < 1:
         raise BadInputError(f"--batch-size must be ≥ 1, got {batch_size}")
+    try:
+        check_screen_setting()
+    except ValueError as exc:
+        raise BadInputError(str(exc)) from None
     if max_memory < (16 << 20):
         raise BadInputError(f"--max-memory must be at least 16 MiB, got {max_memory} bytes")
     if out is not None:  # else the answers would be charged, then not written
