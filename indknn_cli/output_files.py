@@ -42,7 +42,7 @@ def _in_system_folder(p: Path) -> bool:
 
 
 def refuse_not_a_file(path: str | os.PathLike, *, option: str) -> None:
-    """BadInputError (exit 2) when ``path`` exists (links followed) and is a device, a named pipe or a socket, or
+    """BadInputError (exit 2) when ``path`` exists (links followed) and is a folder, a device, a named pipe or a socket, or
     names something in /dev or /proc (itself, or the folder it is in, links resolved)."""
     hint = " (without --out, serve-queries prints its answers on stdout as JSON lines)" if option == "--out" else ""
     p = Path(os.path.abspath(path))
@@ -55,6 +55,8 @@ def refuse_not_a_file(path: str | os.PathLike, *, option: str) -> None:
         mode = os.stat(path).st_mode
     except OSError:
         return  # absent (or unreachable): the caller's own checks say what is wrong with it
+    if stat.S_ISDIR(mode):  # the rename would fail only after the work, naming the temporary file (review 47, F2)
+        raise BadInputError(f"{option} {os.fspath(path)} is a folder; give the path of a file{hint}")
     for test, kind in _KINDS:
         if test(mode):
             raise BadInputError(f"{option} {os.fspath(path)} is {kind}, not a file: indknn writes a new file and "
@@ -87,3 +89,20 @@ def atomic_output(path: str | os.PathLike, *, option: str, mode: str = "wb"):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def check_output_file(path: str | os.PathLike, *, option: str) -> None:
+    """Before any work: ``path`` must be writable as a new file (:func:`refuse_not_a_file`, and its folder must exist),
+    else BadInputError (exit 2). bench audit's ``--out`` was written with ``write_text`` after the run: through a link
+    onto a ledger's snapshot, into a named pipe (a hang), or failing only at the end (review 48, F1)."""
+    refuse_not_a_file(path, option=option)
+    parent = Path(os.path.abspath(path)).parent
+    if not parent.is_dir():
+        raise BadInputError(f"{option} {os.fspath(path)}: folder {parent} does not exist")
+
+
+def write_text_file(path: str | os.PathLike, text: str, *, option: str) -> None:
+    """``text`` written to ``path`` through :func:`atomic_output` (a link at ``path`` is replaced, never written
+    through)."""
+    with atomic_output(path, option=option, mode="w") as fh:
+        fh.write(text)

@@ -8,6 +8,7 @@ turned that into damage: the machine's /dev/null replaced, the ledger's snapshot
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -105,3 +106,39 @@ def test_a_path_that_becomes_a_pipe_before_the_commit_is_not_replaced(tmp_path):
     with pytest.raises(BadInputError, match="named pipe"):
         w.commit()
     assert path.is_fifo() and [p.name for p in tmp_path.iterdir()] == ["answers.parquet"]
+
+
+@pytest.mark.heavy
+def test_bench_audit_out_replaces_a_link_never_writes_through_it(tmp_path):
+    """Review 48, F1: `bench audit --out LINK` wrote the audit's JSON through a link onto a ledger's snapshot."""
+    from indknn_cli.benchmarks import audit
+
+    target = tmp_path / "snapshot-000001.parquet"
+    target.write_bytes(b"PAR1 not to be touched PAR1")
+    link = tmp_path / "audit.json"
+    link.symlink_to(target)
+    audit.main(["--trials", "20", "--seed", "1", "--out", str(link)])
+    assert target.read_bytes() == b"PAR1 not to be touched PAR1"
+    assert not link.is_symlink() and json.loads(link.read_text())["certified_epsilon"] > 0
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "missing-folder"])
+def test_bench_audit_out_that_is_not_a_file_is_refused_before_the_run(tmp_path, kind):
+    from indknn_cli.benchmarks import audit
+
+    out = tmp_path / "x.json"
+    if kind == "folder":
+        out.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(out)
+    else:
+        out = tmp_path / "nowhere" / "x.json"
+    with pytest.raises(BadInputError, match="folder|named pipe|does not exist"):
+        audit.main(["--trials", "20", "--out", str(out)])
+
+
+def test_a_folder_at_an_output_path_is_refused_by_name(tmp_path):
+    """Review 48, F2: `account --export FOLDER` failed after the work (exit 1) naming a temporary file."""
+    (tmp_path / "dir.csv").mkdir()
+    with pytest.raises(BadInputError, match=r"--export .*dir\.csv is a folder"):
+        refuse_not_a_file(tmp_path / "dir.csv", option="--export")

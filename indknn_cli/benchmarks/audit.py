@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..audit import AuditConfig, run_audit
 from ..errors import EXIT_CHECK_FAILED
+from ..output_files import check_output_file, write_text_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.add_argument(flag, type=type(default), default=default, help=f"(default {default})")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON object to this file")
     args = ap.parse_args(argv)
+    if args.out is not None:  # before the run: a folder, pipe, device or missing folder is refused (exit 2)
+        check_output_file(args.out, option="--out")
     config = AuditConfig(**{f.name: getattr(args, f.name) for f in fields(AuditConfig)})
     t0 = time.perf_counter()
     last = [0.0]
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(out, ensure_ascii=False)
     print(text)
     if args.out is not None:
-        args.out.write_text(text + "\n")
+        write_text_file(args.out, text + "\n", option="--out")
     print(f"ε lower bound {result.epsilon_lower_bound:.3f} (confidence {result.confidence:.0%}) vs certified "
           f"ε({result.conversion}) = {result.certified_epsilon:.3f} at δ = {result.delta:g}, per {result.unit} "
           f"({result.adjacency} adjacency): "

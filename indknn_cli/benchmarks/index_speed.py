@@ -45,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..output_files import check_output_file, write_text_file
+
 import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -332,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--latency-queries", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     a = ap.parse_args(argv)
+    if a.out:  # before the run (review 48, F1)
+        check_output_file(a.out, option="--out")
     import torch
 
     from ..candidates import import_faiss
@@ -376,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
             log(table(r))
     print(json.dumps(results))
     if a.out:
-        a.out.write_text(json.dumps(results, indent=1))
+        write_text_file(a.out, json.dumps(results, indent=1), option="--out")
 
 
 if __name__ == "__main__":
