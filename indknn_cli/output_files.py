@@ -55,7 +55,7 @@ def refuse_not_a_file(path: str | os.PathLike, *, option: str) -> None:
         mode = os.stat(path).st_mode
     except OSError:
         return  # absent (or unreachable): the caller's own checks say what is wrong with it
-    if stat.S_ISDIR(mode):  # the rename would fail only after the work, naming the temporary file (review 47, F2)
+    if stat.S_ISDIR(mode):  # the rename would fail only after the work, naming the temporary file (review 48, F2)
         raise BadInputError(f"{option} {os.fspath(path)} is a folder; give the path of a file{hint}")
     for test, kind in _KINDS:
         if test(mode):

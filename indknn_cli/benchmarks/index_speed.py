@@ -45,9 +45,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..output_files import check_output_file, write_text_file
-
 import numpy as np
+
+from ..output_files import check_output_file, write_text_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
