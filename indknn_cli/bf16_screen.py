@@ -106,8 +106,12 @@ def bf16_screen_margin(*, dim: int, norm_product: float) -> float:
 SETTINGS = ("auto", "bf16", "fp32")
 
 
+def _setting() -> str:
+    return os.environ.get("INDKNN_SCREEN", "").strip().lower()
+
+
 def _mode() -> str:
-    raw = os.environ.get("INDKNN_SCREEN", "").strip().lower()
+    raw = _setting()
     return raw if raw in ("bf16", "fp32") else "auto"  # anything else: auto (a setting never raises mid-serve)
 
 
@@ -115,7 +119,7 @@ def check_setting() -> None:
     """Refuse an ``INDKNN_SCREEN`` that is not blank, ``auto``, ``bf16`` or ``fp32`` (a misspelt ``fp23`` would
     otherwise leave the screen on "auto" without a word). Called by ``serve-queries`` before anything is read or
     written; :func:`_mode` itself stays forgiving, so a setting never raises mid-serve."""
-    raw = os.environ.get("INDKNN_SCREEN", "").strip().lower()
+    raw = _setting()
     if raw and raw not in SETTINGS:
         raise ValueError(f"INDKNN_SCREEN must be one of {', '.join(SETTINGS)} (or unset), "
                          f"got {os.environ['INDKNN_SCREEN']!r}")
