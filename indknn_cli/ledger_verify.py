@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import store_versions
+from . import store_twins, store_versions
 from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import check_binding, head_seq, read_mark, snapshot_is_chained
@@ -29,12 +29,17 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
     out: dict = {"verified": False, "ledger": str(ledger_path)}
     try:
         explicit = store_path is not None
+        first = open_ledger_readonly(ledger_path)
         if not explicit:
-            recorded = Path(str(open_ledger_readonly(ledger_path).meta.get("store_path", "")))
+            recorded = Path(str(first.meta.get("store_path", "")))
             store_path = recorded if (recorded / "zarr.json").is_file() else None
             out["store_note"] = None if store_path else f"store not checked: none at the recorded {recorded}"
         store = FeatureStore.open(store_path, mode="r") if store_path is not None else None
+        # review 47, F1: --store naming an older copy of the store passed a ledger rolled back to that copy's mark
+        # while the store it was made for (same uuid, a newer mark) still sat at the recorded path: check both
+        twin = store_twins.twin_of(store, first) if store is not None else None
         mark = read_mark(store.path) if store is not None else None  # before the ledger: no lock is held
+        twin_mark = read_mark(twin) if twin is not None else None
         ledger = open_ledger_readonly(ledger_path, store_uuid=store.uuid if store is not None else None)
         out.update(_describe(ledger))
         from .ledger_history import check_answers_summary
@@ -46,6 +51,7 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
             store_versions.check(store, ledger)  # the store the ledger last wrote against (not an older copy)
             compared = check_rows_hold_records(ledger, store)
             check_erased_owners(ledger, store)
+            twin_info = _check_twin(twin, ledger, ledger_path, twin_mark) if twin is not None else None
             out["store"] = {
                 "path": str(store.path), "store_uuid": store.uuid, "recorded_by_ledger": not explicit,
                 "bound": info["bound"], "bound_ledger_uuid": (info["binding"] or {}).get("ledger_uuid"),
@@ -53,6 +59,7 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
                 "high_water_mark": None if m is None else {"seq": m["seq"], "sha256": m.get("sha256")},
                 "ledger_ahead_of_mark_by": None if m is None else head_seq(ledger) - m["seq"],
                 "records_at_their_rows": compared,  # live records whose store row holds their id (every one)
+                "recorded_copy": twin_info,  # the store at the ledger's recorded path when --store named another copy
             }
         else:
             out["store"] = None
@@ -61,7 +68,7 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
             out["error"] = (f"{out.get('store_note') or 'the store was not found'}: the hash chain holds (events "
                             f"{out['events']['first_seq'] or '-'}..{out['events']['last_seq'] or '-'}), but without "
                             "the store's high-water mark a rolled-back or truncated ledger, or an edited newest event, "
-                            "cannot be told from an intact one; give --store STORE (a copy of the store will do)")
+                            "cannot be told from an intact one; give --store STORE (the store's current copy)")
             return out
         out["verified"] = True
     except LedgerError as exc:
@@ -73,6 +80,20 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
             raise
         out["error"] = str(exc)
     return out
+
+
+def _check_twin(there: Path, ledger, ledger_path, mark) -> dict:
+    """The store at the ledger's recorded path, when ``--store`` named another copy of it (same uuid): the ledger
+    must reach that copy's high-water mark too, or it was rolled back to the older copy's state."""
+    from .store import FeatureStore
+
+    other = FeatureStore.open(there, mode="r")
+    try:
+        m = check_binding(other, ledger, ledger_path, mark=mark)["mark"]
+    except LedgerError as exc:
+        raise type(exc)(f"the store at the ledger's recorded path {there} is another copy of the store given "
+                        f"(uuid {other.uuid}), checked too: {exc}") from None
+    return {"path": str(there), "high_water_mark": None if m is None else {"seq": m["seq"], "sha256": m.get("sha256")}}
 
 
 def _describe(ledger) -> dict:
@@ -131,6 +152,11 @@ def verification_lines(r: dict) -> list[str]:
         lines.append("  high-water mark: none" if m is None else
                      f"  high-water mark: event {m['seq']} sha256 {m['sha256']}; the ledger reaches it"
                      f"{' and is ' + count(ahead, 'event') + ' ahead' if (ahead := s['ledger_ahead_of_mark_by']) else ''}")
+        if (tw := s.get("recorded_copy")) is not None:
+            tm = tw["high_water_mark"]
+            lines.append(f"  another copy of this store is at the ledger's recorded path {tw['path']}: checked too, the "
+                         f"ledger reaches its high-water mark ({'none' if tm is None else 'event ' + str(tm['seq'])}); "
+                         "serve-queries and index refuse while both copies are there")
         if "records_at_their_rows" in s:
             lines.append(f"  store rows: each of the {count(s['records_at_their_rows'], 'live record')} sits at a row "
                          "holding its own record id")

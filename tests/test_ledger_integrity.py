@@ -502,6 +502,34 @@ def test_verify_without_the_store_is_not_a_pass(world, tmp_path):
 
 
 @pytest.mark.heavy
+def test_verify_with_an_older_store_copy_still_sees_a_rollback_against_the_recorded_store(world, tmp_path):
+    """Review 47, F1: `account --verify --store OLDCOPY` checked the ledger against that copy's high-water mark only.
+    A ledger rolled back to the copy's state (every later charge refunded) verified, while the store it was made for,
+    with the newer mark, sat at the path the ledger records. The store there (same uuid) is checked too now."""
+    sp, lp = world
+    old = tmp_path / "old"
+    old.mkdir()
+    shutil.copytree(sp, old / "store.zarr")  # a backup of the pair after q1
+    shutil.copytree(lp, old / "L")
+    serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", batch_size=8, seed=2)  # charges after the backup
+    ok = runner.invoke(app, ["account", "--verify", "--ledger", str(lp), "--store", str(old / "store.zarr")])
+    assert ok.exit_code == 0, ok.output  # the intact ledger reaches both marks
+    said = " ".join(ok.stdout.split())
+    assert f"another copy of this store is at the ledger's recorded path {sp}: checked too" in said
+    v = verify_ledger(lp, store_path=old / "store.zarr")
+    assert v["verified"] and v["store"]["recorded_copy"]["path"] == str(sp)
+    assert v["store"]["recorded_copy"]["high_water_mark"]["seq"] == v["head"]["seq"]
+    assert v["store"]["high_water_mark"]["seq"] < v["head"]["seq"]
+    shutil.rmtree(lp)
+    shutil.copytree(old / "L", lp)  # the rollback: the backup's ledger restored at the live path
+    bad = runner.invoke(app, ["account", "--verify", "--ledger", str(lp), "--store", str(old / "store.zarr")])
+    assert bad.exit_code == 1 and "NOT verified" in bad.stdout, bad.output
+    said = " ".join(bad.stdout.split())
+    assert f"recorded path {sp} is another copy" in said and "rolled back" in said, said
+    assert not verify_ledger(lp, store_path=sp)["verified"]  # against the recorded store itself: refused as before
+
+
+@pytest.mark.heavy
 def test_review_27_f2_a_ledger_stripped_of_its_chain_binding_and_mark_is_refused(world):
     """The snapshot rewritten without its chain fields and with every spent at 0, the events removed, the store's
     binding and mark removed (no hash computed): it was accepted as a ledger from before chaining, and every record
