@@ -5,6 +5,7 @@ serving.py re-exports these names; `serve-queries` calls :func:`sync_ledger` and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
@@ -131,6 +132,23 @@ def _read_rows(store: FeatureStore, name: str, rows: np.ndarray, *, max_runs: in
                            for run in np.split(rows, breaks)])
 
 
+def _tuned_rerun(ledger_path, store: FeatureStore, tune) -> str:
+    """``index --tune`` on a ledger that exists: the creation's own command again (a re-run pipeline, or a second
+    run started while the first tuned) adds new records and tunes nothing; any other --tune request is refused."""
+    from . import tuning as _tuning
+
+    existing = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+    tuned = existing.meta.get("tuning") or {}
+    differ = _tuning.request_differences(tuned.get("request"), tune, extractor=store.extractor.name)
+    if differ:
+        raise LedgerError(f"{ledger_path}: the ledger already exists; --tune chooses τ and σ2 once, when the "
+                          "ledger is created (its parameters and budget cannot change afterwards), and this "
+                          f"--tune request differs from the one that created it ({', '.join(differ[:4])}). To add "
+                          f"new records, run `indknn index --ledger {ledger_path}` without --eps and --tune")
+    return (f"the ledger was tuned when it was created (τ={existing.params.tau:g}, "
+            f"σ2={existing.params.sigma2:g}) with these --tune options: nothing was tuned again")
+
+
 def build_index(
     *, store_path: str | os.PathLike, ledger_path: str | os.PathLike, params: PrivacyParams | None,
     kind: str | None = None, lock_timeout: float = 60.0, tables: int | None = None, bits: int | None = None,
@@ -167,97 +185,91 @@ def build_index(
                                 "defaults: indknn index -h)")
     record = None
     rerun_note = None
-    if tune is not None and BudgetLedger.exists(ledger_path):
-        from . import tuning as _tuning
+    folder_was_there = Path(ledger_path).exists()  # before any lock, which creates the ledger folder
+    with contextlib.ExitStack() as held:
+        ledger_locked = False
+        if tune is not None and BudgetLedger.exists(ledger_path):
+            rerun_note, tune = _tuned_rerun(ledger_path, store, tune), None
+        if tune is not None:
+            integrity.refuse_second_ledger(store, ledger_path)  # refused before the search, not after (audit 5, F3)
+            # held from the search through the ledger's creation (review 47): two simultaneous first `index --tune`
+            # runs each tuned on the same private data, and the first to create the ledger kept its result
+            held.enter_context(BudgetLedger.write_lock(ledger_path, timeout=lock_timeout))
+            ledger_locked = True
+            if BudgetLedger.exists(ledger_path):  # created by another run while this one waited for the lock
+                rerun_note, tune = _tuned_rerun(ledger_path, store, tune), None
+            else:
+                from . import tuning as _tuning
 
-        existing = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
-        tuned = existing.meta.get("tuning") or {}
-        differ = _tuning.request_differences(tuned.get("request"), tune, extractor=store.extractor.name)
-        if differ:
-            raise LedgerError(f"{ledger_path}: the ledger already exists; --tune chooses τ and σ2 once, when the "
-                              "ledger is created (its parameters and budget cannot change afterwards), and this "
-                              f"--tune request differs from the one that created it ({', '.join(differ[:4])}). To add "
-                              f"new records, run `indknn index --ledger {ledger_path}` without --eps and --tune")
-        # the creation's own command again (a re-run pipeline): nothing is tuned again; new records are added
-        rerun_note = (f"the ledger was tuned when it was created (τ={existing.params.tau:g}, "
-                      f"σ2={existing.params.sigma2:g}) with these --tune options: nothing was tuned again")
-        tune = None
-    if tune is not None:
-        integrity.refuse_second_ledger(store, ledger_path)  # refused before the search, not after (audit 5, F3)
-        with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout):
+                rec, params = _tuning.run_tuning(store, tune)
+                record = {**rec.as_dict(), "request": _tuning.request_record(tune, extractor=store.extractor.name)}
+
+        def known_params():  # τ and kernel for IVF's nprobe calibration; read only when an IVF is trained
+            if params is not None or not BudgetLedger.exists(ledger_path):
+                return params
+            return BudgetLedger.open(ledger_path, store_uuid=store.uuid).params
+
+        existing_ledger = BudgetLedger.exists(ledger_path)
+        warnings = _unit_checks(store, params if params is not None else (
+            BudgetLedger.open(ledger_path, store_uuid=store.uuid).params if existing_ledger else None),
+            creating=not existing_ledger)
+        # Refusals and IVF training (public data only) happen before anything is written.
+        plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
+                                  nprobe=nprobe, train_on=train_on, params=known_params)
+        created = False
+        if not BudgetLedger.exists(ledger_path):  # before the lock, which would create the ledger folder
+            integrity.refuse_second_ledger(store, ledger_path)
+        if not ledger_locked:
+            held.enter_context(BudgetLedger.write_lock(ledger_path, timeout=lock_timeout))
+        with integrity.writer_lock(store_path, timeout=lock_timeout):
+            # read again under the locks: another `index` may have created and bound the ledger while this one waited,
+            # and the store read before would show no binding (a false "binding removed": review 31, QA)
+            store = FeatureStore.open(store_path, mode="r")
             if BudgetLedger.exists(ledger_path):
-                raise LedgerError(f"{ledger_path}: the ledger already exists; --tune runs only at creation")
-            from . import tuning as _tuning
-
-            rec, params = _tuning.run_tuning(store, tune)
-            record = {**rec.as_dict(), "request": _tuning.request_record(tune, extractor=store.extractor.name)}
-
-    def known_params():  # τ and kernel for IVF's nprobe calibration; read only when an IVF is trained
-        if params is not None or not BudgetLedger.exists(ledger_path):
-            return params
-        return BudgetLedger.open(ledger_path, store_uuid=store.uuid).params
-
-    existing_ledger = BudgetLedger.exists(ledger_path)
-    warnings = _unit_checks(store, params if params is not None else (
-        BudgetLedger.open(ledger_path, store_uuid=store.uuid).params if existing_ledger else None),
-        creating=not existing_ledger)
-    # Refusals and IVF training (public data only) happen before anything is written.
-    plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
-                              nprobe=nprobe, train_on=train_on, params=known_params)
-    created = False
-    folder_was_there = Path(ledger_path).exists()
-    if not BudgetLedger.exists(ledger_path):  # before the lock, which would create the ledger folder
-        integrity.refuse_second_ledger(store, ledger_path)
-    with BudgetLedger.write_lock(ledger_path, timeout=lock_timeout), \
-            integrity.writer_lock(store_path, timeout=lock_timeout):
-        # read again under the locks: another `index` may have created and bound the ledger while this one waited,
-        # and the store read before would show no binding (a false "binding removed": review 31, QA)
-        store = FeatureStore.open(store_path, mode="r")
-        if BudgetLedger.exists(ledger_path):
-            ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
-            if record is not None:  # created while we tuned: the tuning result is dropped, never applied
-                raise LedgerError(f"{ledger_path}: another process created the ledger while this one tuned")
-            integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
-            store_twins.refuse_twin(store, ledger, ledger_path)  # a copied pair used from both copies (review 42)
-            if params is not None and _differs(params, ledger.params):
-                raise LedgerError(
-                    f"{ledger_path}: the ledger already exists with fixed parameters "
-                    f"(ε={ledger.params.epsilon} at δ={ledger.params.delta} ({ledger.params.conversion}, "
-                    f"{per_unit(ledger.params.privacy_unit)}), B={ledger.params.budget:.6g}, "
-                    f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation. To "
-                    f"add new records, run `indknn index --ledger {ledger_path}` without --eps and the other "
-                    "privacy flags"
-                )
-            if params is None:
-                _check_given(given, ledger.params, ledger_path)
-        else:
-            if params is None:
-                raise BadInputError("creating a ledger needs --eps (the target ε; --delta, --tau and --sigma2 have "
-                                    "defaults: indknn index -h)")
-            integrity.refuse_second_ledger(store, ledger_path)  # one store, one ledger (SPEC §8)
-            ledger = BudgetLedger.create(ledger_path, params=params, store_uuid=store.uuid,
-                                         store_path=str(Path(store_path).resolve()), tuning=record)
-            try:
+                ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+                if record is not None:  # created while we tuned: the tuning result is dropped, never applied
+                    raise LedgerError(f"{ledger_path}: another process created the ledger while this one tuned")
                 integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
-            except BaseException:
-                if not folder_was_there:
-                    _discard_unbound(ledger_path, store_path, ledger)
-                raise
-            created = True
-        from .deletion_compact import discard_unpublished
+                store_twins.refuse_twin(store, ledger, ledger_path)  # a copied pair used from both copies (review 42)
+                if params is not None and _differs(params, ledger.params):
+                    raise LedgerError(
+                        f"{ledger_path}: the ledger already exists with fixed parameters "
+                        f"(ε={ledger.params.epsilon} at δ={ledger.params.delta} ({ledger.params.conversion}, "
+                        f"{per_unit(ledger.params.privacy_unit)}), B={ledger.params.budget:.6g}, "
+                        f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation. To "
+                        f"add new records, run `indknn index --ledger {ledger_path}` without --eps and the other "
+                        "privacy flags"
+                    )
+                if params is None:
+                    _check_given(given, ledger.params, ledger_path)
+            else:
+                if params is None:
+                    raise BadInputError("creating a ledger needs --eps (the target ε; --delta, --tau and --sigma2 have "
+                                        "defaults: indknn index -h)")
+                integrity.refuse_second_ledger(store, ledger_path)  # one store, one ledger (SPEC §8)
+                ledger = BudgetLedger.create(ledger_path, params=params, store_uuid=store.uuid,
+                                             store_path=str(Path(store_path).resolve()), tuning=record)
+                try:
+                    integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
+                except BaseException:
+                    if not folder_was_there:
+                        _discard_unbound(ledger_path, store_path, ledger)
+                    raise
+                created = True
+            from .deletion_compact import discard_unpublished
 
-        discard_unpublished(store, ledger)  # a stopped compaction's leftovers (review 27, F3)
-        _roll_forward_pending(store_path, ledger, lock_timeout)
-        n_priv = store.n_rows("private")
-        moves = ledger.user_moves([str(r) for r in store.read("private", "record_id")],
-                                  [str(u or "") for u in store.read("private", "user_id")]) if n_priv else []
-        if moves:
-            raise BadInputError(f"{count(len(moves), 'private row')} reuse{'s' if len(moves) == 1 else ''} an erased "
-                                f"record id under another user (first: {moves[0]!r}); an erased id keeps its user: "
-                                "give these rows new record ids")
-        added = sync_ledger(ledger, store)
-        if created:
-            ledger.compact()
+            discard_unpublished(store, ledger)  # a stopped compaction's leftovers (review 27, F3)
+            _roll_forward_pending(store_path, ledger, lock_timeout)
+            n_priv = store.n_rows("private")
+            moves = ledger.user_moves([str(r) for r in store.read("private", "record_id")],
+                                      [str(u or "") for u in store.read("private", "user_id")]) if n_priv else []
+            if moves:
+                raise BadInputError(f"{count(len(moves), 'private row')} reuse{'s' if len(moves) == 1 else ''} an erased "
+                                    f"record id under another user (first: {moves[0]!r}); an erased id keeps its user: "
+                                    "give these rows new record ids")
+            added = sync_ledger(ledger, store)
+            if created:
+                ledger.compact()
     index_info = indexes.apply_plan(store, plan, lock_timeout=max(lock_timeout, 300.0))
     # operator-only (index's stderr, never serve's); only when the ledger is made or grows, not on every cron re-run
     sparse = data_quality.neighbour_warning(store, ledger.params) if created or added else None

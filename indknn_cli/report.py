@@ -39,6 +39,7 @@ from . import ledger_history
 from . import ledger_integrity as integrity
 from .errors import BadInputError, BudgetExhaustedError, CheckFailedError
 from .ledger_readonly import open_ledger_readonly
+from .rounding import given, up
 from .wording import count
 from . import data_quality
 from .report_plot import PLOT_SUFFIXES, check_plot_path  # noqa: F401 (PLOT_SUFFIXES re-exported)
@@ -436,12 +437,13 @@ def build_account_report(
             "records_realised_above_eps": over, "realised_label": REALISED_LABEL,
         }
         if not passed:
-            shown = "inf" if epsilon is None else f"{epsilon:.6g}"
-            by = "an unbounded amount" if epsilon is None else f"{epsilon - eps:.6g}"
+            # rounded against the user (review 47): the ε and the excess up, the figures given exactly
+            shown = "inf" if epsilon is None else up(epsilon)
+            by = "an unbounded amount" if epsilon is None else up(epsilon - eps)
             failures.append((CheckFailedError,
-                             f"the ledger's guarantee ε({use_conv}) = {shown} at δ = {use_delta:g} "
+                             f"the ledger's guarantee ε({use_conv}) = {shown} at δ = {given(use_delta)} "
                              f"({data['unit'] if 'unit' in data else 'record'} unit, {data.get('adjacency', ADJACENCY)}) is above "
-                             f"--eps {eps:g} by {by} (B = {budget:.6g})"))
+                             f"--eps {given(eps)} by {by} (B = {up(budget)})"))
     if min_spec is not None:
         kind, value = min_spec
         alive = n - n_deleted

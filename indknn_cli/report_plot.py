@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import BadInputError
+from .rounding import given, up
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
@@ -47,9 +48,9 @@ def plot_account_report(report, path: str | os.PathLike) -> Path:
     axes[0].set_ylim(0, 1)
     axes[0].set_title("retired records")
     axes[1].plot(x, med, marker="." if len(x) < 60 else None, color="tab:orange")
-    axes[1].axhline(d["epsilon"] or 0.0, ls="--", color="grey", label=f"guarantee ε = {d['epsilon']:.3g} ({conv}, per {d['unit']}, {d['adjacency']})")
+    axes[1].axhline(d["epsilon"] or 0.0, ls="--", color="grey", label=f"guarantee ε = {up(d['epsilon'], 4)} ({conv}, per {d['unit']}, {d['adjacency']})")
     axes[1].set_xlabel("queries answered")
-    axes[1].set_ylabel(f"median realised ε ({conv}, δ = {d['delta']:g}, per {d['unit']})")
+    axes[1].set_ylabel(f"median realised ε ({conv}, δ = {given(d['delta'])}, per {d['unit']})")
     axes[1].set_title("realised individual loss\n(descriptive, not a guarantee)")
     axes[1].set_ylim(0, 1.1 * max([d["epsilon"] or 0.0] + med + [1e-12]))
     axes[1].legend(loc="center right", fontsize=8)
@@ -57,7 +58,7 @@ def plot_account_report(report, path: str | os.PathLike) -> Path:
     axes[2].hist(frac, bins=50, range=(0.0, 1.0), color="tab:green")
     axes[2].set_xlabel("spent / B")
     axes[2].set_ylabel("records")
-    axes[2].set_title(f"spent budget (B = {d['budget']:.4g}, {d['records']} records)")
+    axes[2].set_title(f"spent budget (B = {up(d['budget'], 4)}, {d['records']} records)")
     fig.suptitle("operator only: exact figures of the private data, never for query-senders", fontsize=9, color="firebrick")  # review 46, F8
     fig.tight_layout()
     from .output_files import atomic_output

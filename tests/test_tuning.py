@@ -798,3 +798,45 @@ def test_sharpening_keeps_each_term_in_zero_one(tune_store):
     sharp = tuning.emulated_expected(data, params=p, run_key=3, n_shards=40, planned_queries=100)
     assert SHARPEN > 1 and 0 <= sharp < one <= 40
     assert f"** {SHARPEN:g}" in tuning.EMULATION
+
+
+@pytest.mark.heavy
+def test_two_first_tuned_index_runs_at_once_tune_once_and_both_succeed(tune_store, tmp_path, monkeypatch):
+    """Review 47 (suspected, confirmed): the ledger lock was held during the search and let go before the ledger was
+    created, so a second `index --tune` started while the first tuned searched again on the same private data (two
+    runs of the mechanism, one accounted), and the first to create the ledger kept its result. The lock is held
+    from the search through creation now: the second run finds the ledger made and is the creation's re-run."""
+    import threading
+    import time
+
+    real, calls, started = tuning.run_tuning, [], threading.Event()
+
+    def slow(store, req):
+        calls.append(threading.current_thread().name)
+        started.set()
+        time.sleep(1.0)  # the second run starts and waits for the lock meanwhile
+        return real(store, req)
+
+    monkeypatch.setattr(tuning, "run_tuning", slow)
+    lp, results = tmp_path / "L", {}
+
+    def run():
+        try:
+            results[threading.current_thread().name] = build_index(store_path=tune_store.path, ledger_path=lp,
+                                                                   params=None, tune=_req())
+        except Exception as exc:  # noqa: BLE001 - what each run ended with is the assertion
+            results[threading.current_thread().name] = exc
+
+    first = threading.Thread(target=run, name="first")
+    first.start()
+    assert started.wait(60)
+    second = threading.Thread(target=run, name="second")
+    second.start()
+    first.join(120)
+    second.join(120)
+    assert calls == ["first"], (calls, results)  # one search
+    assert not isinstance(results["first"], Exception) and results["first"].created, results
+    assert not isinstance(results["second"], Exception), results["second"]
+    assert not results["second"].created and results["second"].params == results["first"].params
+    assert any("nothing was tuned again" in w for w in results["second"].extra.get("warnings", []))
+    assert BudgetLedger.open(lp).meta["tuning"]["chosen_tau"] == results["first"].tuning["chosen_tau"]

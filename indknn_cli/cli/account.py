@@ -14,6 +14,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import EXIT_BUDGET_EXHAUSTED, BadInputError
+from ..rounding import down as _down
+from ..rounding import given as _given
+from ..rounding import up as _up
 from ..wording import count
 from .common import (emit_json, given_on_command_line, resolve_ledger, run_library_call, say, stderr_console,
                      stdout_console, verbosity)
@@ -31,36 +34,6 @@ def _load() -> None:
 
 
 HISTORY_ROWS = 20
-
-
-def _up(x, digits: int = 6) -> str:
-    """``x`` to ``digits`` significant digits, rounded up (ε, spent, B: never printed below the figure, review 46,
-    F1: ε(rdp) 1.0921503 was printed 1.092). Exact: the binary value is rounded as a Decimal."""
-    return _sig(x, digits, up=True)
-
-
-def _down(x, digits: int = 6) -> str:
-    """``x`` to ``digits`` significant digits, rounded down (what remains of a budget)."""
-    return _sig(x, digits, up=False)
-
-
-def _sig(x, digits: int, *, up: bool) -> str:
-    from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
-
-    if x is None:
-        return "—"
-    x = float(x)
-    if x == 0 or x != x or x in (float("inf"), float("-inf")):
-        return format(x, "g")
-    d = Decimal(x)
-    q = d.quantize(Decimal(1).scaleb(d.adjusted() - digits + 1), rounding=ROUND_CEILING if up else ROUND_FLOOR)
-    return format(float(q), f".{digits}g")  # q has ≤ digits significant digits (a carry, 9.9995 → 10.00, fewer)
-
-
-def _given(x) -> str:
-    """A number the user gave, exactly (``--eps 0.9999999999999455`` was shown as 1: review 46, F9)."""
-    s = repr(float(x))
-    return s[:-2] if s.endswith(".0") else s
 
 
 def _print_subject(console, title: str, rec: dict) -> None:
@@ -97,14 +70,14 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     for c in ("gdp", "rdp"):
         g.add_column(f"ε ({c})", justify="right")
     for row in d["guarantees"]:
-        g.add_row(f"{row['delta']:g}", *[_up(row["epsilon_by_conversion"][c], 4) for c in ("gdp", "rdp")])
+        g.add_row(f"{_given(row['delta'])}", *[_up(row["epsilon_by_conversion"][c], 4) for c in ("gdp", "rdp")])
     out.print(g)
-    out.print(f"headline: ε({d['conversion']}) = {_up(d['epsilon'])} at δ = {d['delta']:g}, "
+    out.print(f"headline: ε({d['conversion']}) = {_up(d['epsilon'])} at δ = {_given(d['delta'])}, "
               f"{escape(d['adjacency'])}")
     for c in ("gdp", "rdp"):
         out.print(escape(f"  {c}: {CONVERSION_LABEL[c]}"))
-    out.print(f"the ledger was calibrated for ε({d['target_conversion']}) = {d['target_epsilon']:g} "
-              f"at δ = {d['ledger_delta']:g}, {escape(d['adjacency'])}")
+    out.print(f"the ledger was calibrated for ε({d['target_conversion']}) = {_given(d['target_epsilon'])} "
+              f"at δ = {_given(d['ledger_delta'])}, {escape(d['adjacency'])}")
     t = d.get("tuning")
     if t is not None:  # index --tune private: the headline composes the search with serving (RDP)
         how = ("by the exponential mechanism" if t.get("method") == "exp-mech" else
@@ -112,7 +85,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
         out.print(escape(f"of which tuning (τ={t['chosen']['tau']:g}, σ2={t['chosen']['sigma2']:g}, "
                          f"{how}): ε(rdp) = {_up(t['epsilon_tuning'], 4)} alone; serving "
                          f"alone ε(rdp) = {_up(t['epsilon_serving_alone'], 4)}; composed by RDP = "
-                         f"{_up(t['epsilon_total'])} at δ = {d['delta']:g}, {d['adjacency']} (gdp: not "
+                         f"{_up(t['epsilon_total'])} at δ = {_given(d['delta'])}, {d['adjacency']} (gdp: not "
                          "applicable to the composition)"))
         if t.get("seeded"):
             from ..tuning import SEEDED_NOTE
@@ -173,7 +146,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     re = d["realised_epsilon"]
     q.add_row(f"realised ε ({re['conversion']})", *[_up(re[k], 4) for k, _ in QUANTILES])
     out.print(q)
-    out.print(escape(f"realised ε({re['conversion']}) at δ = {re['delta']:g}: {REALISED_LABEL}"))
+    out.print(escape(f"realised ε({re['conversion']}) at δ = {_given(re['delta'])}: {REALISED_LABEL}"))
     hist = d["history"]
     if hist:
         out.print("[bold]History by batch[/]")
@@ -198,7 +171,7 @@ def _one_line_check(report: AccountReport) -> None:
     chk = d.get("check_eps")
     if chk is not None:
         parts.append(f"--eps {_given(chk['eps'])} check {'passed' if chk['passed'] else 'FAILED'}: guarantee "
-                     f"ε({chk['conversion']}) = {_up(chk['epsilon'])} at δ = {chk['delta']:g}, "
+                     f"ε({chk['conversion']}) = {_up(chk['epsilon'])} at δ = {_given(chk['delta'])}, "
                      f"{d['adjacency']}")
     chk = d.get("check_min_active")
     if chk is not None:
@@ -317,7 +290,7 @@ def account_command(
         over = chk["records_realised_above_eps"]
         verdict = "passed" if chk["passed"] else "FAILED"
         err.print(escape(f"--eps {_given(chk['eps'])} check {verdict}: guarantee ε({chk['conversion']}) = "
-                         f"{_up(chk['epsilon'])} at δ = {chk['delta']:g}, {d['adjacency']}"))
+                         f"{_up(chk['epsilon'])} at δ = {_given(chk['delta'])}, {d['adjacency']}"))
         err.print(escape(f"{over} {'record' if over == 1 else 'records'}' realised loss ε({chk['conversion']}, per "
                          f"{d['unit']}, {d['adjacency']}) is above {_given(chk['eps'])} (informational: {REALISED_LABEL})"))
     chk = d.get("check_min_active")

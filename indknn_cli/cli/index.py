@@ -13,6 +13,7 @@ from rich.markup import escape
 from ..errors import BadInputError
 from ..tuning_grid import (BROAD_TAUS, DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_METHOD, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS, REFERENCE_BUDGET_PER_QUERY,
                            DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
+from .. import rounding
 from ..wording import count
 from .common import (check_lock_timeout, emit_json, given_on_command_line, read_json_line_from_stdin, stdin_is_pipe,
                      resolve_ledger, resolve_store, run_library_call, stderr_console)
@@ -150,8 +151,8 @@ def index_command(
                if tuned.get("method") == "exp-mech" else
                f"after {tuned['runs_drawn']} runs (the run count is operator-only: the guarantee covers the chosen "
                "τ, σ2 and its noisy score); ") +
-            f"the search costs ε={tuned['epsilon_tuning']:.4g} of the total ε={tuned['epsilon_total']:.4g} "
-            f"at δ={delta:g} (RDP, record unit, add/remove one record); serving B={result.params.budget:.6g}"))
+            f"the search costs ε={rounding.up(tuned['epsilon_tuning'], 4)} of the total ε={rounding.up(tuned['epsilon_total'], 4)} "
+            f"at δ={rounding.given(delta)} (RDP, record unit, add/remove one record); serving B={rounding.up(result.params.budget)}"))
     if tuned.get("mode") == "private" and result.created and tuned.get("method") == "exp-mech":
         # public figures only (ε, share, S): how much a better grid point is preferred (review 16, F1)
         odds = math.exp(0.05 * tuned["validation_queries"] * math.sqrt(2.0 * tuned["rho_run"]))
