@@ -80,6 +80,7 @@ new row inherits the old spent budget.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 from typing import Callable, Iterable
@@ -99,6 +100,8 @@ from .errors import BadInputError, ConcurrentChangeError, LedgerError, LedgerInt
 from .ledger import BudgetLedger
 from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path
 from .wording import count
+
+log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
 
 #: Test hook: called with a step name at each step of a deletion / compaction.
 FAULT_HOOK: Callable[[str], None] | None = None
@@ -279,7 +282,10 @@ def delete_records(
             pending = complete_pending(store, ledger)
             plan = _plan(store, ledger, record_ids, user_ids)
             _enforce_strict(plan, strict)
+            log.info("erasing %s of the store (operator-only count)", count(int(plan.rows.size), "row"))
             written = _execute(store, ledger, plan)
+            if compact:
+                log.info("compacting: rewriting the store without deleted rows, folding the ledger into a snapshot")
             compaction = _compact(store, ledger) if compact else None
             if compaction and compaction.get("leftover"):
                 cleanup.append(compaction["leftover"])

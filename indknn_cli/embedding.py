@@ -9,6 +9,7 @@ was; a store created by the failing call is removed again.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ from .readers_base import _has_surrogates, check_key_text
 from .record_keys import input_keys
 from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows
 from .wording import count
+
+log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
 
 IF_EXISTS = ("error", "skip")
 BATCH_INPUTS_ATTR = "batch_inputs"  # queries group attr: {batch name: sha256 of the input bytes}
@@ -238,6 +241,13 @@ def embed_query_file(
 
 
 def _resolve_extractor(extractor, model, device, store: FeatureStore | None) -> Extractor:
+    ex = _pick_extractor(extractor, model, device, store)
+    info = getattr(ex, "info", None)
+    log.info("extractor %s", f"{info.name} ({info.model}, {info.version})" if info is not None else type(ex).__name__)
+    return ex
+
+
+def _pick_extractor(extractor, model, device, store: FeatureStore | None) -> Extractor:
     if isinstance(extractor, Extractor):
         return extractor
     if extractor is None:
@@ -481,6 +491,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                         inputs[batch] = input_sha
                         extra = {BATCH_INPUTS_ATTR: inputs}
                     start, stop = app.commit(extra)
+                    log.info("%s: %s written to the store's %s rows", src.name, count(rows_added, "row"), role)
                     warnings += _quality_warnings(store, role, src.name, empty)
         except BaseException:
             if created:

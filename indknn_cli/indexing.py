@@ -6,6 +6,7 @@ serving.py re-exports these names; `serve-queries` calls :func:`sync_ledger` and
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import numbers
 import os
@@ -23,6 +24,8 @@ from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import user_keys
 from .wording import count, per_unit
+
+log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
 
 
 # -- index -------------------------------------------------------------------
@@ -256,6 +259,8 @@ def build_index(
                         _discard_unbound(ledger_path, store_path, ledger)
                     raise
                 created = True
+                log.info("ledger %s created (uuid %s) and bound to the store (uuid %s)", ledger_path,
+                         ledger.meta["ledger_uuid"], store.uuid)
             from .deletion_compact import discard_unpublished
 
             discard_unpublished(store, ledger)  # a stopped compaction's leftovers (review 27, F3)
@@ -268,9 +273,11 @@ def build_index(
                                     f"record id under another user (first: {moves[0]!r}); an erased id keeps its user: "
                                     "give these rows new record ids")
             added = sync_ledger(ledger, store)
+            log.info("%s added to the ledger (operator-only count)", count(added, "new record"))
             if created:
                 ledger.compact()
     index_info = indexes.apply_plan(store, plan, lock_timeout=max(lock_timeout, 300.0))
+    log.info("candidate index: %s", plan.kind)
     # operator-only (index's stderr, never serve's); only when the ledger is made or grows, not on every cron re-run
     sparse = data_quality.neighbour_warning(store, ledger.params) if created or added else None
     warnings = warnings + ([sparse] if sparse else [])

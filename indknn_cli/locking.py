@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Callable, Iterator
+
+
+log = logging.getLogger(__name__)
 
 
 class _Expired(Exception):
@@ -47,14 +51,22 @@ def _lock_one(path: Path, deadline: float, *, directory: bool) -> int:
         else:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
+            waited = None
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    if waited is None:  # --verbose: a cron job that seems stuck is waiting for another process
+                        waited = time.monotonic()
+                        log.info("waiting for the lock on %s (another process holds it; at most %.0f s more)",
+                                 path, max(0.0, deadline - waited))
                     if time.monotonic() >= deadline:
+                        log.info("gave up waiting for the lock on %s", path)
                         raise _Expired() from None
                     time.sleep(0.05)
+            if waited is not None:
+                log.info("took the lock on %s after %.1f s", path, time.monotonic() - waited)
             if _same_file(fd, path):
                 return fd
         except BaseException:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,8 @@ from .wording import count
 from . import data_quality
 from .report_plot import PLOT_SUFFIXES, check_plot_path  # noqa: F401 (PLOT_SUFFIXES re-exported)
 from .realised import EXACT_CONVERSION_LIMIT, realised_loss  # noqa: F401 (re-exported: export, tests)
+
+log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
 
 REALISED_LABEL = "realised individual loss (descriptive, not a guarantee)"
 #: The privacy unit and the adjacency every printed ε is stated for (SPEC §8).
@@ -305,6 +308,8 @@ def build_account_report(
                 mark = integrity.read_mark(checked_store.path)
         store_check = {"checked": checked is not None, "note": note}
     ledger = open_ledger_readonly(ledger_path, store_uuid=store_uuid)
+    log.info("ledger %s read: snapshot generation %d, events up to %d", ledger_path, ledger.generation,
+             ledger.last_event_seq)
     if store is not None:  # one store, one ledger; a ledger behind the store's high-water mark is refused
         integrity.check_binding(store, ledger, ledger_path, mark=mark)
     elif store_check["checked"]:

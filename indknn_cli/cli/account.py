@@ -245,6 +245,8 @@ def account_command(
                                     conversion=conversion))
     _load()
     err = stderr_console()
+    if store is not None and not store.strip() and not given_on_command_line(ctx, "store"):
+        store = None  # a blank $INDKNN_STORE is unset, as in every other command (review 48, F7)
     ledger_path = resolve_ledger(ledger)
     if verify:
         result = run_library_call(lambda: verify_ledger(ledger_path, store_path=_store(store)))

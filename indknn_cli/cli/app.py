@@ -45,11 +45,12 @@ def _register() -> None:
         else:
             app.command(name)(obj)
     # --quiet/-q and --verbose/-v on every command, sub-commands of `bench` included
-    for group in [app] + [g.typer_instance for g in app.registered_groups]:
+    for prefix, group in [("indknn", app)] + [(f"indknn {g.name}", g.typer_instance) for g in app.registered_groups]:
         for info in group.registered_commands:
             if info.help is None and info.callback.__doc__:
                 info.help = _reflow(info.callback.__doc__)
-            info.callback = with_verbosity(info.callback)
+            name = info.name or info.callback.__name__.removesuffix("_command").replace("_", "-")
+            info.callback = with_verbosity(info.callback, name=f"{prefix} {name}")
 
 
 def _reflow(doc: str) -> str:

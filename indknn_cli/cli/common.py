@@ -83,6 +83,12 @@ def say(text: str, *, style: str | None = None, errors: bool = False) -> None:
     stderr_console(errors=errors).print(f"[{style}]{body}[/]" if style else body, soft_wrap=True)
 
 
+def detail(text: str) -> None:
+    """One line of detail on stderr under --verbose only (dim; escaped like :func:`say`)."""
+    if verbosity() >= 2:
+        say(text, style="dim")
+
+
 def error_message(prefix: str, text: str) -> None:
     """``Error: <text>`` on stderr, also under --quiet; the text is escaped."""
     stderr_console(errors=True).print(f"[bold red]{escape(prefix)}[/] {escape(str(text))}", soft_wrap=True)
@@ -164,8 +170,9 @@ def internal_error(exc: BaseException) -> None:
                   "it may show private values)")
 
 
-def with_verbosity(fn: Callable) -> Callable:
-    """``fn`` with --quiet/-q and --verbose/-v added (every command gets them; app.py applies this)."""
+def with_verbosity(fn: Callable, *, name: str = "indknn") -> Callable:
+    """``fn`` with --quiet/-q and --verbose/-v added (every command gets them; app.py applies this). ``name``: the
+    command as typed (``indknn bench audit``), for -v's closing line."""
     import functools
     import inspect
 
@@ -175,14 +182,41 @@ def with_verbosity(fn: Callable) -> Callable:
             error_message("Error:", "--quiet and --verbose cannot be used together")
             raise typer.Exit(code=2)
         set_verbosity(quiet=quiet, verbose=verbose)
-        return fn(*args, **kwargs)
+        if not verbose:
+            return fn(*args, **kwargs)
+        import time
+
+        start, code = time.monotonic(), 0
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit as exc:
+            code = exc.exit_code
+            raise
+        except SystemExit as exc:
+            code = exc.code
+            raise
+        except IndknnError as exc:  # raised past run_library_call: main() exits with its code
+            code = exc.exit_code
+            raise
+        except KeyboardInterrupt:
+            code = 130
+            raise
+        except BaseException:
+            code = EXIT_RUNTIME  # main(): "Internal error", exit 1
+            raise
+        finally:
+            # not for serve-queries: its stderr holds public figures only (review 31), and how long a batch took
+            # depends on the private data (how many candidates each query had)
+            if not name.endswith("serve-queries"):
+                detail(f"{name}: finished in {time.monotonic() - start:.2f} s, exit {code}")
 
     sig = inspect.signature(fn)
     extra = [inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
                  False, "--quiet", "-q", help="Only errors on stderr (no progress, warnings or summaries); stdout "
                  "is unchanged.")),
              inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-                 False, "--verbose", "-v", help="More detail on stderr (indknn's own log lines; no other library's)."))]
+                 False, "--verbose", "-v", help="More detail on stderr: the store and ledger used and where each came from, lock waits, each step "
+                 "(indknn's own log lines; no other library's) and the time taken."))]
     wrapper.__signature__ = sig.replace(parameters=list(sig.parameters.values()) + extra)
     wrapper.__annotations__ = {**getattr(fn, "__annotations__", {}), "quiet": bool, "verbose": bool}
     return wrapper
@@ -200,7 +234,7 @@ def deprecated_alias(value, old_value, *, new: str, old: str):
     return old_value
 
 
-def resolve_store(path: str | Path | None) -> Path:
+def resolve_store(path: str | Path | None, *, source: str = "--store") -> Path:
     """--store, else $INDKNN_STORE, else ./indknn-store.zarr. An ``s3://`` (fsspec) URL becomes its local
     state folder (docs/OBJECT_STORAGE.md), which the library takes as the store's path."""
     from ..errors import BadInputError
@@ -209,7 +243,27 @@ def resolve_store(path: str | Path | None) -> Path:
     if path is not None and not str(path).strip():  # read as "." before: the working folder taken as the store
         raise BadInputError("--store is empty; give the feature store's path or URL (or leave --store out for "
                             "$INDKNN_STORE, else ./indknn-store.zarr)")
-    return local_path(path if path is not None else (os.environ.get("INDKNN_STORE") or DEFAULT_STORE))
+    env = _env_value("INDKNN_STORE")
+    resolved = local_path(path if path is not None else (env or DEFAULT_STORE))
+    detail(f"store: {resolved} ({_source(path, source, env, 'INDKNN_STORE', DEFAULT_STORE)})")
+    return resolved
+
+
+def _env_value(name: str) -> str | None:
+    """An environment fallback: unset, empty or blank (spaces only) all mean "not set" (review 48, F7: a blank
+    $INDKNN_STORE was taken as a path named by its spaces)."""
+    value = os.environ.get(name)
+    return value if value and value.strip() else None
+
+
+def _source(path, source: str, env: str | None, env_name: str, default: str) -> str:
+    """Where a path came from, for --verbose."""
+    if path is not None:
+        return f"{source} or ${env_name}" if source == "--store" and env is not None and str(path) == env else source
+    if env is not None:
+        return f"from ${env_name}"
+    blank = f"; ${env_name} is blank" if os.environ.get(env_name) else ""
+    return f"the default ./{default}{blank}"
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(?::\d+)?")
@@ -243,9 +297,10 @@ def given_on_command_line(ctx, name: str) -> bool:
 
 def resolve_ledger(path: Path | None) -> Path:
     """--ledger, else $INDKNN_LEDGER, else ./indknn-ledger."""
-    if path is not None:
-        return Path(path)
-    return Path(os.environ.get("INDKNN_LEDGER") or DEFAULT_LEDGER)
+    env = _env_value("INDKNN_LEDGER")
+    resolved = Path(path) if path is not None else Path(env or DEFAULT_LEDGER)
+    detail(f"ledger: {resolved} ({_source(path, '--ledger', env, 'INDKNN_LEDGER', DEFAULT_LEDGER)})")
+    return resolved
 
 
 def stdin_is_pipe() -> bool:

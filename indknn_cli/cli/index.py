@@ -73,10 +73,11 @@ def index_command(
     _load()
     def call():
         check_lock_timeout(lock_timeout)
-        store_path = store
+        store_path = resolve_store(store) if store is not None else None
         if store_path is None:
             upstream = read_json_line_from_stdin()
-            store_path = resolve_store(upstream["store"]) if upstream and "store" in upstream else resolve_store(None)
+            store_path = (resolve_store(upstream["store"], source="the upstream embed's JSON line on stdin")
+                          if upstream and "store" in upstream else resolve_store(None))
             if (upstream is None and stdin_is_pipe() and not os.environ.get("INDKNN_STORE")
                     and not (Path(store_path) / "zarr.json").is_file()):
                 # `embed … | index` whose embed failed: say so, not "not an indknn feature store" (UX review 7)

@@ -176,7 +176,8 @@ def serve_command(
         if queries == "-" and not upstream_line:
             upstream_line.append(read_json_line_from_stdin())
         upstream = upstream_line[0] if queries == "-" else None
-        sp = resolve_store(upstream["store"]) if upstream and store is None and "store" in upstream else store_path
+        sp = (resolve_store(upstream["store"], source="the upstream embed's JSON line on stdin")
+              if upstream and store is None and "store" in upstream else store_path)
         check_min_margin(min_margin)  # before a query file is embedded (nothing written on bad input)
         check_seed(seed)
         _preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
