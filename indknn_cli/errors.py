@@ -15,6 +15,7 @@ Exit codes (documented in README and `indknn --help`):
        `account --min-active`. `serve-queries` never exits 3 because records are retired.
     4  budget check failed (`indknn account --eps E`: the guarantee is above E)
   130  interrupted (SIGINT): what was committed stays; re-running resumes
+  143  terminated (SIGTERM: `kill`, systemd, a cron timeout): as 130
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 EXIT_BUDGET_EXHAUSTED = 3
 EXIT_CHECK_FAILED = 4
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be (the CLI installs the handler: :func:`indknn_cli.cli.app.main`), so that
+    the same clean-up runs: the commit in flight finishes, locks are let go, exit 143 with a message (review 48,
+    F10: SIGTERM killed the process at once, exit 143 and no word; the ledger stayed consistent)."""
 
 
 class IndknnError(Exception):

@@ -65,8 +65,9 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
             out["store"] = None
             # review 46, F7: the chain alone cannot see a rolled-back or truncated ledger, or an edited newest event
             # (nothing after it links to it): only the store's high-water mark can. Without the store, not verified.
-            out["error"] = (f"{out.get('store_note') or 'the store was not found'}: the hash chain holds (events "
-                            f"{out['events']['first_seq'] or '-'}..{out['events']['last_seq'] or '-'}), but without "
+            ev = out["events"]  # review 48, F5: "(events -..-)" for a ledger with no event after its snapshot
+            span = f"events {ev['first_seq']}..{ev['last_seq']}" if ev["count"] else "no event after the snapshot"
+            out["error"] = (f"{out.get('store_note') or 'the store was not found'}: the hash chain holds ({span}), but without "
                             "the store's high-water mark a rolled-back or truncated ledger, or an edited newest event, "
                             "cannot be told from an intact one; give --store STORE (the store's current copy)")
             return out

@@ -223,7 +223,7 @@ class Committer:
                     self._pool.shutdown(wait=False, cancel_futures=True)  # nothing is running or queued any more
                     self._pool = None
         if held:  # Ctrl-C while closing: raised now that nothing runs
-            raise held[0] if isinstance(held[0], BaseException) else KeyboardInterrupt()
+            raise _as_exception(held[0])
 
 
 class CommitAbandoned(RuntimeError):
@@ -240,22 +240,39 @@ def _finish(future, *, raise_held: bool = True) -> list:
             except BaseException as exc:  # noqa: BLE001 - another handler's exception: re-raised once done
                 held.append(exc)
     if held and raise_held:
-        raise held[0] if isinstance(held[0], BaseException) else KeyboardInterrupt()
+        raise _as_exception(held[0])
     return held
+
+
+def _as_exception(entry) -> BaseException:
+    """What :func:`_signals_held` recorded, as the exception to raise: an exception as it was, SIGTERM as
+    :class:`Terminated` (exit 143), SIGINT as KeyboardInterrupt."""
+    import signal
+
+    from .errors import Terminated
+
+    if isinstance(entry, BaseException):
+        return entry
+    return Terminated() if entry == signal.SIGTERM else KeyboardInterrupt()
 
 
 @contextlib.contextmanager
 def _signals_held():
     """SIGINT recorded instead of raised inside the block (main thread only; elsewhere signals never arrive):
-    the list it yields holds one entry per Ctrl-C; the caller raises after it has finished waiting."""
+    the list it yields holds one entry per Ctrl-C; the caller raises after it has finished waiting. SIGTERM too when
+    a Python handler takes it (the CLI's, which raises :class:`Terminated`); under the default it kills at once."""
     import signal
 
     held: list = []
     if threading.current_thread() is not threading.main_thread():
         yield held
         return
+    record = lambda signum, frame: held.append(signum)  # noqa: E731
     try:
-        old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+        old = signal.signal(signal.SIGINT, record)
+        old_term = signal.getsignal(signal.SIGTERM)
+        if callable(old_term):
+            signal.signal(signal.SIGTERM, record)
     except (ValueError, TypeError):  # an embedding interpreter without signal handling
         yield held
         return
@@ -263,6 +280,8 @@ def _signals_held():
         yield held
     finally:  # None: the previous handler was not set from Python (restored as the default)
         signal.signal(signal.SIGINT, signal.SIG_DFL if old is None else old)
+        if callable(old_term):
+            signal.signal(signal.SIGTERM, old_term)
 
 
 #: Python's thread switch interval while a GPU serve runs its three threads (the default is 5 ms): the screen's

@@ -245,3 +245,39 @@ def test_a_part_screening_itself_beside_a_pass_ahead_gets_half_the_bound(base, t
     monkeypatch.setattr(serving, "answer_batch", spy)
     _serve(sp, lp, seed=5)
     assert seen and set(seen) == {max(1 << 16, MEM // 4 // 24) // 2}
+
+
+@pytest.mark.heavy
+def test_sigterm_waits_for_the_commit_in_flight_like_ctrl_c(base, tmp_path, overlap, monkeypatch):
+    """Review 48, F10: with the CLI's SIGTERM handler (raised as Terminated), a SIGTERM while part 2's commit is slow
+    is held like Ctrl-C: Terminated is raised once that commit has finished, never with a commit running unlocked."""
+    from indknn_cli.cli.app import _raise_on_sigterm
+    from indknn_cli.errors import Terminated
+
+    old = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _raise_on_sigterm()
+    try:
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+        sp, lp = _copy(base, tmp_path)
+        started, state = _slow_second_commit(monkeypatch, 2.0)
+        main = threading.main_thread()
+
+        def term():
+            started.wait(20)
+            time.sleep(0.4)
+            signal.pthread_kill(main.ident, signal.SIGTERM)
+
+        threading.Thread(target=term, daemon=True).start()
+        released = []
+        with pytest.raises(Terminated):
+            _serve(sp, lp, seed=5, on_committed=released.extend)
+        raised_at = time.monotonic()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert state.get("committed", math.inf) <= raised_at  # the slow commit's event was written first
+    for t in [t for t in threading.enumerate() if t.name.startswith("indknn-commit")]:
+        t.join(timeout=10)
+    assert _lock_free(lp)
+    on_disk = set(BudgetLedger.open(lp).answers_for("b")["query_index"])
+    assert {r["query_index"] for r in released} <= on_disk

@@ -611,3 +611,16 @@ def test_a_charge_naming_no_record_is_refused_before_it_is_written(tmp_path):
     assert sorted((lp / "events").iterdir()) == files
     again = BudgetLedger.open(lp, store_uuid=uuid)
     assert np.array_equal(again.state.spent, led.state.spent) and not again.state.deleted.any()
+
+
+def test_verify_without_the_store_words_a_ledger_with_no_event(tmp_path):
+    """Review 48, F5: a ledger with no event after its snapshot (a fresh `index`) was described as "(events -..-)"."""
+    x, y, _ = clustered(30, 8, 2, seed=1)
+    st = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                             label_names=["a", "b"])
+    st.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(30)])
+    build_index(store_path=tmp_path / "s.zarr", ledger_path=tmp_path / "L", params=make_params(**PARAMS))
+    (tmp_path / "s.zarr").rename(tmp_path / "elsewhere.zarr")
+    v = verify_ledger(tmp_path / "L")
+    assert not v["verified"] and v["events"]["count"] == 0
+    assert "(no event after the snapshot)" in v["error"] and "-..-" not in v["error"], v["error"]

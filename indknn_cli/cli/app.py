@@ -14,7 +14,7 @@ app = typer.Typer(
         "charged only when it helps answer a query.\n\n"
         "Exit codes: 0 ok, 1 runtime error, 2 usage error / bad input (nothing written), "
         "3 stop serving (public --max-queries allowance used up; operator's --min-active), "
-        "4 `account --eps` check failed, 130 interrupted (committed work stays)."
+        "4 `account --eps` check failed, 130 interrupted, 143 terminated (SIGTERM; committed work stays)."
     ),
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -88,6 +88,23 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 _register()
 
 
+def _raise_on_sigterm() -> None:
+    """SIGTERM raised as :class:`~indknn_cli.errors.Terminated` (a KeyboardInterrupt), so a `kill`, a systemd stop
+    or a cron timeout ends a command as Ctrl-C does: the commit in flight finishes, exit 143 with a message."""
+    import signal
+
+    from ..errors import Terminated
+
+    def on_term(signum, frame):
+        raise Terminated()
+
+    try:
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # a handler set by a host program is kept
+            signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread
+        pass
+
+
 def main() -> None:
     """The console entry point: no traceback ever reaches the terminal unless INDKNN_DEBUG=1."""
     import os
@@ -95,6 +112,7 @@ def main() -> None:
     from ..errors import IndknnError
     from .common import error_message
 
+    _raise_on_sigterm()
     try:
         app(prog_name="indknn")  # usage lines and completion scripts say `indknn`, also under python -m
     except IndknnError as exc:  # a typed error raised outside a command's run_library_call: its documented code

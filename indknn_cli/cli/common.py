@@ -152,7 +152,12 @@ def run_library_call(fn: Callable[[], T]) -> T:
     except IndknnError as exc:
         error_message("Error:", str(exc))
         raise typer.Exit(code=exc.exit_code) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from ..errors import Terminated
+
+        if isinstance(exc, Terminated):
+            error_message("Terminated.", "(SIGTERM) what was committed stays; re-running resumes")
+            raise typer.Exit(code=143) from None
         error_message("Interrupted.", "")
         raise typer.Exit(code=130) from None
     except OSError as exc:
@@ -198,8 +203,8 @@ def with_verbosity(fn: Callable, *, name: str = "indknn") -> Callable:
         except IndknnError as exc:  # raised past run_library_call: main() exits with its code
             code = exc.exit_code
             raise
-        except KeyboardInterrupt:
-            code = 130
+        except KeyboardInterrupt as exc:
+            code = 143 if type(exc).__name__ == "Terminated" else 130
             raise
         except BaseException:
             code = EXIT_RUNTIME  # main(): "Internal error", exit 1

@@ -30,6 +30,10 @@ def _read_file(name: str, what: str) -> list[str]:
             return read_ids(fh)
     except FileNotFoundError:
         raise BadInputError(f"{what} {name}: no such file") from None
+    except IsADirectoryError:  # review 48, F5: exit 1 "Is a directory" before
+        raise BadInputError(f"{what} {name}: is a folder, not a file of ids (one per line)") from None
+    except PermissionError:
+        raise BadInputError(f"{what} {name}: cannot be read (permission denied)") from None
     except UnicodeDecodeError:
         raise BadInputError(f"{what} {name}: not UTF-8 text (one id per line)") from None
 
