@@ -111,21 +111,27 @@ def test_fault_injection_never_releases_uncommitted_answers(vector_store, tmp_pa
     assert (spent_final >= spent_crash).all()
 
 
+def _serve_subprocess_world(tmp_path, n_private: int, n_queries: int):
+    """A store of clustered records with one query batch "big", its ledger, and the serve-queries command line."""
+    x, y, _ = clustered(n_private, 32, 4, seed=3)
+    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=32,
+                                label_names=list("abcd"))
+    store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(n_private)])
+    q, _, _ = clustered(n_queries, 32, 4, seed=4)
+    store.append("query", q, record_ids=[f"q{i}" for i in range(n_queries)], batch="big")
+    lp = _index(store, tmp_path, planned_queries=n_queries)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    cmd = [sys.executable, "-m", "indknn_cli", "serve-queries", "big", "--store", str(store.path), "--ledger",
+           str(lp), "--batch-size", "16", "--seed", "5", "--device", "cpu"]
+    return lp, env, cmd
+
+
 @pytest.mark.heavy
 def test_sigterm_mid_batch_exits_143_with_every_printed_answer_charged(tmp_path):
     """Review 48, F10: SIGTERM (a `kill`, a systemd stop, `timeout`) killed serve-queries at once: exit 143 and no
     word. Now it ends as Ctrl-C does: "Terminated." on stderr, exit 143, every printed answer in the ledger, no
     traceback; re-running resumes with the same answers."""
-    x, y, _ = clustered(2000, 32, 4, seed=3)
-    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=32,
-                                label_names=list("abcd"))
-    store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(2000)])
-    q, _, _ = clustered(3000, 32, 4, seed=4)
-    store.append("query", q, record_ids=[f"q{i}" for i in range(3000)], batch="big")
-    lp = _index(store, tmp_path, planned_queries=3000)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    cmd = [sys.executable, "-m", "indknn_cli", "serve-queries", "big", "--store", str(store.path), "--ledger",
-           str(lp), "--batch-size", "16", "--seed", "5", "--device", "cpu"]
+    lp, env, cmd = _serve_subprocess_world(tmp_path, 2000, 3000)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     lines = []
     for line in proc.stdout:
@@ -150,16 +156,7 @@ def test_sigterm_mid_batch_exits_143_with_every_printed_answer_charged(tmp_path)
 @pytest.mark.heavy
 def test_kill_9_mid_batch(tmp_path):
     """A real `kill -9` of a serve-queries subprocess: every printed answer has its committed charge."""
-    x, y, _ = clustered(3000, 32, 4, seed=3)
-    store = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=32,
-                                label_names=list("abcd"))
-    store.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(3000)])
-    q, _, _ = clustered(4000, 32, 4, seed=4)
-    store.append("query", q, record_ids=[f"q{i}" for i in range(4000)], batch="big")
-    lp = _index(store, tmp_path, planned_queries=4000)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    cmd = [sys.executable, "-m", "indknn_cli", "serve-queries", "big", "--store", str(store.path), "--ledger",
-           str(lp), "--batch-size", "16", "--seed", "5", "--device", "cpu"]
+    lp, env, cmd = _serve_subprocess_world(tmp_path, 3000, 4000)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     lines = []
     for line in proc.stdout:
