@@ -35,6 +35,13 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
             store_path = recorded if (recorded / "zarr.json").is_file() else None
             out["store_note"] = None if store_path else f"store not checked: none at the recorded {recorded}"
         store = FeatureStore.open(store_path, mode="r") if store_path is not None else None
+        if not explicit and store is not None and store.uuid != first.meta.get("store_uuid"):
+            # review 48, F5: "this ledger belongs to another feature store (<the recorded path>)" named the very
+            # path the ledger records, as if the reader had given it
+            out["store_note"] = (f"store not checked: the store now at the recorded {store_path} is another store "
+                                 f"(uuid {store.uuid}; the ledger's is {first.meta.get('store_uuid')}): the ledger's "
+                                 "store was moved or replaced")
+            store = None
         # review 47, F1: --store naming an older copy of the store passed a ledger rolled back to that copy's mark
         # while the store it was made for (same uuid, a newer mark) still sat at the recorded path: check both
         twin = store_twins.twin_of(store, first) if store is not None else None

@@ -624,3 +624,20 @@ def test_verify_without_the_store_words_a_ledger_with_no_event(tmp_path):
     v = verify_ledger(tmp_path / "L")
     assert not v["verified"] and v["events"]["count"] == 0
     assert "(no event after the snapshot)" in v["error"] and "-..-" not in v["error"], v["error"]
+
+
+def test_verify_without_the_store_says_when_another_store_sits_at_the_recorded_path(tmp_path):
+    """Review 48, F5: with the ledger's store moved and another store made at its path, `account --verify` (no
+    --store) said "this ledger belongs to another feature store (<the recorded path>)", as if that path was given."""
+    x, y, _ = clustered(30, 8, 2, seed=1)
+    for name in ("s.zarr", "other.zarr"):
+        st = FeatureStore.create(tmp_path / name, extractor=ExtractorInfo("vectors", "none", "1"), dim=8,
+                                 label_names=["a", "b"])
+        st.append("private", x, labels=y, record_ids=[f"r{i}" for i in range(30)])
+    build_index(store_path=tmp_path / "s.zarr", ledger_path=tmp_path / "L", params=make_params(**PARAMS))
+    (tmp_path / "s.zarr").rename(tmp_path / "moved.zarr")
+    (tmp_path / "other.zarr").rename(tmp_path / "s.zarr")
+    v = verify_ledger(tmp_path / "L")
+    assert not v["verified"] and "is another store" in v["error"] and "moved or replaced" in v["error"], v["error"]
+    assert "give --store" in v["error"]
+    assert verify_ledger(tmp_path / "L", store_path=tmp_path / "moved.zarr")["verified"]
