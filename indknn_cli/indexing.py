@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import accounting, data_quality, indexes, store_twins
+from . import accounting, data_quality, indexes, rounding, store_twins
 from . import ledger_integrity as integrity
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
@@ -238,7 +238,7 @@ def build_index(
                     raise LedgerError(
                         f"{ledger_path}: the ledger already exists with fixed parameters "
                         f"(ε={ledger.params.epsilon} at δ={ledger.params.delta} ({ledger.params.conversion}, "
-                        f"{per_unit(ledger.params.privacy_unit)}), B={ledger.params.budget:.6g}, "
+                        f"{per_unit(ledger.params.privacy_unit)}), B={rounding.up(ledger.params.budget)}, "
                         f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation. To "
                         f"add new records, run `indknn index --ledger {ledger_path}` without --eps and the other "
                         "privacy flags"

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import store_twins, store_versions
+from . import store_versions
 from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
-from .ledger_integrity import check_binding, head_seq, read_mark, snapshot_is_chained
+from .ledger_integrity import binding_of, check_binding, check_mark, head_seq, read_mark, snapshot_is_chained
 from .ledger_rows import check_erased_owners, check_rows_hold_records
 from .wording import adjacency, count, per_unit
 
@@ -32,10 +32,21 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
         first = open_ledger_readonly(ledger_path)
         if not explicit:
             recorded = Path(str(first.meta.get("store_path", "")))
-            store_path = recorded if (recorded / "zarr.json").is_file() else None
+            # a store's folder, or the state folder of a store on object storage (review 50: "none at the recorded"
+            # state folder, which `--store s3://…` maps to and which holds the mark)
+            from .object_store import POINTER
+
+            store_path = recorded if any((recorded / f).is_file() for f in ("zarr.json", POINTER)) else None
             out["store_note"] = None if store_path else f"store not checked: none at the recorded {recorded}"
         store = FeatureStore.open(store_path, mode="r") if store_path is not None else None
         if not explicit and store is not None and store.uuid != first.meta.get("store_uuid"):
+            if (binding_of(store) or {}).get("ledger_uuid") == first.meta.get("ledger_uuid"):
+                # bound to this very ledger, but another store uuid: compacted after this ledger was written (review
+                # 50, F5: a ledger copied before a `delete --compact` and restored after it)
+                raise LedgerIntegrityError(
+                    f"{ledger_path}: the store at the recorded {store_path} is bound to this ledger but was compacted "
+                    f"after it was written (store uuid {store.uuid}; the ledger's is {first.meta.get('store_uuid')}): "
+                    "the ledger was rolled back (an older copy restored), which would refund charges")
             # review 48, F5: "this ledger belongs to another feature store (<the recorded path>)" named the very
             # path the ledger records, as if the reader had given it
             out["store_note"] = (f"store not checked: the store now at the recorded {store_path} is another store "
@@ -43,10 +54,14 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
                                  "store was moved or replaced")
             store = None
         # review 47, F1: --store naming an older copy of the store passed a ledger rolled back to that copy's mark
-        # while the store it was made for (same uuid, a newer mark) still sat at the recorded path: check both
-        twin = store_twins.twin_of(store, first) if store is not None else None
+        # while the store it was made for (a newer mark) still sat at the recorded path: that mark is checked too
+        # when it is this ledger's (a copy with the same uuid, the original compacted since (review 50, F5), or the
+        # state folder of a store on object storage, whose mark reads the bucket's too (review 50, F2))
+        other = _recorded_elsewhere(first, store.path) if explicit and store is not None else None
         mark = read_mark(store.path) if store is not None else None  # before the ledger: no lock is held
-        twin_mark = read_mark(twin) if twin is not None else None
+        other_mark = read_mark(other) if other is not None else None
+        if other_mark is None or other_mark.get("ledger_uuid") != first.meta.get("ledger_uuid"):
+            other = None
         ledger = open_ledger_readonly(ledger_path, store_uuid=store.uuid if store is not None else None)
         out.update(_describe(ledger))
         from .ledger_history import check_answers_summary
@@ -58,7 +73,7 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
             store_versions.check(store, ledger)  # the store the ledger last wrote against (not an older copy)
             compared = check_rows_hold_records(ledger, store)
             check_erased_owners(ledger, store)
-            twin_info = _check_twin(twin, ledger, ledger_path, twin_mark) if twin is not None else None
+            twin_info = _check_recorded(other, ledger, other_mark) if other is not None else None
             out["store"] = {
                 "path": str(store.path), "store_uuid": store.uuid, "recorded_by_ledger": not explicit,
                 "bound": info["bound"], "bound_ledger_uuid": (info["binding"] or {}).get("ledger_uuid"),
@@ -90,18 +105,30 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
     return out
 
 
-def _check_twin(there: Path, ledger, ledger_path, mark) -> dict:
-    """The store at the ledger's recorded path, when ``--store`` named another copy of it (same uuid): the ledger
-    must reach that copy's high-water mark too, or it was rolled back to the older copy's state."""
-    from .store import FeatureStore
+def _recorded_elsewhere(ledger, given) -> Path | None:
+    """The ledger's recorded store path when it is absolute, exists and is not the folder ``given``."""
+    import os
 
-    other = FeatureStore.open(there, mode="r")
+    recorded = str(ledger.meta.get("store_path") or "")
+    if not recorded or not os.path.isabs(recorded) or not Path(recorded).is_dir():
+        return None
     try:
-        m = check_binding(other, ledger, ledger_path, mark=mark)["mark"]
+        if Path(recorded).resolve() == Path(given).resolve() or os.path.samefile(recorded, given):
+            return None
+    except OSError:
+        return None
+    return Path(recorded)
+
+
+def _check_recorded(there: Path, ledger, mark) -> dict:
+    """The high-water mark at the ledger's recorded path, when ``--store`` named another folder and that mark is this
+    ledger's: the ledger must reach it too, or it was rolled back to the older copy's state."""
+    try:
+        check_mark(there, ledger, required=True, mark=mark)
     except LedgerError as exc:
-        raise type(exc)(f"the store at the ledger's recorded path {there} is another copy of the store given "
-                        f"(uuid {other.uuid}), checked too: {exc}") from None
-    return {"path": str(there), "high_water_mark": None if m is None else {"seq": m["seq"], "sha256": m.get("sha256")}}
+        raise type(exc)(f"the store at the ledger's recorded path {there} holds this ledger's high-water mark too "
+                        f"(another copy of the store given, or its state folder), checked: {exc}") from None
+    return {"path": str(there), "high_water_mark": {"seq": mark["seq"], "sha256": mark.get("sha256")}}
 
 
 def _describe(ledger) -> dict:
@@ -163,8 +190,8 @@ def verification_lines(r: dict) -> list[str]:
         if (tw := s.get("recorded_copy")) is not None:
             tm = tw["high_water_mark"]
             lines.append(f"  another copy of this store is at the ledger's recorded path {tw['path']}: checked too, the "
-                         f"ledger reaches its high-water mark ({'none' if tm is None else 'event ' + str(tm['seq'])}); "
-                         "serve-queries and index refuse while both copies are there")
+                         f"ledger reaches its high-water mark (event {tm['seq']}); serve-queries and index refuse the "
+                         "copy given here while that one is there")
         if "records_at_their_rows" in s:
             lines.append(f"  store rows: each of the {count(s['records_at_their_rows'], 'live record')} sits at a row "
                          "holding its own record id")

@@ -23,8 +23,10 @@ from .errors import LedgerError
 
 
 def twin_of(store, ledger) -> Path | None:
-    """The recorded path of ``ledger``'s store when a store with ``store``'s uuid is there and it is not ``store``
-    itself; None otherwise (no recorded path, a relative one, nothing there, another store there)."""
+    """The recorded path of ``ledger``'s store when another copy of ``store`` is there: a store with ``store``'s uuid,
+    or one bound to ``ledger``'s uuid (the original compacted since the copy was made: compaction gives a store a new
+    uuid, review 50 F5), and it is not ``store`` itself; None otherwise (no recorded path, a relative one, nothing
+    there, another store there)."""
     from .store import FeatureStore
 
     if getattr(store, "remote", None) is not None:  # one store in a bucket, seen through local state folders: its
@@ -39,7 +41,12 @@ def twin_of(store, ledger) -> Path | None:
         other = FeatureStore.open(there, mode="r")
     except Exception:  # noqa: BLE001 - unreadable or half-written: not a live copy to report
         return None
-    return there if other.uuid == store.uuid else None
+    if other.uuid == store.uuid:
+        return there
+    from .ledger_integrity import binding_of
+
+    bound = binding_of(other) or {}
+    return there if bound.get("ledger_uuid") == ledger.meta.get("ledger_uuid") else None
 
 
 def refuse_twin(store, ledger, ledger_path) -> None:
@@ -47,7 +54,8 @@ def refuse_twin(store, ledger, ledger_path) -> None:
     there = twin_of(store, ledger)
     if there is not None:
         raise LedgerError(
-            f"{store.path}: another copy of this store (uuid {store.uuid}) is at {there}, the path the ledger "
+            f"{store.path}: another copy of this store (uuid {store.uuid}, or bound to the same ledger) is at {there}, "
+            "the path the ledger "
             f"{ledger_path} was made for: the store and its ledger were copied, and serving from both copies would "
             "let every record spend its budget once in each. Keep one pair: remove or rename the other copy (a pair "
             "moved with `mv`, or copied and the original removed, is fine); `indknn delete` still erases in either")

@@ -490,6 +490,8 @@ CASES: list[Case] = [
     Case("account-foreign-snapshot", "account", "a random Parquet file in place of the ledger snapshot",
          lambda w: (pq.write_table(pa.table({"a": [1]}), _snapshot(w / "L")),
                     ["account", "--ledger", str(w / "L")])[1], 2, "not an indknn ledger snapshot"),
+    Case("account-verify-store-empty", "account", "--verify --store '' (an empty store path)",
+         lambda w: ["account", "--ledger", str(w / "L"), "--store", "", "--verify"], 2, "--store is empty"),
     Case("account-other-store", "account", "--store of another store than the ledger's",
          lambda w: ["account", "--ledger", str(w / "L2"), "--store", str(w / "s.zarr")], 2, "another feature store"),
 ]

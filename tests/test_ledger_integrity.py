@@ -525,7 +525,7 @@ def test_verify_with_an_older_store_copy_still_sees_a_rollback_against_the_recor
     bad = runner.invoke(app, ["account", "--verify", "--ledger", str(lp), "--store", str(old / "store.zarr")])
     assert bad.exit_code == 1 and "NOT verified" in bad.stdout, bad.output
     said = " ".join(bad.stdout.split())
-    assert f"recorded path {sp} is another copy" in said and "rolled back" in said, said
+    assert f"recorded path {sp} holds this ledger's high-water mark too" in said and "rolled back" in said, said
     assert not verify_ledger(lp, store_path=sp)["verified"]  # against the recorded store itself: refused as before
 
 
@@ -641,3 +641,27 @@ def test_verify_without_the_store_says_when_another_store_sits_at_the_recorded_p
     assert not v["verified"] and "is another store" in v["error"] and "moved or replaced" in v["error"], v["error"]
     assert "give --store" in v["error"]
     assert verify_ledger(tmp_path / "L", store_path=tmp_path / "moved.zarr")["verified"]
+
+
+@pytest.mark.heavy
+def test_a_ledger_copied_before_a_compaction_and_restored_after_is_refused_everywhere(world, tmp_path):
+    """Review 50, F5: copies were matched on the store's uuid, which `delete --compact` changes. With a backup pair
+    taken, more charges, an erasure compacted into the original and the backup ledger restored, `account --verify
+    --store BACKUP` passed and serve-queries from the backup store answered: the later charges refunded and the
+    erased record a candidate again. The store at the recorded path is bound to the same ledger: a copy of it."""
+    sp, lp = world
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    shutil.copytree(sp, backup / "store.zarr")
+    shutil.copytree(lp, backup / "L")
+    serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", batch_size=8, seed=2)
+    assert delete_records(store_path=sp, ledger_path=lp, record_ids=["r3"], compact=True).records_erased == 1
+    assert FeatureStore.open(sp).uuid != FeatureStore.open(backup / "store.zarr").uuid  # compaction: a new uuid
+    shutil.rmtree(lp)
+    shutil.copytree(backup / "L", lp)  # the rollback
+    v = verify_ledger(lp, store_path=backup / "store.zarr")
+    assert not v["verified"] and "rolled back" in v["error"], v
+    v = verify_ledger(lp)
+    assert not v["verified"] and "compacted after it was written" in v["error"], v
+    with pytest.raises(LedgerError, match="another copy of this store"):
+        serve_queries(store_path=backup / "store.zarr", ledger_path=lp, query_batch="q3", batch_size=8, seed=3)

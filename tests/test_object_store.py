@@ -177,3 +177,39 @@ def test_an_erasure_with_an_unreadable_ledger_reaches_a_stopped_compactions_copy
     res = delete_records(store_path=url, ledger_path=lp, record_ids=["r0009"])
     assert res.records_erased == 1 and res.ledger_unreadable
     assert not any(victim in body for body in raw_objects(s3, bucket).values())
+
+
+@pytest.mark.heavy
+def test_verify_against_a_local_copy_of_a_bucket_store_still_sees_the_state_folders_mark(s3, state, tmp_path):
+    """Review 50, F2: for a store on object storage the ledger records the store's state folder (its mark, no
+    zarr.json), so `account --verify --store LOCAL_COPY` checked the copy's own, older mark alone and passed a
+    ledger rolled back to it; and without --store it said "none at the recorded" state folder. The mark at the
+    recorded path (which reads the bucket's too) is checked whenever it is this ledger's."""
+    import shutil
+
+    import s3fs
+
+    from indknn_cli.ledger_mark import MARK_NAME
+    from indknn_cli.ledger_verify import verify_ledger
+
+    bucket = new_bucket(s3)
+    url = f"s3://{bucket}/stores/s1"
+    _inputs(tmp_path, n=60)
+    embed_into_store(tmp_path / "priv.npz", store_path=url, extractor="vectors", label_names=["0", "1", "2"])
+    lp = tmp_path / "ledger"
+    build_index(store_path=url, ledger_path=lp, params=make_params(**PARAMS))
+    embed_into_store(tmp_path / "q.npz", store_path=url, role="query", batch="q1")
+    sp = object_store.state_dir(url)
+    serve_queries(store_path=sp, ledger_path=lp, query_batch="q1", batch_size=5, seed=3)
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3})
+    fs.get(f"{bucket}/stores/s1", str(tmp_path / "old.zarr"), recursive=True)  # a backup of the store's objects
+    shutil.copy(sp / MARK_NAME, tmp_path / "old.zarr" / MARK_NAME)  # with its mark, as a pair backed up
+    shutil.copytree(lp, tmp_path / "L_old")
+    embed_into_store(tmp_path / "q.npz", store_path=url, role="query", batch="q2")
+    serve_queries(store_path=sp, ledger_path=lp, query_batch="q2", batch_size=5, seed=4)  # charges after it
+    shutil.rmtree(lp)
+    shutil.copytree(tmp_path / "L_old", lp)  # the rollback
+    v = verify_ledger(lp, store_path=tmp_path / "old.zarr")
+    assert not v["verified"] and "rolled back" in v["error"] and str(sp) in v["error"], v
+    v = verify_ledger(lp)
+    assert not v["verified"] and "rolled back" in v["error"] and "none at the recorded" not in v["error"], v

@@ -76,3 +76,31 @@ def test_the_eps_check_failure_prints_epsilon_up_and_the_given_figures_exactly(t
     b = BudgetLedger.open(lp).params.budget
     true_eps = gdp_epsilon(budget=b, delta=1.234567891e-5)
     assert float(eps) >= true_eps and float(budget) >= b and float(by) >= true_eps - 0.99999999
+
+
+@pytest.mark.heavy
+def test_a_passed_eps_check_never_prints_an_epsilon_above_the_eps_given_and_b_is_rounded_up(tmp_path):
+    """Review 50, F7: `account --eps 0.99999999999995` printed "check passed: guarantee ε(gdp) = 1" (ε rounded up
+    to 6 digits, above the --eps it passed); F6: index's fixed-parameters refusal printed B to nearest."""
+    import math
+
+    from indknn_cli.accounting import gdp_epsilon
+    from indknn_cli.ledger import BudgetLedger
+
+    rng = np.random.default_rng(1)
+    np.savez(tmp_path / "p.npz", x=rng.standard_normal((30, 8)).astype("f4"), y=np.array(["a", "b"] * 15),
+             ids=np.array([f"r{i}" for i in range(30)]))
+    sp, lp = tmp_path / "s.zarr", tmp_path / "L"
+    assert runner.invoke(app, ["embed", str(tmp_path / "p.npz"), "--store", str(sp), "--extractor", "vectors",
+                               "--label-names", "a,b", "-q"]).exit_code == 0
+    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "1", "--tau", "0.2",
+                               "-q"]).exit_code == 0
+    b = BudgetLedger.open(lp).params.budget
+    eps = gdp_epsilon(budget=b, delta=1e-5)
+    above = math.nextafter(eps, math.inf)
+    r = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--eps", repr(above)])
+    assert r.exit_code == 0, r.output
+    m = re.search(r"check passed: guarantee ε\(gdp\) = (\S+) at", " ".join(r.stderr.split()))
+    assert m and eps <= float(m.group(1)) <= above, r.stderr
+    r = runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "2", "--tau", "0.2"])
+    assert r.exit_code == 2 and f"B={up(b)}," in " ".join(r.stderr.split()), r.stderr

@@ -94,3 +94,34 @@ def test_verbose_shows_a_lock_wait(pair, tmp_path):
     assert "waiting for the lock on" in said and "gave up waiting for the lock" in said, said
     assert "another indknn process holds the ledger lock" in said
     assert f"indknn delete: finished in" in said and f"exit {r.exit_code}" in said
+
+
+def test_serve_queries_v_prints_no_lock_wait(pair, tmp_path):
+    """Review 50, F1: under -v, serve-queries printed how long it waited for another process's lock: as long as that
+    run held it (a serve's scoring time depends on its candidates), a figure of the private data on serve's stderr.
+    Other commands still show their waits (test_verbose_shows_a_lock_wait)."""
+    import threading
+    import time
+
+    sp, lp = pair
+    assert runner.invoke(app, ["embed", str(tmp_path / "p.npz"), "--store", str(sp), "--extractor", "vectors",
+                               "--label-names", "a,b", "-q"]).exit_code == 0
+    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "1", "-q"]).exit_code == 0
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with BudgetLedger.write_lock(lp, timeout=5):
+            held.set()
+            time.sleep(1.0)
+        done.set()
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert held.wait(10)
+    r = runner.invoke(app, ["serve-queries", str(tmp_path / "q.npy"), "--store", str(sp), "--ledger", str(lp),
+                            "--device", "cpu", "--seed", "1", "--lock-timeout", "30", "-v"])
+    assert done.is_set()  # it did wait for the lock
+    assert r.exit_code == 0, r.output
+    assert "lock" not in r.stderr and "finished in" not in r.stderr, r.stderr
+    assert f"store: {sp} (--store)" in r.stderr  # the rest of -v is there
+    r = runner.invoke(app, ["break-lease"], env={"INDKNN_STORE": "  "})  # review 50, F4: blank is unset here too
+    assert r.exit_code == 2 and "name the remote store" in r.stderr, r.stderr

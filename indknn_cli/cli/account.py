@@ -171,7 +171,7 @@ def _one_line_check(report: AccountReport) -> None:
     chk = d.get("check_eps")
     if chk is not None:
         parts.append(f"--eps {_given(chk['eps'])} check {'passed' if chk['passed'] else 'FAILED'}: guarantee "
-                     f"ε({chk['conversion']}) = {_up(chk['epsilon'])} at δ = {_given(chk['delta'])}, "
+                     f"ε({chk['conversion']}) = {_checked_eps(chk)} at δ = {_given(chk['delta'])}, "
                      f"{d['adjacency']}")
     chk = d.get("check_min_active")
     if chk is not None:
@@ -292,7 +292,7 @@ def account_command(
         over = chk["records_realised_above_eps"]
         verdict = "passed" if chk["passed"] else "FAILED"
         err.print(escape(f"--eps {_given(chk['eps'])} check {verdict}: guarantee ε({chk['conversion']}) = "
-                         f"{_up(chk['epsilon'])} at δ = {_given(chk['delta'])}, {d['adjacency']}"))
+                         f"{_checked_eps(chk)} at δ = {_given(chk['delta'])}, {d['adjacency']}"))
         err.print(escape(f"{over} {'record' if over == 1 else 'records'}' realised loss ε({chk['conversion']}, per "
                          f"{d['unit']}, {d['adjacency']}) is above {_given(chk['eps'])} (informational: {REALISED_LABEL})"))
     chk = d.get("check_min_active")
@@ -303,7 +303,17 @@ def account_command(
 
 
 def _store(store: Optional[str]):
-    """--store as given (a folder or an s3:// URL, mapped to its state folder), or None."""
+    """--store as given (a folder or an s3:// URL, mapped to its state folder), or None. An empty --store is refused
+    as in every other command (review 50, F9: `--verify --store ""` checked the recorded store instead)."""
     from .common import resolve_store
 
-    return resolve_store(store) if store else None
+    return resolve_store(store) if store is not None else None
+
+
+def _checked_eps(chk: dict) -> str:
+    """The ε of an ``--eps`` check: rounded up, unless that would print a figure above the --eps it passed (review 50,
+    F7: "--eps 0.99999999999995 check passed: ε = 1"); then exactly."""
+    shown = _up(chk["epsilon"])
+    if chk["passed"] and chk["epsilon"] is not None and float(shown) > chk["eps"]:
+        return _given(chk["epsilon"])
+    return shown

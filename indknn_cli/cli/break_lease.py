@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from .common import emit_json, run_library_call, stderr_console
+from .common import emit_json, env_value, run_library_call, stderr_console
 
 
 def break_lease_command(
@@ -26,14 +26,12 @@ def break_lease_command(
     stdout: one JSON line {store, leases: [{kind, lease, holder}], removed}. Exit codes: 0 shown, removed, or no
     lease held; 1 the object store cannot be reached; 2 bad input (a local store, a token no lease has).
     """
-    import os
-
     from ..errors import BadInputError
 
     err = stderr_console()
 
     def call():
-        name = store if store is not None else os.environ.get("INDKNN_STORE")
+        name = store if store is not None else env_value("INDKNN_STORE")  # blank: unset (review 50, F4)
         if not name:
             raise BadInputError("--store: name the remote store (s3://bucket/name.zarr) or set $INDKNN_STORE")
         from ..store_lease import break_lease

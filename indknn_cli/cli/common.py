@@ -31,9 +31,20 @@ def verbosity() -> int:
     return _VERBOSITY["level"]
 
 
-def set_verbosity(*, quiet: bool = False, verbose: bool = False) -> None:
+def set_verbosity(*, quiet: bool = False, verbose: bool = False, public_only: bool = False) -> None:
+    """``public_only`` (serve-queries): -v's log lines exclude those whose figures may depend on the private data."""
     _VERBOSITY["level"] = 0 if quiet else 2 if verbose else 1
+    _VERBOSITY["public_only"] = public_only
     _log_indknn_to_stderr(verbose)
+
+
+#: Loggers silenced on serve-queries' stderr: a lock wait lasts as long as another run held the lock (a serve's
+#: scoring time depends on its candidates, an index's or delete's on the records), review 50 F1.
+NOT_PUBLIC_LOGGERS = ("indknn_cli.locking",)
+
+
+def _public_only(record) -> bool:
+    return not (_VERBOSITY.get("public_only") and record.name.startswith(NOT_PUBLIC_LOGGERS))
 
 
 def _log_indknn_to_stderr(on: bool) -> None:
@@ -62,6 +73,7 @@ def _log_indknn_to_stderr(on: bool) -> None:
     if not ours:
         h = _Stderr()
         h._indknn = True
+        h.addFilter(_public_only)
         h.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         log.addHandler(h)
     log.setLevel(logging.INFO)
@@ -186,7 +198,7 @@ def with_verbosity(fn: Callable, *, name: str = "indknn") -> Callable:
         if quiet and verbose:
             error_message("Error:", "--quiet and --verbose cannot be used together")
             raise typer.Exit(code=2)
-        set_verbosity(quiet=quiet, verbose=verbose)
+        set_verbosity(quiet=quiet, verbose=verbose, public_only=name.endswith("serve-queries"))
         if not verbose:
             return fn(*args, **kwargs)
         import time
@@ -248,13 +260,13 @@ def resolve_store(path: str | Path | None, *, source: str = "--store") -> Path:
     if path is not None and not str(path).strip():  # read as "." before: the working folder taken as the store
         raise BadInputError("--store is empty; give the feature store's path or URL (or leave --store out for "
                             "$INDKNN_STORE, else ./indknn-store.zarr)")
-    env = _env_value("INDKNN_STORE")
+    env = env_value("INDKNN_STORE")
     resolved = local_path(path if path is not None else (env or DEFAULT_STORE))
     detail(f"store: {resolved} ({_source(path, source, env, 'INDKNN_STORE', DEFAULT_STORE)})")
     return resolved
 
 
-def _env_value(name: str) -> str | None:
+def env_value(name: str) -> str | None:
     """An environment fallback: unset, empty or blank (spaces only) all mean "not set" (review 48, F7: a blank
     $INDKNN_STORE was taken as a path named by its spaces)."""
     value = os.environ.get(name)
@@ -302,7 +314,7 @@ def given_on_command_line(ctx, name: str) -> bool:
 
 def resolve_ledger(path: Path | None) -> Path:
     """--ledger, else $INDKNN_LEDGER, else ./indknn-ledger."""
-    env = _env_value("INDKNN_LEDGER")
+    env = env_value("INDKNN_LEDGER")
     resolved = Path(path) if path is not None else Path(env or DEFAULT_LEDGER)
     detail(f"ledger: {resolved} ({_source(path, '--ledger', env, 'INDKNN_LEDGER', DEFAULT_LEDGER)})")
     return resolved

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +14,7 @@ from ..tuning_grid import (BROAD_TAUS, DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TU
                            DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
 from .. import rounding
 from ..wording import count
-from .common import (check_lock_timeout, emit_json, given_on_command_line, read_json_line_from_stdin, stdin_is_pipe,
+from .common import (check_lock_timeout, emit_json, env_value, given_on_command_line, read_json_line_from_stdin, stdin_is_pipe,
                      resolve_ledger, resolve_store, run_library_call, stderr_console)
 
 
@@ -78,7 +77,7 @@ def index_command(
             upstream = read_json_line_from_stdin()
             store_path = (resolve_store(upstream["store"], source="the upstream embed's JSON line on stdin")
                           if upstream and "store" in upstream else resolve_store(None))
-            if (upstream is None and stdin_is_pipe() and not os.environ.get("INDKNN_STORE")
+            if (upstream is None and stdin_is_pipe() and not env_value("INDKNN_STORE")
                     and not (Path(store_path) / "zarr.json").is_file()):
                 # `embed … | index` whose embed failed: say so, not "not an indknn feature store" (UX review 7)
                 # (review 44: "there is no store at indknn-store.zarr" sent the reader after a default never named)
