@@ -48,18 +48,24 @@ def test_closed_forms():
     assert up(None) == "—" and up(0.0) == "0" and up(float("inf")) == "inf"
 
 
-@pytest.mark.heavy
-def test_the_eps_check_failure_prints_epsilon_up_and_the_given_figures_exactly(tmp_path):
-    """Review 47: the `account --eps` failure printed ε, the excess and B with :.6g (to nearest: below the figure
-    for about half of them) and --eps and δ with :g (--eps 0.99999999 shown as 1, above the ε it failed)."""
+def _pair(tmp_path, *index_flags):
+    """A store of 30 random records and its ledger at ε = 1 (gdp), made through the CLI."""
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "p.npz", x=rng.standard_normal((30, 8)).astype("f4"), y=np.array(["a", "b"] * 15),
              ids=np.array([f"r{i}" for i in range(30)]))
     sp, lp = tmp_path / "s.zarr", tmp_path / "L"
     assert runner.invoke(app, ["embed", str(tmp_path / "p.npz"), "--store", str(sp), "--extractor", "vectors",
                                "--label-names", "a,b", "-q"]).exit_code == 0
-    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "1", "--delta",
-                               "1.234567891e-5", "--tau", "0.2", "--planned-queries", "10", "-q"]).exit_code == 0
+    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "1", "--tau", "0.2",
+                               *index_flags, "-q"]).exit_code == 0
+    return sp, lp
+
+
+@pytest.mark.heavy
+def test_the_eps_check_failure_prints_epsilon_up_and_the_given_figures_exactly(tmp_path):
+    """Review 47: the `account --eps` failure printed ε, the excess and B with :.6g (to nearest: below the figure
+    for about half of them) and --eps and δ with :g (--eps 0.99999999 shown as 1, above the ε it failed)."""
+    sp, lp = _pair(tmp_path, "--delta", "1.234567891e-5", "--planned-queries", "10")
     text = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--eps", "0.99999999"])
     assert text.exit_code == 4 and "--eps 0.99999999 check FAILED" in text.stderr, text.output
     assert "at δ = 1.234567891e-05" in text.stderr
@@ -87,14 +93,7 @@ def test_a_passed_eps_check_never_prints_an_epsilon_above_the_eps_given_and_b_is
     from indknn_cli.accounting import gdp_epsilon
     from indknn_cli.ledger import BudgetLedger
 
-    rng = np.random.default_rng(1)
-    np.savez(tmp_path / "p.npz", x=rng.standard_normal((30, 8)).astype("f4"), y=np.array(["a", "b"] * 15),
-             ids=np.array([f"r{i}" for i in range(30)]))
-    sp, lp = tmp_path / "s.zarr", tmp_path / "L"
-    assert runner.invoke(app, ["embed", str(tmp_path / "p.npz"), "--store", str(sp), "--extractor", "vectors",
-                               "--label-names", "a,b", "-q"]).exit_code == 0
-    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "1", "--tau", "0.2",
-                               "-q"]).exit_code == 0
+    sp, lp = _pair(tmp_path)
     b = BudgetLedger.open(lp).params.budget
     eps = gdp_epsilon(budget=b, delta=1e-5)
     above = math.nextafter(eps, math.inf)
