@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from . import ledger_history
+from . import ledger_history, rounding
 from .errors import BadInputError, LedgerError
 from .wording import count
 
@@ -100,7 +100,7 @@ class PrivacyParams:
                            user_for_missing=self.user_for_missing)
         if self.c1 > self.budget:
             raise BadInputError(
-                f"sigma1={self.sigma1} makes one count charge 1/(2σ1²)={self.c1:.4g} exceed the budget B={self.budget:.4g}"
+                f"sigma1={self.sigma1} makes one count charge 1/(2σ1²)={rounding.up(self.c1)} exceed the budget B={rounding.up(self.budget)}"
             )
         return self
 

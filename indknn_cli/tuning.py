@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from . import rounding
 from .errors import BadInputError
 from .record_keys import stored_keys
 from .tuning_accounting import (EXP_MECH, METHODS, ORDERS, POISSON, RANDOM_SEARCH,  # noqa: F401 (re-exported)
@@ -173,7 +174,7 @@ def private_tune(
     check_range("sigma1", sigma1)
     if count_charge(sigma1) > b_serve:
         raise BadInputError(f"sigma1={sigma1:g}: one count charge 1/(2σ1²) exceeds the serving budget "
-                            f"B={b_serve:.4g}; raise --sigma1 or --planned-queries, or lower the --tune-share")
+                            f"B={rounding.up(b_serve)}; raise --sigma1 or --planned-queries, or lower the --tune-share")
     seed_text = "entropy:" + str(_run_key(None, "tune")) if seed is None else f"seed:{seed}"
     data = BaseRunData.build(features, labels, n_shards=n_val, seed_text=seed_text, n_classes=n_classes, keys=keys)
     master = np.random.default_rng(_run_key(seed, "tune:search"))

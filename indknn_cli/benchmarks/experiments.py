@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import accounting
+from .. import accounting, rounding
 from ..baselines import PrivateKNN, knn_predict, opacus_epsilon, train_linear_noisy_sgd, train_logistic_regression
 from ..serving import make_params
 from ..wording import count
@@ -365,7 +365,7 @@ def retraining(ds: Dataset, split: Split, cfg: BenchConfig, epsilon: float = 1.0
                      **UNIT})
         progress(f"Q={Q}: Ind-KNN {rows[-1]['indknn_seconds_per_query']:.2e} s/query, ε({cfg.conversion}) "
                  f"{params.epsilon:g}; NoisySGD {rows[-1]['noisysgd_seconds_per_query']:.2e} s/query, "
-                 f"ε(Opacus {cfg.sgd_accountant.upper()}, composed) {sgd_eps:.3g}; {UNIT_SHORT}")
+                 f"ε(Opacus {cfg.sgd_accountant.upper()}, composed) {rounding.up(sgd_eps, 3)}; {UNIT_SHORT}")
         partial(rows)
     table = {"title": f"retraining every Q queries (T={T}; ε={epsilon:g} = Ind-KNN guarantee = each training's ε)",
              "columns": ["Q", "Ind-KNN s/query", f"Ind-KNN ε guarantee ({cfg.conversion})",
@@ -424,7 +424,7 @@ def tune(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progress = lambd
                       stage1=stage1)
     table = {"title": f"chosen Ind-KNN hyper-parameters (T={p.T}, δ={cfg.delta:g}, {cfg.conversion}, {UNIT_SHORT})",
              "columns": [f"ε ({cfg.conversion})", "τ", "σ2", "validation accuracy", "B"],
-             "rows": [[f"{e:g}", f"{c['tau']:g}", f"{c['sigma2']:g}", round(c["val_accuracy"], 4), f"{res['budget'][e]:.4g}"]
+             "rows": [[f"{e:g}", f"{c['tau']:g}", f"{c['sigma2']:g}", round(c["val_accuracy"], 4), rounding.up(res['budget'][e], 4)]
                       for e, c in res["chosen"].items()]}
     return {"experiment": "tune", "dataset": dataset_info(p), "config": cfg.as_dict(),
             "conversion": cfg.conversion, **UNIT,
