@@ -659,3 +659,24 @@ def test_an_ids_file_saved_with_a_byte_order_mark_erases_its_first_id(vector_sto
     r = runner.invoke(app, ["delete", "--ids-file", "-", "--store", str(vector_store.path), "--ledger", str(lp)],
                       input="\ufeffr0003\n")
     assert r.exit_code == 0 and json.loads(r.stdout)["record_ids"] == ["r0003"], r.stderr
+
+
+@pytest.mark.heavy
+def test_ids_with_control_characters_are_called_out_beside_not_found(tmp_path):
+    """Review 48, F6: an id holding a control character (a NUL, a file saved in another encoding) was only counted
+    "not found" (exit 0). No stored id can hold one (embed refuses them): stderr now says so, the rest is erased."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "p.npz", x=rng.standard_normal((10, 4)).astype("f4"), y=np.array(["a", "b"] * 5),
+             ids=np.array([f"r{i}" for i in range(10)]))
+    sp, lp = tmp_path / "s.zarr", tmp_path / "L"
+    runner = CliRunner()
+    assert runner.invoke(app, ["embed", str(tmp_path / "p.npz"), "--store", str(sp), "--extractor", "vectors",
+                               "--label-names", "a,b", "-q"]).exit_code == 0
+    assert runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "1", "-q"]).exit_code == 0
+    (tmp_path / "ids.txt").write_text("r1\nr\x002\nr3\u200b\n", encoding="utf-8")
+    r = runner.invoke(app, ["delete", "--ids-file", str(tmp_path / "ids.txt"), "--store", str(sp), "--ledger",
+                            str(lp)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["records_erased"] == 1
+    said = " ".join(r.stderr.split())
+    assert "2 record ids and 0 user ids not found" in said and "2 of them hold a control or invisible character" in said

@@ -71,9 +71,16 @@ def delete_command(
     result = run_library_call(call)
     err = stderr_console()
     if result.ids_not_found or result.users_not_found:
+        from ..readers_base import _CONTROL
+
+        odd = sum(bool(_CONTROL.search(i)) for i in [*result.ids_not_found, *result.users_not_found])
+        # review 48, F6: no stored id holds a control character (embed refuses them): such an id is a damaged
+        # request (a file saved in another encoding, a stray NUL), worth saying so beside "not found"
         err.print(f"{count(len(result.ids_not_found), 'record id')} and "
                   f"{count(len(result.users_not_found), 'user id')} not found "
-                  "(listed under ids_not_found / users_not_found)", soft_wrap=True)
+                  "(listed under ids_not_found / users_not_found)"
+                  + (f"; {count(odd, 'of them holds', 'of them hold')} a control or invisible character, which "
+                     "no stored id can: check the request's encoding" if odd else ""), soft_wrap=True)
     if result.ledger_unreadable is not None:
         err.print(f"[yellow]Warning:[/] the ledger cannot be read ({escape(str(result.ledger_unreadable))}). The erasure was "
                   "recorded and the vectors erased from the store; the tombstones of "
