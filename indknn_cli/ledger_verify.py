@@ -40,19 +40,29 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
             out["store_note"] = None if store_path else f"store not checked: none at the recorded {recorded}"
         store = FeatureStore.open(store_path, mode="r") if store_path is not None else None
         if not explicit and store is not None and store.uuid != first.meta.get("store_uuid"):
+            # read again after the store: a compaction that finished between the two reads is seen (review 51, F1:
+            # the first read's store uuid, stale, made an intact ledger look rolled back)
+            first = open_ledger_readonly(ledger_path)
+        if not explicit and store is not None and store.uuid != first.meta.get("store_uuid"):
             if (binding_of(store) or {}).get("ledger_uuid") == first.meta.get("ledger_uuid"):
-                # bound to this very ledger, but another store uuid: compacted after this ledger was written (review
-                # 50, F5: a ledger copied before a `delete --compact` and restored after it)
-                raise LedgerIntegrityError(
-                    f"{ledger_path}: the store at the recorded {store_path} is bound to this ledger but was compacted "
-                    f"after it was written (store uuid {store.uuid}; the ledger's is {first.meta.get('store_uuid')}): "
-                    "the ledger was rolled back (an older copy restored), which would refund charges")
-            # review 48, F5: "this ledger belongs to another feature store (<the recorded path>)" named the very
-            # path the ledger records, as if the reader had given it
-            out["store_note"] = (f"store not checked: the store now at the recorded {store_path} is another store "
-                                 f"(uuid {store.uuid}; the ledger's is {first.meta.get('store_uuid')}): the ledger's "
-                                 "store was moved or replaced")
-            store = None
+                if _compacted_since(ledger_path, first, store):
+                    # bound to this very ledger, and compacted from the ledger's store since this ledger was written,
+                    # with no snapshot of this ledger for it: the ledger was rolled back (review 50, F5: a ledger copied
+                    # before a `delete --compact` and restored after it)
+                    raise LedgerIntegrityError(
+                        f"{ledger_path}: the store at the recorded {store_path} is bound to this ledger but was "
+                        f"compacted after it was written (store uuid {store.uuid}; the ledger's is "
+                        f"{first.meta.get('store_uuid')}): the ledger was rolled back (an older copy restored), which "
+                        "would refund charges")
+                # else the ledger's own check words it below: a compaction to finish, or a store from before the
+                # ledger's compaction (a copy of the pair compacted, or the store restored from an older copy)
+            else:
+                # review 48, F5: "this ledger belongs to another feature store (<the recorded path>)" named the very
+                # path the ledger records, as if the reader had given it
+                out["store_note"] = (f"store not checked: the store now at the recorded {store_path} is another "
+                                     f"store (uuid {store.uuid}; the ledger's is {first.meta.get('store_uuid')}): the "
+                                     "ledger's store was moved or replaced")
+                store = None
         # review 47, F1: --store naming an older copy of the store passed a ledger rolled back to that copy's mark
         # while the store it was made for (a newer mark) still sat at the recorded path: that mark is checked too
         # when it is this ledger's (a copy with the same uuid, the original compacted since (review 50, F5), or the
@@ -103,6 +113,20 @@ def verify_ledger(ledger_path, *, store_path=None) -> dict:
             raise
         out["error"] = str(exc)
     return out
+
+
+def _compacted_since(ledger_path, ledger, store) -> bool:
+    """Whether ``store`` descends by compaction from the ledger's store (its compaction history names that uuid), with
+    no snapshot of the ledger written for it past CURRENT (a compaction stopped or still running is not a rollback).
+    A store *older* than the ledger (a copy of the pair compacted, a store restored from before a compaction) does
+    not: the ledger's own check words that case."""
+    from .ledger_snapshot import unpublished_store_uuids
+
+    history = {str(c.get("from_store_uuid")) for c in (dict(store.root.attrs).get("compactions") or [])
+               if isinstance(c, dict)}
+    if ledger.meta.get("store_uuid") not in history:
+        return False
+    return store.uuid not in unpublished_store_uuids(Path(ledger_path), ledger.generation)
 
 
 def _recorded_elsewhere(ledger, given) -> Path | None:

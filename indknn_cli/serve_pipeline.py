@@ -269,19 +269,24 @@ def _signals_held():
         return
     record = lambda signum, frame: held.append(signum)  # noqa: E731
     try:
-        old = signal.signal(signal.SIGINT, record)
-        old_term = signal.getsignal(signal.SIGTERM)
-        if callable(old_term):
-            signal.signal(signal.SIGTERM, record)
+        old, old_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     except (ValueError, TypeError):  # an embedding interpreter without signal handling
         yield held
         return
-    try:
+    try:  # both restored whatever lands while they are set (review 51, F3: a SIGTERM between the two calls left
+        # Ctrl-C recorded and never raised for the rest of the run)
+        try:
+            if callable(old_term):
+                signal.signal(signal.SIGTERM, record)
+            signal.signal(signal.SIGINT, record)
+        except (ValueError, TypeError):
+            pass
         yield held
     finally:  # None: the previous handler was not set from Python (restored as the default)
-        signal.signal(signal.SIGINT, signal.SIG_DFL if old is None else old)
-        if callable(old_term):
-            signal.signal(signal.SIGTERM, old_term)
+        with contextlib.suppress(ValueError, TypeError):
+            signal.signal(signal.SIGINT, signal.SIG_DFL if old is None else old)
+            if callable(old_term):
+                signal.signal(signal.SIGTERM, old_term)
 
 
 #: Python's thread switch interval while a GPU serve runs its three threads (the default is 5 ms): the screen's

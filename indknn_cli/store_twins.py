@@ -11,7 +11,9 @@ A pair moved with ``mv``, or copied with the original then removed, has no twin 
 Not seen (review 43, M1/M2): copies of which none is at the recorded path (``cp -a A B; mv A C`` leaves B and C,
 both served), and, from the original's side, any copy (``delete`` in the original cannot name the copy that still
 holds the rows). Seeing those needs a record kept outside both copies (a per-machine registry of where each store
-uuid was last written), which indknn does not keep.
+uuid was last written), which indknn does not keep. Nor a store copied before its first `index` (review 51,
+F4): each copy can then be indexed with a ledger of its own, whose recorded path is that copy; indexing the same
+rows twice is the operator's act, as embedding them into two stores would be.
 """
 
 from __future__ import annotations

@@ -425,3 +425,34 @@ def test_accuracy_plots_show_the_spread_and_distinct_references(tmp_path, monkey
     make_plots({"experiment": "accuracy-vs-queries", "results": qrows, "epsilon": 1.0, "dataset": {}},
                tmp_path, "accq")
     assert sum(isinstance(c, PolyCollection) for c in figs[-1].axes[0].collections) == 4
+
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("exc, code, word", [("Terminated", 143, "Terminated."), ("KeyboardInterrupt", 130, "Interrupted.")])
+def test_an_interrupt_after_the_library_call_still_ends_with_its_message_and_code(tmp_path, monkeypatch, exc, code,
+                                                                                   word):
+    """Review 51, F2: a SIGTERM landing after a command's library call (while it printed its result) reached typer,
+    which exits 130 with no word; `indknn -h` promises 143 for SIGTERM. Both signals end as inside the call."""
+    import numpy as np
+
+    import indknn_cli.cli.account as account_cli
+    from indknn_cli import errors
+    from indknn_cli.serving import build_index, make_params
+    from indknn_cli.store import ExtractorInfo, FeatureStore
+
+    st = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=4,
+                             label_names=["a", "b"])
+    st.append("private", np.eye(4, dtype="f4"), labels=np.array([0, 1, 0, 1]), record_ids=["r0", "r1", "r2", "r3"])
+    build_index(store_path=st.path, ledger_path=tmp_path / "L", params=make_params(epsilon=1.0, delta=1e-5, tau=0.5,
+                                                                                    sigma2=1.0))
+    raised, printed = getattr(errors, exc, KeyboardInterrupt), []
+
+    def interrupted(*a, **k):
+        printed.append(1)
+        raise raised()
+
+    monkeypatch.setattr(account_cli, "emit_json", interrupted)
+    r = runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--store", str(st.path), "--json"])
+    assert printed, r.output  # the library call returned and its result was being printed
+    assert r.exit_code == code and word in r.stderr and "Traceback" not in r.stderr, (r.exit_code, r.output)

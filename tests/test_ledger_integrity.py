@@ -665,3 +665,46 @@ def test_a_ledger_copied_before_a_compaction_and_restored_after_is_refused_every
     assert not v["verified"] and "compacted after it was written" in v["error"], v
     with pytest.raises(LedgerError, match="another copy of this store"):
         serve_queries(store_path=backup / "store.zarr", ledger_path=lp, query_batch="q3", batch_size=8, seed=3)
+
+
+@pytest.mark.heavy
+def test_verify_during_or_after_a_stopped_compaction_is_not_called_a_rollback(world, monkeypatch):
+    """Review 51, F1: verify without --store read the ledger, then the store; a store swapped by a compaction that
+    had not yet published the ledger's snapshot (stopped there, or still running) was taken for a rollback, and an
+    operator believing it might run `repair` (every record retired). It says a compaction is to be finished."""
+    from indknn_cli import deletion
+
+    from .test_delete import Crash, _crash_at
+
+    sp, lp = world
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r3"])
+    _crash_at(monkeypatch, "compact-swapped")
+    with pytest.raises(Crash):
+        delete_records(store_path=sp, ledger_path=lp, compact=True)
+    monkeypatch.setattr(deletion, "FAULT_HOOK", None)
+    v = verify_ledger(lp)
+    assert not v["verified"] and "rolled back" not in v["error"] and "interrupted" in v["error"], v["error"]
+    delete_records(store_path=sp, ledger_path=lp, compact=True)  # finishes it
+    assert verify_ledger(lp)["verified"]
+
+
+@pytest.mark.heavy
+def test_verify_reads_the_ledger_again_when_a_compaction_lands_between_its_reads(world, monkeypatch):
+    """Review 51, F1 (the race): a whole compaction finishing between verify's first ledger read and its store read
+    left a stale store uuid, and the intact ledger was called rolled back."""
+    import indknn_cli.ledger_readonly as lv
+
+    sp, lp = world
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r3"])
+    real, calls = lv.open_ledger_readonly, []
+
+    def first_then_compact(path, **kw):
+        led = real(path, **kw)
+        if not calls:  # right after the first read: a compaction runs to the end
+            calls.append(1)
+            delete_records(store_path=sp, ledger_path=lp, compact=True)
+        return led
+
+    monkeypatch.setattr(lv, "open_ledger_readonly", first_then_compact)
+    v = verify_ledger(lp)
+    assert calls and v["verified"], v.get("error")

@@ -165,13 +165,7 @@ def run_library_call(fn: Callable[[], T]) -> T:
         error_message("Error:", str(exc))
         raise typer.Exit(code=exc.exit_code) from None
     except KeyboardInterrupt as exc:
-        from ..errors import Terminated
-
-        if isinstance(exc, Terminated):
-            error_message("Terminated.", "(SIGTERM) what was committed stays; re-running resumes")
-            raise typer.Exit(code=143) from None
-        error_message("Interrupted.", "")
-        raise typer.Exit(code=130) from None
+        _exit_interrupted(exc)
     except OSError as exc:
         error_message("Error:", f"{exc.strerror or type(exc).__name__}{': ' + str(exc.filename) if exc.filename else ''}")
         raise typer.Exit(code=EXIT_RUNTIME) from None
@@ -200,12 +194,12 @@ def with_verbosity(fn: Callable, *, name: str = "indknn") -> Callable:
             raise typer.Exit(code=2)
         set_verbosity(quiet=quiet, verbose=verbose, public_only=name.endswith("serve-queries"))
         if not verbose:
-            return fn(*args, **kwargs)
+            return _interruptible(fn, args, kwargs)
         import time
 
         start, code = time.monotonic(), 0
         try:
-            return fn(*args, **kwargs)
+            return _interruptible(fn, args, kwargs)
         except typer.Exit as exc:
             code = exc.exit_code
             raise
@@ -237,6 +231,26 @@ def with_verbosity(fn: Callable, *, name: str = "indknn") -> Callable:
     wrapper.__signature__ = sig.replace(parameters=list(sig.parameters.values()) + extra)
     wrapper.__annotations__ = {**getattr(fn, "__annotations__", {}), "quiet": bool, "verbose": bool}
     return wrapper
+
+
+def _interruptible(fn, args, kwargs):
+    """``fn`` with an interrupt that lands outside its library call (while it prints, say) ended as inside one: a
+    message and exit 130 (SIGINT) or 143 (SIGTERM). Typer turned either into a silent exit 130 (review 51, F2)."""
+    try:
+        return fn(*args, **kwargs)
+    except KeyboardInterrupt as exc:
+        _exit_interrupted(exc)
+
+
+def _exit_interrupted(exc: KeyboardInterrupt):
+    """Ctrl-C: "Interrupted.", exit 130; SIGTERM (:class:`~indknn_cli.errors.Terminated`): "Terminated.", exit 143."""
+    from ..errors import Terminated
+
+    if isinstance(exc, Terminated):
+        error_message("Terminated.", "(SIGTERM) what was committed stays; re-running resumes")
+        raise typer.Exit(code=143) from None
+    error_message("Interrupted.", "")
+    raise typer.Exit(code=130) from None
 
 
 def deprecated_alias(value, old_value, *, new: str, old: str):
