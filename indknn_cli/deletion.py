@@ -291,7 +291,7 @@ def delete_records(
                 cleanup.append(compaction["leftover"])
             twin = store_twins.twin_of(store, ledger) if ledger is not None else None
             if twin is not None and (record_ids or user_ids):  # review 42, M3: the rows live on in that copy
-                cleanup.append(f"incomplete: another copy of this store (the same uuid, {store.uuid}) is at {twin} "
+                cleanup.append(f"incomplete: another copy of this store (uuid {store.uuid}, or compacted since under a new one) is at {twin} "
                                "and still holds these rows: run the same delete there, or remove that copy")
             if cleanup:  # objects of an earlier copy that may keep vectors: reported with the result (exit 1)
                 note = "; ".join(([note] if note else []) + cleanup)

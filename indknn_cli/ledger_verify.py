@@ -15,10 +15,54 @@ from .ledger_integrity import binding_of, check_binding, check_mark, head_seq, r
 from .ledger_rows import check_erased_owners, check_rows_hold_records
 from .wording import adjacency, count, per_unit
 
+#: A failed verification is tried again while the ledger folder changes under it (a serve committing, a compaction
+#: publishing) or holds a snapshot past CURRENT (a compaction between its store swap and its publish, or stopped
+#: there): readers take no lock, and an intact ledger read mid-compaction was refused, or even called rolled back
+#: when two compactions landed between two reads (review 52, F1, F2). A tampered ledger fails every attempt.
+ATTEMPTS, PAUSE_S = 8, 0.25
+
+
 def verify_ledger(ledger_path, *, store_path=None) -> dict:
     """Walk the chain and every check above; return what was verified (``verified`` False and ``error``
     on failure: :func:`enforce_verified` raises it). ``store_path`` None: the store the ledger records,
-    when it is still there."""
+    when it is still there. Tried again (at most :data:`ATTEMPTS` times) while the ledger is changing."""
+    import time
+
+    for attempt in range(ATTEMPTS):
+        before = _folder_state(ledger_path)
+        out = _verify_once(ledger_path, store_path=store_path)
+        if out.get("verified") or attempt == ATTEMPTS - 1:
+            break
+        after = _folder_state(ledger_path)
+        if after == before and not _snapshot_past_current(ledger_path):
+            break  # nothing moved: the verdict stands
+        time.sleep(PAUSE_S)
+    return out
+
+
+def _folder_state(ledger_path) -> tuple:
+    """What a commit or a compaction changes in a ledger folder: CURRENT and the file names."""
+    import os
+
+    path = Path(ledger_path)
+    try:
+        current = (path / "CURRENT").read_bytes() if (path / "CURRENT").is_file() else b""
+        return current, tuple(sorted(os.listdir(path))), tuple(sorted(os.listdir(path / "events")))
+    except OSError:
+        return (None,)
+
+
+def _snapshot_past_current(ledger_path) -> bool:
+    from .ledger_snapshot import current_generation, unpublished_store_uuids
+
+    try:
+        gen = current_generation(Path(ledger_path))
+        return gen is not None and bool(unpublished_store_uuids(Path(ledger_path), gen))
+    except Exception:  # noqa: BLE001 - an unreadable CURRENT: nothing in progress to wait for
+        return False
+
+
+def _verify_once(ledger_path, *, store_path=None) -> dict:
     from .ledger import BudgetLedger
     from .ledger_readonly import open_ledger_readonly
     from .store import FeatureStore

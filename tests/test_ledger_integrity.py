@@ -708,3 +708,32 @@ def test_verify_reads_the_ledger_again_when_a_compaction_lands_between_its_reads
     monkeypatch.setattr(lv, "open_ledger_readonly", first_then_compact)
     v = verify_ledger(lp)
     assert calls and v["verified"], v.get("error")
+
+
+@pytest.mark.heavy
+def test_verify_while_a_compaction_runs_waits_for_it_instead_of_refusing(world, monkeypatch):
+    """Review 52, F2 (and F1, two compactions between two reads): verify takes no lock, so a compaction between its
+    store swap and its publish made an intact ledger "interrupted: run delete --compact", and changes between its
+    reads could make it "rolled back". A failed verification is tried again while the ledger folder changes or holds
+    a snapshot past CURRENT: the running compaction finishes and the ledger verifies."""
+    import threading
+    import time
+
+    from indknn_cli import deletion
+
+    sp, lp = world
+    delete_records(store_path=sp, ledger_path=lp, record_ids=["r3"])
+    at_swap = threading.Event()
+
+    def slow_swap(point):
+        if point == "compact-swapped" and threading.current_thread() is not threading.main_thread():
+            at_swap.set()
+            time.sleep(1.0)  # the store is swapped, the ledger's snapshot not yet published
+
+    monkeypatch.setattr(deletion, "FAULT_HOOK", slow_swap)
+    t = threading.Thread(target=lambda: delete_records(store_path=sp, ledger_path=lp, compact=True))
+    t.start()
+    assert at_swap.wait(60)
+    v = verify_ledger(lp)
+    t.join(60)
+    assert v["verified"], v.get("error")
