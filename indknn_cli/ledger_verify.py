@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import store_versions
+from . import store_twins, store_versions
 from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import binding_of, check_binding, check_mark, head_seq, read_mark, snapshot_is_chained
@@ -111,7 +111,7 @@ def _verify_once(ledger_path, *, store_path=None) -> dict:
         # while the store it was made for (a newer mark) still sat at the recorded path: that mark is checked too
         # when it is this ledger's (a copy with the same uuid, the original compacted since (review 50, F5), or the
         # state folder of a store on object storage, whose mark reads the bucket's too (review 50, F2))
-        other = _recorded_elsewhere(first, store.path) if explicit and store is not None else None
+        other = store_twins.recorded_elsewhere(first, store.path) if explicit and store is not None else None
         mark = read_mark(store.path) if store is not None else None  # before the ledger: no lock is held
         other_mark = read_mark(other) if other is not None else None
         if other_mark is None or other_mark.get("ledger_uuid") != first.meta.get("ledger_uuid"):
@@ -171,21 +171,6 @@ def _compacted_since(ledger_path, ledger, store) -> bool:
     if ledger.meta.get("store_uuid") not in history:
         return False
     return store.uuid not in unpublished_store_uuids(Path(ledger_path), ledger.generation)
-
-
-def _recorded_elsewhere(ledger, given) -> Path | None:
-    """The ledger's recorded store path when it is absolute, exists and is not the folder ``given``."""
-    import os
-
-    recorded = str(ledger.meta.get("store_path") or "")
-    if not recorded or not os.path.isabs(recorded) or not Path(recorded).is_dir():
-        return None
-    try:
-        if Path(recorded).resolve() == Path(given).resolve() or os.path.samefile(recorded, given):
-            return None
-    except OSError:
-        return None
-    return Path(recorded)
 
 
 def _check_recorded(there: Path, ledger, mark) -> dict:

@@ -33,12 +33,9 @@ def twin_of(store, ledger) -> Path | None:
 
     if getattr(store, "remote", None) is not None:  # one store in a bucket, seen through local state folders: its
         return None  # copies on several machines are the bucket's mark's job (docs/OBJECT_STORAGE.md)
-    recorded = str(ledger.meta.get("store_path") or "")
-    if not recorded or not os.path.isabs(recorded):
-        return None
-    there, here = Path(recorded), Path(store.path)
     try:
-        if not (there / "zarr.json").is_file() or there.resolve() == here.resolve() or os.path.samefile(there, here):
+        there = recorded_elsewhere(ledger, store.path)
+        if there is None or not (there / "zarr.json").is_file():
             return None
         other = FeatureStore.open(there, mode="r")
     except Exception:  # noqa: BLE001 - unreadable or half-written: not a live copy to report
@@ -49,6 +46,20 @@ def twin_of(store, ledger) -> Path | None:
 
     bound = binding_of(other) or {}
     return there if bound.get("ledger_uuid") == ledger.meta.get("ledger_uuid") else None
+
+
+def recorded_elsewhere(ledger, here) -> Path | None:
+    """The path of ``ledger``'s store as the ledger records it, when it is absolute, a folder is there and it is not
+    the folder ``here``; else None. Where :func:`twin_of` and `account --verify` look for another copy."""
+    recorded = str(ledger.meta.get("store_path") or "")
+    if not recorded or not os.path.isabs(recorded) or not Path(recorded).is_dir():
+        return None
+    try:
+        if Path(recorded).resolve() == Path(here).resolve() or os.path.samefile(recorded, here):
+            return None
+    except OSError:
+        return None
+    return Path(recorded)
 
 
 def refuse_twin(store, ledger, ledger_path) -> None:

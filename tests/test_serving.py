@@ -126,6 +126,16 @@ def _serve_subprocess_world(tmp_path, n_private: int, n_queries: int):
     return lp, env, cmd
 
 
+def _first_answers(proc, n: int) -> list[dict]:
+    """The first ``n`` answer lines a serve-queries subprocess prints (fewer if it ends first)."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(json.loads(line))
+        if len(lines) >= n:
+            break
+    return lines
+
+
 @pytest.mark.heavy
 def test_sigterm_mid_batch_exits_143_with_every_printed_answer_charged(tmp_path):
     """Review 48, F10: SIGTERM (a `kill`, a systemd stop, `timeout`) killed serve-queries at once: exit 143 and no
@@ -133,11 +143,7 @@ def test_sigterm_mid_batch_exits_143_with_every_printed_answer_charged(tmp_path)
     traceback; re-running resumes with the same answers."""
     lp, env, cmd = _serve_subprocess_world(tmp_path, 2000, 3000)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(json.loads(line))
-        if len(lines) >= 100:
-            break
+    lines = _first_answers(proc, 100)
     proc.send_signal(signal.SIGTERM)
     rest, err = proc.communicate(timeout=120)
     lines += [json.loads(l) for l in rest.splitlines() if l.strip()]
@@ -158,11 +164,7 @@ def test_kill_9_mid_batch(tmp_path):
     """A real `kill -9` of a serve-queries subprocess: every printed answer has its committed charge."""
     lp, env, cmd = _serve_subprocess_world(tmp_path, 3000, 4000)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(json.loads(line))
-        if len(lines) >= 200:
-            break
+    lines = _first_answers(proc, 200)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     rest = proc.stdout.read()

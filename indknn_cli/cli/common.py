@@ -192,34 +192,28 @@ def with_verbosity(fn: Callable, *, name: str = "indknn") -> Callable:
         if quiet and verbose:
             error_message("Error:", "--quiet and --verbose cannot be used together")
             raise typer.Exit(code=2)
-        set_verbosity(quiet=quiet, verbose=verbose, public_only=name.endswith("serve-queries"))
-        if not verbose:
+        serving = name.endswith("serve-queries")
+        set_verbosity(quiet=quiet, verbose=verbose, public_only=serving)
+        # not for serve-queries: its stderr holds public figures only (review 31), and how long a batch took
+        # depends on the private data (how many candidates each query had)
+        if not verbose or serving:
             return _interruptible(fn, args, kwargs)
         import time
 
         start, code = time.monotonic(), 0
         try:
-            return _interruptible(fn, args, kwargs)
-        except typer.Exit as exc:
-            code = exc.exit_code
-            raise
-        except SystemExit as exc:
-            code = exc.code
+            return _interruptible(fn, args, kwargs)  # an interrupt leaves it as typer.Exit (130 or 143)
+        except (typer.Exit, SystemExit) as exc:
+            code = exc.exit_code if isinstance(exc, typer.Exit) else exc.code
             raise
         except IndknnError as exc:  # raised past run_library_call: main() exits with its code
             code = exc.exit_code
-            raise
-        except KeyboardInterrupt as exc:
-            code = 143 if type(exc).__name__ == "Terminated" else 130
             raise
         except BaseException:
             code = EXIT_RUNTIME  # main(): "Internal error", exit 1
             raise
         finally:
-            # not for serve-queries: its stderr holds public figures only (review 31), and how long a batch took
-            # depends on the private data (how many candidates each query had)
-            if not name.endswith("serve-queries"):
-                detail(f"{name}: finished in {time.monotonic() - start:.2f} s, exit {code}")
+            detail(f"{name}: finished in {time.monotonic() - start:.2f} s, exit {code}")
 
     sig = inspect.signature(fn)
     extra = [inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
