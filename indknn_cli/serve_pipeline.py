@@ -169,6 +169,7 @@ class Committer:
     A commit that has written its event releases its answers while the lock is still held."""
 
     def __init__(self, overlap: bool):
+        self.overlapped = overlap
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="indknn-commit") if overlap else None
         self._pending = None
         self._abandoned = threading.Event()
@@ -254,6 +255,26 @@ def _as_exception(entry) -> BaseException:
     if isinstance(entry, BaseException):
         return entry
     return Terminated() if entry == signal.SIGTERM else KeyboardInterrupt()
+
+
+@contextlib.contextmanager
+def signals_deferred(enabled: bool):
+    """With ``enabled``, Ctrl-C and SIGTERM inside the block are recorded and raised at the next ``check()`` (the
+    callable it yields) or when the block ends normally, never between two bytecodes. serve-queries holds them
+    for its whole overlapped run: a second Ctrl-C landing after the first was raised but before
+    :meth:`Committer.close` held signals escaped the close and let the ledger's lock go with a commit still
+    writing (a window found after review 52). A run that ends by an exception keeps that exception."""
+    if not enabled:
+        yield lambda: None
+        return
+    with _signals_held() as held:
+        def check() -> None:
+            if held:
+                raise _as_exception(held[0])
+
+        yield check
+    if held:  # landed after the last check: raised now that the handlers are back
+        raise _as_exception(held[0])
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from .errors import BadInputError
 from .indexing import (IndexResult, _roll_forward_pending, build_index, make_params,  # noqa: F401 (re-exported)
                        sync_ledger)
 from .ledger import BudgetLedger
-from .serve_pipeline import Committer, PassScreen, event_columns, responsive_threads
+from .serve_pipeline import Committer, PassScreen, event_columns, responsive_threads, signals_deferred
 from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import UserBudgetView
@@ -241,9 +241,12 @@ def serve_queries(
         part_pairs = max_pairs // 2 if screened.ahead else max_pairs
         # the released label names, ABSTAIN_NAME last (the label −1 taken from there)
         label_names = pa.array([label_name(store, c) for c in range(n_classes)] + [ABSTAIN_NAME], pa.string())
-        with responsive_threads(screened.ahead):  # a short switch interval while three threads run
+        # a short switch interval while three threads run; with a commit thread, Ctrl-C and SIGTERM are raised only
+        # between parts, so that none can skip the close that waits for the commit in flight
+        with responsive_threads(screened.ahead), signals_deferred(committer.overlapped) as interrupted:
             try:
                 for lo in range(todo_start, q_stop, batch_size):
+                    interrupted()
                     hi = min(q_stop, lo + batch_size)
                     queries = store.read("query", "features", lo, hi)
                     query_ids = store.read("query", "record_id", lo, hi)  # per part: never the whole batch's ids

@@ -281,3 +281,64 @@ def test_sigterm_waits_for_the_commit_in_flight_like_ctrl_c(base, tmp_path, over
     assert _lock_free(lp)
     on_disk = set(BudgetLedger.open(lp).answers_for("b")["query_index"])
     assert {r["query_index"] for r in released} <= on_disk
+
+
+@pytest.mark.heavy
+def test_a_second_interrupt_landing_before_close_holds_signals(base, tmp_path, overlap, monkeypatch):
+    """Part 3's filter fails while part 2's commit is slow, and a Ctrl-C lands as the run enters Committer.close,
+    before close holds signals itself (the window left after review 52). Before the fix that KeyboardInterrupt
+    escaped the close, and the ledger's lock was let go with part 2's commit still writing; now the whole
+    overlapped run records signals, so close still waits for that commit."""
+    sp, lp = _copy(base, tmp_path)
+    started, state = _slow_second_commit(monkeypatch, 1.5)
+    real_answer, calls = serving.answer_batch, {"n": 0}
+
+    def answer(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            started.wait(20)
+            raise MemoryError("filter failed (test)")
+        return real_answer(*a, **kw)
+
+    real_close = serve_pipeline.Committer.close
+
+    def close(self):
+        signal.raise_signal(signal.SIGINT)  # a Ctrl-C at close's first bytecode: its handler runs right here
+        real_close(self)
+
+    monkeypatch.setattr(serving, "answer_batch", answer)
+    monkeypatch.setattr(serve_pipeline.Committer, "close", close)
+    with pytest.raises((KeyboardInterrupt, MemoryError)):
+        _serve(sp, lp, seed=5)
+    raised_at = time.monotonic()
+    assert state.get("committed", math.inf) <= raised_at  # part 2's event was written before the lock was let go
+    for t in [t for t in threading.enumerate() if t.name.startswith("indknn-commit")]:
+        t.join(timeout=10)
+    assert _lock_free(lp)
+    BudgetLedger.open(lp)
+
+
+@pytest.mark.heavy
+def test_an_interrupt_between_parts_stops_the_overlapped_run_at_the_next_part(base, tmp_path, overlap, monkeypatch):
+    """A Ctrl-C recorded during part 2's filter is raised before part 3 is filtered: the run stops at the next part,
+    every released answer on disk, the lock free, and the batch finishes when served again."""
+    sp, lp = _copy(base, tmp_path)
+    real_answer, calls = serving.answer_batch, {"n": 0}
+
+    def answer(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            signal.raise_signal(signal.SIGINT)
+        return real_answer(*a, **kw)
+
+    monkeypatch.setattr(serving, "answer_batch", answer)
+    released = []
+    with pytest.raises(KeyboardInterrupt):
+        _serve(sp, lp, seed=5, on_committed=released.extend)
+    assert calls["n"] == 2  # part 3 was never filtered
+    assert _lock_free(lp)
+    on_disk = set(BudgetLedger.open(lp).answers_for("b")["query_index"])
+    assert {r["query_index"] for r in released} <= on_disk
+    monkeypatch.setattr(serving, "answer_batch", real_answer)
+    again = _serve(sp, lp, seed=5)
+    assert again.newly_answered + again.already_answered == Q
