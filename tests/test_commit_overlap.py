@@ -99,6 +99,20 @@ def _slow_second_commit(monkeypatch, seconds):
     return started, state
 
 
+def _third_part_fails(monkeypatch, started: threading.Event):
+    """Part 3's filter raises MemoryError once part 2's (slow) commit has started."""
+    real_answer, calls = serving.answer_batch, {"n": 0}
+
+    def answer(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            started.wait(20)
+            raise MemoryError("filter failed (test)")
+        return real_answer(*a, **kw)
+
+    monkeypatch.setattr(serving, "answer_batch", answer)
+
+
 def _interrupt_main(after: threading.Event, *, times: int, gap: float = 0.4):
     main = threading.main_thread()
 
@@ -139,16 +153,7 @@ def test_an_error_then_an_interrupt_while_closing(base, tmp_path, overlap, monke
     the commit still finishes before the lock is let go (before the fix it ran on with no lock held)."""
     sp, lp = _copy(base, tmp_path)
     started, state = _slow_second_commit(monkeypatch, 1.5)
-    real_answer, calls = serving.answer_batch, {"n": 0}
-
-    def answer(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            started.wait(20)
-            raise MemoryError("filter failed (test)")
-        return real_answer(*a, **kw)
-
-    monkeypatch.setattr(serving, "answer_batch", answer)
+    _third_part_fails(monkeypatch, started)
     _interrupt_main(started, times=1, gap=0.5)
     with pytest.raises((KeyboardInterrupt, MemoryError)):
         _serve(sp, lp, seed=5)
@@ -291,22 +296,13 @@ def test_a_second_interrupt_landing_before_close_holds_signals(base, tmp_path, o
     overlapped run records signals, so close still waits for that commit."""
     sp, lp = _copy(base, tmp_path)
     started, state = _slow_second_commit(monkeypatch, 1.5)
-    real_answer, calls = serving.answer_batch, {"n": 0}
-
-    def answer(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            started.wait(20)
-            raise MemoryError("filter failed (test)")
-        return real_answer(*a, **kw)
-
     real_close = serve_pipeline.Committer.close
 
     def close(self):
         signal.raise_signal(signal.SIGINT)  # a Ctrl-C at close's first bytecode: its handler runs right here
         real_close(self)
 
-    monkeypatch.setattr(serving, "answer_batch", answer)
+    _third_part_fails(monkeypatch, started)
     monkeypatch.setattr(serve_pipeline.Committer, "close", close)
     with pytest.raises((KeyboardInterrupt, MemoryError)):
         _serve(sp, lp, seed=5)
