@@ -97,6 +97,7 @@ from .deletion_compact import recover_store_folder as _recover_store_folder
 from .deletion_plan import DeleteResult, _enforce_strict, _plan, _Plan
 from .deletion_plan import read_ids  # noqa: F401 (its home before the split: library callers)
 from .errors import BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, StorageError, StoreError
+from .id_text import canonical
 from .ledger import BudgetLedger
 from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path
 from .wording import count
@@ -157,9 +158,10 @@ def delete_records(
     ``BadInputError`` before anything is written. ``dry_run`` takes no lock and
     writes nothing.
     """
-    # ids as `embed` stores them, surrounding whitespace trimmed (review 38, F3: `--record ' sp1 '` was unknown)
-    record_ids = list(dict.fromkeys(str(r).strip() for r in record_ids))
-    user_ids = list(dict.fromkeys(str(u).strip() for u in user_ids))
+    # ids as `embed` stores them: surrounding whitespace trimmed (review 38, F3: `--record ' sp1 '` was unknown), in
+    # Unicode NFC (review 53, F2: "José" typed decomposed erased nothing, or only one spelling's records)
+    record_ids = list(dict.fromkeys(canonical(str(r).strip()) for r in record_ids))
+    user_ids = list(dict.fromkeys(canonical(str(u).strip()) for u in user_ids))
     if any(not r.strip() for r in record_ids + user_ids):
         raise BadInputError("an empty record or user id was given")
     if not record_ids and not user_ids and not compact and not finish_pending:

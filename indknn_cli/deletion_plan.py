@@ -14,6 +14,7 @@ from typing import Iterable
 import numpy as np
 
 from .errors import BadInputError, StoreError
+from .id_text import canonical
 from .ledger import BudgetLedger
 from .store import FeatureStore, _read_chunks
 from .wording import count
@@ -112,35 +113,38 @@ def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str
         lo, hi = int(unindexed[0]), int(unindexed[-1]) + 1
         ids = store.read("private", "record_id", lo, hi)[unindexed - lo]
         users = store.read("private", "user_id", lo, hi)[unindexed - lo]
-        for r, rid, uid in zip(unindexed.tolist(), ids, users):
-            un_ids.setdefault(str(rid), []).append(r)
+        for r, rid, uid in zip(unindexed.tolist(), ids, users):  # keyed by the NFC form (id_text: review 53, F2)
+            un_ids.setdefault(canonical(rid), []).append(r)
             un_user_of[r] = str(uid)
             if str(uid):
-                un_users.setdefault(str(uid), []).append(r)
+                un_users.setdefault(canonical(uid), []).append(r)
 
     s = ledger.state if ledger is not None else None
     li: set[int] = set()
     rows: set[int] = set()
     plan = _Plan(np.empty(0, np.int64), np.empty(0, np.int64), [], [])
     if record_ids:
-        index_of = {rid: i for i, rid in enumerate(s.record_id)} if s is not None else {}
+        # every spelling of an id (a store from before ids were stored in NFC may hold another form beside it)
+        index_of: dict[str, list[int]] = {}
+        for i, rid in enumerate(s.record_id if s is not None else []):
+            index_of.setdefault(canonical(rid), []).append(i)
         for rid in record_ids:
-            i = index_of.get(rid)
+            mine = index_of.get(rid, [])
+            live = [i for i in mine if not s.deleted[i]]
             extra = un_ids.get(rid, [])
             rows.update(extra)
-            if i is not None and not s.deleted[i]:
-                li.add(i)
-            elif i is not None and not extra:
+            li.update(live)
+            if mine and not live and not extra:
                 plan.already_deleted.append(rid)
-            elif i is None and not extra:
+            elif not mine and not extra:
                 plan.not_found.append(rid)
     if user_ids:
         by_user: dict[str, list[int]] = {}
         if s is not None:
             wanted = set(user_ids)
             for i, u in enumerate(s.user_id):
-                if u in wanted:
-                    by_user.setdefault(u, []).append(i)
+                if u and (key := canonical(u)) in wanted:
+                    by_user.setdefault(key, []).append(i)
         for uid in user_ids:
             mine = by_user.get(uid, [])
             extra = un_users.get(uid, [])

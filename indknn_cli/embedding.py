@@ -22,6 +22,7 @@ from . import object_store, store_lease
 from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .readers import Source, open_source
+from .id_text import canonical
 from .readers_base import _has_surrogates, check_key_text
 from .record_keys import input_keys
 from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows
@@ -379,11 +380,11 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     if dist is not None:  # runs before the lock is released: no worker still writing after it
                         stack.callback(dist.drain)
                     if role != "query":  # query ids are unique within their batch
-                        existing = set(st.record_ids(role).tolist())
+                        existing = {canonical(r) for r in st.record_ids(role).tolist()}  # a store from before NFC
                     if role == "private":
                         generated_from = sum(int(c.get("rows_removed", 0)) for c in st.root.attrs.get("compactions", [])
                                              if isinstance(c, dict))
-                        erased = {rid for rid, _ in st.erased_ids()}
+                        erased = {canonical(rid) for rid, _ in st.erased_ids()}
                     return st.appender(role, batch=batch)
 
                 if store is not None:
@@ -401,6 +402,11 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     check_key_text(rb.ids, what="record id", display=src.name, start=rb.start)
                     check_key_text(rb.users, what="user id", display=src.name, start=rb.start)
                     ids = list(rb.ids) if rb.ids is not None else [None] * n
+                    if role != "query":  # one id, one spelling: stored in Unicode NFC (review 53, F2; id_text); a
+                        # query's id is released with its answer as the sender wrote it
+                        ids = [r if r is None else canonical(r) for r in ids]
+                        if rb.users is not None:
+                            rb.users = [u if u is None else canonical(u) for u in rb.users]
                     keep = []
                     for j, rid in enumerate(ids):
                         if rid is not None:

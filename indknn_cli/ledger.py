@@ -35,6 +35,7 @@ from . import FORMAT_VERSION, accounting, locking
 from . import ledger_events, ledger_history, ledger_snapshot
 from . import ledger_integrity as integrity
 from .errors import ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
+from .id_text import canonical
 from .ledger_files import _fault, atomic_write_parquet, atomic_write_parquet_tables, atomic_write_text
 from .ledger_snapshot import unpublished_store_uuids
 from .ledger_state import ANSWER_SCHEMA, EVENT_SCHEMA, LedgerState, PrivacyParams, _check_finite_columns
@@ -292,13 +293,19 @@ class BudgetLedger:
         """
         s = self.state
         index_of = {rid: i for i, rid in enumerate(s.record_id)}
+        # an id in another Unicode spelling of one already here (a store from before ids were stored in NFC) is the
+        # same id: it starts at the largest spent of its spellings, users likewise (review 53, F2; id_text)
+        spelt_spent: dict[str, float] = {}
+        for rid, spent in zip(s.record_id, s.spent):
+            key = canonical(rid)
+            spelt_spent[key] = max(spelt_spent.get(key, 0.0), float(spent))
         user_spent: dict[str, float] = {}
         # Record unit: a new record of a user with tombstones starts at their largest spent. User unit: every
         # record of a user carries the user's spent, so a new record joins that budget, never a fresh one.
         inherit_from = (np.arange(len(s)) if self.params.privacy_unit == "user"
                         else np.flatnonzero(s.deleted)) if inherit_user_spent else np.empty(0, np.int64)
         for i in inherit_from:
-            u = s.user_id[i]
+            u = canonical(s.user_id[i])
             if u:
                 user_spent[u] = max(user_spent.get(u, 0.0), float(s.spent[i]))
         li, rid_out, uid_out, row_out, spent_out = [], [], [], [], []
@@ -307,7 +314,7 @@ class BudgetLedger:
             uid = uid or ""
             if rid in index_of:
                 i = index_of[rid]
-                if s.deleted[i] and s.user_id[i] and s.user_id[i] != uid:
+                if s.deleted[i] and s.user_id[i] and canonical(s.user_id[i]) != canonical(uid):
                     continue  # an erased id under another user: stays out (see user_moves; `index` refuses it)
                 if not s.deleted[i] and s.row[i] >= 0 and s.row[i] != row:
                     raise LedgerError(  # names no id (a serve's stderr is a job log): audit 6
@@ -321,8 +328,8 @@ class BudgetLedger:
                 i = nxt
                 nxt += 1
                 index_of[rid] = i
-                spent0 = 0.0
-            spent0 = max(spent0, user_spent.get(uid, 0.0))
+                spent0 = spelt_spent.get(canonical(rid), 0.0)
+            spent0 = max(spent0, user_spent.get(canonical(uid), 0.0))
             li.append(i); rid_out.append(rid); uid_out.append(uid); row_out.append(int(row)); spent_out.append(spent0)
         if not li:
             return 0
@@ -341,7 +348,7 @@ class BudgetLedger:
         out = []
         for rid, uid in zip(record_ids, user_ids):
             i = index_of.get(rid)
-            if i is not None and s.deleted[i] and s.user_id[i] and s.user_id[i] != (uid or ""):
+            if i is not None and s.deleted[i] and s.user_id[i] and canonical(s.user_id[i]) != canonical(uid):
                 out.append(rid)
         return out
 

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .errors import BadInputError
+from .id_text import is_canonical
 
 DEFAULT_TEXT_COLUMN = "text"
 DEFAULT_LABEL_COLUMN = "label"
@@ -46,7 +47,8 @@ class RecordBatch:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2064\ufeff]")
 
 
-def check_key_text(values, *, what: str, display: str, start: int, surrounding_space: bool = False) -> None:
+def check_key_text(values, *, what: str, display: str, start: int, surrounding_space: bool = False,
+                   composed: bool = False) -> None:
     """Refuse a record or user id holding a control character (BadInputError naming the row and the character).
 
     The store keeps ids as fixed-width Unicode, which drops trailing NULs: ``"r1\x00"`` became ``"r1"``, a second
@@ -55,7 +57,8 @@ def check_key_text(values, *, what: str, display: str, start: int, surrounding_s
     an id that `delete --ids-file` and CSV exports cannot carry.
 
     ``surrounding_space`` (the library's append): also refuse leading or trailing whitespace, Unicode spaces
-    included. `embed`'s readers trim ids, and `delete`/`account` trim the ids asked for; a store made through the
+    included. ``composed`` (the library's append of private and public rows): refuse an id not in Unicode NFC form
+    (`embed` composes them: :mod:`.id_text`; a query's id is released as written). `embed`'s readers trim ids, and `delete`/`account` trim the ids asked for; a store made through the
     library with ids "a" and "a " had `delete --record "a "` erase "a", another person (review 39, F1)."""
     if values is None:
         return
@@ -68,6 +71,9 @@ def check_key_text(values, *, what: str, display: str, start: int, surrounding_s
         if surrounding_space and v != v.strip():
             raise BadInputError(f"{display}: row {start + j + 1}: {what} {v!r} starts or ends with whitespace; "
                                 "ids are stored trimmed (as `embed` reads them)")
+        if composed and not is_canonical(v):  # review 53, F2: one id, one spelling (id_text)
+            raise BadInputError(f"{display}: row {start + j + 1}: {what} {v!r} is not in Unicode NFC form; ids are "
+                                "stored composed (as `embed` stores them): pass unicodedata.normalize('NFC', id)")
 
 
 def _label_str(v: Any) -> str:

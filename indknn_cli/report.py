@@ -39,9 +39,10 @@ from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _chec
 from . import ledger_history
 from . import ledger_integrity as integrity
 from .errors import BadInputError, BudgetExhaustedError, CheckFailedError
+from .id_text import canonical, canonical_array
 from .ledger_readonly import open_ledger_readonly
 from .rounding import given, up
-from .wording import count
+from .wording import count, per_unit
 from . import data_quality
 from .report_plot import PLOT_SUFFIXES, check_plot_path  # noqa: F401 (PLOT_SUFFIXES re-exported)
 from .realised import EXACT_CONVERSION_LIMIT, realised_loss  # noqa: F401 (re-exported: export, tests)
@@ -183,6 +184,8 @@ def _subject_record(ledger, i: int, *, status: _Status, budget: float, delta: fl
         "spent": spent, "budget": float(s.budget[i]), "remaining": remaining,
         "next_charge_at_least": c1, "times_selected": int(s.times_selected[i]),
         "realised_epsilon_by_conversion": realised, "realised_label": REALISED_LABEL,
+        # review 53, F3: under the user unit a record's realised ε is its user's (it carries the user's spent)
+        "realised_epsilon_unit": per_unit(ledger.params.privacy_unit),
         "deleted": deleted, "deleted_at": _iso(float(s.deleted_at[i])) if deleted else None,
         "last_change": _iso(float(s.last_change[i])),
     }
@@ -262,8 +265,9 @@ def build_account_report(
     print the report first.
     """
     # ids as `embed` stores them: surrounding whitespace trimmed (review 38, F3: " sp1 " was "not in the ledger")
-    record_id = None if record_id is None else str(record_id).strip()
-    user_id = None if user_id is None else str(user_id).strip()
+    # and in Unicode NFC (review 53, F2), matched against every stored spelling (id_text)
+    record_id = None if record_id is None else canonical(str(record_id).strip())
+    user_id = None if user_id is None else canonical(str(user_id).strip())
     # validate every option before reading anything
     for flag, value in (("--record", record_id), ("--user", user_id)):
         if value == "":  # before: "record id '' is not in the ledger", which read like a lookup that ran
@@ -467,13 +471,13 @@ def build_account_report(
     # and nothing computed from other people's records (no counts, quantiles, history or checks).
     base = {k: data[k] for k in _GUARANTEE_KEYS if k in data}
     if record_id is not None:
-        hits = np.flatnonzero(s.record_id == record_id) if n else np.empty(0, np.int64)
+        hits = np.flatnonzero(canonical_array(s.record_id) == record_id) if n else np.empty(0, np.int64)
         if hits.size == 0:
             raise BadInputError(f"record id {record_id!r} is not in the ledger {ledger_path}")
         rec = _subject_record(ledger, int(hits[-1]), status=status, budget=budget, delta=use_delta, c1=c1)
         data = {**base, "subject": "record", **rec, "operator_only": SUBJECT_NOTE}
     if user_id is not None:
-        hits = np.flatnonzero(s.user_id == user_id) if n else np.empty(0, np.int64)
+        hits = np.flatnonzero(canonical_array(s.user_id) == user_id) if n else np.empty(0, np.int64)
         if hits.size == 0 or not user_id:
             raise BadInputError(f"user id {user_id!r} has no records in the ledger {ledger_path}")
         recs = [_subject_record(ledger, int(i), status=status, budget=budget, delta=use_delta, c1=c1) for i in hits]

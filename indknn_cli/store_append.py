@@ -66,8 +66,10 @@ class Appender:
         start, stop = self.stop, self.stop + m
         rids = [str(r) for r in record_ids]
         uids = ["" if u is None else str(u) for u in (user_ids or [""] * m)]
-        check_key_text(rids, what="record id", display="append", start=0, surrounding_space=True)  # review 37, F1
-        check_key_text(uids, what="user id", display="append", start=0, surrounding_space=True)
+        composed = self.role != "query"  # review 53, F2: one id, one spelling (a query's id is released as written)
+        check_key_text(rids, what="record id", display="append", start=0, surrounding_space=True,  # review 37, F1
+                       composed=composed)
+        check_key_text(uids, what="user id", display="append", start=0, surrounding_space=True, composed=composed)
         arrays = {
             "labels": np.asarray(labels, dtype=np.int32),
             "record_id": np.asarray(rids, dtype=str),

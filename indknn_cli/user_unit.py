@@ -29,6 +29,7 @@ import numpy as np
 
 from .engine import QueryAnswer, release_answer, release_count
 from .errors import BadInputError
+from .id_text import canonical
 
 PRIVACY_UNITS = ("record", "user")
 USER_FOR_MISSING = ("refuse", "record")
@@ -41,7 +42,8 @@ def user_keys(user_ids, record_ids, *, user_for_missing: str) -> np.ndarray:
     """The user each record belongs to (object array of keys); ``None`` where a record has no user id and
     ``user_for_missing`` is ``refuse`` (such records never enter a user-unit ledger)."""
     users = np.asarray(user_ids, dtype=object)
-    keys = users.copy()
+    # one user, one key whatever the Unicode spelling of their id (review 53, F2: two spellings were two budgets)
+    keys = np.array([u if u is None else canonical(u) for u in users], dtype=object)
     missing = np.array([u is None or str(u) == "" for u in users], dtype=bool)
     if missing.any():
         if user_for_missing == "record":

@@ -272,6 +272,12 @@ def test_account_names_the_user_unit_and_shows_the_users_own_figures(tmp_path):
     rid = str(led.state.record_id[0])
     flat = " ".join(runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--record", rid]).stdout.split())
     assert "m²× this" in flat, flat
+    # review 53, F3: the record's realised ε is its user's, and says so (unit and adjacency), in text and JSON
+    wide = runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--record", rid], env={"INDKNN_WIDTH": "300"})
+    assert "realised ε (gdp, the user's; per user, add/remove one user)" in wide.stdout, wide.stdout
+    rec = json.loads(runner.invoke(app, ["account", "--ledger", str(tmp_path / "L"), "--record", rid,
+                                         "--json"]).stdout)
+    assert rec["realised_epsilon_unit"] == "per user, add/remove one user"
 
 
 def test_tune_never_silently_downgrades_a_user_unit_request(tmp_path):

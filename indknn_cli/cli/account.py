@@ -51,6 +51,7 @@ def _print_subject(console, title: str, rec: dict) -> None:
     for c, v in rec["realised_epsilon_by_conversion"].items():
         what = f"{c}, tuning + serving" if tuned and c == "rdp" else (
             f"{c}: not applicable to tuning + serving" if tuned else c)
+        what += ", the user's" * (rec.get("unit") == "user") + f"; {rec['realised_epsilon_unit']}"
         rows.append((f"realised ε ({what})", f"{_up(v, 4)}  [{REALISED_LABEL}]"))  # escaped below
     rows.append(("deleted", f"yes, at {rec['deleted_at']}" if rec["deleted"] else "no"))
     rows.append(("last change", rec["last_change"] or "—"))
