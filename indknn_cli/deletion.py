@@ -381,6 +381,14 @@ def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan) -> i
         _set_pending(store, rows)  # a failure here changed nothing: StorageError says so
     try:
         return _execute_recorded(store, ledger, plan)
+    except StoreError as exc:  # a corrupt chunk of the rows being erased (review 54, F3: exit 2, "bad input",
+        if not rows.size:      # after the tombstone was committed and the rows flagged)
+            raise
+        raise StorageError(
+            f"{exc} The erasure was recorded but not finished: the records are never selected again (the ledger's "
+            "tombstones and the store's erase-pending rows are written); their rows could not be overwritten. Once "
+            "that chunk reads again (its file restored from a backup of this store: docs/RELIABILITY.md), `indknn "
+            "delete` (any ids) finishes the erasure") from None
     except (StorageError, OSError) as exc:
         if not rows.size:
             raise

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -41,9 +42,26 @@ def _in_system_folder(p: Path) -> bool:
     return any(p == f or f in p.parents for f in _SYSTEM_FOLDERS)
 
 
+#: C0 and C1 control characters: never part of a path a person typed (review 54, F4: an environment file saved with
+#: CRLF line ends made $INDKNN_STORE "/srv/s.zarr\r", and embed + index then created a second store and ledger beside
+#: the real pair: a fresh budget B for the same people).
+_CONTROL_IN_PATH = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def refuse_control_characters(path: str | os.PathLike, *, option: str) -> None:
+    """BadInputError (exit 2) when ``path`` holds a control character (a carriage return, a newline, a tab)."""
+    text = os.fspath(path)
+    if isinstance(text, str) and (m := _CONTROL_IN_PATH.search(text)):
+        raise BadInputError(f"{option} {text!r} holds the control character U+{ord(m.group()):04X}: a path with a "
+                            "carriage return or a newline is almost always a line end read with it (an environment "
+                            "file saved with CRLF line ends); remove it")
+
+
 def refuse_not_a_file(path: str | os.PathLike, *, option: str) -> None:
-    """BadInputError (exit 2) when ``path`` exists (links followed) and is a folder, a device, a named pipe or a socket, or
-    names something in /dev or /proc (itself, or the folder it is in, links resolved)."""
+    """BadInputError (exit 2) when ``path`` holds a control character, or exists (links followed) and is a folder, a
+    device, a named pipe or a socket, or names something in /dev or /proc (itself, or the folder it is in, links
+    resolved)."""
+    refuse_control_characters(path, option=option)
     hint = " (without --out, serve-queries prints its answers on stdout as JSON lines)" if option == "--out" else ""
     p = Path(os.path.abspath(path))
     if _in_system_folder(p.parent) or _in_system_folder(Path(os.path.realpath(p.parent))) \

@@ -387,8 +387,11 @@ class FeatureStore:
     def _log_erased_ids(self, rows: np.ndarray) -> None:
         import json
 
-        rids = self.read("private", "record_id")[rows]
-        uids = self.read("private", "user_id")[rows]
+        # the chunks holding these rows only: one corrupt chunk of *other* records' ids made every erasure fail
+        # after its tombstone was committed (review 54, F3)
+        rows = np.asarray(rows, np.int64)
+        rids, uids = (_read_chunks(self.path, "private", name, lambda name=name: np.asarray(
+            self.group("private")[name].oindex[rows])) for name in ("record_id", "user_id"))
         lines = "".join(json.dumps({"record_id": str(r), "user_id": str(u or "")}) + "\n"
                         for r, u in zip(rids, uids) if str(r))
         if not lines:

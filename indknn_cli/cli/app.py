@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import typer
 
 from .. import __version__
@@ -113,6 +115,10 @@ def main() -> None:
     from .common import error_message
 
     _raise_on_sigterm()
+    if os.environ.get("INDKNN_DEBUG") != "1":
+        # zarr's reads run on an asyncio loop: one corrupt chunk left its sibling reads pending, and asyncio logged
+        # each as "Task was destroyed but it is pending!" with a stack, after the one-line error (review 54, F3)
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     try:
         app(prog_name="indknn")  # usage lines and completion scripts say `indknn`, also under python -m
     except IndknnError as exc:  # a typed error raised outside a command's run_library_call: its documented code

@@ -79,13 +79,22 @@ def _log_indknn_to_stderr(on: bool) -> None:
     log.setLevel(logging.INFO)
 
 
+def _width(stream) -> int | None:
+    """$INDKNN_WIDTH (columns, at least 20) when it is a whole number, else 1000 off a terminal (cron mail, a log file:
+    one message, one line; review 42, L7), else the terminal's. Anything else in the variable is ignored (review 54,
+    F2: `INDKNN_WIDTH=abc` ended every command in a traceback, after `delete` had erased; 0 dropped every line)."""
+    width = (os.environ.get("INDKNN_WIDTH") or "").strip()
+    if width.isascii() and width.isdigit() and int(width) >= 20:
+        return int(width)
+    try:
+        return None if stream.isatty() else 1000
+    except (AttributeError, ValueError):  # closed or replaced
+        return 1000
+
+
 def stderr_console(*, errors: bool = False) -> Console:
     """The stderr console for messages and progress; silent under --quiet unless ``errors`` (errors always show)."""
-    width = os.environ.get("INDKNN_WIDTH")
-    if not width and not sys.stderr.isatty():  # cron mail, a log file: one message, one line (review 42, L7)
-        width = "1000"
-    return Console(stderr=True, width=int(width) if width else None, highlight=False,
-                   quiet=verbosity() == 0 and not errors)
+    return Console(stderr=True, width=_width(sys.stderr), highlight=False, quiet=verbosity() == 0 and not errors)
 
 
 def say(text: str, *, style: str | None = None, errors: bool = False) -> None:
@@ -108,10 +117,7 @@ def error_message(prefix: str, text: str) -> None:
 
 def stdout_console() -> Console:
     """Tables on stdout; redirected (not a terminal), a wide console so that ids are never cut at 80 columns."""
-    width = os.environ.get("INDKNN_WIDTH")
-    if not width and not sys.stdout.isatty():
-        width = "1000"
-    return Console(width=int(width) if width else None, highlight=False)
+    return Console(width=_width(sys.stdout), highlight=False)
 
 
 @contextlib.contextmanager
@@ -268,7 +274,11 @@ def resolve_store(path: str | Path | None, *, source: str = "--store") -> Path:
     if path is not None and not str(path).strip():  # read as "." before: the working folder taken as the store
         raise BadInputError("--store is empty; give the feature store's path or URL (or leave --store out for "
                             "$INDKNN_STORE, else ./indknn-store.zarr)")
+    from ..output_files import refuse_control_characters
+
     env = env_value("INDKNN_STORE")
+    refuse_control_characters(path if path is not None else (env or DEFAULT_STORE),
+                              option=source if path is not None else ("$INDKNN_STORE" if env else source))
     resolved = local_path(path if path is not None else (env or DEFAULT_STORE))
     detail(f"store: {resolved} ({_source(path, source, env, 'INDKNN_STORE', DEFAULT_STORE)})")
     return resolved
@@ -322,7 +332,11 @@ def given_on_command_line(ctx, name: str) -> bool:
 
 def resolve_ledger(path: Path | None) -> Path:
     """--ledger, else $INDKNN_LEDGER, else ./indknn-ledger."""
+    from ..output_files import refuse_control_characters
+
     env = env_value("INDKNN_LEDGER")
+    refuse_control_characters(path if path is not None else (env or DEFAULT_LEDGER),
+                              option="--ledger" if path is not None or not env else "$INDKNN_LEDGER")
     resolved = Path(path) if path is not None else Path(env or DEFAULT_LEDGER)
     detail(f"ledger: {resolved} ({_source(path, '--ledger', env, 'INDKNN_LEDGER', DEFAULT_LEDGER)})")
     return resolved

@@ -1,0 +1,107 @@
+"""Review 54 (2026-11-29): erasure beside a corrupt chunk, control characters in paths, $INDKNN_WIDTH, a ledger folder
+whose CURRENT was removed, lock files that are not files, a ledger restored from before a store compaction."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from indknn_cli.cli.app import app
+from indknn_cli.ledger import BudgetLedger
+from indknn_cli.serving import build_index, make_params
+from indknn_cli.store import ExtractorInfo, FeatureStore, normalize_rows
+
+runner = CliRunner()
+N, D, CHUNK = 160, 4, 16  # id and label chunks: 4 × CHUNK rows
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _indknn(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "indknn_cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=300)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    rng = np.random.default_rng(5)
+    st = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=D,
+                             label_names=["a", "b"], chunk_rows=CHUNK)
+    st.append("private", normalize_rows(rng.standard_normal((N, D))), labels=(np.arange(N) % 2).astype(np.int32),
+              record_ids=[f"r{i:03d}" for i in range(N)])
+    build_index(store_path=st.path, ledger_path=tmp_path / "L",
+                params=make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.6, planned_queries=50))
+    return st.path, tmp_path / "L"
+
+
+def _flip(path: Path) -> bytes:
+    before = path.read_bytes()
+    b = bytearray(before)
+    b[len(b) // 2] ^= 0xFF
+    path.write_bytes(bytes(b))
+    return before
+
+
+@pytest.mark.heavy
+def test_a_corrupt_chunk_of_other_records_ids_does_not_stop_an_erasure(pair):
+    """F3: the erasure read every record's id (to log the erased ones), so one corrupt chunk of ids anywhere failed
+    it with exit 2 "bad input" after the tombstone was committed, and every later erasure the same way."""
+    sp, lp = pair
+    _flip(sp / "private" / "record_id" / "c" / "2")  # rows 128–159
+    res = _indknn("delete", "--store", sp, "--ledger", lp, "--record", "r003")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["records_erased"] == 1
+    assert "Task was destroyed" not in res.stderr
+    st = FeatureStore.open(sp, mode="r")
+    assert float(np.abs(st.group("private")["features"][3]).sum()) == 0.0
+    assert not st.erase_pending_rows("private").size
+
+
+@pytest.mark.heavy
+def test_a_corrupt_chunk_of_the_erased_row_says_the_erasure_is_recorded_and_delete_finishes_it(pair):
+    sp, lp = pair
+    chunk = sp / "private" / "labels" / "c" / "0"  # rows 0–63
+    before = _flip(chunk)
+    res = _indknn("delete", "--store", sp, "--ledger", lp, "--record", "r003")
+    assert res.returncode == 1, res.stderr
+    assert "The erasure was recorded but not finished" in res.stderr and "corrupt" in res.stderr
+    assert "Task was destroyed" not in res.stderr and "Traceback" not in res.stderr
+    s = BudgetLedger.open(lp).state
+    assert s.deleted[list(s.record_id).index("r003")]  # the tombstone: never selected again, nothing refunded
+    chunk.write_bytes(before)  # the chunk file restored from a backup of this store
+    res = _indknn("delete", "--store", sp, "--ledger", lp, "--record", "r020")
+    assert res.returncode == 0, res.stderr
+    st = FeatureStore.open(sp, mode="r")
+    assert float(np.abs(st.group("private")["features"][3]).sum()) == 0.0 and str(st.read("private", "record_id")[3]) == ""
+    assert not st.erase_pending_rows("private").size
+
+
+@pytest.mark.parametrize("var,option", [("INDKNN_STORE", "$INDKNN_STORE"), ("INDKNN_LEDGER", "$INDKNN_LEDGER")])
+def test_a_path_ending_in_a_carriage_return_is_refused_not_a_second_store_and_ledger(pair, tmp_path, var, option):
+    """F4: an environment file with CRLF line ends made a second store and ledger beside the real pair (2·B)."""
+    sp, lp = pair
+    env = {"INDKNN_STORE": str(sp), "INDKNN_LEDGER": str(lp), var: (str(sp) if var == "INDKNN_STORE" else str(lp)) + "\r"}
+    res = runner.invoke(app, ["index", "--eps", "1", "--tau", "0.5", "--planned-queries", "50"], env=env)
+    assert res.exit_code == 2 and option in res.stderr and "U+000D" in res.stderr, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["L", "s.zarr"]
+
+
+def test_out_with_a_newline_is_refused(pair, tmp_path):
+    sp, lp = pair
+    res = runner.invoke(app, ["account", "--ledger", str(lp), "--export", str(tmp_path / "e\r.parquet")])
+    assert res.exit_code == 2 and "U+000D" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("width", ["abc", "0", "1.5"])
+def test_an_odd_indknn_width_is_ignored(pair, width):
+    """F2: `INDKNN_WIDTH=abc` ended every command in a double traceback (after `delete` had erased); 0 dropped every
+    stderr line."""
+    sp, lp = pair
+    res = _indknn("account", "--ledger", str(lp) + "-missing", env={"INDKNN_WIDTH": width})
+    assert res.returncode == 2 and "no budget ledger here" in res.stderr and "Traceback" not in res.stderr, res.stderr
