@@ -331,7 +331,7 @@ def _open_readable(ledger_path: Path, store: FeatureStore) -> BudgetLedger | Non
     except LedgerError as exc:
         raise _LedgerUnreadable(exc) from None
     if ledger.meta["store_uuid"] != store.uuid:
-        return BudgetLedger.open(ledger_path, store_uuid=store.uuid)  # raises with the right message
+        return BudgetLedger.open_for(ledger_path, store)  # raises with the right message
     return ledger
 
 

@@ -135,7 +135,7 @@ def recover(store: FeatureStore, ledger_path: Path, notes: list | None = None) -
             gen = unpublished_store_uuids(ledger_path, ledger.generation).get(store.uuid)
             meta = _snapshot_meta(ledger_path, gen) if gen is not None else {}
             if (meta.get("store_compaction") or {}).get("from_store_uuid") != ledger.meta["store_uuid"]:
-                return BudgetLedger.open(ledger_path, store_uuid=store.uuid)  # raises: another store's ledger
+                return BudgetLedger.open_for(ledger_path, store)  # raises: another store's ledger
             try:
                 mark = integrity.read_mark(store.path)
             except LedgerIntegrityError:
@@ -148,7 +148,7 @@ def recover(store: FeatureStore, ledger_path: Path, notes: list | None = None) -
                     "never announced it: not a compaction of indknn's (written or edited by hand); the ledger is "
                     "left as it is. `indknn repair` retires every record (no refund)"))
             atomic_write_text(json.dumps({"generation": gen}), ledger_path / "CURRENT")  # roll forward
-            ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+            ledger = BudgetLedger.open_for(ledger_path, store)
             ledger.mark_path = integrity.mark_path(store.path)
             ledger.publish_generation(gen)  # drops the folded events and the old generation; the mark names gen
     discard_unpublished(store, ledger, notes)

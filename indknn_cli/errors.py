@@ -64,6 +64,10 @@ class LedgerIntegrityError(LedgerError):
     exit_code = EXIT_RUNTIME
 
 
+class LedgerOlderThanStoreError(LedgerIntegrityError):
+    """The ledger was written for the store before a compaction it never saw (restored from an older backup)."""
+
+
 class StorageError(IndknnError):
     """The file system refused a write (read-only, full, permission denied): nothing was committed."""
 

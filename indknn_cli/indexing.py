@@ -140,7 +140,7 @@ def _tuned_rerun(ledger_path, store: FeatureStore, tune) -> str:
     run started while the first tuned) adds new records and tunes nothing; any other --tune request is refused."""
     from . import tuning as _tuning
 
-    existing = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+    existing = BudgetLedger.open_for(ledger_path, store)
     tuned = existing.meta.get("tuning") or {}
     differ = _tuning.request_differences(tuned.get("request"), tune, extractor=store.extractor.name)
     if differ:
@@ -210,11 +210,11 @@ def build_index(
         def known_params():  # τ and kernel for IVF's nprobe calibration; read only when an IVF is trained
             if params is not None or not BudgetLedger.exists(ledger_path):
                 return params
-            return BudgetLedger.open(ledger_path, store_uuid=store.uuid).params
+            return BudgetLedger.open_for(ledger_path, store).params
 
         existing_ledger = BudgetLedger.exists(ledger_path)
         warnings = _unit_checks(store, params if params is not None else (
-            BudgetLedger.open(ledger_path, store_uuid=store.uuid).params if existing_ledger else None),
+            BudgetLedger.open_for(ledger_path, store).params if existing_ledger else None),
             creating=not existing_ledger)
         # Refusals and IVF training (public data only) happen before anything is written.
         plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
@@ -229,7 +229,7 @@ def build_index(
             # and the store read before would show no binding (a false "binding removed": review 31, QA)
             store = FeatureStore.open(store_path, mode="r")
             if BudgetLedger.exists(ledger_path):
-                ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+                ledger = BudgetLedger.open_for(ledger_path, store)
                 if record is not None:  # created while we tuned: the tuning result is dropped, never applied
                     raise LedgerError(f"{ledger_path}: another process created the ledger while this one tuned")
                 integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)

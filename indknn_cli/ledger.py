@@ -34,7 +34,8 @@ import pyarrow.parquet as pq
 from . import FORMAT_VERSION, accounting, locking
 from . import ledger_events, ledger_history, ledger_snapshot
 from . import ledger_integrity as integrity
-from .errors import ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
+from .errors import (ConcurrentChangeError, LedgerError, LedgerIntegrityError, LedgerOlderThanStoreError,
+                     LockTimeoutError, StorageError)
 from .id_text import canonical
 from .ledger_files import _fault, atomic_write_parquet, atomic_write_parquet_tables, atomic_write_text
 from .ledger_snapshot import unpublished_store_uuids
@@ -112,7 +113,11 @@ class BudgetLedger:
         return cls.open(path)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, store_uuid: str | None = None, retries: int = 5) -> "BudgetLedger":
+    def open(cls, path: str | os.PathLike, *, store_uuid: str | None = None, retries: int = 5,
+             store_compacted_from: frozenset[str] = frozenset()) -> "BudgetLedger":
+        """The ledger at ``path``; with ``store_uuid``, the store it is opened for (refused when the ledger is
+        another store's). ``store_compacted_from``: that store's uuids before its compactions
+        (:meth:`FeatureStore.compacted_from`; :meth:`open_for` passes both)."""
         path = Path(path)
         if not cls.exists(path):
             raise LedgerError(f"{path}: no budget ledger here (create one with `indknn index`)")
@@ -168,11 +173,27 @@ class BudgetLedger:
             if store_uuid in unpublished_store_uuids(path, ledger.generation):
                 raise LedgerError(f"{path}: the ledger does not match the feature store: an `indknn delete "
                                   "--compact` was interrupted; run `indknn delete --compact` to finish it")
+            if ledger.meta["store_uuid"] in store_compacted_from:
+                # review 54, F7: the ledger was written for this very store before a compaction it never saw (a
+                # ledger folder restored from a backup taken before `delete --compact`): rolled back, not a wrong
+                # pairing; it was called "another feature store" (naming the store given), exit 2
+                raise LedgerOlderThanStoreError(
+                    f"{path}: this ledger is older than the feature store: it was written for the store before a "
+                    f"`delete --compact` (store uuid {ledger.meta['store_uuid']}, now {store_uuid}) and knows "
+                    "nothing of it, so it was rolled back (its folder restored from a backup taken before that "
+                    "compaction), which would refund the charges made since; refusing. Restore the ledger folder "
+                    "from a backup taken after the compaction (the store's high-water mark refuses an older one); "
+                    "`indknn delete` still erases meanwhile")
             raise LedgerError(
                 f"{path}: this ledger belongs to another feature store ({ledger.meta['store_path']}); "
                 "use the ledger created for this store"
             )
         return ledger
+
+    @classmethod
+    def open_for(cls, path: str | os.PathLike, store, **kw) -> "BudgetLedger":
+        """:meth:`open` for ``store`` (a :class:`FeatureStore`): its uuid, and those it had before compactions."""
+        return cls.open(path, store_uuid=store.uuid, store_compacted_from=store.compacted_from(), **kw)
 
     _current_generation = staticmethod(ledger_snapshot.current_generation)
 

@@ -15,7 +15,8 @@ def _read_generation(path: Path) -> int | None:
     return current_generation(path)  # CURRENT looked at before it is read (a named pipe would block)
 
 
-def open_ledger_readonly(path: str | os.PathLike, *, store_uuid: str | None = None, retries: int = 40):
+def open_ledger_readonly(path: str | os.PathLike, *, store_uuid: str | None = None, retries: int = 40,
+                         store_compacted_from: frozenset[str] = frozenset()):
     """Open a ledger for reading only: no lock, no writes, a consistent state.
 
     ``BudgetLedger.open`` reads CURRENT → snapshot → events. A compaction that
@@ -32,7 +33,8 @@ def open_ledger_readonly(path: str | os.PathLike, *, store_uuid: str | None = No
         raise LedgerError(f"{path}: no budget ledger here (create one with `indknn index`)")
     for _ in range(retries):
         try:
-            ledger = BudgetLedger.open(path, store_uuid=store_uuid, retries=1)
+            ledger = BudgetLedger.open(path, store_uuid=store_uuid, retries=1,
+                                       store_compacted_from=store_compacted_from)
         except LedgerError as exc:
             if "changed while reading" not in str(exc):
                 raise

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import ledger_integrity as integrity
 from . import store_versions
-from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerIntegrityError
+from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerIntegrityError, LedgerOlderThanStoreError
 from .ledger import BudgetLedger
 from .ledger_current import not_a_file, stand_in
 from .ledger_repair_lost import answers_in_lost_events, checked_answers, ids_in_lost_events
@@ -278,11 +278,19 @@ def _refusal(path: Path, store: FeatureStore) -> str | None:
     store bound to another ledger, is a wrong pairing, not damage: raised, never "repaired" into this store. So is
     a store older than a compaction the ledger recorded: repair holds both locks, so no compaction runs now."""
     try:
-        led = BudgetLedger.open(path, store_uuid=store.uuid)
+        led = BudgetLedger.open_for(path, store)
         integrity.check_binding(store, led, path)
         store_versions.check(store, led)  # a store restored from an older copy (audit 6)
         check_rows_hold_records(led, store)
         return None
+    except LedgerOlderThanStoreError:
+        # its rows are numbered for the store before the compaction: repair cannot pair them (review 54, F7)
+        raise LedgerOlderThanStoreError(
+            f"{path}: this ledger is older than the feature store: it was written for the store before a `delete "
+            "--compact` it never saw (its folder restored from a backup taken before that compaction). `indknn "
+            "repair` cannot bring it back: its rows are numbered for the store before that compaction. Restore the "
+            "ledger folder from a backup taken after it; without one this store cannot be served through this "
+            "ledger (nothing is refunded, and `indknn delete` still erases)") from None
     except ConcurrentChangeError:
         c = BudgetLedger.open(path).meta.get("store_compaction") or {}
         raise LedgerError(
@@ -316,7 +324,7 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
         quarantine.mkdir(parents=True, exist_ok=True)
         for p in moved:
             os.replace(p, quarantine / p.name)
-    led = BudgetLedger.open(path, store_uuid=store.uuid)
+    led = BudgetLedger.open_for(path, store)
     b = integrity.binding_of(store)
     if b is not None and b.get("ledger_uuid") != led.meta["ledger_uuid"]:
         raise LedgerError(f"{store.path}: bound to ledger {b.get('ledger_uuid')}, not {led.meta['ledger_uuid']}")

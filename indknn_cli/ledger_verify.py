@@ -116,7 +116,8 @@ def _verify_once(ledger_path, *, store_path=None) -> dict:
         other_mark = read_mark(other) if other is not None else None
         if other_mark is None or other_mark.get("ledger_uuid") != first.meta.get("ledger_uuid"):
             other = None
-        ledger = open_ledger_readonly(ledger_path, store_uuid=store.uuid if store is not None else None)
+        ledger = open_ledger_readonly(ledger_path, store_uuid=store.uuid if store is not None else None,
+                                      store_compacted_from=store.compacted_from() if store is not None else frozenset())
         out.update(_describe(ledger))
         from .ledger_history import check_answers_summary
 

@@ -291,14 +291,14 @@ def build_account_report(
     min_spec = parse_min_active(min_active)
     plot = check_plot_path(plot_path) if plot_path is not None else None
 
-    store_uuid = None
+    store_uuid, compacted_from = None, frozenset()
     store = None
     store_check = None
     if store_path is not None:
         from .store import FeatureStore
 
         store = FeatureStore.open(store_path, mode="r")
-        store_uuid = store.uuid
+        store_uuid, compacted_from = store.uuid, store.compacted_from()
         mark = integrity.read_mark(store.path)  # before the ledger (no lock held): see ledger_integrity
     else:  # the store the ledger records, when it is reachable (a rolled-back ledger is caught there too)
         checked, checked_uuid, note = integrity.recorded_store(ledger_path)
@@ -311,7 +311,7 @@ def build_account_report(
             else:
                 mark = integrity.read_mark(checked_store.path)
         store_check = {"checked": checked is not None, "note": note}
-    ledger = open_ledger_readonly(ledger_path, store_uuid=store_uuid)
+    ledger = open_ledger_readonly(ledger_path, store_uuid=store_uuid, store_compacted_from=compacted_from)
     log.info("ledger %s read: snapshot generation %d, events up to %d", ledger_path, ledger.generation,
              ledger.last_event_seq)
     if store is not None:  # one store, one ledger; a ledger behind the store's high-water mark is refused

@@ -155,7 +155,7 @@ def serve_queries(
         store = FeatureStore.open(store_path, mode="r")
         store.pin_rows("private")  # one row count for the whole run, whatever a concurrent embed commits
         q_start, q_stop, q_sha = store.query_batch(query_batch)
-        ledger = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+        ledger = BudgetLedger.open_for(ledger_path, store)
         integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
         store_twins.refuse_twin(store, ledger, ledger_path)  # a copied pair served from both (review 42)
         from .deletion_compact import discard_unpublished

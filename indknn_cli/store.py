@@ -313,6 +313,11 @@ class FeatureStore:
                              "restore the store from a backup")
         return True
 
+    def compacted_from(self) -> frozenset[str]:
+        """The uuids this store had before its compactions (``delete --compact`` gives it a new one each time)."""
+        history = self.root.attrs.get("compactions") or []
+        return frozenset(str(c.get("from_store_uuid")) for c in history if isinstance(c, dict))
+
     @property
     def key_salt(self) -> str | None:
         """The salt of the store's content keys, or None for a store made before they were recorded."""

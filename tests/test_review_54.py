@@ -105,3 +105,32 @@ def test_an_odd_indknn_width_is_ignored(pair, width):
     sp, lp = pair
     res = _indknn("account", "--ledger", str(lp) + "-missing", env={"INDKNN_WIDTH": width})
     assert res.returncode == 2 and "no budget ledger here" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+@pytest.mark.heavy
+def test_a_ledger_restored_from_before_a_compaction_is_called_rolled_back_exit_1(pair, tmp_path):
+    """F7: the ledger folder alone restored from a backup taken before `delete --compact` was "another feature store"
+    (naming the very store given), exit 2, for serve and verify alike."""
+    import shutil
+
+    sp, lp = pair
+    backup = tmp_path / "Lbak"
+    shutil.copytree(lp, backup)
+    res = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r040", "--compact"])
+    assert res.exit_code == 0, res.stderr
+    shutil.rmtree(lp)
+    shutil.copytree(backup, lp)
+    FeatureStore.open(sp, mode="r+").append("query", np.ones((2, D), np.float32) / 2, record_ids=["q0", "q1"],
+                                            batch="b")
+    for args in (["serve-queries", "--store", str(sp), "--ledger", str(lp), "--batch", "b"],
+                 ["account", "--store", str(sp), "--ledger", str(lp), "--verify"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1, (args, res.stderr)
+        text = " ".join(res.stderr.split())
+        assert "rolled back" in text and "before a `delete --compact`" in text and "another feature store" not in text
+    # an erasure still goes on
+    res = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r041"])
+    assert res.exit_code == 0, res.stderr
+    res = runner.invoke(app, ["repair", "--store", str(sp), "--ledger", str(lp)])
+    assert res.exit_code == 1 and "repair` cannot bring it back" in " ".join(res.stderr.split()), res.stderr
+    assert "another feature store" not in res.stderr

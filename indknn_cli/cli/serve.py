@@ -59,7 +59,7 @@ def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Option
     if queries != "-" and Path(queries).exists():  # a file to embed: the ledger must fit the store first
         store = FeatureStore.open(store_path, mode="r")
         mark = read_mark(store.path)  # before the ledger: no lock is held here
-        led = BudgetLedger.open(ledger_path, store_uuid=store.uuid)
+        led = BudgetLedger.open_for(ledger_path, store)
         check_binding(store, led, ledger_path, mark=mark)
         refuse_twin(store, led, ledger_path)  # before the file is embedded (nothing written on a refusal)
         # Refusals that would come after the embed, checked before it (nothing written): a reused
