@@ -78,8 +78,11 @@ class BudgetLedger:
     def exists(path: str | os.PathLike) -> bool:
         """A ledger is here when anything named CURRENT is: a folder or a broken link in its place is a damaged
         ledger (opening it says so; `indknn repair` writes it back), never "no ledger", which would let `index`
-        make a second one beside the store's snapshots (review 40, left)."""
-        return os.path.lexists(Path(path) / "CURRENT")
+        make a second one beside the store's snapshots (review 40, left). So is a folder whose CURRENT is gone but
+        that holds the ledger's events or a later snapshot (review 54, F1: "no ledger here, create one with
+        `indknn index`", exit 2, and `repair` refused it too); a lone first snapshot is a creation that stopped."""
+        path = Path(path)
+        return os.path.lexists(path / "CURRENT") or ledger_snapshot.current_missing(path)
 
     @classmethod
     def create(cls, path: str | os.PathLike, *, params: PrivacyParams, store_uuid: str, store_path: str,

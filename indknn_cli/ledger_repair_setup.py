@@ -16,6 +16,7 @@ from . import ledger_integrity as integrity
 from .errors import LedgerIntegrityError
 from .ledger_current import not_a_file
 from .ledger_files import atomic_write_bytes, atomic_write_text
+from .ledger_snapshot import current_missing
 from .store import FeatureStore
 
 
@@ -30,7 +31,10 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
     cur = path / "CURRENT"
     not_file = not_a_file(cur) is not None  # a folder, a broken link, a named pipe, ... in its place: never read
     gen, named = None, "no snapshot (it is not the JSON pointer indknn writes)"  # garbage: as a missing one
-    if not not_file:
+    missing = current_missing(path)  # gone, the ledger's files left (review 54, F1)
+    if missing:
+        named = "nothing (it is missing)"
+    elif not not_file:
         try:
             gen = int(json.loads(cur.read_text())["generation"])
             named = f"snapshot-{gen:06d}.parquet, which is missing"
@@ -52,14 +56,18 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
     (path / folder).mkdir(parents=True, exist_ok=True)
     if not_file:  # kept as it was (moved, not copied: a file cannot be written over it, and it is never read)
         os.replace(cur, path / folder / NOT_A_FILE)
+    elif missing:  # nothing to keep: a note, so that a failed repair leaves CURRENT missing again
+        (path / folder / WAS_MISSING).write_text("CURRENT was missing when repair ran\n")
     else:
         shutil.copy2(cur, path / folder / "CURRENT")
     atomic_write_text(json.dumps({"generation": present[-1]}), cur)
     return present[-1], folder
 
 
-#: Where :func:`write_current_back` keeps a CURRENT that was not a regular file (ledger_current.not_a_file).
+#: Where :func:`write_current_back` keeps a CURRENT that was not a regular file (ledger_current.not_a_file), and the
+#: note it leaves when there was none.
 NOT_A_FILE = "CURRENT.not-a-file"
+WAS_MISSING = "CURRENT.was-missing"
 
 
 def put_current_back(path: Path, *, generation: int, kept_in: Path) -> None:
@@ -69,7 +77,9 @@ def put_current_back(path: Path, *, generation: int, kept_in: Path) -> None:
     if not cur.is_file() or cur.read_bytes() != json.dumps({"generation": generation}).encode():
         return
     kept = path / kept_in
-    if os.path.lexists(kept / NOT_A_FILE):
+    if (kept / WAS_MISSING).is_file():
+        cur.unlink()
+    elif os.path.lexists(kept / NOT_A_FILE):
         cur.unlink()
         os.replace(kept / NOT_A_FILE, cur)
     else:

@@ -9,6 +9,7 @@ the events after it is :mod:`.ledger_events`'.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,17 @@ class Snapshot:
     answers_bytes: bytes
 
 
+def current_missing(path: Path) -> bool:
+    """Whether ``path`` is a used ledger whose CURRENT is gone: an event file, or a snapshot past the first, without
+    anything named CURRENT (removed by hand, by a sync tool, a backup restored in part)."""
+    path = Path(path)
+    if os.path.lexists(path / "CURRENT") or not path.is_dir():
+        return False
+    if any(path.glob("events/[0-9]*.parquet")):
+        return True
+    return any(p.name != "snapshot-000000.parquet" for p in path.glob("snapshot-[0-9]*.parquet"))
+
+
 def current_generation(path: Path) -> int | None:
     """The generation CURRENT names, or None where it is missing or unreadable (or not a file: never read)."""
     if not_a_file(path / "CURRENT") is not None:
@@ -50,6 +62,13 @@ def current_generation(path: Path) -> int | None:
 def read_snapshot(path: Path) -> Snapshot:
     """Read the snapshot CURRENT names (FileNotFoundError passes through: a compaction may have removed it)."""
     cur = path / "CURRENT"
+    if current_missing(path):
+        present = sorted(p.name for p in path.glob("snapshot-*.parquet"))
+        raise LedgerIntegrityError(
+            f"{path}/CURRENT is missing (removed by hand, by a sync tool, or a backup restored in part) while the "
+            f"ledger's files are there (snapshots: {', '.join(present) or 'none'}): the ledger is damaged; `indknn "
+            "repair` writes CURRENT back to the newest snapshot of this store's ledger (nobody is retired when the "
+            "store's high-water mark then agrees); `indknn delete` still erases meanwhile")
     kind = not_a_file(cur)  # looked at, never read: a named pipe would block (review 43, H1)
     if kind is not None:
         raise LedgerIntegrityError(

@@ -49,7 +49,8 @@ def _lock_one(path: Path, deadline: float, *, directory: bool) -> int:
         if directory:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            _set_aside_if_not_a_file(path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
             waited = None
             while True:
@@ -75,6 +76,31 @@ def _lock_one(path: Path, deadline: float, *, directory: bool) -> int:
         os.close(fd)  # locked a file no longer at the path: take the lock again
         if time.monotonic() >= deadline:
             raise _Expired()
+
+
+def _set_aside_if_not_a_file(path: Path) -> None:
+    """A lock file's path holding anything but a regular file (a folder, a link, a named pipe: made by hand or by a
+    sync tool) is renamed aside, beside it, and a fresh lock file is made. It stopped every writer with "cannot open
+    the lock (Is a directory); is the ledger on a read-only file system?" or "the ledger folder keeps disappearing"
+    (a dangling link), `repair` the same, and in the store's folder it blocked `delete` outright (review 54, F6). A
+    lock file holds nothing; what stood there is kept under its new name. Two processes doing this at once: one
+    rename wins, and both then open the same new file."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        return
+    kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a symbolic link" if stat.S_ISLNK(st.st_mode)
+            else "not a regular file")
+    aside = path.with_name(f"{path.name}.not-a-file-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:  # another process set it aside first
+        return
+    log.warning("%s was %s, not indknn's lock file: renamed to %s and a new lock file made", path, kind, aside.name)
 
 
 @contextlib.contextmanager

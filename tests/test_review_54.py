@@ -134,3 +134,65 @@ def test_a_ledger_restored_from_before_a_compaction_is_called_rolled_back_exit_1
     res = runner.invoke(app, ["repair", "--store", str(sp), "--ledger", str(lp)])
     assert res.exit_code == 1 and "repair` cannot bring it back" in " ".join(res.stderr.split()), res.stderr
     assert "another feature store" not in res.stderr
+
+
+@pytest.mark.heavy
+def test_a_removed_current_is_named_damage_and_repair_writes_it_back(pair):
+    """F1: a ledger folder whose CURRENT was removed was "no budget ledger here (create one with `indknn index`)", exit
+    2, for every command, `repair` included; now exit 1 naming the damage, and `repair` writes CURRENT back (nobody
+    retired: the store's mark agrees)."""
+    sp, lp = pair
+    FeatureStore.open(sp, mode="r+").append("query", np.ones((2, D), np.float32) / 2, record_ids=["q0", "q1"],
+                                            batch="b")
+    spent = BudgetLedger.open(lp).state.spent.copy()
+    (lp / "CURRENT").unlink()
+    for args in (["serve-queries", "--store", str(sp), "--ledger", str(lp), "--batch", "b"],
+                 ["account", "--ledger", str(lp), "--store", str(sp), "--verify"],
+                 ["index", "--store", str(sp), "--ledger", str(lp)]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1 and "CURRENT is missing" in " ".join(res.stderr.split()), (args, res.stderr)
+    assert not (lp / "CURRENT").exists()
+    res = runner.invoke(app, ["repair", "--store", str(sp), "--ledger", str(lp)])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["records_retired"] == 0
+    led = BudgetLedger.open(lp)
+    assert np.array_equal(led.state.spent, spent)
+    res = runner.invoke(app, ["serve-queries", "--store", str(sp), "--ledger", str(lp), "--batch", "b"])
+    assert res.exit_code == 0, res.stderr
+
+
+def test_a_ledger_creation_that_stopped_before_current_is_still_no_ledger(tmp_path):
+    """A lone first snapshot without CURRENT (an `index` stopped while creating) stays "no ledger": the re-run
+    creates it."""
+    from indknn_cli.ledger_snapshot import current_missing
+
+    (tmp_path / "L").mkdir()
+    (tmp_path / "L" / "snapshot-000000.parquet").write_bytes(b"x")
+    assert not BudgetLedger.exists(tmp_path / "L") and not current_missing(tmp_path / "L")
+    (tmp_path / "L" / "events").mkdir()
+    (tmp_path / "L" / "events" / "00000001-add.parquet").write_bytes(b"x")
+    assert BudgetLedger.exists(tmp_path / "L") and current_missing(tmp_path / "L")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("where,make", [("L/LOCK", "folder"), ("L/LOCK", "dangling link"),
+                                        ("s.zarr/.indknn-ledger-writer.lock", "folder"),
+                                        ("s.zarr/.indknn-store.lock", "dangling link")])
+def test_a_lock_file_that_is_not_a_file_is_set_aside_and_never_blocks_an_erasure(pair, tmp_path, where, make):
+    """F6: a lock path holding a folder or a dangling link stopped every writer with "is the ledger on a read-only
+    file system?" (or "keeps disappearing"), `repair` too; in the store's folder `delete` was blocked outright."""
+    sp, lp = pair
+    target = tmp_path / where
+    if target.exists() or target.is_symlink():
+        target.unlink()
+    if make == "folder":
+        target.mkdir()
+    else:
+        target.symlink_to(tmp_path / "nowhere" / "x")
+    res = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r030"])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["records_erased"] == 1 and "cannot be read" not in res.stderr
+    assert target.is_file() and not target.is_symlink()
+    assert [p.name for p in target.parent.glob(target.name + ".not-a-file-*")]  # what stood there, kept
+    s = BudgetLedger.open(lp).state
+    assert s.deleted[list(s.record_id).index("r030")]
