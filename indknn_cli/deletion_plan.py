@@ -94,8 +94,12 @@ def _enforce_strict(plan: _Plan, strict: bool) -> None:
         return
     missing = [f"record {r!r}" for r in plan.not_found] + [f"user {u!r}" for u in plan.users_not_found]
     more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+    quoted = [i for i in plan.not_found + plan.users_not_found if len(i) > 1 and i[0] == i[-1] and i[0] in "\"'"]
+    hint = (f"; {quoted[0]!r} is in quotes: a CSV column cut with `cut -d,` keeps them (take the ids with a CSV "
+            "reader, e.g. python -c 'import csv,sys; [print(r[0]) for r in csv.reader(sys.stdin)]')"
+            if quoted else "")  # review 55, F10
     raise BadInputError(f"--strict: {count(len(missing), 'unknown id')}: {', '.join(missing[:5])}{more}; "
-                        "nothing was deleted")
+                        f"nothing was deleted{hint}")
 
 
 # -- planning (read only) ---------------------------------------------------------

@@ -71,8 +71,12 @@ def check(gate: Allowance | None, *, new_queries: int) -> None:
     if gate is None or new_queries <= 0:
         return
     if gate.answered + new_queries > gate.max_queries:
+        # review 55, F2: "reached" while 200 of 1,000 were left read as "stop the service" (exit 3's row)
+        what = ("query allowance used up" if gate.left <= 0 else
+                f"this batch would pass the query allowance ({gate.left} of T may still be answered)")
+        then = ("T is fixed when the ledger is made; serving through this ledger is over" if gate.left <= 0 else
+                f"split the file into batches of at most {gate.left} queries (T is fixed when the ledger is made)")
         raise QueryAllowanceError(
-            f"query allowance reached: {count(gate.answered, 'query')} answered of T = {gate.max_queries} "
-            f"({gate.source}); this batch has {count(new_queries, 'new query')}, {gate.left} may still be answered. "
-            "Nothing was answered or charged."
+            f"{what}: {count(gate.answered, 'query')} answered of T = {gate.max_queries} ({gate.source}); this batch "
+            f"has {count(new_queries, 'new query')}. Nothing was answered or charged; {then}."
         )

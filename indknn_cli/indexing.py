@@ -239,7 +239,9 @@ def build_index(
                         f"{ledger_path}: the ledger already exists with fixed parameters "
                         f"(ε={ledger.params.epsilon} at δ={ledger.params.delta} ({ledger.params.conversion}, "
                         f"{per_unit(ledger.params.privacy_unit)}), B={rounding.up(ledger.params.budget)}, "
-                        f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation. To "
+                        f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation, and "
+                        f"this run's differ (the ledger's → this run's; a flag left out takes its default): "
+                        f"{'; '.join(_differences(params, ledger.params))}. To "
                         f"add new records, run `indknn index --ledger {ledger_path}` without --eps and the other "
                         "privacy flags"
                     )
@@ -320,9 +322,12 @@ def _unit_checks(store: FeatureStore, params: PrivacyParams | None, *, creating:
             raise BadInputError(f"--privacy-unit user: {missing} private rows have no user id; give them one "
                                 "(embed --user-column) or pass --user-for-missing record (each its own user)")
         return []
-    if has_user.any():
+    if has_user.any():  # review 55, F4: on an existing ledger --privacy-unit user is refused: never advise it there
         return ["the store has user ids but the privacy unit is record: a person with several records is "
-                "protected per record, not as a person; consider --privacy-unit user"]
+                "protected per record, not as a person; " + (
+                    "consider --privacy-unit user" if creating else
+                    "the unit is fixed when the ledger is made (per-user protection needs a new store and ledger "
+                    "made with --privacy-unit user)")]
     return []
 
 
@@ -359,6 +364,16 @@ def _check_given(given: dict | None, params: PrivacyParams, ledger_path) -> None
 
 
 def _differs(a: PrivacyParams, b: PrivacyParams) -> bool:
+    return bool(_differences(a, b))
+
+
+def _differences(a: PrivacyParams, b: PrivacyParams) -> list[str]:
+    """What differs between this run's parameters ``a`` and the ledger's ``b``, as "name: ledger's → this run's"
+    (review 55, F7: the refusal listed the ledger's values, all equal to those typed; the difference was a default
+    of a flag left out, e.g. --planned-queries or --privacy-unit)."""
     keys = ("epsilon", "delta", "conversion", "kernel", "tau", "sigma2", "k_min", "privacy_unit",
             "max_records_per_user", "user_for_missing")
-    return any(getattr(a, k) != getattr(b, k) for k in keys) or not math.isclose(a.sigma1, b.sigma1)
+    out = [f"{k}: {getattr(b, k)!r} → {getattr(a, k)!r}" for k in keys if getattr(a, k) != getattr(b, k)]
+    if not math.isclose(a.sigma1, b.sigma1):
+        out.append(f"sigma1 (from --sigma1 or --planned-queries): {b.sigma1!r} → {a.sigma1!r}")
+    return out

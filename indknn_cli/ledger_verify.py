@@ -13,6 +13,7 @@ from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import binding_of, check_binding, check_mark, head_seq, read_mark, snapshot_is_chained
 from .ledger_rows import check_erased_owners, check_rows_hold_records
+from .rounding import up
 from .wording import adjacency, count, per_unit
 
 #: A failed verification is tried again while the ledger folder changes under it (a serve committing, a compaction
@@ -189,9 +190,16 @@ def _describe(ledger) -> dict:
     snap_seq = ledger.snapshot_event_seq
     head = head_seq(ledger)
     p = ledger.params
+    tuning = ledger.meta.get("tuning")
     try:
-        cal = calibrate_budget(epsilon=p.epsilon, delta=p.delta, conversion=p.conversion)
-    except BadInputError:
+        if tuning:  # index --tune private: B is what serving is left after the search (review 55, F12: compared
+            # with the untuned calibration, a correct ledger's B looked 5 % off, "to 1e-9")
+            from .tuning_accounting import search_args, serving_budget
+
+            cal = serving_budget(epsilon=p.epsilon, delta=p.delta, **search_args(tuning))
+        else:
+            cal = calibrate_budget(epsilon=p.epsilon, delta=p.delta, conversion=p.conversion)
+    except (BadInputError, KeyError, TypeError, ValueError):
         cal = None
     return {
         "ledger_uuid": ledger.meta["ledger_uuid"], "generation": ledger.generation,
@@ -204,7 +212,8 @@ def _describe(ledger) -> dict:
                     "epsilon": p.epsilon, "delta": p.delta,
                     "conversion": p.conversion, "unit": getattr(p, "privacy_unit", "record") or "record",
                     "adjacency": adjacency(getattr(p, "privacy_unit", "record")), "records": len(ledger.state),
-                    "records_at_budget": len(ledger.state)},
+                    "records_at_budget": len(ledger.state),
+                    "tuning_epsilon": float(tuning["epsilon_tuning"]) if tuning else None},
     }
 
 
@@ -227,8 +236,10 @@ def verification_lines(r: dict) -> list[str]:
         f"matches" + (f" ({ev['unchained_legacy']} written before chaining, unchecked)" if ev["unchained_legacy"] else ""),
         f"  chain head: event {h['seq']} sha256 {h['sha256']}",
         f"  budgets: B = {b['budget']!r} is the calibration of ε={b['epsilon']!r}, δ={b['delta']!r} "
-        f"({b['conversion']}, {per_unit(b.get('unit'))}){' (bit-identical)' if b['bit_identical'] else ' (to 1e-9)'}; "
-        f"all {b['records']} records carry B",
+        f"({b['conversion']}, {per_unit(b.get('unit'))})"
+        + (f", what serving is left after private tuning's ε(rdp)={up(b['tuning_epsilon'], 4)} (RDP composition)"
+           if b.get("tuning_epsilon") is not None else "")
+        + f"{' (bit-identical)' if b['bit_identical'] else ' (to 1e-9)'}; all {b['records']} records carry B",
     ]
     s = r.get("store")
     if s is None:

@@ -473,7 +473,12 @@ def build_account_report(
     if record_id is not None:
         hits = np.flatnonzero(canonical_array(s.record_id) == record_id) if n else np.empty(0, np.int64)
         if hits.size == 0:
-            raise BadInputError(f"record id {record_id!r} is not in the ledger {ledger_path}")
+            # review 55, F9: an access request for a row the store holds but the ledger does not (not indexed yet, or
+            # left out of a user-unit ledger for want of a user id) read as "not held"
+            raise BadInputError(f"record id {record_id!r} is not in the ledger {ledger_path}: it has never been used "
+                                "to answer a query. The store may still hold it (a row `index` has not brought in "
+                                "yet, or one a user-unit ledger leaves out for want of a user id): `indknn delete "
+                                "--dry-run --record ID` says, and `indknn delete` erases it")
         rec = _subject_record(ledger, int(hits[-1]), status=status, budget=budget, delta=use_delta, c1=c1)
         data = {**base, "subject": "record", **rec, "operator_only": SUBJECT_NOTE}
     if user_id is not None:

@@ -127,3 +127,26 @@ def test_tuning_a_private_set_too_small_for_its_shards_warns_the_operator(tmp_pa
         assert bool(said) == warned, res.extra
         if warned:
             assert f"{n} private records into S = {shards} validation shards" in said[0]
+
+
+@pytest.mark.heavy
+def test_verify_of_a_tuned_ledger_compares_b_with_the_serving_budget(tmp_path):
+    """Review 55, F12: `account --verify` described a tuned ledger's B as "the calibration of ε=2 (to 1e-9)", its JSON
+    `calibrated_budget` the untuned one (30 % above B here): a correct ledger looked off to a compliance reviewer."""
+    import json
+
+    st = _store(tmp_path / "s.zarr")
+    req = tuning.TuneRequest(epsilon=2.0, delta=1e-5, seed=3, taus=(0.3,), sigma2s=(0.5,), n_val=40,
+                             mean_runs=2.0, share=0.3, planned_queries=100, method="exp-mech")
+    build_index(store_path=st.path, ledger_path=tmp_path / "l", params=None, tune=req)
+    res = runner.invoke(app, ["account", "--ledger", str(tmp_path / "l"), "--store", str(st.path), "--verify",
+                              "--json"])
+    assert res.exit_code == 0, res.stderr
+    b = json.loads(res.stdout)["budgets"]
+    led = BudgetLedger.open(tmp_path / "l")
+    assert b["calibrated_budget"] == b["budget"] == led.params.budget and b["bit_identical"]
+    assert b["tuning_epsilon"] == led.meta["tuning"]["epsilon_tuning"] > 0
+    res = runner.invoke(app, ["account", "--ledger", str(tmp_path / "l"), "--store", str(st.path), "--verify"],
+                        env={"INDKNN_WIDTH": "400"})
+    assert "what serving is left after private tuning's ε(rdp)=" in res.stdout + res.stderr
+    assert "(bit-identical)" in res.stdout + res.stderr

@@ -17,7 +17,7 @@ from ..errors import EXIT_BUDGET_EXHAUSTED, BadInputError
 from ..rounding import down as _down
 from ..rounding import given as _given
 from ..rounding import up as _up
-from ..wording import count
+from ..wording import count, per_unit
 from .common import (emit_json, given_on_command_line, resolve_ledger, run_library_call, say, stderr_console,
                      stdout_console, verbosity)
 
@@ -147,7 +147,10 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     re = d["realised_epsilon"]
     q.add_row(f"realised ε ({re['conversion']})", *[_up(re[k], 4) for k, _ in QUANTILES])
     out.print(q)
-    out.print(escape(f"realised ε({re['conversion']}) at δ = {_given(re['delta'])}: {REALISED_LABEL}"))
+    # review 55, F11: the unit and adjacency of these figures, as every ε printed carries them
+    of_user = " (each record carries its user's figure)" if d["unit"] == "user" else ""
+    out.print(escape(f"realised ε({re['conversion']}) at δ = {_given(re['delta'])}, {per_unit(d['unit'])}{of_user}, "
+                     f"in this table and in the history's median below: {REALISED_LABEL}"))
     hist = d["history"]
     if hist:
         out.print("[bold]History by batch[/]")

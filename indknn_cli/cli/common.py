@@ -249,7 +249,7 @@ def _exit_interrupted(exc: KeyboardInterrupt):
     if isinstance(exc, Terminated):
         error_message("Terminated.", "(SIGTERM) what was committed stays; re-running resumes")
         raise typer.Exit(code=143) from None
-    error_message("Interrupted.", "")
+    error_message("Interrupted.", "(Ctrl-C) what was committed stays; re-running resumes")  # review 55, F8
     raise typer.Exit(code=130) from None
 
 
