@@ -46,6 +46,7 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
         return None, None
     present = sorted(int(m.group(1)) for p in path.glob("snapshot-*.parquet")
                      if (m := re.fullmatch(r"snapshot-(\d{6})\.parquet", p.name)) and belongs(p, store))
+    present = _vouched(path, store, present)
     if not present:
         raise LedgerIntegrityError(
             f"{shown_path}: CURRENT names {named}, and no other snapshot of this "
@@ -62,6 +63,26 @@ def write_current_back(path: Path, store: FeatureStore, *, shown_path: Path) -> 
         shutil.copy2(cur, path / folder / "CURRENT")
     atomic_write_text(json.dumps({"generation": present[-1]}), cur)
     return present[-1], folder
+
+
+def _vouched(path: Path, store: FeatureStore, present: list[int]) -> list[int]:
+    """The generations CURRENT may be written back to: with a high-water mark of this ledger in the store, those up
+    to the mark's generation, and the one it announces (a compaction's next snapshot) only with the announced
+    sha256. A snapshot file past them (a stray copy, one written by hand) was adopted as the newest: the repair then
+    failed on its missing answers file, or took a forged base snapshot (review 54, F5). Without a mark, all."""
+    try:
+        mark = integrity.read_mark(store.path)
+    except Exception:  # noqa: BLE001 - an unreadable or sealed-wrong mark vouches for nothing: as without one
+        return present
+    if not isinstance(mark, dict) or not isinstance(mark.get("generation"), int):
+        return present
+    kept = [g for g in present if g <= mark["generation"]]
+    nxt = mark.get("next_generation")
+    if isinstance(nxt, int) and nxt in present and nxt > mark["generation"]:
+        snap = path / f"snapshot-{nxt:06d}.parquet"
+        if integrity.sha256_bytes(snap.read_bytes()) == mark.get("next_snapshot_sha256"):
+            kept.append(nxt)
+    return sorted(kept)
 
 
 #: Where :func:`write_current_back` keeps a CURRENT that was not a regular file (ledger_current.not_a_file), and the

@@ -196,3 +196,20 @@ def test_a_lock_file_that_is_not_a_file_is_set_aside_and_never_blocks_an_erasure
     assert [p.name for p in target.parent.glob(target.name + ".not-a-file-*")]  # what stood there, kept
     s = BudgetLedger.open(lp).state
     assert s.deleted[list(s.record_id).index("r030")]
+
+
+@pytest.mark.heavy
+def test_repair_writes_current_back_only_to_a_snapshot_the_mark_vouches_for(pair):
+    """F5: with a garbage CURRENT, a stray copy of the snapshot under the next number was adopted as the newest: the
+    repair then failed on its missing answers file (rc 1, CURRENT still garbage), or took a forged base snapshot."""
+    import shutil
+
+    sp, lp = pair
+    gen = json.loads((lp / "CURRENT").read_text())["generation"]
+    shutil.copy(lp / f"snapshot-{gen:06d}.parquet", lp / f"snapshot-{gen + 1:06d}.parquet")
+    (lp / "CURRENT").write_text("garbage")
+    res = runner.invoke(app, ["repair", "--store", str(sp), "--ledger", str(lp)])
+    assert res.exit_code == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["records_retired"] == 0 and out["current_written_back"] == gen
+    assert json.loads((lp / "CURRENT").read_text())["generation"] == gen
