@@ -147,7 +147,7 @@ def test_d4_a_batch_refused_by_max_queries_is_not_embedded(tmp_path):
     before = json.loads((tmp_path / "s.zarr" / "queries" / "zarr.json").read_text())["attributes"]
     r = _serve(tmp_path, "q2.npz", "b2", "--max-queries", "60")  # 40 answered + 40 new > 60: refused whole
     assert r.returncode == 3 and r.stdout == "", r.stderr
-    assert "20 may still be answered" in " ".join(r.stderr.split())
+    assert "20 of T may still be answered" in " ".join(r.stderr.split())
     after = json.loads((tmp_path / "s.zarr" / "queries" / "zarr.json").read_text())["attributes"]
     assert after == before and after["n_rows"] == 40
     _ok(_serve(tmp_path, "q2.npz", "b2", "--max-queries", "80"))  # fits exactly: answered
