@@ -375,18 +375,28 @@ def _set_pending(store: FeatureStore, rows: np.ndarray) -> None:
     _fsync_path(store.path / GROUP_OF_ROLE["private"])
 
 
+class _RowsNotOverwritten(Exception):
+    """Step 1 or 3 of an erasure met a chunk it cannot read (corrupt): the erasure is recorded, not finished."""
+
+
+class _IndexNotUpdated(Exception):
+    """Step 4 (the candidate index) failed after the rows were overwritten."""
+
+
 def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan) -> int:
     rows = plan.rows
     if rows.size:
         _set_pending(store, rows)  # a failure here changed nothing: StorageError says so
     try:
         return _execute_recorded(store, ledger, plan)
-    except StoreError as exc:  # a corrupt chunk of the rows being erased (review 54, F3: exit 2, "bad input",
-        if not rows.size:      # after the tombstone was committed and the rows flagged)
-            raise
+    except _IndexNotUpdated as exc:
+        raise StorageError(str(exc)) from None
+    except _RowsNotOverwritten as exc:  # a corrupt chunk of the rows being erased (review 54, F3: exit 2, "bad
+        # input", after the tombstone was committed and the rows flagged)
         raise StorageError(
-            f"{exc} The erasure was recorded but not finished: the records are never selected again (the ledger's "
-            "tombstones and the store's erase-pending rows are written); their rows could not be overwritten. Once "
+            f"{exc} The erasure was recorded but not finished: the records are never selected again (the store's "
+            "erase-pending rows are written, the ledger's tombstones when it could be reached); their rows could not "
+            "be overwritten. Once "
             "that chunk reads again (its file restored from a backup of this store: docs/RELIABILITY.md), `indknn "
             "delete` (any ids) finishes the erasure") from None
     except (StorageError, OSError) as exc:
@@ -406,16 +416,28 @@ def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan) -> i
 def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan) -> int:
     rows = plan.rows
     if rows.size:
-        store.mark_deleted("private", rows)  # 1. intent (sync_ledger never re-adds a flagged row)
+        try:
+            store.mark_deleted("private", rows)  # 1. intent (sync_ledger never re-adds a flagged row)
+        except StoreError as exc:  # a corrupt chunk of flags: the request is recorded (erase-pending) all the same
+            raise _RowsNotOverwritten(str(exc)) from None
     _fault("flagged")
     if ledger is not None and plan.ledger_idx.size:
         ledger.delete_records(plan.ledger_idx)  # 2. the commit point: never a candidate again
     _fault("ledger-committed")
-    written = store.erase_rows("private", rows) if rows.size else 0  # 3. physical erasure
+    try:
+        written = store.erase_rows("private", rows) if rows.size else 0  # 3. physical erasure
+    except StoreError as exc:  # only this step's: an index that cannot be read (step 4) is not a store chunk
+        raise _RowsNotOverwritten(str(exc)) from None  # (review 56, F4)
     _fault("erased")
     hook = _index_hook("remove_rows")
     if hook is not None and rows.size:
-        hook(store, rows)  # 4. candidate indexes
+        try:
+            hook(store, rows)  # 4. candidate indexes
+        except StoreError as exc:  # review 56, F4: not a store chunk; the rows are overwritten already
+            raise _IndexNotUpdated(
+                f"{exc} The records are erased (their rows overwritten, never selected again), but the candidate "
+                "index could not be updated; `indknn delete` (any ids) tries again, and the index's files may need "
+                "restoring from a backup of this store") from None
     if rows.size:
         _set_pending(store, np.empty(0, np.int64))  # 5. done
     return written

@@ -76,7 +76,10 @@ def erase_in_leftovers(store_path: Path, record_ids, user_ids) -> int:
     from .indexes.storage import remove_stale_copies
     from .store import FeatureStore
 
-    want_r, want_u = {str(r) for r in record_ids}, {str(u) for u in user_ids}
+    from .id_text import canonical
+
+    # NFC forms, as the live store's plan compares them (review 56, F2: a copy kept a decomposed id's vector)
+    want_r, want_u = {canonical(r) for r in record_ids}, {canonical(u) for u in user_ids}
     erased = 0
     for copy in _leftovers(Path(store_path)):
         try:
@@ -84,7 +87,8 @@ def erase_in_leftovers(store_path: Path, record_ids, user_ids) -> int:
             if not st.n_rows("private"):
                 continue
             rids, uids = st.read("private", "record_id"), st.read("private", "user_id")
-            rows = np.flatnonzero([str(r) in want_r or str(u or "") in want_u for r, u in zip(rids, uids)])
+            rows = np.flatnonzero([canonical(r) in want_r or (bool(u) and canonical(u) in want_u)
+                                   for r, u in zip(rids, uids)])
             if rows.size:
                 st.mark_deleted("private", rows)
                 st.erase_rows("private", rows)

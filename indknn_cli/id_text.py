@@ -7,9 +7,12 @@ code points, so one person whose user id came from two systems was two users, ea
 erased in one form came back in the other with a fresh budget (SPEC §8: a returning id keeps what it spent).
 
 So every id is read as its NFC form (canonical composition; never NFKC, which merges ids that differ, e.g.
-"ﬁ" and "fi"): `embed` stores ids in NFC, the library's append refuses any other form, and every comparison of
-ids (delete, account, the ledger's returning ids, the user unit's users) goes through :func:`canonical`, so
-ids a store from before this rule holds in another form still match theirs.
+"ﬁ" and "fi"). NFC does merge the CJK compatibility ideographs (U+F900–U+FAFF) with their unified forms (U+F9E1
+and U+674E are both 李): two ids a source system keeps apart by that difference alone are one person to indknn
+(one budget; `delete` erases both), the side that never refunds (review 56, F5). Then: `embed` stores ids in
+NFC, the library's append refuses any other form, and every comparison of ids (delete, account, the ledger's
+returning ids, the user unit's users) goes through :func:`canonical`, so ids a store from before this rule holds
+in another form still match theirs.
 """
 
 from __future__ import annotations

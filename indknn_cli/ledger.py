@@ -316,13 +316,10 @@ class BudgetLedger:
         that user's largest spent (SPEC §8: no fresh budget for a returning id).
         """
         s = self.state
-        index_of = {rid: i for i, rid in enumerate(s.record_id)}
-        # an id in another Unicode spelling of one already here (a store from before ids were stored in NFC) is the
-        # same id: it starts at the largest spent of its spellings, users likewise (review 53, F2; id_text)
-        spelt_spent: dict[str, float] = {}
-        for rid, spent in zip(s.record_id, s.spent):
-            key = canonical(rid)
-            spelt_spent[key] = max(spelt_spent.get(key, 0.0), float(spent))
+        # keyed by the NFC form: an id in another Unicode spelling of one already here (a store from before ids were
+        # stored in NFC) is the same record, never a second budget (review 53, F2; review 56, F3: keyed by spelling,
+        # a live id's second spelling joined as another live record). Users likewise (id_text)
+        index_of = _index_by_canonical_id(s)
         user_spent: dict[str, float] = {}
         # Record unit: a new record of a user with tombstones starts at their largest spent. User unit: every
         # record of a user carries the user's spent, so a new record joins that budget, never a fresh one.
@@ -336,8 +333,8 @@ class BudgetLedger:
         nxt = len(s)
         for rid, uid, row in zip(record_ids, user_ids, rows):
             uid = uid or ""
-            if rid in index_of:
-                i = index_of[rid]
+            if (key := canonical(rid)) in index_of:
+                i = index_of[key]
                 if s.deleted[i] and s.user_id[i] and canonical(s.user_id[i]) != canonical(uid):
                     continue  # an erased id under another user: stays out (see user_moves; `index` refuses it)
                 if not s.deleted[i] and s.row[i] >= 0 and s.row[i] != row:
@@ -351,8 +348,8 @@ class BudgetLedger:
             else:
                 i = nxt
                 nxt += 1
-                index_of[rid] = i
-                spent0 = spelt_spent.get(canonical(rid), 0.0)
+                index_of[key] = i
+                spent0 = 0.0
             spent0 = max(spent0, user_spent.get(canonical(uid), 0.0))
             li.append(i); rid_out.append(rid); uid_out.append(uid); row_out.append(int(row)); spent_out.append(spent0)
         if not li:
@@ -368,10 +365,10 @@ class BudgetLedger:
         the spent it carries) away from its first user, whose returning records would then start lower
         (SPEC §8). Such rows never join the ledger; `index` refuses them (operator side)."""
         s = self.state
-        index_of = {rid: i for i, rid in enumerate(s.record_id)}
+        index_of = _index_by_canonical_id(s)
         out = []
         for rid, uid in zip(record_ids, user_ids):
-            i = index_of.get(rid)
+            i = index_of.get(canonical(rid))
             if i is not None and s.deleted[i] and s.user_id[i] and canonical(s.user_id[i]) != canonical(uid):
                 out.append(rid)
         return out
@@ -529,3 +526,17 @@ class BudgetLedger:
             finally:  # no ledger written in folders this lock created (a refusal, a ledger-less delete): remove them
                 if not BudgetLedger.exists(path):
                     locking.remove_unused(created, path / "LOCK")
+
+
+def _index_by_canonical_id(state) -> dict[str, int]:
+    """Ledger index of each record id's NFC form (:mod:`.id_text`). Two spellings of one id kept by a ledger from
+    before NFC: the live one, else the one that spent most (its budget carries on)."""
+    out: dict[str, int] = {}
+    for i, rid in enumerate(state.record_id):
+        key = canonical(rid)
+        j = out.get(key)
+        if j is None or (state.deleted[j] and not state.deleted[i]) or (
+                state.deleted[j] == state.deleted[i] and state.spent[i] > state.spent[j]):
+            out[key] = i
+    return out
+

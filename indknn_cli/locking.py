@@ -83,24 +83,55 @@ def _set_aside_if_not_a_file(path: Path) -> None:
     sync tool) is renamed aside, beside it, and a fresh lock file is made. It stopped every writer with "cannot open
     the lock (Is a directory); is the ledger on a read-only file system?" or "the ledger folder keeps disappearing"
     (a dangling link), `repair` the same, and in the store's folder it blocked `delete` outright (review 54, F6). A
-    lock file holds nothing; what stood there is kept under its new name. Two processes doing this at once: one
-    rename wins, and both then open the same new file."""
+    lock file holds nothing; what stood there is kept under its new name.
+
+    The look and the rename run under a flock of a sibling file (``.<name>.set-aside``), and the look is taken again
+    there: without it, a process that had looked could rename aside the fresh lock file another process had made
+    and locked meanwhile, and both would hold "the lock" (review 56, F1). A regular file is never renamed, so a
+    process that finds one (no lock of this kind taken) cannot be disturbed."""
+    import fcntl
+    import stat
+
+    if _regular_or_absent(path):
+        return
+    guard = path.with_name(f".{path.name}.set-aside")
+    try:
+        fd = os.open(guard, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as exc:
+        from .errors import StorageError
+
+        raise StorageError(f"{path} is not a file (a folder or a link stands there) and {guard} cannot be made to set "
+                           f"it aside ({exc.strerror}); remove {path} by hand") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for a look and a rename only
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(st.st_mode):  # another process set it aside and made the lock file meanwhile
+            return
+        kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a symbolic link" if stat.S_ISLNK(st.st_mode)
+                else "not a regular file")
+        aside = path.with_name(f"{path.name}.not-a-file-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
+        try:
+            os.rename(path, aside)
+        except OSError as exc:
+            from .errors import StorageError
+
+            raise StorageError(f"{path} is {kind}, not indknn's lock file, and cannot be renamed aside "
+                               f"({exc.strerror}); remove it by hand") from None
+    finally:
+        os.close(fd)
+    log.warning("%s was %s, not indknn's lock file: renamed to %s and a new lock file made", path, kind, aside.name)
+
+
+def _regular_or_absent(path: Path) -> bool:
     import stat
 
     try:
-        st = os.lstat(path)
+        return stat.S_ISREG(os.lstat(path).st_mode)
     except FileNotFoundError:
-        return
-    if stat.S_ISREG(st.st_mode):
-        return
-    kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a symbolic link" if stat.S_ISLNK(st.st_mode)
-            else "not a regular file")
-    aside = path.with_name(f"{path.name}.not-a-file-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:  # another process set it aside first
-        return
-    log.warning("%s was %s, not indknn's lock file: renamed to %s and a new lock file made", path, kind, aside.name)
+        return True
 
 
 @contextlib.contextmanager

@@ -14,6 +14,19 @@ os.environ.setdefault("INDKNN_WIDTH", "120")  # fixed rich width: stable output 
 from indknn_cli.store import ExtractorInfo, FeatureStore, normalize_rows  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A test that runs `indknn_cli.cli.app.main()` in this process installs its SIGTERM handler and, once the command
+    is over, ignores SIGTERM and Ctrl-C (review 55, F8): put the handlers back for the tests that follow."""
+    import signal
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, h in old.items():
+        if h is not None and signal.getsignal(s) != h:
+            signal.signal(s, h)
+
+
 def clustered(n: int, d: int, classes: int, *, seed: int, spread: float = 0.35):
     """Unit vectors around `classes` random centres; labels = centre index."""
     rng = np.random.default_rng(seed)

@@ -90,7 +90,8 @@ def legacy_store(tmp_path, monkeypatch):
     st = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=D,
                              label_names=["a", "b"], chunk_rows=64)
     ids = ["re\u0301"] + [f"r{i}" for i in range(1, n)]
-    st.append("private", x, labels=(np.arange(n) % 2).astype(np.int32), record_ids=ids)
+    st.append("private", x, labels=(np.arange(n) % 2).astype(np.int32), record_ids=ids,
+              user_ids=["alice"] + [f"u{i}" for i in range(1, n)])
     st.append("query", np.repeat(x[:1], 20, axis=0), record_ids=[f"q{i}" for i in range(20)], batch="b")
     ledger = tmp_path / "L"
     build_index(store_path=st.path, ledger_path=ledger,
@@ -112,7 +113,7 @@ def test_a_legacy_spelling_is_found_by_delete_and_account_and_never_comes_back_w
     assert json.loads(res.stdout)["records_erased"] == 1
     # the same person comes back, now spelt composed (as embed and append store it): not a fresh budget
     st = FeatureStore.open(store, mode="r+")
-    st.append("private", x[:1], labels=np.zeros(1, np.int32), record_ids=["r\u00e9"])
+    st.append("private", x[:1], labels=np.zeros(1, np.int32), record_ids=["r\u00e9"], user_ids=["alice"])
     build_index(store_path=store, ledger_path=ledger, params=None)
     s = BudgetLedger.open(ledger).state
     back = int(np.flatnonzero(s.record_id == "r\u00e9")[0])
@@ -125,3 +126,28 @@ def test_a_query_id_is_kept_as_the_sender_wrote_it(tmp_path):
                              label_names=["a", "b"], chunk_rows=64)
     st.append("query", _vectors(2, 4), record_ids=[NFD, NFC], batch="b")
     assert [str(r) for r in st.read("query", "record_id")] == [NFD, NFC]
+
+
+def test_a_second_spelling_of_a_live_id_is_not_a_second_record(legacy_store):
+    """Review 56, F3: the ledger keyed records by spelling when they joined, so "ré" composed appended beside a live
+    "ré" decomposed became a second live record with its own budget B."""
+    from indknn_cli.errors import LedgerError
+
+    store, ledger, x = legacy_store
+    FeatureStore.open(store, mode="r+").append("private", x[:1], labels=np.zeros(1, np.int32), record_ids=["r\u00e9"],
+                                               user_ids=["alice"])
+    with pytest.raises(LedgerError, match="live at another row"):
+        build_index(store_path=store, ledger_path=ledger, params=None)
+    assert sum(canonical(r) == "r\u00e9" for r in BudgetLedger.open(ledger).state.record_id) == 1
+
+
+def test_an_erased_id_back_in_another_spelling_under_another_user_is_refused(legacy_store):
+    """Review 56, F3 (user_moves): an erased id re-embedded in NFC under another user joined the ledger; in the same
+    spelling `index` refuses it (its tombstone would move away from its first user)."""
+    store, ledger, x = legacy_store
+    res = runner.invoke(app, ["delete", "--store", str(store), "--ledger", str(ledger), "--record", "r\u00e9"])
+    assert res.exit_code == 0, res.stderr
+    FeatureStore.open(store, mode="r+").append("private", x[:1], labels=np.zeros(1, np.int32), record_ids=["r\u00e9"],
+                                               user_ids=["bob"])
+    res = runner.invoke(app, ["index", "--store", str(store), "--ledger", str(ledger)])
+    assert res.exit_code == 2 and "another user" in " ".join(res.stderr.split()), res.stderr

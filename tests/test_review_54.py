@@ -213,3 +213,64 @@ def test_repair_writes_current_back_only_to_a_snapshot_the_mark_vouches_for(pair
     out = json.loads(res.stdout)
     assert out["records_retired"] == 0 and out["current_written_back"] == gen
     assert json.loads((lp / "CURRENT").read_text())["generation"] == gen
+
+
+def test_setting_a_lock_path_aside_never_moves_a_live_lock_file(tmp_path, monkeypatch):
+    """Review 56, F1: a process that had looked at the path (a folder) and then renamed it could move aside the fresh
+    lock file another process had made and locked meanwhile; both held "the lock". Now the look is taken again under
+    a flock before the rename: the second process waits for the first's lock instead."""
+    import threading
+
+    from indknn_cli import locking
+    from indknn_cli.errors import LockTimeoutError
+
+    lock = tmp_path / "WRITER_LOCK"
+    lock.mkdir()
+    real, looked, go = locking._regular_or_absent, threading.Event(), threading.Event()
+
+    def paused(path):  # B: looks (a folder), then waits while A takes the lock
+        out = real(path)
+        if threading.current_thread().name == "B":
+            looked.set()
+            go.wait(10)
+        return out
+
+    monkeypatch.setattr(locking, "_regular_or_absent", paused)
+    seen = {}
+
+    def b():
+        try:
+            with locking.exclusive_file(lock, timeout=0.5, on_timeout=lambda: LockTimeoutError("busy")):
+                seen["b"] = "held"
+        except LockTimeoutError:
+            seen["b"] = "waited"
+
+    tb = threading.Thread(target=b, name="B")
+    tb.start()
+    assert looked.wait(10)
+    with locking.exclusive_file(lock, timeout=5, on_timeout=lambda: LockTimeoutError("busy")):
+        assert lock.is_file()
+        go.set()
+        tb.join(10)
+        assert seen["b"] == "waited"  # B never took a second "lock" while A held this one
+        assert lock.is_file() and len(list(tmp_path.glob("WRITER_LOCK.not-a-file-*"))) == 1
+
+
+@pytest.mark.heavy
+def test_an_index_that_cannot_be_updated_is_not_blamed_on_a_store_chunk(pair, monkeypatch):
+    """Review 56, F4: a candidate index failing after the rows were overwritten was reported as rows that "could not be
+    overwritten" and a store chunk to restore."""
+    from indknn_cli import deletion
+    from indknn_cli.errors import StoreError
+
+    sp, lp = pair
+
+    def broken(store, rows):
+        raise StoreError(f"{store.path}: the candidate index cannot be read (test)")
+
+    monkeypatch.setattr(deletion, "_index_hook", lambda name: broken)
+    res = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r003"], env={"INDKNN_WIDTH": "400"})
+    assert res.exit_code == 1, res.stderr
+    assert "The records are erased" in res.stderr and "could not be overwritten" not in res.stderr
+    st = FeatureStore.open(sp, mode="r")
+    assert str(st.read("private", "record_id")[3]) == ""

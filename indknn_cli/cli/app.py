@@ -120,12 +120,28 @@ def main() -> None:
         # each as "Task was destroyed but it is pending!" with a stack, after the one-line error (review 54, F3)
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     try:
-        app(prog_name="indknn")  # usage lines and completion scripts say `indknn`, also under python -m
-    except IndknnError as exc:  # a typed error raised outside a command's run_library_call: its documented code
-        error_message("Error:", str(exc))
-        raise SystemExit(exc.exit_code) from None
-    except Exception as exc:  # noqa: BLE001 - typer re-raises what no command mapped (pretty exceptions off)
-        if os.environ.get("INDKNN_DEBUG") == "1":
-            raise
-        internal_error(exc)
-        raise SystemExit(1) from None
+        try:
+            app(prog_name="indknn")  # usage lines and completion scripts say `indknn`, also under python -m
+        except IndknnError as exc:  # a typed error raised outside a command's run_library_call: its documented code
+            error_message("Error:", str(exc))
+            raise SystemExit(exc.exit_code) from None
+        except Exception as exc:  # noqa: BLE001 - typer re-raises what no command mapped (pretty exceptions off)
+            if os.environ.get("INDKNN_DEBUG") == "1":
+                raise
+            internal_error(exc)
+            raise SystemExit(1) from None
+    finally:
+        _settled()
+
+
+def _settled() -> None:
+    """The command is over and its exit code decided: SIGTERM and Ctrl-C are ignored while the interpreter winds
+    down (about 1.5 s after a serve's last answer line: threads, torch). A SIGTERM there turned a finished run into
+    exit 143 with no word (review 55, F8); what it would stop is already complete."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread, or an interpreter without signals
+            pass
