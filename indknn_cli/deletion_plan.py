@@ -103,10 +103,31 @@ def _enforce_strict(plan: _Plan, strict: bool) -> None:
 
 
 # -- planning (read only) ---------------------------------------------------------
+def _flags(store: FeatureStore, n: int) -> np.ndarray:
+    """The private rows' erased flags; a chunk of them that cannot be read (corrupt) reads as "not flagged". One
+    corrupt chunk of *other* rows' flags stopped every erasure before anything was recorded (review 56, F6). Safe
+    for a plan: an unflagged row outside the ledger is erased only when its own id is asked for, and erasing a row
+    rewrites only the chunks that hold it (a corrupt one then ends the erasure "recorded but not finished")."""
+    try:
+        return store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
+    except StoreError:
+        pass
+    arr = store.group("private")["deleted"]
+    step = int(arr.chunks[0])
+    out = np.zeros(n, bool)
+    for lo in range(0, n, step):
+        try:
+            out[lo:min(n, lo + step)] = np.asarray(arr[lo:min(n, lo + step)], dtype=bool)
+        except Exception:  # noqa: BLE001 - zarr/numcodecs raise ValueError, RuntimeError... for a bad chunk
+            continue
+    return out
+
+
+
 def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str], user_ids: list[str]) -> _Plan:
     """Which ledger records and store rows the ids name. Reads only."""
     n = store.n_rows("private")
-    flagged = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
+    flagged = _flags(store, n)
     row_map = ledger.store_row_map(n) if ledger is not None else np.full(n, -1, np.int64)
     # rows that are in the store but not (yet) in the ledger: erased in the store only
     unindexed = np.flatnonzero((row_map < 0) & ~flagged)

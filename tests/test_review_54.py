@@ -274,3 +274,18 @@ def test_an_index_that_cannot_be_updated_is_not_blamed_on_a_store_chunk(pair, mo
     assert "The records are erased" in res.stderr and "could not be overwritten" not in res.stderr
     st = FeatureStore.open(sp, mode="r")
     assert str(st.read("private", "record_id")[3]) == ""
+
+
+@pytest.mark.heavy
+def test_a_corrupt_chunk_of_other_rows_flags_does_not_stop_an_erasure(pair):
+    """Review 56, F6: `delete` read every row's erased flag to plan, so one corrupt chunk of flags for rows 0–63
+    stopped the erasure of row 150 (exit 2, nothing recorded)."""
+    sp, lp = pair
+    r = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r001"])
+    assert r.exit_code == 0, r.stderr  # the flags array now has a chunk for rows 0–63
+    _flip(sp / "private" / "deleted" / "c" / "0")
+    res = _indknn("delete", "--store", sp, "--ledger", lp, "--record", "r150")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["records_erased"] == 1
+    st = FeatureStore.open(sp, mode="r")
+    assert str(np.asarray(st.group("private")["record_id"][150])) == ""
