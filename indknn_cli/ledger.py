@@ -508,9 +508,11 @@ class BudgetLedger:
             return LockTimeoutError(f"{path}: another indknn process holds the ledger lock (waited {timeout:g} s); "
                                     "retry later or raise --lock-timeout")
         for attempt in range(5):  # a folder another run created, then removed unused (locking.remove_unused)
-            created = locking.missing_folders(path)
             stack = contextlib.ExitStack()
             try:
+                # inside the try: a parent that cannot be searched raised a raw PermissionError, before `delete`'s
+                # erase-from-the-store fallback for a ledger it cannot reach (review 56, observation)
+                created = locking.missing_folders(path)
                 path.mkdir(parents=True, exist_ok=True)
                 stack.enter_context(locking.exclusive(path, path / "LOCK", timeout=timeout, on_timeout=expired))
                 break

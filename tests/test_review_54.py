@@ -289,3 +289,21 @@ def test_a_corrupt_chunk_of_other_rows_flags_does_not_stop_an_erasure(pair):
     assert json.loads(res.stdout)["records_erased"] == 1
     st = FeatureStore.open(sp, mode="r")
     assert str(np.asarray(st.group("private")["record_id"][150])) == ""
+
+
+def test_a_ledger_folder_that_cannot_be_reached_never_blocks_an_erasure(pair, monkeypatch):
+    """Review 56 (observation): a --ledger under a folder that cannot be searched raised a raw PermissionError from
+    the ledger lock, before `delete`'s erase-from-the-store fallback: the record stayed stored (exit 1)."""
+    from indknn_cli import locking
+
+    sp, lp = pair
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(locking, "missing_folders", denied)
+    res = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r003"])
+    assert res.exit_code in (0, 1), res.stderr
+    out = json.loads(res.stdout)
+    assert out["records_erased"] == 1 and "Permission denied" in (out.get("ledger_unreadable") or "")
+    assert str(FeatureStore.open(sp, mode="r").read("private", "record_id")[3]) == ""
