@@ -281,11 +281,22 @@ def delete_records(
                 if compact_refused is not None:
                     res.compaction = {"refused": compact_refused}
                 return res
-            pending = complete_pending(store, ledger)
+            stuck, stuck_error = np.empty(0, np.int64), None
+            try:
+                pending = complete_pending(store, ledger)
+            except StoreError as exc:  # review 57, F3: an earlier erasure stuck on a corrupt chunk blocked every
+                # later request before it was recorded; it stays pending and this one goes on
+                pending, stuck, stuck_error = 0, store.erase_pending_rows("private"), exc
             plan = _plan(store, ledger, record_ids, user_ids)
             _enforce_strict(plan, strict)
             log.info("erasing %s of the store (operator-only count)", count(int(plan.rows.size), "row"))
-            written = _execute(store, ledger, plan)
+            written = _execute(store, ledger, plan, still_pending=stuck)
+            if stuck.size:
+                raise StorageError(
+                    f"{stuck_error} This request's erasure went on ({count(len(plan.record_ids), 'record')}); an "
+                    f"earlier one of {count(int(stuck.size), 'row')} is recorded but not finished (never selected "
+                    "again): once that chunk reads again (its file restored from a backup of this store), `indknn "
+                    "delete` finishes it")
             if compact:
                 log.info("compacting: rewriting the store without deleted rows, folding the ledger into a snapshot")
             compaction = _compact(store, ledger) if compact else None
@@ -383,12 +394,14 @@ class _IndexNotUpdated(Exception):
     """Step 4 (the candidate index) failed after the rows were overwritten."""
 
 
-def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan) -> int:
+def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan,
+             still_pending: np.ndarray = np.empty(0, np.int64)) -> int:
+    """``still_pending``: rows of an earlier erasure that could not be finished; they stay pending throughout."""
     rows = plan.rows
     if rows.size:
-        _set_pending(store, rows)  # a failure here changed nothing: StorageError says so
+        _set_pending(store, np.union1d(still_pending, rows))  # a failure here changed nothing: StorageError says so
     try:
-        return _execute_recorded(store, ledger, plan)
+        return _execute_recorded(store, ledger, plan, still_pending=still_pending)
     except _IndexNotUpdated as exc:
         raise StorageError(str(exc)) from None
     except _RowsNotOverwritten as exc:  # a corrupt chunk of the rows being erased (review 54, F3: exit 2, "bad
@@ -413,17 +426,21 @@ def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan) -> i
         ) from None
 
 
-def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan) -> int:
+def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan,
+                      still_pending: np.ndarray = np.empty(0, np.int64)) -> int:
     rows = plan.rows
+    flags_error = None
     if rows.size:
         try:
-            store.mark_deleted("private", rows)  # 1. intent (sync_ledger never re-adds a flagged row)
-        except StoreError as exc:  # a corrupt chunk of flags: the request is recorded (erase-pending) all the same
-            raise _RowsNotOverwritten(str(exc)) from None
+            store.mark_deleted("private", rows)  # 1. intent (sync_ledger never re-adds a flagged or pending row)
+        except StoreError as exc:  # a corrupt chunk of flags: the request is recorded (erase-pending) all the same,
+            flags_error = exc      # and the ledger's tombstones are written below (review 57, F4)
     _fault("flagged")
     if ledger is not None and plan.ledger_idx.size:
         ledger.delete_records(plan.ledger_idx)  # 2. the commit point: never a candidate again
     _fault("ledger-committed")
+    if flags_error is not None:
+        raise _RowsNotOverwritten(str(flags_error))
     try:
         written = store.erase_rows("private", rows) if rows.size else 0  # 3. physical erasure
     except StoreError as exc:  # only this step's: an index that cannot be read (step 4) is not a store chunk
@@ -439,7 +456,7 @@ def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _P
                 "index could not be updated; `indknn delete` (any ids) tries again, and the index's files may need "
                 "restoring from a backup of this store") from None
     if rows.size:
-        _set_pending(store, np.empty(0, np.int64))  # 5. done
+        _set_pending(store, still_pending)  # 5. done (an earlier erasure that could not be finished stays)
     return written
 
 
@@ -464,10 +481,16 @@ def complete_pending(store: FeatureStore, ledger: BudgetLedger | None) -> int:
     n = store.n_rows("private")
     pending = store.erase_pending_rows("private")
     if pending.size:
-        store.mark_deleted("private", pending)
+        flags_error = None
+        try:
+            store.mark_deleted("private", pending)
+        except StoreError as exc:  # a corrupt chunk of flags: the ledger's tombstones are still written (review 57,
+            flags_error = exc      # F4: `account --record` said "active"); the rows stay pending
         if ledger is not None:
             li = ledger.store_row_map(n)[pending]
             ledger.delete_records(li[li >= 0])
+        if flags_error is not None:
+            raise flags_error
         store.erase_rows("private", pending)
         hook = _index_hook("remove_rows")
         if hook is not None:

@@ -104,6 +104,7 @@ def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
     n = store.n_rows("private")
     known = ledger.store_row_map(n) >= 0
     deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
+    deleted_rows[store.erase_pending_rows("private")] = True  # an erasure not finished: never brought back in
     new_rows = np.flatnonzero(~known & ~deleted_rows)
     if new_rows.size:
         # Only the new rows' identifiers, read run by run (appended rows sit at the end): a serve of a store

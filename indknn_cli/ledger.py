@@ -335,6 +335,11 @@ class BudgetLedger:
             uid = uid or ""
             if (key := canonical(rid)) in index_of:
                 i = index_of[key]
+                if i >= len(s):  # two spellings of one id among the rows joining now (review 57, F2: IndexError)
+                    raise LedgerError(
+                        f"store row {int(row)} holds a record id another row joining now holds in another Unicode "
+                        "spelling (a store written before ids were stored in NFC): one id, one record. `indknn delete "
+                        "--record ID` erases both; embed the record again once")
                 if s.deleted[i] and s.user_id[i] and canonical(s.user_id[i]) != canonical(uid):
                     continue  # an erased id under another user: stays out (see user_moves; `index` refuses it)
                 if not s.deleted[i] and s.row[i] >= 0 and s.row[i] != row:

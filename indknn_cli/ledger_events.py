@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 
 from . import ledger_history
 from .errors import LedgerError, LedgerIntegrityError
+from .id_text import canonical
 from .ledger_state import LedgerState, PrivacyParams
 
 __all__ = ["KINDS", "apply_table", "check_record_indices", "kind_codes", "kind_mask", "ledger_indices",
@@ -69,7 +70,9 @@ def check_record_indices(state: LedgerState, table: pa.Table, *, where: Path) ->
         users = np.asarray(table.column("user_id").to_pylist(), dtype=object)[old] if "user_id" in \
             table.column_names else np.full(int(old.sum()), None, object)
         was = state.user_id[li]
-        moved = [k for k in range(li.size) if was[k] and str(was[k]) != str(users[k] or "")]
+        # compared as NFC (id_text): a user id in another Unicode spelling is the same person (review 57, F1: a ledger
+        # from before NFC, its user back in NFC, was refused at every serve, and repair did not help)
+        moved = [k for k in range(li.size) if was[k] and canonical(was[k]) != canonical(users[k])]
         if moved:
             raise LedgerIntegrityError(
                 f"{where}: an add row gives record {int(li[moved[0]])} of this ledger to another user; nothing "

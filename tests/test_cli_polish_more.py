@@ -458,21 +458,25 @@ def test_an_interrupt_after_the_library_call_still_ends_with_its_message_and_cod
     assert r.exit_code == code and word in r.stderr and "Traceback" not in r.stderr, (r.exit_code, r.output)
 
 
-def test_signals_are_ignored_once_the_command_is_over(monkeypatch):
+def test_sigterm_does_nothing_once_the_command_is_over(monkeypatch):
     """Review 55, F8: a SIGTERM in the ~1.5 s a finished serve takes to wind down turned it into exit 143 with no word;
-    once `main` has its exit code, SIGTERM and Ctrl-C are ignored."""
+    once `main` has its exit code, indknn's SIGTERM handler does nothing. Review 57, F5: nothing is set to SIG_IGN
+    (a program calling `main()` kept ignoring both signals, and so did every child it started)."""
     import signal
     import sys
 
     from indknn_cli.cli import app as app_module
 
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     monkeypatch.setattr(sys, "argv", ["indknn", "--version"])
     try:
         with pytest.raises(SystemExit) as e:
             app_module.main()
         assert e.value.code in (0, None)
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler) and signal.getsignal(signal.SIGINT) == old[signal.SIGINT]
+        handler(signal.SIGTERM, None)  # no Terminated raised: the command is over
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -151,3 +151,39 @@ def test_an_erased_id_back_in_another_spelling_under_another_user_is_refused(leg
                                                user_ids=["bob"])
     res = runner.invoke(app, ["index", "--store", str(store), "--ledger", str(ledger)])
     assert res.exit_code == 2 and "another user" in " ".join(res.stderr.split()), res.stderr
+
+
+def test_a_user_back_in_nfc_after_an_erasure_is_the_same_user(tmp_path, monkeypatch):
+    """Review 57, F1: a record and user stored decomposed, erased, then embedded again (now composed): the add row
+    gave the record to "another user" by code points, and every later serve was refused; repair did not help."""
+    monkeypatch.setattr(readers_base, "is_canonical", lambda text: True)
+    x = _vectors(30, 6)
+    st = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=D,
+                             label_names=["a", "b"], chunk_rows=64)
+    st.append("private", x, labels=(np.arange(30) % 2).astype(np.int32),
+              record_ids=["re\u0301"] + [f"r{i}" for i in range(1, 30)],
+              user_ids=["Zoe\u0308"] + [f"u{i}" for i in range(1, 30)])
+    st.append("query", np.repeat(x[:1], 5, axis=0), record_ids=[f"q{i}" for i in range(5)], batch="b")
+    build_index(store_path=st.path, ledger_path=tmp_path / "L",
+                params=make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.6, planned_queries=300))
+    monkeypatch.undo()
+    res = runner.invoke(app, ["delete", "--store", str(st.path), "--ledger", str(tmp_path / "L"), "--record", "r\u00e9"])
+    assert res.exit_code == 0, res.stderr
+    FeatureStore.open(st.path, mode="r+").append("private", x[:1], labels=np.zeros(1, np.int32),
+                                                  record_ids=["r\u00e9"], user_ids=["Zo\u00eb"])
+    res = runner.invoke(app, ["index", "--store", str(st.path), "--ledger", str(tmp_path / "L")])
+    assert res.exit_code == 0, res.stderr
+    serve_queries(store_path=st.path, ledger_path=tmp_path / "L", query_batch="b", seed=1, device="cpu")
+
+
+def test_two_spellings_joining_together_are_refused_not_a_crash(tmp_path, monkeypatch):
+    """Review 57, F2: a store from before NFC holding "ré" in both spellings, neither in the ledger yet: IndexError."""
+    from indknn_cli.errors import LedgerError
+
+    monkeypatch.setattr(readers_base, "is_canonical", lambda text: True)
+    st = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=D,
+                             label_names=["a", "b"], chunk_rows=64)
+    st.append("private", _vectors(4, 7), labels=np.zeros(4, np.int32), record_ids=["re\u0301", "r\u00e9", "x", "y"])
+    with pytest.raises(LedgerError, match="another Unicode spelling"):
+        build_index(store_path=st.path, ledger_path=tmp_path / "L",
+                    params=make_params(epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.6, planned_queries=300))

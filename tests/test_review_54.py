@@ -307,3 +307,25 @@ def test_a_ledger_folder_that_cannot_be_reached_never_blocks_an_erasure(pair, mo
     out = json.loads(res.stdout)
     assert out["records_erased"] == 1 and "Permission denied" in (out.get("ledger_unreadable") or "")
     assert str(FeatureStore.open(sp, mode="r").read("private", "record_id")[3]) == ""
+
+
+@pytest.mark.heavy
+def test_an_erasure_stuck_on_a_corrupt_flags_chunk_never_blocks_the_next_one(pair):
+    """Review 57, F3/F4: the first request whose row sits in a corrupt flags chunk ends "recorded but not finished";
+    every later `delete`, for rows in healthy chunks too, then failed (exit 2) before its own request was recorded,
+    and the stuck record's ledger tombstone was never written (`account --record` said "active")."""
+    sp, lp = pair
+    r = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r001"])
+    assert r.exit_code == 0, r.stderr
+    _flip(sp / "private" / "deleted" / "c" / "0")  # flags of rows 0–63
+    res = _indknn("delete", "--store", sp, "--ledger", lp, "--record", "r005")
+    assert res.returncode == 1 and "recorded but not finished" in res.stderr, res.stderr
+    s = BudgetLedger.open(lp).state
+    assert s.deleted[list(s.record_id).index("r005")]  # tombstoned: never selected, "deleted" to account
+    res = _indknn("delete", "--store", sp, "--ledger", lp, "--record", "r150")
+    assert res.returncode == 1 and "This request's erasure went on" in res.stderr, res.stderr
+    st = FeatureStore.open(sp, mode="r")
+    assert str(np.asarray(st.group("private")["record_id"][150])) == ""  # erased
+    assert st.erase_pending_rows("private").tolist() == [5]  # the stuck one stays pending
+    s = BudgetLedger.open(lp).state
+    assert s.deleted[list(s.record_id).index("r150")]

@@ -90,6 +90,10 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 _register()
 
 
+#: Set once `main` has its exit code (see :func:`_settled`).
+_SETTLED = {"done": False}
+
+
 def _raise_on_sigterm() -> None:
     """SIGTERM raised as :class:`~indknn_cli.errors.Terminated` (a KeyboardInterrupt), so a `kill`, a systemd stop
     or a cron timeout ends a command as Ctrl-C does: the commit in flight finishes, exit 143 with a message."""
@@ -98,6 +102,8 @@ def _raise_on_sigterm() -> None:
     from ..errors import Terminated
 
     def on_term(signum, frame):
+        if _SETTLED["done"]:  # the command is over: nothing left to stop (see _settled)
+            return
         raise Terminated()
 
     try:
@@ -114,6 +120,7 @@ def main() -> None:
     from ..errors import IndknnError
     from .common import error_message
 
+    _SETTLED["done"] = False
     _raise_on_sigterm()
     if os.environ.get("INDKNN_DEBUG") != "1":
         # zarr's reads run on an asyncio loop: one corrupt chunk left its sibling reads pending, and asyncio logged
@@ -135,13 +142,9 @@ def main() -> None:
 
 
 def _settled() -> None:
-    """The command is over and its exit code decided: SIGTERM and Ctrl-C are ignored while the interpreter winds
-    down (about 1.5 s after a serve's last answer line: threads, torch). A SIGTERM there turned a finished run into
-    exit 143 with no word (review 55, F8); what it would stop is already complete."""
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            signal.signal(sig, signal.SIG_IGN)
-        except (ValueError, OSError):  # not the main thread, or an interpreter without signals
-            pass
+    """The command is over and its exit code decided: indknn's own SIGTERM handler does nothing from here on, while
+    the interpreter winds down (about 1.5 s after a serve's last answer line: threads, torch). A SIGTERM there turned
+    a finished run into exit 143 with no word (review 55, F8); what it would stop is already complete. Only that
+    handler: SIG_IGN was inherited by every child a program calling `main()` started afterwards, and took away a
+    host's own handlers (review 57, F5); a host's SIGTERM handler was never replaced, and Ctrl-C is left as it is."""
+    _SETTLED["done"] = True
