@@ -450,9 +450,12 @@ def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _P
     if hook is not None and rows.size:
         try:
             hook(store, rows)  # 4. candidate indexes
-        except StoreError as exc:  # review 56, F4: not a store chunk; the rows are overwritten already
+        except Exception as exc:  # noqa: BLE001 - review 56, F4: not a store chunk; the rows are overwritten already;
+            # review 57, F8: a corrupt index chunk is zarr's ValueError ("Internal error" before)
+            what = str(exc) if isinstance(exc, StoreError) else f"{store.path}: the candidate index cannot be read " \
+                f"or written ({type(exc).__name__}: a corrupt index file?)."
             raise _IndexNotUpdated(
-                f"{exc} The records are erased (their rows overwritten, never selected again), but the candidate "
+                f"{what} The records are erased (their rows overwritten, never selected again), but the candidate "
                 "index could not be updated; `indknn delete` (any ids) tries again, and the index's files may need "
                 "restoring from a backup of this store") from None
     if rows.size:
@@ -494,7 +497,12 @@ def complete_pending(store: FeatureStore, ledger: BudgetLedger | None) -> int:
         store.erase_rows("private", pending)
         hook = _index_hook("remove_rows")
         if hook is not None:
-            hook(store, pending)
+            try:
+                hook(store, pending)
+            except Exception as exc:  # noqa: BLE001 - review 57, F8: the rows are erased; the index stays stale, and
+                # the erasure pending (tried again), while a new request goes on
+                raise StoreError(f"{store.path}: the candidate index cannot be updated for an earlier erasure "
+                                 f"({type(exc).__name__}: a corrupt index file?); its rows are overwritten") from None
     _set_pending(store, np.empty(0, np.int64))
     return int(pending.size)
 

@@ -49,7 +49,7 @@ def _lock_one(path: Path, deadline: float, *, directory: bool) -> int:
         if directory:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         else:
-            _set_aside_if_not_a_file(path)
+            _set_aside_if_not_a_file(path, deadline)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
             waited = None
@@ -78,7 +78,7 @@ def _lock_one(path: Path, deadline: float, *, directory: bool) -> int:
             raise _Expired()
 
 
-def _set_aside_if_not_a_file(path: Path) -> None:
+def _set_aside_if_not_a_file(path: Path, deadline: float) -> None:
     """A lock file's path holding anything but a regular file (a folder, a link, a named pipe: made by hand or by a
     sync tool) is renamed aside, beside it, and a fresh lock file is made. It stopped every writer with "cannot open
     the lock (Is a directory); is the ledger on a read-only file system?" or "the ledger folder keeps disappearing"
@@ -103,7 +103,14 @@ def _set_aside_if_not_a_file(path: Path) -> None:
         raise StorageError(f"{path} is not a file (a folder or a link stands there) and {guard} cannot be made to set "
                            f"it aside ({exc.strerror}); remove {path} by hand") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held for a look and a rename only
+        while True:  # held for a look and a rename only; waited for within the lock's own deadline (review 57, F6)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise _Expired() from None
+                time.sleep(0.05)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
