@@ -23,7 +23,8 @@ from . import ledger_integrity as integrity
 from . import object_store
 from .compaction_copy import _fsync_tree, _write_compacted_copy
 from .errors import LedgerError, LedgerIntegrityError
-from .ledger import BudgetLedger, unpublished_store_uuids
+from .ledger import BudgetLedger
+from .ledger_snapshot import unpublished_store_uuids
 from .ledger_files import atomic_write_text
 from .store import FeatureStore, _fsync_path
 from .wording import count

@@ -37,3 +37,15 @@ def canonical_array(values) -> np.ndarray:
 
 def is_canonical(text: str) -> bool:
     return unicodedata.is_normalized(FORM, text)
+
+
+def index_by_canonical(record_ids, *, deleted, spent) -> dict[str, int]:
+    """Index of each record id's NFC form (the ledger's records joining by id: review 56, F3). Two spellings of one
+    id kept by a ledger from before NFC: the live one, else the one that spent most (its budget carries on)."""
+    out: dict[str, int] = {}
+    for i, rid in enumerate(record_ids):
+        key = canonical(rid)
+        j = out.get(key)
+        if j is None or (deleted[j] and not deleted[i]) or (deleted[j] == deleted[i] and spent[i] > spent[j]):
+            out[key] = i
+    return out

@@ -32,22 +32,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import FORMAT_VERSION, accounting, locking
-from . import ledger_events, ledger_history, ledger_snapshot
+from . import ledger_events, ledger_history, ledger_pairing, ledger_snapshot
 from . import ledger_integrity as integrity
-from .errors import (ConcurrentChangeError, LedgerError, LedgerIntegrityError, LedgerOlderThanStoreError,
-                     LockTimeoutError, StorageError)
-from .id_text import canonical
+from .errors import LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
+from .id_text import canonical, index_by_canonical
 from .ledger_files import _fault, atomic_write_parquet, atomic_write_parquet_tables, atomic_write_text
-from .ledger_snapshot import unpublished_store_uuids
 from .ledger_state import ANSWER_SCHEMA, EVENT_SCHEMA, LedgerState, PrivacyParams, _check_finite_columns
-
-
-def _when(t) -> str:
-    """A ledger time as UTC, for messages."""
-    try:
-        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(t)))
-    except (TypeError, ValueError, OverflowError):
-        return "time unknown"
 
 
 class BudgetLedger:
@@ -165,32 +155,8 @@ class BudgetLedger:
                     raise LedgerError(f"{path}: ledger files changed while reading; try again") from None
                 time.sleep(0.05)
         if store_uuid is not None and ledger.meta["store_uuid"] != store_uuid:
-            compaction = ledger.meta.get("store_compaction") or {}
-            if compaction.get("from_store_uuid") == store_uuid:
-                raise ConcurrentChangeError(
-                    f"{path}: the feature store was compacted (rows renumbered) while this command ran; nothing was "
-                    f"written; run the command again. If this repeats, the store is a copy taken before that "
-                    f"compaction ({_when(compaction.get('time'))}, token {compaction.get('token')}), whose rows the "
-                    "ledger no longer matches: restore the store from a copy taken after it (`indknn delete` "
-                    "erases from the store alone meanwhile)")
-            if store_uuid in unpublished_store_uuids(path, ledger.generation):
-                raise LedgerError(f"{path}: the ledger does not match the feature store: an `indknn delete "
-                                  "--compact` was interrupted; run `indknn delete --compact` to finish it")
-            if ledger.meta["store_uuid"] in store_compacted_from:
-                # review 54, F7: the ledger was written for this very store before a compaction it never saw (a
-                # ledger folder restored from a backup taken before `delete --compact`): rolled back, not a wrong
-                # pairing; it was called "another feature store" (naming the store given), exit 2
-                raise LedgerOlderThanStoreError(
-                    f"{path}: this ledger is older than the feature store: it was written for the store before a "
-                    f"`delete --compact` (store uuid {ledger.meta['store_uuid']}, now {store_uuid}) and knows "
-                    "nothing of it, so it was rolled back (its folder restored from a backup taken before that "
-                    "compaction), which would refund the charges made since; refusing. Restore the ledger folder "
-                    "from a backup taken after the compaction (the store's high-water mark refuses an older one); "
-                    "`indknn delete` still erases meanwhile")
-            raise LedgerError(
-                f"{path}: this ledger belongs to another feature store ({ledger.meta['store_path']}); "
-                "use the ledger created for this store"
-            )
+            ledger_pairing.refuse_other_store(path, ledger.meta, generation=ledger.generation, store_uuid=store_uuid,
+                                              store_compacted_from=store_compacted_from)
         return ledger
 
     @classmethod
@@ -319,7 +285,7 @@ class BudgetLedger:
         # keyed by the NFC form: an id in another Unicode spelling of one already here (a store from before ids were
         # stored in NFC) is the same record, never a second budget (review 53, F2; review 56, F3: keyed by spelling,
         # a live id's second spelling joined as another live record). Users likewise (id_text)
-        index_of = _index_by_canonical_id(s)
+        index_of = index_by_canonical(s.record_id, deleted=s.deleted, spent=s.spent)
         user_spent: dict[str, float] = {}
         # Record unit: a new record of a user with tombstones starts at their largest spent. User unit: every
         # record of a user carries the user's spent, so a new record joins that budget, never a fresh one.
@@ -370,7 +336,7 @@ class BudgetLedger:
         the spent it carries) away from its first user, whose returning records would then start lower
         (SPEC §8). Such rows never join the ledger; `index` refuses them (operator side)."""
         s = self.state
-        index_of = _index_by_canonical_id(s)
+        index_of = index_by_canonical(s.record_id, deleted=s.deleted, spent=s.spent)
         out = []
         for rid, uid in zip(record_ids, user_ids):
             i = index_of.get(canonical(rid))
@@ -533,17 +499,4 @@ class BudgetLedger:
             finally:  # no ledger written in folders this lock created (a refusal, a ledger-less delete): remove them
                 if not BudgetLedger.exists(path):
                     locking.remove_unused(created, path / "LOCK")
-
-
-def _index_by_canonical_id(state) -> dict[str, int]:
-    """Ledger index of each record id's NFC form (:mod:`.id_text`). Two spellings of one id kept by a ledger from
-    before NFC: the live one, else the one that spent most (its budget carries on)."""
-    out: dict[str, int] = {}
-    for i, rid in enumerate(state.record_id):
-        key = canonical(rid)
-        j = out.get(key)
-        if j is None or (state.deleted[j] and not state.deleted[i]) or (
-                state.deleted[j] == state.deleted[i] and state.spent[i] > state.spent[j]):
-            out[key] = i
-    return out
 
