@@ -215,7 +215,8 @@ def delete_records(
                                 users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
                                 users_already_deleted=plan.users_already_deleted,
                                 record_ids=plan.record_ids, bytes_rewritten=0, dry_run=True,
-                                pending_completed=len(store.group("private").attrs.get(PENDING_ATTR, [])),
+                                # read as every command reads it (a damaged list: review 58, F4, an internal error)
+                                pending_completed=int(store.erase_pending_rows("private").size),
                                 compaction=compaction)
 
     # A ledger that cannot even be locked (a plain file, a read-only folder) or that is the store's own folder (its
@@ -287,6 +288,9 @@ def delete_records(
             except StoreError as exc:  # review 57, F3: an earlier erasure stuck on a corrupt chunk blocked every
                 # later request before it was recorded; it stays pending and this one goes on
                 pending, stuck, stuck_error = 0, store.erase_pending_rows("private"), exc
+            except StorageError as exc:  # review 58, F5: exit 1 read as "recorded": say this request was not
+                raise StorageError(f"{exc}. Finishing an earlier erasure failed before this request was recorded: "
+                                   "nothing of this request was written; run it again") from None
             plan = _plan(store, ledger, record_ids, user_ids)
             _enforce_strict(plan, strict)
             log.info("erasing %s of the store (operator-only count)", count(int(plan.rows.size), "row"))
@@ -502,7 +506,10 @@ def complete_pending(store: FeatureStore, ledger: BudgetLedger | None) -> int:
             except Exception as exc:  # noqa: BLE001 - review 57, F8: the rows are erased; the index stays stale, and
                 # the erasure pending (tried again), while a new request goes on
                 raise StoreError(f"{store.path}: the candidate index cannot be updated for an earlier erasure "
-                                 f"({type(exc).__name__}: a corrupt index file?); its rows are overwritten") from None
+                                 f"({type(exc).__name__}: a corrupt index file?); its rows are overwritten. Remove "
+                                 f"the store's index folder ({store.path / 'index'}: the exact scan is used without "
+                                 "it), then `indknn delete` finishes the erasure and `indknn index --kind …` builds "
+                                 "the index again (review 58, F3)") from None
     _set_pending(store, np.empty(0, np.int64))
     return int(pending.size)
 

@@ -332,6 +332,9 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     B = led.params.budget
     n_store = store.n_rows("private")
     deleted_rows = store.read("private", "deleted").astype(bool) if n_store else np.zeros(0, bool)
+    # an accepted erasure not finished is as gone as a flagged row: tombstoned, never added back (review 58, F1: its
+    # tombstone in a quarantined event and its flag lost, repair kept the record live)
+    deleted_rows[store.erase_pending_rows("private")] = True
     ids = store.read("private", "record_id")
     users = store.read("private", "user_id")
     # Records the kept ledger holds as live whose store row is gone (erased in a lost event, or by a delete

@@ -329,3 +329,22 @@ def test_an_erasure_stuck_on_a_corrupt_flags_chunk_never_blocks_the_next_one(pai
     assert st.erase_pending_rows("private").tolist() == [5]  # the stuck one stays pending
     s = BudgetLedger.open(lp).state
     assert s.deleted[list(s.record_id).index("r150")]
+
+
+@pytest.mark.heavy
+def test_repair_treats_an_unfinished_erasure_as_gone(pair):
+    """Review 58, F1: an erasure stuck on a corrupt flags chunk (pending, tombstoned), then the event holding the
+    tombstone damaged and the flags chunk restored from a backup (row not flagged): `repair` kept the record live."""
+    sp, lp = pair
+    assert runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r001"]).exit_code == 0
+    flags = sp / "private" / "deleted" / "c" / "0"
+    backup = _flip(flags)
+    res = _indknn("delete", "--store", sp, "--ledger", lp, "--record", "r005")
+    assert res.returncode == 1 and "recorded but not finished" in res.stderr, res.stderr
+    _flip(sorted((lp / "events").iterdir())[-1])  # the event holding r005's tombstone
+    flags.write_bytes(backup)
+    res = runner.invoke(app, ["repair", "--store", str(sp), "--ledger", str(lp)])
+    assert res.exit_code == 0, res.stderr
+    s = BudgetLedger.open(lp).state
+    live = [i for i, r in enumerate(s.record_id) if r == "r005" and not s.deleted[i]]
+    assert not live  # never a live record again
