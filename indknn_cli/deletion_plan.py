@@ -123,7 +123,6 @@ def _flags(store: FeatureStore, n: int) -> np.ndarray:
     return out
 
 
-
 def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str], user_ids: list[str]) -> _Plan:
     """Which ledger records and store rows the ids name. Reads only."""
     n = store.n_rows("private")

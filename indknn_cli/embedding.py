@@ -21,8 +21,8 @@ from . import data_quality
 from . import object_store, store_lease
 from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
-from .readers import Source, open_source
 from .id_text import canonical
+from .readers import Source, open_source
 from .readers_base import _has_surrogates, check_key_text
 from .record_keys import input_keys
 from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows

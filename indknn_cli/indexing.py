@@ -235,14 +235,15 @@ def build_index(
                     raise LedgerError(f"{ledger_path}: another process created the ledger while this one tuned")
                 integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
                 store_twins.refuse_twin(store, ledger, ledger_path)  # a copied pair used from both copies (review 42)
-                if params is not None and _differs(params, ledger.params):
+                differences = _differences(params, ledger.params) if params is not None else []
+                if differences:
                     raise LedgerError(
                         f"{ledger_path}: the ledger already exists with fixed parameters "
                         f"(ε={ledger.params.epsilon} at δ={ledger.params.delta} ({ledger.params.conversion}, "
                         f"{per_unit(ledger.params.privacy_unit)}), B={rounding.up(ledger.params.budget)}, "
                         f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation, and "
                         f"this run's differ (the ledger's → this run's; a flag left out takes its default): "
-                        f"{'; '.join(_differences(params, ledger.params))}. To "
+                        f"{'; '.join(differences)}. To "
                         f"add new records, run `indknn index --ledger {ledger_path}` without --eps and the other "
                         "privacy flags"
                     )
@@ -362,10 +363,6 @@ def _check_given(given: dict | None, params: PrivacyParams, ledger_path) -> None
                 f"{flag} {value} differs from the ledger's {have} ({ledger_path}): a ledger's parameters are fixed "
                 f"when it is created ({per_unit(params.privacy_unit)}); re-running index only adds new records, so "
                 f"leave {flag} out, or create a new store and ledger for other parameters")
-
-
-def _differs(a: PrivacyParams, b: PrivacyParams) -> bool:
-    return bool(_differences(a, b))
 
 
 def _differences(a: PrivacyParams, b: PrivacyParams) -> list[str]:

@@ -499,4 +499,3 @@ class BudgetLedger:
             finally:  # no ledger written in folders this lock created (a refusal, a ledger-less delete): remove them
                 if not BudgetLedger.exists(path):
                     locking.remove_unused(created, path / "LOCK")
-

@@ -168,9 +168,7 @@ def _compacted_since(ledger_path, ledger, store) -> bool:
     not: the ledger's own check words that case."""
     from .ledger_snapshot import unpublished_store_uuids
 
-    history = {str(c.get("from_store_uuid")) for c in (dict(store.root.attrs).get("compactions") or [])
-               if isinstance(c, dict)}
-    if ledger.meta.get("store_uuid") not in history:
+    if ledger.meta.get("store_uuid") not in store.compacted_from():
         return False
     return store.uuid not in unpublished_store_uuids(Path(ledger_path), ledger.generation)
 

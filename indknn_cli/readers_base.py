@@ -57,9 +57,11 @@ def check_key_text(values, *, what: str, display: str, start: int, surrounding_s
     an id that `delete --ids-file` and CSV exports cannot carry.
 
     ``surrounding_space`` (the library's append): also refuse leading or trailing whitespace, Unicode spaces
-    included. ``composed`` (the library's append of private and public rows): refuse an id not in Unicode NFC form
-    (`embed` composes them: :mod:`.id_text`; a query's id is released as written). `embed`'s readers trim ids, and `delete`/`account` trim the ids asked for; a store made through the
-    library with ids "a" and "a " had `delete --record "a "` erase "a", another person (review 39, F1)."""
+    included. `embed`'s readers trim ids, and `delete`/`account` trim the ids asked for; a store made through the
+    library with ids "a" and "a " had `delete --record "a "` erase "a", another person (review 39, F1).
+
+    ``composed`` (the library's append of private and public rows): refuse an id not in Unicode NFC form (`embed`
+    composes them: :mod:`.id_text`; a query's id is released as written)."""
     if values is None:
         return
     for j, v in enumerate(values):

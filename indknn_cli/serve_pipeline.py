@@ -169,7 +169,6 @@ class Committer:
     A commit that has written its event releases its answers while the lock is still held."""
 
     def __init__(self, overlap: bool):
-        self.overlapped = overlap
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="indknn-commit") if overlap else None
         self._pending = None
         self._abandoned = threading.Event()

@@ -243,7 +243,7 @@ def serve_queries(
         label_names = pa.array([label_name(store, c) for c in range(n_classes)] + [ABSTAIN_NAME], pa.string())
         # a short switch interval while three threads run; with a commit thread, Ctrl-C and SIGTERM are raised only
         # between parts, so that none can skip the close that waits for the commit in flight
-        with responsive_threads(screened.ahead), signals_deferred(committer.overlapped) as interrupted:
+        with responsive_threads(screened.ahead), signals_deferred(screened.ahead) as interrupted:
             try:
                 for lo in range(todo_start, q_stop, batch_size):
                     interrupted()
