@@ -32,7 +32,7 @@ ids, or ``--compact`` alone) rolls it forward first (:func:`complete_pending`):
 an accepted erasure request is finished, never undone.
 
 A ledger that cannot be read (a truncated event, ...) does not block erasure
-(issue 16 §3, :func:`_erase_without_ledger`): steps 1 and 3–4 run on the rows
+(issue 16 §3, :func:`deletion_unledgered.erase_without_ledger`): steps 1 and 3–4 run on the rows
 the store names and ``erase_pending`` stays set, so the tombstones (step 2) are
 written by the next delete that can read the ledger.
 
@@ -96,10 +96,11 @@ from .deletion_compact import leftover_note as _leftover_note
 from .deletion_compact import recover_store_folder as _recover_store_folder
 from .deletion_plan import DeleteResult, _enforce_strict, _plan, _Plan
 from .deletion_plan import read_ids  # noqa: F401 (its home before the split: library callers)
+from .deletion_unledgered import erase_without_ledger, open_readable, refuse_missing_bound_ledger, set_pending
 from .errors import BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, StorageError, StoreError
 from .id_text import canonical
 from .ledger import BudgetLedger
-from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path
+from .store import ERASE_PENDING_ATTR, FeatureStore
 from .wording import count
 
 log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
@@ -198,11 +199,11 @@ def delete_records(
             # unknown id as the look would
     if store is not None:
         try:
-            ledger = _open_readable(ledger_path, store)
+            ledger = open_readable(ledger_path, store)
         except (_LedgerUnreadable, LedgerError, ConcurrentChangeError) as exc:
             if not (record_ids or user_ids):
                 raise (exc.error if isinstance(exc, _LedgerUnreadable) else exc) from None
-            ledger = None  # the store alone says which rows the ids name (see _erase_without_ledger)
+            ledger = None  # the store alone says which rows the ids name (see deletion_unledgered)
         plan = _plan(store, ledger, record_ids, user_ids)
         _enforce_strict(plan, strict)
         if dry_run:
@@ -253,7 +254,7 @@ def delete_records(
                 ledger = _recover(store, ledger_path, cleanup)
                 recovered = True  # its leftovers step ran (cleanup holds what it could not remove)
                 if ledger is None:
-                    _refuse_missing_bound_ledger(store, ledger_path)
+                    refuse_missing_bound_ledger(store, ledger_path)
                 if ledger is not None:  # one store, one ledger; a rolled-back ledger is refused (ledger_integrity)
                     try:
                         integrity.attach(store, ledger, ledger_path, bind=True, locked_store=store)
@@ -269,7 +270,8 @@ def delete_records(
                 why = str(error) if not isinstance(error, ConcurrentChangeError) else (
                     f"{ledger_path}: the ledger's rows are those of a compaction of this store that it no longer "
                     "matches (the store restored from a copy older than a compaction?)")
-                res = _erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact, reason=why)
+                res = erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact, reason=why,
+                                           fault=_fault, index_hook=_index_hook)
                 left = None if recovered else _leftover_note(store.path)  # not run: its leftovers are reported
                 if left is not None:  # a local copy, or the state folder of a copy in the bucket
                     from .deletion_compact import erase_in_leftovers
@@ -321,75 +323,7 @@ def delete_records(
                         pending_completed=pending, compaction=compaction, physical_erasure=note)
 
 
-def _refuse_missing_bound_ledger(store: FeatureStore, ledger_path: Path) -> None:
-    """No ledger at ``ledger_path``, but the store is bound to one (``--ledger`` forgotten or mistyped, or the
-    ledger lost): the erasure goes ahead as with an unreadable ledger, its rows kept in ``erase_pending`` so
-    the next command that reads the bound ledger writes their tombstones (UX review 7, finding 1: the rows
-    were erased with no tombstone and no pending request, so `account` showed the record active and
-    compaction was blocked for good)."""
-    try:
-        integrity.refuse_second_ledger(store, ledger_path)  # the store is bound, or shows it was
-    except LedgerError as exc:
-        raise _LedgerUnreadable(exc) from None
-
-
-def _open_readable(ledger_path: Path, store: FeatureStore) -> BudgetLedger | None:
-    """The store's ledger (None when there is none); _LedgerUnreadable when it exists but cannot be read.
-
-    A readable ledger of *another* store raises LedgerError (a wrong pairing, not damage); with ids to erase the
-    caller then erases from the store alone, as for a damaged ledger (review 32).
-    """
-    if not BudgetLedger.exists(ledger_path):
-        return None
-    try:
-        ledger = BudgetLedger.open(ledger_path)
-    except LedgerError as exc:
-        raise _LedgerUnreadable(exc) from None
-    if ledger.meta["store_uuid"] != store.uuid:
-        return BudgetLedger.open_for(ledger_path, store)  # raises with the right message
-    return ledger
-
-
-def _erase_without_ledger(store: FeatureStore, record_ids: list[str], user_ids: list[str], *, strict: bool,
-                          compact: bool, reason: str) -> DeleteResult:
-    """Issue 16 §3: an erasure request is never blocked by a damaged ledger. Caller holds both locks.
-
-    The store alone names the rows (live rows whose record or user id matches; ids already tombstoned
-    cannot be told from unknown ones). The rows join ``erase_pending`` (the request is recorded: serving
-    never selects them again), are flagged deleted and physically erased. ``erase_pending`` is *kept*:
-    the next ``indknn delete`` that can read the ledger writes their tombstones (:func:`complete_pending`
-    maps the rows to ledger records by the ledger's own ``row`` column) and only then clears it.
-    Compaction needs the ledger and is skipped.
-    """
-    plan = _plan(store, None, record_ids, user_ids)
-    _enforce_strict(plan, strict)
-    rows = np.union1d(store.erase_pending_rows("private"), plan.rows).astype(np.int64)
-    written = 0
-    if rows.size:
-        _set_pending(store, rows)  # 1. the request is recorded before anything else changes
-        store.mark_deleted("private", rows)
-        _fault("flagged")
-        written = store.erase_rows("private", rows)
-        _fault("erased")
-        hook = _index_hook("remove_rows")
-        if hook is not None:
-            hook(store, rows)
-    return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
-                        users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
-                        users_already_deleted=plan.users_already_deleted,
-                        record_ids=plan.record_ids, bytes_rewritten=written, dry_run=False,
-                        compaction={"skipped": "the ledger cannot be read"} if compact else None,
-                        ledger_unreadable=reason, tombstones_pending=int(rows.size))
-
-
 # -- executing (under both locks) ---------------------------------------------------
-def _set_pending(store: FeatureStore, rows: np.ndarray) -> None:
-    g = store.group("private")
-    g.attrs.update({PENDING_ATTR: [int(r) for r in rows]})
-    _fsync_path(store.path / GROUP_OF_ROLE["private"] / "zarr.json")
-    _fsync_path(store.path / GROUP_OF_ROLE["private"])
-
-
 class _RowsNotOverwritten(Exception):
     """Step 1 or 3 of an erasure met a chunk it cannot read (corrupt): the erasure is recorded, not finished."""
 
@@ -403,7 +337,7 @@ def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan,
     """``still_pending``: rows of an earlier erasure that could not be finished; they stay pending throughout."""
     rows = plan.rows
     if rows.size:
-        _set_pending(store, np.union1d(still_pending, rows))  # a failure here changed nothing: StorageError says so
+        set_pending(store, np.union1d(still_pending, rows))  # a failure here changed nothing: StorageError says so
     try:
         return _execute_recorded(store, ledger, plan, still_pending=still_pending)
     except _IndexNotUpdated as exc:
@@ -460,10 +394,9 @@ def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _P
                 f"or written ({type(exc).__name__}: a corrupt index file?)."
             raise _IndexNotUpdated(
                 f"{what} The records are erased (their rows overwritten, never selected again), but the candidate "
-                "index could not be updated; `indknn delete` (any ids) tries again, and the index's files may need "
-                "restoring from a backup of this store") from None
+                "index could not be updated; `indknn delete` (any ids) tries again") from None
     if rows.size:
-        _set_pending(store, still_pending)  # 5. done (an earlier erasure that could not be finished stays)
+        set_pending(store, still_pending)  # 5. done (an earlier erasure that could not be finished stays)
     return written
 
 
@@ -510,7 +443,7 @@ def complete_pending(store: FeatureStore, ledger: BudgetLedger | None) -> int:
                                  f"the store's index folder ({store.path / 'index'}: the exact scan is used without "
                                  "it), then `indknn delete` finishes the erasure and `indknn index --kind …` builds "
                                  "the index again (review 58, F3)") from None
-    _set_pending(store, np.empty(0, np.int64))
+    set_pending(store, np.empty(0, np.int64))
     return int(pending.size)
 
 

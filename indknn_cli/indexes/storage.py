@@ -4,6 +4,7 @@ renumbering after a compaction, reconciling with the store."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -19,6 +20,8 @@ from ..store import FeatureStore, checksum_compressors
 from .common import ENCODE_ROWS, INDEX_FORMAT_VERSION, INDEX_GROUP, LOCK_NAME, _WHY
 from .ivf import IvfIndex
 from .lsh import LshIndex
+
+log = logging.getLogger(__name__)
 
 
 # -- storage -------------------------------------------------------------------------
@@ -159,25 +162,57 @@ def remove_rows(store: FeatureStore, rows, *, lock_timeout: float = 300.0) -> in
     the sentinel for rows the store marks deleted. Returns rows overwritten.
     """
     rows = np.unique(np.asarray(rows, dtype=np.int64))
-    if rows.size == 0 or (read_meta(store.path) is None and not stale_copies(store.path)):
+    if rows.size == 0 or (not index_path(store.path).exists() and not stale_copies(store.path)):
         return 0
     with index_lock(store.path, lock_timeout):
         remove_stale_copies(store.path)  # an erasure reaches every copy of the codes: killed builds' are removed
-        meta = read_meta(store.path)
-        if meta is None or meta.get("kind") == "flat" or meta.get("store_uuid") != store.uuid:
-            return 0
-        rows = rows[(rows >= 0) & (rows < int(meta["n_rows"]))]
-        if rows.size == 0:
-            return 0
-        group = zarr.open_group(str(index_path(store.path)), mode="r+")
-        values = group[_values_array(meta["kind"])]
-        if meta["kind"] == "lsh":
-            values.set_orthogonal_selection((rows, slice(None)), np.zeros((rows.size, values.shape[1]),
-                                                                          values.dtype))
-        else:
-            values.set_orthogonal_selection((rows,), np.full(rows.size, -1, np.int32))
-        group["erased"].set_orthogonal_selection((rows,), np.ones(rows.size, bool))
-        return int(rows.size)
+        try:
+            return _overwrite(store, rows)
+        except Exception as exc:  # noqa: BLE001 - corrupt metadata or chunk (zarr's ValueError), EIO, ...
+            # Review 58, F3: a candidate index that cannot be updated held every later erasure pending and
+            # `serve-queries`/`index` (which finish it first) stopped until someone removed it by hand. The index
+            # is derived data, rebuilt from the store by `indknn index`; the erased rows' codes are in it, so the
+            # erasure removes the whole of it (serving uses the exact scan until it is built again).
+            drop_index(store.path, why=f"{type(exc).__name__}: {exc}" if isinstance(exc, StoreError)
+                       else type(exc).__name__)
+            return int(rows.size)
+
+
+def _overwrite(store: FeatureStore, rows: np.ndarray) -> int:
+    meta = read_meta(store.path)
+    if meta is None:
+        if index_path(store.path).exists():  # files without metadata (its zarr.json lost): they may hold codes
+            raise StoreError(f"{index_path(store.path)}: the candidate index has no metadata")
+        return 0
+    if meta.get("kind") == "flat" or meta.get("store_uuid") != store.uuid:
+        return 0
+    rows = rows[(rows >= 0) & (rows < int(meta["n_rows"]))]
+    if rows.size == 0:
+        return 0
+    group = zarr.open_group(str(index_path(store.path)), mode="r+")
+    values = group[_values_array(meta["kind"])]
+    if meta["kind"] == "lsh":
+        values.set_orthogonal_selection((rows, slice(None)), np.zeros((rows.size, values.shape[1]), values.dtype))
+    else:
+        values.set_orthogonal_selection((rows,), np.full(rows.size, -1, np.int32))
+    group["erased"].set_orthogonal_selection((rows,), np.ones(rows.size, bool))
+    return int(rows.size)
+
+
+def drop_index(store_path: str | os.PathLike, *, why: str) -> None:
+    """Remove the store's candidate index (caller holds :func:`index_lock`): renamed aside first, so a failure half
+    way leaves a stale copy that the next erasure or index writer removes (:func:`remove_stale_copies`), never a
+    half index that serving would read. Raises StoreError when it cannot be renamed."""
+    path = index_path(store_path)
+    try:
+        _swap_out(path)
+    except OSError as exc:
+        raise StoreError(f"{path}: the candidate index cannot be updated ({why}) nor removed ({exc.strerror}); "
+                         "remove that folder by hand (the exact scan is used without it), then `indknn delete` "
+                         "finishes the erasure and `indknn index --kind ...` builds the index again") from None
+    log.warning("%s: the candidate index could not be updated for an erasure (%s), so it was removed with the "
+                "erased rows' codes; serving uses the exact scan until `indknn index --kind ...` builds it again",
+                path, why)
 
 
 def renumber_rows(store: FeatureStore, new_row_of, *, lock_timeout: float = 300.0) -> int:
