@@ -26,7 +26,7 @@ from .readers import Source, open_source
 from .readers_base import _has_surrogates, check_key_text
 from .record_keys import input_keys
 from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows
-from .wording import count
+from .wording import count, shown
 
 log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
 
@@ -326,7 +326,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
         name_index = {n: i for i, n in enumerate(names)}
         unknown = [v for v in present if v not in name_index]
         if unknown:
-            raise BadInputError(f"{src.name}: unknown label {unknown[0]!r}"
+            raise BadInputError(f"{src.name}: unknown label {shown(unknown[0])}"
                                 f"{' (and %d more)' % (len(unknown) - 1) if len(unknown) > 1 else ''}; "
                                 f"the store's labels are {names}")
 
@@ -371,10 +371,11 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                 existing: set[str] = set()
                 app = None
                 generated_from = 0          # rows of the role that compactions removed (generated ids count them)
-                erased: set[str] = set()    # ids erased from the store: a generated id never takes one (audit 4, F2)
+                erased: dict[str, str] = {}  # ids erased from the store → their user: a generated id never takes one
+                                             # (audit 4, F2); an erased id comes back under its own user only
 
                 def start_writing(st: FeatureStore):
-                    nonlocal app, existing, generated_from, erased
+                    nonlocal existing, generated_from
                     if lock:
                         stack.enter_context(st.write_lock(timeout=lock_timeout))
                     if dist is not None:  # runs before the lock is released: no worker still writing after it
@@ -384,7 +385,9 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     if role == "private":
                         generated_from = sum(int(c.get("rows_removed", 0)) for c in st.root.attrs.get("compactions", [])
                                              if isinstance(c, dict))
-                        erased = {canonical(rid) for rid, _ in st.erased_ids()}
+                        for rid, uid in st.erased_ids():
+                            if not erased.get(canonical(rid)):  # the first user it was erased under (the tombstone's)
+                                erased[canonical(rid)] = canonical(uid)
                     return st.appender(role, batch=batch)
 
                 if store is not None:
@@ -411,12 +414,12 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     for j, rid in enumerate(ids):
                         if rid is not None:
                             if rid in seen:
-                                raise BadInputError(f"{src.name}: row {rows[j] + 1}: duplicate id {rid!r} in the input")
+                                raise BadInputError(f"{src.name}: row {rows[j] + 1}: duplicate id {shown(rid)} in the input")
                             seen.add(rid)
                             if rid in existing:
                                 if if_exists == "error":
                                     raise BadInputError(
-                                        f"{src.name}: row {rows[j] + 1}: id {rid!r} is already in the {role} set of "
+                                        f"{src.name}: row {rows[j] + 1}: id {shown(rid)} is already in the {role} set of "
                                         f"{store_path}; pass --if-exists skip to skip such rows")
                                 rows_skipped += 1
                                 continue
@@ -425,6 +428,13 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                                     erased_skipped += 1
                                     rows_skipped += 1
                                     continue
+                                was = erased[rid]
+                                now = (rb.users[j] or "") if rb.users is not None else ""
+                                if was and was != now:  # review 60, F3: written, then every `index` refused it
+                                    raise BadInputError(
+                                        f"{src.name}: row {rows[j] + 1}: record id {shown(rid)} was erased from this store "
+                                        "under another user; an erased id keeps its user (the budget it spent stays "
+                                        "with that user): give this row a new record id")
                                 erased_readmitted += 1
                         keep.append(j)
                     rows_in += n
@@ -447,7 +457,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                             lab_idx = np.empty(len(keep), dtype=np.int32)
                             for k, lab in enumerate(labels):
                                 if lab not in name_index:
-                                    raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: unknown label {lab!r}; "
+                                    raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: unknown label {shown(lab)}; "
                                                         f"the store's labels are {names}")
                                 lab_idx[k] = name_index[lab]
                         if store is None:

@@ -32,7 +32,8 @@ class Allowance:
     def as_dict(self) -> dict:
         return {"max_queries": self.max_queries, "max_queries_source": self.source,
                 "queries_answered": self.answered, "queries_left": self.left,
-                "figures": "public (queries answered and the planned T; no private data)"}
+                "figures": "public (queries answered and " + ("the planned T" if self.source == "planned" else
+                                                              "the T given") + "; no private data)"}
 
 
 def parse_max_queries(value: str | int | None) -> int | str | None:
@@ -74,9 +75,16 @@ def check(gate: Allowance | None, *, new_queries: int) -> None:
         # review 55, F2: "reached" while 200 of 1,000 were left read as "stop the service" (exit 3's row)
         what = ("query allowance used up" if gate.left <= 0 else
                 f"this batch would pass the query allowance ({gate.left} of T may still be answered)")
-        then = ("T is fixed when the ledger is made; serving through this ledger is over" if gate.left <= 0 else
-                f"split the file into batches of at most {gate.left} queries (T is fixed when the ledger is made)")
+        if gate.source == "planned":
+            then = ("T is fixed when the ledger is made; serving through this ledger is over" if gate.left <= 0 else
+                    f"split the file into batches of at most {gate.left} queries (T is fixed when the ledger is made)")
+        else:  # review 60, F4: an operator's own cap; the ledger's planned T may still have room
+            then = (f"the cap {gate.max_queries} was given by --max-queries or $INDKNN_MAX_QUERIES, not the ledger "
+                    "(`indknn account --queries-left` shows the ledger's planned T)" if gate.left <= 0 else
+                    f"split the file into batches of at most {gate.left} queries, or raise the cap given by "
+                    "--max-queries or $INDKNN_MAX_QUERIES")
+        source = "the ledger's planned T" if gate.source == "planned" else "--max-queries or $INDKNN_MAX_QUERIES"
         raise QueryAllowanceError(
-            f"{what}: {count(gate.answered, 'query')} answered of T = {gate.max_queries} ({gate.source}); this batch "
+            f"{what}: {count(gate.answered, 'query')} answered of T = {gate.max_queries} ({source}); this batch "
             f"has {count(new_queries, 'new query')}. Nothing was answered or charged; {then}."
         )

@@ -274,8 +274,9 @@ def build_index(
                                       [str(u or "") for u in store.read("private", "user_id")]) if n_priv else []
             if moves:
                 raise BadInputError(f"{count(len(moves), 'private row')} reuse{'s' if len(moves) == 1 else ''} an erased "
-                                    f"record id under another user (first: {moves[0]!r}); an erased id keeps its user: "
-                                    "give these rows new record ids")
+                                    f"record id under another user (first: {moves[0]!r}); an erased id keeps its user. These rows "
+                                    "are in the store, not in the ledger (never selected): erase them with `indknn "
+                                    "delete --record ID`, then embed them again under new record ids")
             added = sync_ledger(ledger, store)
             log.info("%s added to the ledger (operator-only count)", count(added, "new record"))
             if created:

@@ -13,6 +13,7 @@ import numpy as np
 
 from .errors import BadInputError
 from .id_text import is_canonical
+from .wording import shown
 
 DEFAULT_TEXT_COLUMN = "text"
 DEFAULT_LABEL_COLUMN = "label"
@@ -68,13 +69,13 @@ def check_key_text(values, *, what: str, display: str, start: int, surrounding_s
         if v is None:
             continue
         if m := _CONTROL.search(v):
-            raise BadInputError(f"{display}: row {start + j + 1}: {what} {v!r} holds the control character "
+            raise BadInputError(f"{display}: row {start + j + 1}: {what} {shown(v)} holds the control character "
                                 f"U+{ord(m.group()):04X} (a control or invisible character); ids must be printable text")
         if surrounding_space and v != v.strip():
-            raise BadInputError(f"{display}: row {start + j + 1}: {what} {v!r} starts or ends with whitespace; "
+            raise BadInputError(f"{display}: row {start + j + 1}: {what} {shown(v)} starts or ends with whitespace; "
                                 "ids are stored trimmed (as `embed` reads them)")
         if composed and not is_canonical(v):  # review 53, F2: one id, one spelling (id_text)
-            raise BadInputError(f"{display}: row {start + j + 1}: {what} {v!r} is not in Unicode NFC form; ids are "
+            raise BadInputError(f"{display}: row {start + j + 1}: {what} {shown(v)} is not in Unicode NFC form; ids are "
                                 "stored composed (as `embed` stores them): pass unicodedata.normalize('NFC', id)")
 
 

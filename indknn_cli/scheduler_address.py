@@ -77,12 +77,30 @@ def check_scheduler_address(address: str, *, option: str = "--scheduler") -> str
     return text
 
 
+def quiet_dask_logs() -> None:
+    """``distributed`` gives its loggers a stderr handler of their own when imported (INFO and up), so serve's stderr
+    carried more than indknn's lines, some gated on time: "Event loop was unresponsive in Client for N s" follows a
+    busy client, and how long a serve keeps it busy grows with the candidate pairs, which depend on the private data
+    (review 59, L1). They are set to CRITICAL (``INDKNN_DEBUG=1`` keeps them): a failure still reaches the user as
+    indknn's own error."""
+    import logging
+    import os
+
+    if os.environ.get("INDKNN_DEBUG") == "1":
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.split(".")[0] in ("distributed", "tornado", "bokeh"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def open_client(address: str, *, timeout: float):
     """``distributed.Client(address)``; when it cannot connect, the half-made client is closed here, briefly, and its
     ``__del__`` does nothing, so the caller's error is all the user sees (review 40: an unreachable ``tls://``
     address printed ``Client.__del__``'s traceback 20 s after the error, and ``embed`` said "Internal error" for
     the TypeError a TLS address without certificates raises). The exception passes through."""
     from distributed import Client
+
+    quiet_dask_logs()
 
     class _QuietClient(Client):
         _failed = False

@@ -35,3 +35,10 @@ def per_unit(privacy_unit: str | None) -> str:
 def adjacency(privacy_unit: str | None) -> str:
     """The neighbouring relation of a privacy unit: ``add/remove one record`` or ``add/remove one user``."""
     return f"add/remove one {'user' if privacy_unit == 'user' else 'record'}"
+
+
+def shown(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to about ``limit`` characters for a message: a label or id that swallowed the rest of a
+    file (a stray quote in a CSV: review 60, F1) must not print the file's private rows on stderr."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 1]}…' ({len(str(value))} characters)"

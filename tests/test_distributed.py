@@ -374,3 +374,23 @@ def test_a_failing_worker_task_is_named_by_its_exception_type_only(tmp_path, sch
         client.close()
     msg = str(err.value)
     assert "candidate phase failed (" in msg and "nothing was charged" in msg and "secret-7" not in msg
+
+
+@pytest.mark.heavy
+def test_dasks_own_log_lines_never_reach_serves_stderr(scheduler):
+    """Review 59, L1: `distributed` gives its loggers a stderr handler of their own; some of its lines are gated on
+    time ("Event loop was unresponsive in Client for N s" after a busy client), and how long a serve keeps the client
+    busy depends on the private data. Opening indknn's client sets them to CRITICAL (a process of its own: the
+    handler writes to the stderr of the process that imported `distributed`)."""
+    import subprocess
+    import sys
+
+    code = ("import logging; from indknn_cli.scheduler_address import open_client; "
+            f"c = open_client({scheduler!r}, timeout=30); "
+            "[logging.getLogger(n).error('Event loop was unresponsive in Client for 3.2s (review 59)') "
+            "for n in ('distributed.client', 'distributed.utils', 'distributed.core')]; c.close()")
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0, res.stderr
+    assert "review 59" not in res.stderr
