@@ -96,7 +96,8 @@ from .deletion_compact import leftover_note as _leftover_note
 from .deletion_compact import recover_store_folder as _recover_store_folder
 from .deletion_plan import DeleteResult, _enforce_strict, _plan, _Plan
 from .deletion_plan import read_ids  # noqa: F401 (its home before the split: library callers)
-from .deletion_unledgered import erase_without_ledger, open_readable, refuse_missing_bound_ledger, set_pending
+from .deletion_unledgered import (IndexNotUpdated as _IndexNotUpdated, RowsNotOverwritten as _RowsNotOverwritten,
+                                  erase_without_ledger, open_readable, refuse_missing_bound_ledger, set_pending)
 from .errors import BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, StorageError, StoreError
 from .id_text import canonical
 from .ledger import BudgetLedger
@@ -271,7 +272,7 @@ def delete_records(
                     f"{ledger_path}: the ledger's rows are those of a compaction of this store that it no longer "
                     "matches (the store restored from a copy older than a compaction?)")
                 res = erase_without_ledger(store, record_ids, user_ids, strict=strict, compact=compact, reason=why,
-                                           fault=_fault, index_hook=_index_hook)
+                                           erase=lambda st, rows: _erase_steps(st, rows, tombstone=None))
                 left = None if recovered else _leftover_note(store.path)  # not run: its leftovers are reported
                 if left is not None:  # a local copy, or the state folder of a copy in the bucket
                     from .deletion_compact import erase_in_leftovers
@@ -324,14 +325,6 @@ def delete_records(
 
 
 # -- executing (under both locks) ---------------------------------------------------
-class _RowsNotOverwritten(Exception):
-    """Step 1 or 3 of an erasure met a chunk it cannot read (corrupt): the erasure is recorded, not finished."""
-
-
-class _IndexNotUpdated(Exception):
-    """Step 4 (the candidate index) failed after the rows were overwritten."""
-
-
 def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan,
              still_pending: np.ndarray = np.empty(0, np.int64)) -> int:
     """``still_pending``: rows of an earlier erasure that could not be finished; they stay pending throughout."""
@@ -366,28 +359,44 @@ def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan,
 
 def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan,
                       still_pending: np.ndarray = np.empty(0, np.int64)) -> int:
-    rows = plan.rows
+    def tombstone() -> None:
+        if ledger is not None and plan.ledger_idx.size:
+            ledger.delete_records(plan.ledger_idx)
+
+    if not plan.rows.size:  # ledger records whose store rows are gone already: their tombstones only
+        tombstone()
+        return 0
+    written = _erase_steps(store, plan.rows, tombstone=tombstone)
+    set_pending(store, still_pending)  # 5. done (an earlier erasure that could not be finished stays)
+    return written
+
+
+def _erase_steps(store: FeatureStore, rows: np.ndarray, *, tombstone: Callable[[], None] | None) -> int:
+    """Steps 1–4 of every erasure of the live store (a request, and the roll-forward of an unfinished one), the rows
+    already recorded in ``erase_pending``: 1. flag, 2. ``tombstone()`` (the ledger's commit point; None without a
+    ledger), 3. overwrite, 4. the candidate index. A corrupt chunk of the rows' own flags or arrays is
+    :class:`_RowsNotOverwritten` (raised after the tombstone: review 57, F4), an index that can be neither updated nor
+    removed :class:`_IndexNotUpdated`. Returns the bytes rewritten."""
     flags_error = None
-    if rows.size:
-        try:
-            store.mark_deleted("private", rows)  # 1. intent (sync_ledger never re-adds a flagged or pending row)
-        except StoreError as exc:  # a corrupt chunk of flags: the request is recorded (erase-pending) all the same,
-            flags_error = exc      # and the ledger's tombstones are written below (review 57, F4)
+    try:
+        store.mark_deleted("private", rows)  # 1. intent (sync_ledger never re-adds a flagged or pending row)
+    except StoreError as exc:  # a corrupt chunk of flags: the request is recorded (erase-pending) all the same,
+        flags_error = exc      # and the ledger's tombstones are written below (review 57, F4)
     _fault("flagged")
-    if ledger is not None and plan.ledger_idx.size:
-        ledger.delete_records(plan.ledger_idx)  # 2. the commit point: never a candidate again
-    _fault("ledger-committed")
+    if tombstone is not None:
+        tombstone()  # 2. the commit point: never a candidate again
+        _fault("ledger-committed")
     if flags_error is not None:
         raise _RowsNotOverwritten(str(flags_error))
     try:
-        written = store.erase_rows("private", rows) if rows.size else 0  # 3. physical erasure
+        written = store.erase_rows("private", rows)  # 3. physical erasure
     except StoreError as exc:  # only this step's: an index that cannot be read (step 4) is not a store chunk
         raise _RowsNotOverwritten(str(exc)) from None  # (review 56, F4)
     _fault("erased")
     hook = _index_hook("remove_rows")
-    if hook is not None and rows.size:
+    if hook is not None:
         try:
-            hook(store, rows)  # 4. candidate indexes
+            hook(store, rows)  # 4. candidate indexes (one that cannot be updated is removed: review 58, F3)
         except Exception as exc:  # noqa: BLE001 - review 56, F4: not a store chunk; the rows are overwritten already;
             # review 57, F8: a corrupt index chunk is zarr's ValueError ("Internal error" before)
             what = str(exc) if isinstance(exc, StoreError) else f"{store.path}: the candidate index cannot be read " \
@@ -395,8 +404,6 @@ def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _P
             raise _IndexNotUpdated(
                 f"{what} The records are erased (their rows overwritten, never selected again), but the candidate "
                 "index could not be updated; `indknn delete` (any ids) tries again") from None
-    if rows.size:
-        set_pending(store, still_pending)  # 5. done (an earlier erasure that could not be finished stays)
     return written
 
 
@@ -415,34 +422,23 @@ def roll_forward_pending(store_path, ledger: BudgetLedger, *, lock_timeout: floa
 
 
 def complete_pending(store: FeatureStore, ledger: BudgetLedger | None) -> int:
-    """Roll forward a deletion that was interrupted (rows in ``erase_pending``). Caller holds both locks."""
+    """Roll forward a deletion that was interrupted (rows in ``erase_pending``): the same steps as a request
+    (:func:`_erase_steps`), the tombstones found by the ledger's own ``row`` column. Caller holds both locks. A chunk
+    that cannot be read leaves the rows pending and raises StoreError (the tombstones written first)."""
     if not store.group("private").attrs.get(PENDING_ATTR):
         return 0
     n = store.n_rows("private")
     pending = store.erase_pending_rows("private")
     if pending.size:
-        flags_error = None
+        def tombstone() -> None:
+            if ledger is not None:
+                li = ledger.store_row_map(n)[pending]
+                ledger.delete_records(li[li >= 0])
+
         try:
-            store.mark_deleted("private", pending)
-        except StoreError as exc:  # a corrupt chunk of flags: the ledger's tombstones are still written (review 57,
-            flags_error = exc      # F4: `account --record` said "active"); the rows stay pending
-        if ledger is not None:
-            li = ledger.store_row_map(n)[pending]
-            ledger.delete_records(li[li >= 0])
-        if flags_error is not None:
-            raise flags_error
-        store.erase_rows("private", pending)
-        hook = _index_hook("remove_rows")
-        if hook is not None:
-            try:
-                hook(store, pending)
-            except Exception as exc:  # noqa: BLE001 - review 57, F8: the rows are erased; the index stays stale, and
-                # the erasure pending (tried again), while a new request goes on
-                raise StoreError(f"{store.path}: the candidate index cannot be updated for an earlier erasure "
-                                 f"({type(exc).__name__}: a corrupt index file?); its rows are overwritten. Remove "
-                                 f"the store's index folder ({store.path / 'index'}: the exact scan is used without "
-                                 "it), then `indknn delete` finishes the erasure and `indknn index --kind …` builds "
-                                 "the index again (review 58, F3)") from None
+            _erase_steps(store, pending, tombstone=tombstone)
+        except (_RowsNotOverwritten, _IndexNotUpdated) as exc:  # an earlier erasure stays pending (review 57, F3)
+            raise StoreError(f"{exc} (an earlier erasure, of {count(int(pending.size), 'row')})") from None
     set_pending(store, np.empty(0, np.int64))
     return int(pending.size)
 

@@ -2,7 +2,7 @@
 recorded in the store's ``erase_pending`` rows, and the next ``indknn delete`` that reads the ledger writes the
 tombstones. Also the store's pending list itself (:func:`set_pending`), which every erasure writes first.
 
-The steps' test hooks (``fault``, ``index_hook``) are passed in by :mod:`deletion`, which owns them.
+The erasure's steps (``erase``: :func:`deletion._erase_steps`, with its test hooks) are passed in by :mod:`deletion`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,18 @@ import numpy as np
 from . import ledger_integrity as integrity
 from .deletion_compact import LedgerUnreadable as _LedgerUnreadable
 from .deletion_plan import DeleteResult, _enforce_strict, _plan
-from .errors import LedgerError, StorageError, StoreError
+from .errors import LedgerError, StorageError
 from .ledger import BudgetLedger
 from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path
 from .wording import count
+
+
+class RowsNotOverwritten(Exception):
+    """Step 1 or 3 of an erasure met a chunk it cannot read (corrupt): the erasure is recorded, not finished."""
+
+
+class IndexNotUpdated(Exception):
+    """Step 4 (the candidate index) failed after the rows were overwritten."""
 
 
 def set_pending(store: FeatureStore, rows: np.ndarray) -> None:
@@ -58,8 +66,7 @@ def open_readable(ledger_path: Path, store: FeatureStore) -> BudgetLedger | None
 
 
 def erase_without_ledger(store: FeatureStore, record_ids: list[str], user_ids: list[str], *, strict: bool,
-                         compact: bool, reason: str, fault: Callable[[str], None],
-                         index_hook: Callable[[str], Callable | None]) -> DeleteResult:
+                         compact: bool, reason: str, erase: Callable[[FeatureStore, np.ndarray], int]) -> DeleteResult:
     """Issue 16 §3: an erasure request is never blocked by a damaged ledger. Caller holds both locks.
 
     The store alone names the rows (live rows whose record or user id matches; ids already tombstoned
@@ -82,10 +89,8 @@ def erase_without_ledger(store: FeatureStore, record_ids: list[str], user_ids: l
             if not part.size:
                 continue
             try:
-                store.mark_deleted("private", part)
-                fault("flagged")
-                written += store.erase_rows("private", part)
-            except StoreError as exc:
+                written += erase(store, part)  # deletion._erase_steps, without a ledger's tombstone
+            except RowsNotOverwritten as exc:
                 if own:
                     raise StorageError(f"{exc} The erasure was recorded but not finished: the records are never "
                                        "selected again (the store's erase-pending rows are written); their rows "
@@ -93,11 +98,8 @@ def erase_without_ledger(store: FeatureStore, record_ids: list[str], user_ids: l
                                        "from a backup of this store: docs/RELIABILITY.md), `indknn delete` (any "
                                        "ids) finishes the erasure") from None
                 stuck = exc
-                continue
-            fault("erased")
-            hook = index_hook("remove_rows")
-            if hook is not None:
-                hook(store, part)
+            except IndexNotUpdated as exc:
+                raise StorageError(str(exc)) from None
     if stuck is not None:
         raise StorageError(
             f"{stuck} This request's erasure went on ({count(len(plan.record_ids), 'record')}, the ledger unread: "
