@@ -29,7 +29,6 @@ import math
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -44,50 +43,12 @@ from .ledger_readonly import open_ledger_readonly
 from .rounding import given, up
 from .wording import count, per_unit
 from . import data_quality
-from .report_plot import PLOT_SUFFIXES, check_plot_path  # noqa: F401 (PLOT_SUFFIXES re-exported)
-from .realised import EXACT_CONVERSION_LIMIT, realised_loss  # noqa: F401 (re-exported: export, tests)
+from .report_plot import check_plot_path
+from .realised import realised_loss  # noqa: F401 (also imported from here: export, tests)
+from .report_wording import (ADJACENCY, OPERATOR_ONLY_NOTE, REALISED_LABEL, SUBJECT_NOTE, USER_LEVEL_NOTE,  # noqa: F401
+                             USER_UNIT_NOTE, unit_figures)  # (REALISED_LABEL: the CLI's and tests' import)
 
 log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
-
-REALISED_LABEL = "realised individual loss (descriptive, not a guarantee)"
-#: The privacy unit and the adjacency every printed ε is stated for (SPEC §8).
-UNIT = "record"
-ADJACENCY = "add/remove one record"
-SCOPE = ("the guarantee is per record, for neighbouring data sets that differ by adding or removing one record; "
-         "it is not a per-user guarantee (a user with several records is not protected as one unit); under "
-         "replace-one adjacency the Gaussian-DP μ doubles")
-USER_LEVEL_NOTE = (
-    "no user-level figure: records of one user selected by the same query add linearly (the count moves by m, "
-    "a class's vote by the sum of the user's weights), so composing the user's per-record spends would "
-    "understate the user's loss, and the ledger does not keep per-query contributions to compute it exactly; "
-    "the guarantee is per record (add/remove one record)")
-USER_SCOPE = ("the guarantee is per user (the ledger's privacy unit), for neighbouring data sets that differ by "
-              "adding or removing one user with all their records; under replace-one adjacency the Gaussian-DP μ "
-              "doubles")
-USER_UNIT_NOTE = ("per user: the filter charges this user as one unit (SPEC §9); every record of the user carries "
-                  "the user's spent, and the user's realised ε is the user's spent converted")
-
-#: What a data subject's view (--record / --user) is: exact figures of that record or user alone.
-SUBJECT_NOTE = ("operator-only: spent, remaining, times_selected, status and realised_epsilon are exact, noise-free "
-                "figures of this record (user) from the private data, for the data holder and the data subject "
-                "(an access request); never shown to query-senders")
-
-#: What the exact figures of a full report are (SPEC §8): printed by `account` before them, and in its JSON.
-OPERATOR_ONLY_NOTE = ("operator-only: records, records_active, records_retired, records_deleted, answers_by_label, "
-                      "answers_at_k_min, spent_*, realised_epsilon and history are exact statistics of the private "
-                      "data, for the data holder only; they must never drive what query-senders see (whether to "
-                      "serve, what is released): gate serving on `account --queries-left` instead; "
-                      "under --tune-method random-search, tuning.runs_drawn, thetas_tried and chosen_run are not "
-                      "covered by the tuning guarantee (it covers the chosen τ, σ2 and its noisy score; under "
-                      "exp-mech every tuning field is public or the chosen τ, σ2)")
-
-
-def unit_figures(privacy_unit: str) -> dict:
-    """unit, adjacency and scope for a ledger's privacy unit (every printed ε names them, SPEC §8)."""
-    if privacy_unit == "user":
-        return {"unit": "user", "adjacency": "add/remove one user", "scope": USER_SCOPE}
-    return {"unit": UNIT, "adjacency": ADJACENCY, "scope": SCOPE}
-
 
 #: The keys of the ledger-wide guarantee, the only ledger-level figures a data-subject view carries.
 _GUARANTEE_KEYS = ("ledger", "format_version", "unit", "adjacency", "scope", "budget", "delta", "epsilon", "tuning",
@@ -367,7 +328,9 @@ def build_account_report(
         realised_q = {k: _finite(float(v)) for k, v in zip(q_names, real_vals)}
     else:
         realised_q = {k: None for k in q_names}
-    total_answers = s.n_answers()
+    # every answer released, those a repair could not recover included (review 60, F7: account said 10 while the gate
+    # and serve counted 20; a compliance reviewer reads this figure)
+    total_answers = s.answers_released()
     by_label = ledger_history.answer_label_counts(s)  # first-seen order, as before
 
     points = _history(ledger, budget=budget, delta=use_delta, conversion=use_conv, total_answers=total_answers)
@@ -393,6 +356,7 @@ def build_account_report(
         "records_retired": n_retired,
         "records_deleted": n_deleted,
         "queries_answered": total_answers,
+        "answers_not_held": int(s.answers_not_held),  # released, in events a repair could not recover
         "batches": len(s.batches),
         "answers_by_label": by_label,
         "operator_only": OPERATOR_ONLY_NOTE,
@@ -511,6 +475,8 @@ def build_account_report(
         refuse_output_over(plot, option="--plot", folders=[("the ledger's folder", ledger_path),
                                                            ("the store's folder", store_path),
                                                            ("the store's folder", ledger.meta.get("store_path"))])
+        from .report_plot import plot_account_report  # matplotlib imported only then
+
         plot_account_report(report, plot)
         data["plot"] = str(plot)
     return report
@@ -527,10 +493,3 @@ def enforce_checks(report: AccountReport) -> None:
     if len(report.failures) > 1:
         msg = msg + "; also: " + "; ".join(m for _, m in report.failures[1:])
     raise cls(msg)
-
-
-def plot_account_report(report: AccountReport, path: str | os.PathLike) -> Path:
-    """The account plot (:mod:`indknn_cli.report_plot`, matplotlib imported only then)."""
-    from .report_plot import plot_account_report as _plot
-
-    return _plot(report, path)

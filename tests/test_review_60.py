@@ -150,3 +150,27 @@ def test_a_cap_given_by_max_queries_is_not_called_the_end_of_the_ledger():
     with pytest.raises(QueryAllowanceError, match="serving through this ledger is over"):
         gate.check(gate.allowance(answered=100, planned_queries=100, max_queries="planned"), new_queries=1)
     assert "the T given" in gate.allowance(answered=1, planned_queries=100, max_queries=7).as_dict()["figures"]
+
+
+@pytest.mark.heavy
+def test_account_counts_the_answers_a_repair_could_not_recover_as_the_gate_does(tmp_path):
+    """F7: after a serve event was lost and `repair` ran, `account` said 10 queries answered (what the ledger holds)
+    while the public gate and serve counted 20 (every answer released): the compliance figure was understated."""
+    x, y, store, ledger = _vector_world(tmp_path)
+    for b in ("b1", "b2"):
+        np.savez(tmp_path / f"{b}.npz", x=x[:10] + 0.01 * (b == "b2"))
+        res = runner.invoke(app, ["serve-queries", str(tmp_path / f"{b}.npz"), "--store", str(store), "--ledger",
+                                  str(ledger), "--batch-id", b])
+        assert res.exit_code == 0, res.stderr
+    lost = sorted((ledger / "events").glob("*serve*"))[-1]
+    lost.rename(tmp_path / lost.name)  # the newest serve event lost: the ledger rolled back
+    res = runner.invoke(app, ["repair", "--store", str(store), "--ledger", str(ledger)])
+    assert res.exit_code == 0, res.stderr
+    gate = json.loads(runner.invoke(app, ["account", "--ledger", str(ledger), "--queries-left"]).stdout)
+    res = runner.invoke(app, ["account", "--ledger", str(ledger), "--json"])
+    assert res.exit_code == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert gate["queries_answered"] == 20
+    assert d["queries_answered"] == 20 and d["answers_not_held"] == 10
+    res = runner.invoke(app, ["account", "--ledger", str(ledger)], env={"INDKNN_WIDTH": "300"})
+    assert "a repair could not recover" in res.stdout

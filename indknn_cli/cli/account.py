@@ -132,6 +132,9 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
               str(d["queries_answered"]), str(d["batches"]))
     out.print(r)
     out.print("retired: budget left below the next count charge; deleted: tombstones (never refunded)")
+    if d.get("answers_not_held"):
+        out.print(f"queries answered counts {d['answers_not_held']} answers released in events a repair could not "
+                  "recover (the ledger no longer holds them; a batch among them sent again is answered afresh)")
     clamp = d["answers_at_k_min"]
     if clamp["answers"]:
         out.print(escape(f"answers at the K_min = {clamp['k_min']:g} clamp: {100 * clamp['share']:.1f}% "
