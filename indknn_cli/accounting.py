@@ -59,13 +59,13 @@ def check_range(name: str, value, *, flag: str | None = None) -> float:
 
 
 def _check_delta(delta: float) -> float:
-    if not (isinstance(delta, (int, float)) and 0.0 < float(delta) < 1.0):
+    if isinstance(delta, bool) or not (isinstance(delta, (int, float)) and 0.0 < float(delta) < 1.0):
         raise BadInputError(f"delta must lie in (0, 1), got {delta!r}")
     return float(delta)
 
 
 def _check_epsilon(epsilon: float) -> float:
-    if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
+    if isinstance(epsilon, bool) or not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
         raise BadInputError(f"epsilon must be a positive finite number, got {epsilon!r}")
     return float(epsilon)
 

@@ -57,7 +57,7 @@ def embed_partition(target: dict, role: str, info: dict, device: str, dim: int, 
     Each chunk is written only while the run's stamp says it is running (:mod:`.dask_fence`): a partition whose
     coordinator is gone stops instead of writing over the next writer's rows (review 23, F1)."""
     from . import dask_fence
-    from .embedding import embed_rows
+    from .embedding_rows import embed_rows
     from .extractors import extractor_from_info
 
     key = (tuple(sorted(info.items())), device, dim)

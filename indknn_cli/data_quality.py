@@ -22,21 +22,23 @@ NO_NEIGHBOUR_SHARE = 0.5
 OPERATOR_ONLY = "operator-only figure, from the private data; never shown to query-senders"
 
 
-def empty_texts(items) -> int:
-    """How many of a batch's text inputs are empty or only white space (embedded as an empty string)."""
-    return sum(1 for t in items if isinstance(t, str) and not t.strip())
+def empty_texts(items) -> list[int]:
+    """The positions of a batch's text inputs that are empty or only white space (embedded as an empty string)."""
+    return [k for k, t in enumerate(items) if isinstance(t, str) and not t.strip()]
 
 
-def embed_warnings(*, source: str, empty: int, labels: np.ndarray | None, label_names) -> list[str]:
-    """Warnings after an ``embed``: ``empty`` texts in ``source``; labels of the role's live rows in the store
-    (``labels``: their label indices) with fewer than :data:`MIN_LABEL_RECORDS` records."""
+def embed_warnings(*, source: str, empty: list[int], labels: np.ndarray | None, label_names) -> list[str]:
+    """Warnings after an ``embed``: the rows of ``source`` (1-based) with an empty text; labels of the role's live
+    rows in the store (``labels``: their label indices) with fewer than :data:`MIN_LABEL_RECORDS` records, a
+    declared label with none among them (review 60, F8: it was left out)."""
     out = []
     if empty:
-        out.append(f"{source}: {count(empty, 'empty text')} (embedded as the vector of an empty string; "
-                   "check --text-column)")
+        rows = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        out.append(f"{source}: {count(len(empty), 'empty text')} (row{'s' if len(empty) > 1 else ''} {rows}; "
+                   "embedded as the vector of an empty string; check --text-column)")
     if labels is not None and labels.size:
         counts = np.bincount(labels.astype(np.int64), minlength=len(label_names))
-        thin = [(str(label_names[i]), int(c)) for i, c in enumerate(counts) if 0 < c < MIN_LABEL_RECORDS]
+        thin = [(str(label_names[i]), int(c)) for i, c in enumerate(counts) if c < MIN_LABEL_RECORDS]
         if thin:
             shown = ", ".join(f"{name!r} ({count(c, 'record')})" for name, c in thin[:5])
             more = f" and {len(thin) - 5} more" if len(thin) > 5 else ""
@@ -115,3 +117,11 @@ def tuning_size_warning(*, records: int, tuning: dict | None) -> str | None:
             "validate and others to answer it from): the search could hardly tell its grid points apart, and it "
             f"still took its share of ε. With few records, give fewer shards (--tune-queries "
             f"{max(1, records // 10)}), tune on labelled public rows (--tune public), or give --tau and --sigma2")
+
+
+def store_warnings(store, role: str, source: str, empty: list[int]) -> list[str]:
+    """Issue 20: empty texts in this input; labels of the role's live rows with fewer than a handful of records."""
+    labels = None
+    if role != "query":
+        labels = store.read(role, "labels")[~store.read(role, "deleted").astype(bool)]
+    return embed_warnings(source=source, empty=empty, labels=labels, label_names=store.label_names)

@@ -25,7 +25,8 @@ from .id_text import canonical
 from .readers import Source, open_source
 from .readers_base import _has_surrogates, check_key_text
 from .record_keys import input_keys
-from .store import ROLES, ExtractorInfo, FeatureStore, normalize_rows
+from .embedding_rows import embed_rows, sort_label_names
+from .store import ROLES, ExtractorInfo, FeatureStore
 from .wording import count, shown
 
 log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
@@ -67,48 +68,6 @@ class EmbedResult:
             out["batch_id"] = self.batch  # the name answers carry too (review 42, M4)
             out["batch"] = self.batch  # the same, under the name it had before 2026-11-28 (pipes written for it)
         return out
-
-
-def sort_label_names(values: Sequence[str]) -> list[str]:
-    """Distinct labels, sorted numerically when all are numbers, else as strings."""
-    values = list(dict.fromkeys(str(v) for v in values))
-    for conv in (int, float):
-        try:
-            return sorted(values, key=lambda s: (conv(s), s))
-        except ValueError:
-            continue
-    return sorted(values)
-
-
-def _check_finite_nonzero(x: np.ndarray, rows: Sequence[int], ids: Sequence[str | None], display: str) -> None:
-    """NaN/inf/zero vectors are errors naming the input row (1-based) and id."""
-    finite = np.isfinite(x).all(axis=1)
-    if not finite.all():
-        j = int(np.flatnonzero(~finite)[0])
-        raise BadInputError(f"{display}: row {rows[j] + 1}{_id_note(ids[j])}: vector contains NaN or infinite values")
-    zero = ~np.any(x != 0, axis=1)
-    if zero.any():
-        j = int(np.flatnonzero(zero)[0])
-        raise BadInputError(f"{display}: row {rows[j] + 1}{_id_note(ids[j])}: zero vector (cannot be L2-normalised)")
-
-
-def embed_rows(ex: Extractor, items, rows: Sequence[int], ids: Sequence[str | None], *, name: str,
-               dim: int | None, store_named: str | None) -> np.ndarray:
-    """Embed one group of input rows and L2-normalise them, refusing a wrong d, NaN/inf and zero vectors
-    (errors name the input row). The same code in process and on a Dask worker (bit-identical stores)."""
-    x = np.asarray(ex.embed(items))
-    if x.ndim != 2 or x.shape[0] != len(rows):
-        raise BadInputError(f"{name}: extractor returned shape {x.shape} for {len(rows)} rows")
-    if dim is not None and x.shape[1] != dim:
-        if store_named is not None:
-            raise StoreError(f"{store_named}: store has d={dim}, input {name} has d={x.shape[1]} (row {rows[0] + 1})")
-        raise BadInputError(f"{name}: row {rows[0] + 1}: d={x.shape[1]}, earlier rows have d={dim}")
-    _check_finite_nonzero(x, rows, ids, name)
-    return normalize_rows(x, what=name)
-
-
-def _id_note(rid: str | None) -> str:
-    return "" if rid is None else f" (id {rid!r})"
 
 
 def _store_exists(path: Path) -> bool:
@@ -326,7 +285,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
         name_index = {n: i for i, n in enumerate(names)}
         unknown = [v for v in present if v not in name_index]
         if unknown:
-            raise BadInputError(f"{src.name}: unknown label {shown(unknown[0])}"
+            raise BadInputError(f"{src.name}: {_first_row_of(src, unknown[0])}unknown label {shown(unknown[0])}"
                                 f"{' (and %d more)' % (len(unknown) - 1) if len(unknown) > 1 else ''}; "
                                 f"the store's labels are {names}")
 
@@ -397,7 +356,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                         return done
                 dim = store.dim if store is not None else None
                 seen: set[str] = set()
-                rows_in = rows_skipped = rows_added = empty = 0
+                rows_in = rows_skipped = rows_added = 0
+                empty: list[int] = []  # rows (1-based) with an empty text
                 erased_skipped = erased_readmitted = 0  # ids erased from the store (UX review 7, finding 2)
                 for rb in src.batches(labels=use_labels):
                     n = len(rb)
@@ -443,9 +403,9 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                         pick = (lambda seq: seq if sel is None or seq is None else
                                 (seq[sel] if isinstance(seq, np.ndarray) else [seq[k] for k in sel]))
                         items, labels, users = pick(rb.items), pick(rb.labels), pick(rb.users)
-                        if ex.input_kind == "text":
-                            empty += data_quality.empty_texts(items)
                         rows_k, ids_k = pick(rows), pick(ids)
+                        if ex.input_kind == "text":
+                            empty += [rows_k[k] + 1 for k in data_quality.empty_texts(items)]
                         if dist is None:
                             xn = embed_rows(ex, items, rows_k, ids_k, name=src.name, dim=dim,
                                             store_named=named if store is not None else None)
@@ -508,7 +468,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                         extra = {BATCH_INPUTS_ATTR: inputs}
                     start, stop = app.commit(extra)
                     log.info("%s: %s written to the store's %s rows", src.name, count(rows_added, "row"), role)
-                    warnings += _quality_warnings(store, role, src.name, empty)
+                    warnings += data_quality.store_warnings(store, role, src.name, empty)
         except BaseException:
             if created:
                 remote = store.remote
@@ -524,9 +484,11 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                        created=created, warnings=warnings)
 
 
-def _quality_warnings(store: FeatureStore, role: str, source: str, empty: int) -> list[str]:
-    """Issue 20: empty texts in this input; labels of the role's live rows with fewer than a handful of records."""
-    labels = None
-    if role != "query":
-        labels = store.read(role, "labels")[~store.read(role, "deleted").astype(bool)]
-    return data_quality.embed_warnings(source=source, empty=empty, labels=labels, label_names=store.label_names)
+def _first_row_of(src: Source, label: str) -> str:
+    """``row N: `` of the first row holding ``label`` (review 60, F6: a 100k-row file had to be searched by hand);
+    read again on this error path only."""
+    for rb in src.batches(labels=True):
+        for k, value in enumerate(rb.labels or []):
+            if value == label:
+                return f"row {rb.start + k + 1}: "
+    return ""

@@ -174,3 +174,26 @@ def test_account_counts_the_answers_a_repair_could_not_recover_as_the_gate_does(
     assert d["queries_answered"] == 20 and d["answers_not_held"] == 10
     res = runner.invoke(app, ["account", "--ledger", str(ledger)], env={"INDKNN_WIDTH": "300"})
     assert "a repair could not recover" in res.stdout
+
+
+def test_an_unknown_label_names_its_row_and_empty_texts_and_label_less_classes_are_named(tmp_path):
+    """F6: "unknown label 'NA'" named no row (a 100k-row file searched by hand); F8: a declared label with no record
+    was left out of the thin-labels warning, and the empty-text warning named no row."""
+    path = tmp_path / "na.csv"
+    path.write_text("id,text,label\n" + "".join(f"r{i},text {i},a\n" for i in range(6)) + "r6,more,NA\n")
+    res = runner.invoke(app, ["embed", str(path), "--store", str(tmp_path / "s.zarr"), "--label-names", "a,b"])
+    assert res.exit_code == 2 and "row 7: unknown label 'NA'" in res.stderr, res.stderr
+    path.write_text("id,text,label\n" + "".join(f"r{i},text {i},a\n" for i in range(6)) + "r6,  ,a\n")
+    res = runner.invoke(app, ["embed", str(path), "--store", str(tmp_path / "s.zarr"), "--label-names", "a,b"],
+                        env={"INDKNN_WIDTH": "300"})
+    assert res.exit_code == 0, res.stderr
+    err = " ".join(res.stderr.split())
+    assert "1 empty text (row 7;" in err and "'b' (0 records)" in err, err
+
+
+def test_a_boolean_is_not_an_epsilon():
+    """Review 61 (validation): `calibrate_budget(epsilon=True)` calibrated for ε = 1 (bool is an int subclass)."""
+    from indknn_cli.accounting import calibrate_budget
+
+    with pytest.raises(BadInputError, match="epsilon must be a positive finite number, got True"):
+        calibrate_budget(epsilon=True, delta=1e-5)

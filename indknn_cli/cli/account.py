@@ -63,7 +63,7 @@ def _print_subject(console, title: str, rec: dict) -> None:
 def _print_tables(report: AccountReport, *, full: bool) -> None:
     d = report.data
     out = stdout_console()
-    out.print(f"[bold]Guarantee[/] (the filter's): every {d['unit']}'s total charge ≤ B = {_up(d['budget'])}")
+    out.print(f"[bold]Guarantee[/] (the filter's): every {escape(d['unit'])}'s total charge ≤ B = {_up(d['budget'])}")
     out.print(escape(f"unit: one {d['unit']}; adjacency: {d['adjacency']} ({d['scope']})"))
     out.print(f"ledger: {escape(d['ledger'])}")
     g = Table()
@@ -73,11 +73,11 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     for row in d["guarantees"]:
         g.add_row(f"{_given(row['delta'])}", *[_up(row["epsilon_by_conversion"][c], 4) for c in ("gdp", "rdp")])
     out.print(g)
-    out.print(f"headline: ε({d['conversion']}) = {_up(d['epsilon'])} at δ = {_given(d['delta'])}, "
+    out.print(f"headline: ε({escape(d['conversion'])}) = {_up(d['epsilon'])} at δ = {_given(d['delta'])}, "
               f"{escape(d['adjacency'])}")
     for c in ("gdp", "rdp"):
         out.print(escape(f"  {c}: {CONVERSION_LABEL[c]}"))
-    out.print(f"the ledger was calibrated for ε({d['target_conversion']}) = {_given(d['target_epsilon'])} "
+    out.print(f"the ledger was calibrated for ε({escape(d['target_conversion'])}) = {_given(d['target_epsilon'])} "
               f"at δ = {_given(d['ledger_delta'])}, {escape(d['adjacency'])}")
     t = d.get("tuning")
     if t is not None:  # index --tune private: the headline composes the search with serving (RDP)
@@ -102,12 +102,12 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
                   f"(active {u['records_active']}, retired {u['records_retired']}, deleted {u['records_deleted']})")
         t = Table()
         for col in ("record id", "status", "spent", "remaining", "times selected",
-                    f"realised ε ({d['conversion']})", "deleted at"):
+                    f"realised ε ({escape(d['conversion'])})", "deleted at"):
             t.add_column(col, justify="right" if col not in ("record id", "status") else "left")
         for r in u["record_list"]:
-            t.add_row(escape(r["record_id"]), r["status"], _up(r["spent"]), _down(r["remaining"]),
+            t.add_row(escape(r["record_id"]), escape(r["status"]), _up(r["spent"]), _down(r["remaining"]),
                       str(r["times_selected"]), _up(r["realised_epsilon_by_conversion"][d["conversion"]], 4),
-                      r["deleted_at"] or "—")
+                      escape(r["deleted_at"] or "—"))
         if d["unit"] == "user":  # the privacy unit's own figure first, then its records' rows (review 42, L6)
             out.print(escape(f"user {u['user_id']} (the privacy unit): spent {_up(u['spent'])}, remaining "
                              f"{_down(u['remaining'])}, realised ε ({d['conversion']}, per user, {d['adjacency']}) "
@@ -148,7 +148,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     q.add_row("spent", *[_up(d["spent_quantiles"][k], 4) for k, _ in QUANTILES])
     q.add_row("spent / B", *[_up(d["spent_fraction_quantiles"][k], 3) for k, _ in QUANTILES])
     re = d["realised_epsilon"]
-    q.add_row(f"realised ε ({re['conversion']})", *[_up(re[k], 4) for k, _ in QUANTILES])
+    q.add_row(escape(f"realised ε ({re['conversion']})"), *[_up(re[k], 4) for k, _ in QUANTILES])
     out.print(q)
     # review 55, F11: the unit and adjacency of these figures, as every ε printed carries them
     of_user = " (each record carries its user's figure)" if d["unit"] == "user" else ""
@@ -159,7 +159,7 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
         out.print("[bold]History by batch[/]")
         h = Table()
         for col in ("batch", "answers", "queries answered", "active", "retired", "retired %", "deleted",
-                    f"median realised ε ({d['conversion']})"):
+                    escape(f"median realised ε ({d['conversion']})")):
             h.add_column(col, justify="left" if col == "batch" else "right")
         for row in hist[-HISTORY_ROWS:]:
             h.add_row(escape(str(row["batch_id"])), str(row["answers"]), str(row["queries_answered"]),
@@ -292,8 +292,8 @@ def account_command(
     if plot is not None:
         err.print(escape(f"wrote {plot}"))
     if d["conversion"] != d["ledger_conversion"]:
-        err.print(f"note: headline conversion {d['conversion']}, the ledger was calibrated with "
-                  f"{d['ledger_conversion']}")
+        err.print(escape(f"note: headline conversion {d['conversion']}, the ledger was calibrated with "
+                         f"{d['ledger_conversion']}"))
     chk = d.get("check_eps")
     if chk is not None:
         over = chk["records_realised_above_eps"]
