@@ -315,12 +315,6 @@ def _remove_dead_temps(path: Path, *, keep: Path) -> list[Path]:
     return removed
 
 
-def write_answers_parquet(rows: list[dict], path: str | os.PathLike) -> None:
-    """Write released answers atomically (tmp → fsync → rename)."""
-    with AnswersWriter(path) as out:
-        out.write(rows)
-
-
 def read_answers_parquet(path: str | os.PathLike) -> pa.Table:
     """An answers file of ``serve-queries --out``; ``seed`` is int64 as in the JSON lines (files written before
     it was, with a string ``seed``, are read to the same type)."""

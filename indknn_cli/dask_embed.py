@@ -14,7 +14,6 @@ was for every reader.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 import numpy as np
@@ -78,14 +77,22 @@ def embed_partition(target: dict, role: str, info: dict, device: str, dim: int, 
     return [(lo, block[:a - lo]), (b, block[b - lo:])]
 
 
-#: How long a failed embed waits for the partitions still running before it gives up (and says so).
-DRAIN_SECONDS = float(os.environ.get("INDKNN_DASK_DRAIN_SECONDS", "600"))
+#: How long a failed embed waits for the partitions still running before it gives up (and says so). None:
+#: ``$INDKNN_DASK_DRAIN_SECONDS``, else 600 (read when used).
+DRAIN_SECONDS: float | None = None
+
+
+def _drain_seconds() -> float:
+    from .dask_fence import env_seconds
+
+    return DRAIN_SECONDS if DRAIN_SECONDS is not None else env_seconds("INDKNN_DASK_DRAIN_SECONDS", 600.0)
 
 
 class DaskFeatureWriter:
     """The ``dist`` of embedding._embed_source: partitions out, edge rows back, written before the commit."""
 
     def __init__(self, client, ex, *, device: str, partition_rows: int | None = None):
+        self._drain = _drain_seconds()  # read now: a bad value is refused before anything runs
         self.client, self.ex, self.device = client, ex, device
         self.partition_rows = partition_rows
         self.futures: list = []
@@ -150,12 +157,12 @@ class DaskFeatureWriter:
 
         try:  # each future ends finished, failed or lost: all that is waited for
             with self.client.as_current():
-                for _ in as_completed([f for f in self.futures if not f.done()], timeout=DRAIN_SECONDS):
+                for _ in as_completed([f for f in self.futures if not f.done()], timeout=self._drain):
                     pass
         except TimeoutError:
             self._end(remove=False)  # the stamp stays: the next writer revokes it before writing (dask_fence)
             raise SchedulerError(
-                f"the Dask workers did not finish within {DRAIN_SECONDS:.0f} s of a failure; nothing was "
+                f"the Dask workers did not finish within {self._drain:.0f} s of a failure; nothing was "
                 "committed, but a worker may still write rows past the store's committed ones: let the cluster "
                 "finish (or restart it) before the next write to this store") from None
         self._end()

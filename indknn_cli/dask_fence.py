@@ -33,8 +33,30 @@ log = logging.getLogger(__name__)
 
 LOCAL_NAME = "dask-run.json"
 SUFFIX = ".indknn-dask-run.json"
-#: Seconds a writer waits after revoking an orphaned run's stamp: longer than one chunk's write takes.
-GRACE_SECONDS = float(os.environ.get("INDKNN_DASK_FENCE_SECONDS", "5"))
+#: Seconds a writer waits after revoking an orphaned run's stamp: longer than one chunk's write takes. None:
+#: ``$INDKNN_DASK_FENCE_SECONDS``, else 5 (:func:`grace_seconds`).
+GRACE_SECONDS: float | None = None
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A duration from the environment, read when it is used (review 61: parsed at import, a bad value failed the
+    import with a bare ValueError that named neither the variable nor the value)."""
+    from .errors import BadInputError
+
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value != float("inf")):
+        raise BadInputError(f"${name} must be a number of seconds (0 or more), got {text!r}")
+    return value
+
+
+def grace_seconds() -> float:
+    return GRACE_SECONDS if GRACE_SECONDS is not None else env_seconds("INDKNN_DASK_FENCE_SECONDS", 5.0)
 
 _ACTIVE: set[str] = set()  # runs this process's coordinators have begun and not ended
 _guard = threading.Lock()
@@ -139,7 +161,7 @@ def revoke_orphan(store) -> bool:
     if now.get("state") == "running":
         _write(where, {**now, "state": "revoked", "revoked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     log.warning("an embed --scheduler run (%s) ended without its coordinator; its workers were told to stop; "
-                "waiting %.0f s for a chunk write in flight", now.get("run"), GRACE_SECONDS)
-    time.sleep(GRACE_SECONDS)  # also for a stamp already revoked: its revoker may have died during its wait
+                "waiting %.0f s for a chunk write in flight", now.get("run"), grace_seconds())
+    time.sleep(grace_seconds())  # also for a stamp already revoked: its revoker may have died during its wait
     _remove(where)
     return True

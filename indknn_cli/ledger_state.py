@@ -207,10 +207,6 @@ class LedgerState:
         self._answers_parts = [pa.table({n: pa.array(value[n], type=ANSWER_SCHEMA.field(n).type)
                                          for n in ANSWER_SCHEMA.names}, schema=ANSWER_SCHEMA)]
 
-    def set_answers_table(self, table: pa.Table) -> None:
-        self._answers_base = table if table.num_rows else None
-        self._answers_parts = []
-
     def extend_answers(self, table: pa.Table) -> None:
         """Keep an event's answer rows (their own buffers, ANSWER_SCHEMA columns, no event metadata)."""
         if table.num_rows:

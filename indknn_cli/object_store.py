@@ -340,12 +340,6 @@ def remove(folder) -> str | None:
     return None
 
 
-def pointer_only(folder) -> bool:
-    """A state folder whose remote location holds no store yet."""
-    loc = location(folder)
-    return loc is not None and not exists(loc)
-
-
 def new_generation(store, dest: Path) -> None:
     """Make ``dest`` the state folder of a fresh data prefix for a compacted copy of remote ``store``."""
     token = dest.name.rsplit("-", 1)[-1]

@@ -197,3 +197,25 @@ def test_a_boolean_is_not_an_epsilon():
 
     with pytest.raises(BadInputError, match="epsilon must be a positive finite number, got True"):
         calibrate_budget(epsilon=True, delta=1e-5)
+
+
+def test_a_bad_dask_duration_in_the_environment_is_named_not_an_import_failure(monkeypatch):
+    """Review 61: `INDKNN_DASK_DRAIN_SECONDS=abc` made `import indknn_cli.dask_embed` fail with a bare ValueError."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", "import indknn_cli.dask_embed, indknn_cli.dask_fence"], cwd=root,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "INDKNN_DASK_DRAIN_SECONDS": "abc",
+                              "INDKNN_DASK_FENCE_SECONDS": "x"}, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    from indknn_cli import dask_embed, dask_fence
+
+    monkeypatch.setenv("INDKNN_DASK_DRAIN_SECONDS", "abc")
+    with pytest.raises(BadInputError, match=r"\$INDKNN_DASK_DRAIN_SECONDS must be a number of seconds.*'abc'"):
+        dask_embed._drain_seconds()
+    monkeypatch.setenv("INDKNN_DASK_FENCE_SECONDS", "-1")
+    with pytest.raises(BadInputError, match="INDKNN_DASK_FENCE_SECONDS"):
+        dask_fence.grace_seconds()
+    monkeypatch.setenv("INDKNN_DASK_FENCE_SECONDS", "2.5")
+    assert dask_fence.grace_seconds() == 2.5
