@@ -310,7 +310,7 @@ def test_cli_bench_shows_a_bar_with_step_counts_on_a_terminal_and_lines_off_it(l
 
     from rich.console import Console
 
-    from indknn_cli.cli import bench as bench_cli
+    from indknn_cli.cli.bench import papers as bench_cli
     from indknn_cli.cli import common
 
     make = BenchConfig.make.__func__

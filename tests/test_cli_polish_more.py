@@ -203,9 +203,25 @@ def test_every_bench_command_is_typer_style():
         assert all(n in text for n in needles), (cmd, text)
     # bad values are refused by the typer options (exit 2), before any work
     for args in (["year", "--days", "5"], ["append", "--rows", "0"], ["startup", "--repeat", "0"],
-                 ["user-unit", "--eps", "x"], ["year", "--bogus"]):
+                 ["user-unit", "--eps", "x"], ["year", "--bogus"],
+                 ["index-speed", "--batch", "5"]):  # index-speed's hidden --batch (= --batch-size) is gone
         res = invoke("bench", *args)
         assert res.exit_code == 2, (args, res.output)
+
+
+def test_bench_measurements_have_one_parser():
+    """Each measurement is a keyword-only `run(...)` returning a dict; the module parses no argv, prints nothing
+    and never exits (the typer command is the one parser; architecture review)."""
+    import importlib
+    import inspect
+
+    for name in ("serve_speed", "year", "append", "stream", "startup", "index_speed", "user_unit", "audit"):
+        mod = importlib.import_module(f"indknn_cli.benchmarks.{name}")
+        text = inspect.getsource(mod)
+        assert not hasattr(mod, "main") and "argparse" not in text and "__main__" not in text, name
+        assert "print(" not in text.replace("print('HEAVY=", "") and "sys.exit" not in text, name
+        params = inspect.signature(mod.run).parameters.values()
+        assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params), name
 
 
 def test_bench_append_runs_as_a_typer_command():

@@ -117,7 +117,7 @@ def test_bench_audit_out_replaces_a_link_never_writes_through_it(tmp_path):
     target.write_bytes(b"PAR1 not to be touched PAR1")
     link = tmp_path / "audit.json"
     link.symlink_to(target)
-    audit.main(["--trials", "20", "--seed", "1", "--out", str(link)])
+    audit.run(trials=20, seed=1, out=link)
     assert target.read_bytes() == b"PAR1 not to be touched PAR1"
     assert not link.is_symlink() and json.loads(link.read_text())["certified_epsilon"] > 0
 
@@ -134,7 +134,7 @@ def test_bench_audit_out_that_is_not_a_file_is_refused_before_the_run(tmp_path, 
     else:
         out = tmp_path / "nowhere" / "x.json"
     with pytest.raises(BadInputError, match="folder|named pipe|does not exist"):
-        audit.main(["--trials", "20", "--out", str(out)])
+        audit.run(trials=20, out=out)
 
 
 def test_a_folder_at_an_output_path_is_refused_by_name(tmp_path):

@@ -197,7 +197,7 @@ def test_small_private_embed_writes_close_to_its_bytes(tmp_path):
     last chunk is ≤ 1 MiB; with 8 MiB chunks it was 1.46×), and the scan reads it back in one step."""
     from indknn_cli.benchmarks.append import run
 
-    r = run(20000, 64, role="private")
+    r = run(rows=20000, d=64, role="private")
     assert r["write_amplification"] <= 1.2, r
     s = FeatureStore.create(tmp_path / "t.zarr", extractor=EX, dim=64, label_names=["a"])
     x = np.random.default_rng(0).standard_normal((20000, 64)).astype(np.float32)

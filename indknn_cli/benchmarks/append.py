@@ -5,22 +5,23 @@
 Embeds ``--rows`` unit vectors from a ``.npy`` file as one query batch (the reader
 hands 256 rows at a time, as `serve-queries --queries FILE` does), and the same
 vectors as labelled private rows from a Parquet file (``--role``: one of them), and
-prints, one JSON line per role, the
-bytes this process wrote (``wchar`` of /proc/self/io: every write(2), compressed
+returns, per role, the bytes this process wrote (``wchar`` of /proc/self/io: every write(2), compressed
 chunks and metadata included) against the bytes of the vectors: the write
 amplification (target ≤ 1.2).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import logging
 import os
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
+ROLES = ("query", "private")
 
 
 def _wchar() -> int:
@@ -41,9 +42,25 @@ def _write_private(path: Path, x: np.ndarray) -> None:
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(n)], "label": ["a"] * n, "vector": vec}), path)
 
 
-def run(rows: int, d: int, *, role: str = "query") -> dict:
+def roles(role: str) -> tuple[str, ...]:
+    """The roles ``--role`` names: query, private, or both of them."""
+    if role == "both":
+        return ROLES
+    if role not in ROLES:
+        from ..errors import BadInputError
+
+        raise BadInputError(f"--role: expected query, private or both, got {role!r}")
+    return (role,)
+
+
+def run(*, rows: int, d: int, role: str) -> dict:
     """Embed ``rows`` vectors of dimension ``d`` as ``role`` (``query``: one batch from a .npy file;
     ``private``: labelled rows from a Parquet file) into a new store; bytes written against the row data."""
+    if role not in ROLES:
+        from ..errors import BadInputError
+
+        raise BadInputError(f"role: expected query or private, got {role!r}")
+    log.info("embedding %d rows of d = %d as %s", rows, d, role)
     from indknn_cli.embedding import embed_into_store, embed_query_file
     from indknn_cli.store import ExtractorInfo, FeatureStore
 
@@ -81,16 +98,3 @@ def run(rows: int, d: int, *, role: str = "query") -> dict:
             "vs_vectors_only": round(written / vectors, 3), "seconds": round(wall, 3),
             "loadavg": [round(v, 2) for v in os.getloadavg()]}
 
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="indknn bench append", description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=20000)
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--role", choices=["query", "private", "both"], default="both")
-    a = ap.parse_args(argv)
-    for role in (["query", "private"] if a.role == "both" else [a.role]):
-        print(json.dumps(run(a.rows, a.d, role=role)), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -30,20 +30,21 @@ sub-cluster, ≈ 0.37 across sub-clusters of a class, ≈ 0 across classes);
 20% of private labels flipped at random; query labels are the clean classes.
 Public vectors (for IVF) are fresh draws from the same sub-clusters.
 
-Prints a table per data set on stderr and one JSON object (all figures) on stdout.
+Reports a line per measurement and a table per data set through ``progress`` and returns one dict (all
+figures).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
+import logging
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -62,8 +63,7 @@ EPSILONS = (0.5, 1.0, 2.0)
 RUN_KEYS = (101, 202, 303)
 
 
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
+log = logging.getLogger(__name__)
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def accuracy(cands: Candidates, q, qy, y, n_classes, *, tau, sigma2) -> dict:
 
 
 def bench_dataset(name, x, y, q, qy, public, *, n_classes, tau, sigma2, batch, nlist, nprobes, latency_queries,
-                  tmp: Path, bits_sweep=()) -> dict:
+                  tmp: Path, bits_sweep=(), progress: Callable[[str], None] = log.info) -> dict:
     res = {"dataset": name, "n": int(len(x)), "d": int(x.shape[1]), "queries": int(len(q)), "tau": tau,
            "sigma2": sigma2, "batch": batch, "kinds": {}}
     t0 = time.perf_counter()
@@ -167,7 +167,8 @@ def bench_dataset(name, x, y, q, qy, public, *, n_classes, tau, sigma2, batch, n
     exact, dt = run_batches(exact_fn, q, batch)
     k_exact = float(np.mean([r.size for r in exact.rows]))
     lat = _latency(exact_fn, q, latency_queries)
-    log(f"[{name}] exact: {len(q) / dt:.1f} q/s, mean |C| = {k_exact:.1f}, one-at-a-time {lat * 1e3:.1f} ms/query")
+    progress(f"[{name}] exact: {len(q) / dt:.1f} q/s, mean |C| = {k_exact:.1f}, "
+             f"one-at-a-time {lat * 1e3:.1f} ms/query")
     res["kinds"]["exact"] = {"build_s": res["ledger_build_s"], "queries_per_s": round(len(q) / dt, 1),
                              "recall": 1.0, "mean_candidates": round(k_exact, 1),
                              "latency_ms_one_query": round(lat * 1e3, 2),
@@ -195,7 +196,7 @@ def bench_dataset(name, x, y, q, qy, public, *, n_classes, tau, sigma2, batch, n
     entry["latency_ms_one_query"] = round(_latency(finder, q, latency_queries) * 1e3, 2)
     entry["speedup_one_query_vs_exact"] = round(lat * 1e3 / entry["latency_ms_one_query"], 2)
     entry["accuracy"] = accuracy(lsh, q, qy, y, n_classes, tau=tau, sigma2=sigma2)
-    log(f"[{name}] lsh L=30 b=9: build {build_s:.1f}s, {entry['queries_per_s']} q/s ({strat}), "
+    progress(f"[{name}] lsh L=30 b=9: build {build_s:.1f}s, {entry['queries_per_s']} q/s ({strat}), "
         f"recall {entry['recall']}, one-at-a-time {entry['latency_ms_one_query']} ms/query")
     res["kinds"]["lsh"] = entry
     del finder, lsh
@@ -212,7 +213,7 @@ def bench_dataset(name, x, y, q, qy, public, *, n_classes, tau, sigma2, batch, n
                                         "recall": round(recall(c, exact), 4),
                                         "latency_ms_one_query": round(lat_b * 1e3, 2),
                                         "accuracy": accuracy(c, q, qy, y, n_classes, tau=tau, sigma2=sigma2)})
-            log(f"[{name}] lsh L=30 b={b}: recall {entry['bits_sweep'][-1]['recall']}, "
+            progress(f"[{name}] lsh L=30 b={b}: recall {entry['bits_sweep'][-1]['recall']}, "
                 f"acc {entry['bits_sweep'][-1]['accuracy']}")
             del f, c
 
@@ -236,7 +237,7 @@ def bench_dataset(name, x, y, q, qy, public, *, n_classes, tau, sigma2, batch, n
         r = recall(c, exact)
         sweep.append({"nprobe": npb, "queries_per_s": round(len(q) / dt, 1), "recall": round(r, 4),
                       "mean_candidates": round(float(np.mean([x.size for x in c.rows])), 1)})
-        log(f"[{name}] ivf nlist={info['nlist']} nprobe={npb}: {len(q) / dt:.1f} q/s, recall {r:.4f}")
+        progress(f"[{name}] ivf nlist={info['nlist']} nprobe={npb}: {len(q) / dt:.1f} q/s, recall {r:.4f}")
         if npb == calibrated:
             chosen = (npb, c)
     res["kinds"]["ivf"] = {"build_s": round(build_s, 2), "train_s": info.get("train_seconds"),
@@ -322,20 +323,13 @@ def _f(v):
     return str(v)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, nargs="*", default=[100_000, 1_000_000])
-    ap.add_argument("--d", type=int, default=384)
-    ap.add_argument("--queries", type=int, default=1000)
-    ap.add_argument("--batch-size", "--batch", dest="batch", type=int, default=1024)
-    ap.add_argument("--tau", type=float, default=0.6, help="synthetic τ (cos): a record's own sub-cluster")
-    ap.add_argument("--ag", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--ag-tau", type=float, default=0.25)
-    ap.add_argument("--latency-queries", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    a = ap.parse_args(argv)
-    if a.out:  # before the run (review 48, F1)
-        check_output_file(a.out, option="--out")
+def run(*, sizes: Sequence[int], d: int, queries: int, batch_size: int, tau: float, ag: bool, ag_tau: float,
+        latency_queries: int, out: Path | None = None, progress: Callable[[str], None] = log.info) -> dict:
+    """Every index kind on synthetic data of each N in ``sizes`` (τ = ``tau``) and, with ``ag``, on AG News
+    (τ = ``ag_tau``); ``progress(text)``: a line per measurement, a table per data set. ``out``: also write
+    the JSON there (checked before the run)."""
+    if out:  # before the run (review 48, F1)
+        check_output_file(out, option="--out")
     import torch
 
     from ..candidates import import_faiss
@@ -349,39 +343,35 @@ def main(argv: list[str] | None = None) -> None:
                "adjacency": "add/remove one record", "run_keys": list(RUN_KEYS), "datasets": []}
     with tempfile.TemporaryDirectory(prefix="indknn-index-bench-") as tmp:
         tmp = Path(tmp)
-        for n in a.n:
+        for n in sizes:
             t0 = time.perf_counter()
-            gen = Synthetic(n, a.d, seed=n)
+            gen = Synthetic(n, d, seed=n)
             x, y = gen.draw(n, seed=1, flip=0.2)
-            q, qy = gen.draw(a.queries, seed=2)
+            q, qy = gen.draw(queries, seed=2)
             nlist = 1024 if n >= 500_000 else 256
             public, _ = gen.draw(64 * nlist, seed=3)
-            log(f"[synthetic-{n}] data {time.perf_counter() - t0:.1f}s, {gen.subs} sub-clusters")
-            r = bench_dataset(f"synthetic-{n}", x, y, q, qy, public, n_classes=10, tau=a.tau, sigma2=0.6,
-                              batch=a.batch, nlist=nlist, nprobes=(1, 2, 4, 8, 16, 32), tmp=tmp,
-                              latency_queries=a.latency_queries)
+            progress(f"[synthetic-{n}] data {time.perf_counter() - t0:.1f}s, {gen.subs} sub-clusters")
+            r = bench_dataset(f"synthetic-{n}", x, y, q, qy, public, n_classes=10, tau=tau, sigma2=0.6,
+                              batch=batch_size, nlist=nlist, nprobes=(1, 2, 4, 8, 16, 32), tmp=tmp,
+                              latency_queries=latency_queries, progress=progress)
             r["synthetic"] = {"sub_clusters": gen.subs, "label_flip_private": 0.2, "public_rows": len(public)}
             results["datasets"].append(r)
-            log(table(r))
+            progress(table(r))
             del x, y, q, public
             gc.collect()
-        if a.ag:
+        if ag:
             from indknn_cli.benchmarks.data import load_dataset
 
             ds = load_dataset("ag_news")
             perm = np.random.default_rng(0).permutation(len(ds.x))
             xi, qi = perm[:6600], perm[6600:7600]
             r = bench_dataset("ag_news", ds.x[xi], ds.y[xi].astype(np.int32), ds.x[qi], ds.y[qi], None,
-                              n_classes=4, tau=a.ag_tau, sigma2=0.6, batch=a.batch, nlist=None,
-                              nprobes=(1, 2, 4, 8, 16), tmp=tmp, latency_queries=a.latency_queries,
+                              n_classes=4, tau=ag_tau, sigma2=0.6, batch=batch_size, nlist=None,
+                              nprobes=(1, 2, 4, 8, 16), tmp=tmp, latency_queries=latency_queries, progress=progress,
                               bits_sweep=(4, 5, 6, 7))
             r["split"] = "seeded permutation (0): 6,600 private / 1,000 queries; IVF trained on the 1,000 query rows"
             results["datasets"].append(r)
-            log(table(r))
-    print(json.dumps(results))
-    if a.out:
-        write_text_file(a.out, json.dumps(results, indent=1), option="--out")
-
-
-if __name__ == "__main__":
-    main()
+            progress(table(r))
+    if out:
+        write_text_file(out, json.dumps(results, indent=1), option="--out")
+    return results

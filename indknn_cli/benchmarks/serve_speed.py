@@ -22,7 +22,7 @@ the store's ledger mark restored between the serves, and whether their answers a
 takes by bf16_screen.rule).
 
 Ratios are of CPU seconds (user + system, all threads), which a loaded machine disturbs less than wall
-time; the wall-time ratios are printed next to them. One JSON line per configuration.
+time; the wall-time ratios are printed next to them. One dict (JSON line) per configuration: :func:`run_grid`.
 
     indknn bench serve-speed --n 200000 --d 384 --scheduler local --workers 1,2,4
 
@@ -38,15 +38,15 @@ measured per-chunk costs (read, score) behind docs/SCALING.md.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
+import logging
 import os
 import resource
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -56,6 +56,7 @@ from indknn_cli.engine import ArraySource, _import_torch, find_candidates
 from indknn_cli.serving import build_index, make_params
 from indknn_cli.store import ExtractorInfo, FeatureStore
 
+log = logging.getLogger(__name__)
 CLASSES = 10
 
 
@@ -198,7 +199,9 @@ def make_store(tmp: Path, n, d, m, tau):
     return store, np.concatenate(parts).astype(np.float32), q.astype(np.float32)
 
 
-def run(n, d, m, tau, batch_size, device):
+def run(*, n: int, d: int, queries: int, tau: float, batch_size: int, device: str) -> dict:
+    """One configuration in this process: the matmul, candidate and FAISS timings and a serve-queries process."""
+    m = queries
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         store, x, q = make_store(tmp, n, d, m, tau)
@@ -293,32 +296,22 @@ def _answers(path: Path) -> list:
     return _answers_bytes(path.read_bytes())
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="indknn bench serve-speed")
-    ap.add_argument("--n", type=int, nargs="+", default=[50000])
-    ap.add_argument("--d", type=int, nargs="+", default=[768])
-    ap.add_argument("--queries", type=int, default=20000)
-    ap.add_argument("--tau", type=float, default=0.54)
-    ap.add_argument("--batch-size", type=int, default=1024)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--scheduler", default=None, help="local (a LocalCluster per worker count) or a scheduler address")
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
-    a = ap.parse_args(argv)
-    for d in a.d:
-        for n in a.n:
-            if a.device == "cuda" and not a.scheduler:  # the GPU's own figures (serve_speed_gpu)
+
+def run_grid(*, sizes: Sequence[int], dims: Sequence[int], queries: int, tau: float, batch_size: int, device: str,
+             scheduler: str | None = None, workers: Sequence[int] = (1, 2, 4)) -> Iterator[dict]:
+    """One dict per N × d (``sizes`` × ``dims``): :func:`run`; with ``device`` cuda, the GPU's own figures
+    (serve_speed_gpu); with a ``scheduler``, the in-process run and one per worker count (serve_dask)."""
+    for d in dims:
+        for n in sizes:
+            log.info("N = %d, d = %d, %d queries", n, d, queries)
+            if device == "cuda" and not scheduler:  # the GPU's own figures (serve_speed_gpu)
                 from .serve_speed_gpu import run_gpu
 
-                print(json.dumps(run_gpu(n, d, a.queries, a.tau, a.batch_size)), flush=True)
-            elif a.scheduler:
+                yield run_gpu(n, d, queries, tau, batch_size)
+            elif scheduler:
                 from .serve_dask import run_scheduled
 
-                for line in run_scheduled(n, d, a.queries, a.tau, a.batch_size, a.device, a.scheduler, a.workers,
-                                          make_store=make_store):
-                    print(json.dumps(line), flush=True)
+                yield from run_scheduled(n, d, queries, tau, batch_size, device, scheduler, list(workers),
+                                         make_store=make_store)
             else:
-                print(json.dumps(run(n, d, a.queries, a.tau, a.batch_size, a.device)), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+                yield run(n=n, d=d, queries=queries, tau=tau, batch_size=batch_size, device=device)

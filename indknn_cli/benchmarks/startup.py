@@ -3,7 +3,7 @@
     indknn bench startup --repeat 5
 
 Runs each command ``--repeat`` times in a fresh interpreter (the same Python) and
-prints the best wall time of each and their ratios:
+returns the best wall time of each and their ratios:
 
 - ``indknn --help`` against a bare ``python -c pass`` (target ≤ 0.3 s), and which
   heavy libraries `--help` imported (none of torch, zarr, scipy, pyarrow, numpy expected);
@@ -17,8 +17,7 @@ prints the best wall time of each and their ratios:
 
 from __future__ import annotations
 
-import argparse
-import json
+import logging
 import os
 import shutil
 import subprocess
@@ -27,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 HEAVY = ("torch", "zarr", "scipy", "pyarrow", "numpy", "pandas", "sklearn")
 
 HELP_PROBE = (
@@ -102,22 +102,16 @@ def heavy_modules_at_help() -> list[str]:
     return [m for m in line[len("HEAVY="):].split(",") if m]
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="indknn bench startup", description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--small-n", type=int, default=10_000)
-    ap.add_argument("--small-d", type=int, default=384)
-    ap.add_argument("--small-queries", type=int, default=100)
-    a = ap.parse_args(argv)
+def run(*, repeat: int, small_n: int, small_d: int, small_queries: int) -> dict:
+    """`indknn --help` against `python -c pass`, and the small serve against the bare product process, each
+    the best of ``repeat`` runs."""
     load0 = os.getloadavg()
-    bare = _best([sys.executable, "-c", "pass"], a.repeat)
-    helps = _best([sys.executable, "-m", "indknn_cli", "--help"], a.repeat)
-    small = small_serve(n=a.small_n, d=a.small_d, m=a.small_queries, repeat=a.repeat)
-    print(json.dumps({"python_pass_s": round(bare, 4), "indknn_help_s": round(helps, 4),
-                      "help_vs_bare_python": round(helps / bare, 2), "heavy_imported_by_help": heavy_modules_at_help(),
-                      "small_serve": small, "loadavg_start": [round(v, 2) for v in load0],
-                      "loadavg_end": [round(v, 2) for v in os.getloadavg()]}), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    log.info("timing python -c pass and indknn --help (%d runs each)", repeat)
+    bare = _best([sys.executable, "-c", "pass"], repeat)
+    helps = _best([sys.executable, "-m", "indknn_cli", "--help"], repeat)
+    log.info("timing the small serve (N = %d, d = %d, %d queries)", small_n, small_d, small_queries)
+    small = small_serve(n=small_n, d=small_d, m=small_queries, repeat=repeat)
+    return {"python_pass_s": round(bare, 4), "indknn_help_s": round(helps, 4),
+            "help_vs_bare_python": round(helps / bare, 2), "heavy_imported_by_help": heavy_modules_at_help(),
+            "small_serve": small, "loadavg_start": [round(v, 2) for v in load0],
+            "loadavg_end": [round(v, 2) for v in os.getloadavg()]}

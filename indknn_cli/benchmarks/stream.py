@@ -12,7 +12,7 @@ and ledger, then times two whole `indknn` processes on the two copies:
 (b) stored: ``embed q.npy --role query`` first (not timed with the serve), then
     ``serve-queries <batch> --out b.parquet``.
 
-Prints one JSON line: each process's own peak RSS (its VmHWM, written by the process
+Returns one dict: each process's own peak RSS (its VmHWM, written by the process
 at exit: :mod:`.peak_rss`; ``ru_maxrss`` would include this bench's own high-water
 mark), wall and CPU seconds, queries/s, the ratio streamed / stored (target
 ≤ 1.3; peak RSS target ≤ 2 GB), whether the two answer files and ledgers are
@@ -23,8 +23,8 @@ answer released before it (quadratic in the run's queries; see README).
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -34,7 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 BLOCK = 1 << 16
+FORMATS = ("npy", "parquet")
 
 
 def _write_queries(path: Path, m: int, d: int, fmt: str) -> None:
@@ -91,8 +93,15 @@ def _ledger_digest(lp: Path) -> dict:
             "batches": list(s.batches)}
 
 
-def run(m: int, n: int, d: int, tau: float, reuse: bool, batch_size: int, fmt: str, device: str,
-        keep: str | None = None) -> dict:
+def run(*, queries: int, n: int, d: int, tau: float, reuse: bool, batch_size: int, fmt: str, device: str,
+        keep: str | Path | None = None) -> dict:
+    """``queries`` queries in one file (``fmt``: npy or parquet) served streamed and stored, each in its own
+    `indknn` process (``keep``: build everything in this new folder and keep it)."""
+    if fmt not in FORMATS:
+        from ..errors import BadInputError
+
+        raise BadInputError(f"--format must be npy or parquet, got {fmt!r}")
+    m = queries
     from indknn_cli.answers_out import read_answers_parquet
     from indknn_cli.serving import build_index, make_params
     from indknn_cli.store import ExtractorInfo, FeatureStore
@@ -118,11 +127,13 @@ def run(m: int, n: int, d: int, tau: float, reuse: bool, batch_size: int, fmt: s
         shutil.rmtree(built)
         opts = ["--seed", "1", "--device", device, "--batch-size", str(batch_size)] + ([] if reuse else ["--no-reuse"])
         load0 = os.getloadavg()
+        log.info("serving %d queries streamed from %s", m, qfile.name)
         streamed = _child(["serve-queries", str(qfile), "--store", str(a / "s.zarr"), "--ledger", str(a / "L"),
                                  "--out", str(a / "out.parquet")] + opts)
         embed = _child(["embed", str(qfile), "--role", "query", "--store", str(b / "s.zarr")],
                        stdout_path=root / "embed.json")
-        batch = json.loads((root / "embed.json").read_text().strip().splitlines()[-1])["batch"]
+        batch = json.loads((root / "embed.json").read_text().strip().splitlines()[-1])["batch_id"]
+        log.info("serving the same %d queries stored (batch %s)", m, batch)
         stored = _child(["serve-queries", batch, "--store", str(b / "s.zarr"), "--ledger", str(b / "L"),
                                "--out", str(b / "out.parquet")] + opts)
         load1 = os.getloadavg()
@@ -143,22 +154,3 @@ def run(m: int, n: int, d: int, tau: float, reuse: bool, batch_size: int, fmt: s
         "loadavg_start": [round(v, 2) for v in load0], "loadavg_end": [round(v, 2) for v in load1],
     }
 
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="indknn bench stream", description=__doc__.splitlines()[0])
-    ap.add_argument("--queries", type=int, default=2_000_000)
-    ap.add_argument("--n", type=int, default=10_000)
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--tau", type=float, default=0.5)
-    ap.add_argument("--batch-size", type=int, default=1024)
-    ap.add_argument("--format", choices=("npy", "parquet"), default="npy")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--reuse", action="store_true", help="serve with reuse on (default off)")
-    ap.add_argument("--keep", default=None, help="build everything in this (new) folder and keep it")
-    a = ap.parse_args(argv)
-    print(json.dumps(run(a.queries, a.n, a.d, a.tau, a.reuse, a.batch_size, a.format, a.device, a.keep)),
-          flush=True)
-
-
-if __name__ == "__main__":
-    main()

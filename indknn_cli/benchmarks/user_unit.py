@@ -6,7 +6,8 @@ AG News test split (MiniLM features, cached by `bench`), split at random (seeded
 queries; the private records are grouped into users of 1–20 records at random (sizes uniform on 1..20).
 Per ε, Ind-KNN runs through the serving engine (`engine.answer_batch`) with the record unit (a per-record
 `BudgetView`) and the user unit (a per-user `UserBudgetView`, all of a user's records, and the k most
-similar per query). Prints one JSON line with the table; a table on stderr; `--out` also writes a PNG.
+similar per query). Returns one dict with the table (a line per row through ``progress``); ``out`` also
+gets the JSON and a PNG.
 
 The guarantees differ: the record unit's ε is per record (a user with m records is protected far less),
 the user unit's ε is per user with all their records. The comparison is of the accuracy each costs.
@@ -14,11 +15,11 @@ the user unit's ε is per user with all their records. The comparison is of the 
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
+import logging
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -26,6 +27,8 @@ from ..engine import ArraySource, BudgetView, answer_batch
 from ..ledger_state import LedgerState
 from ..serving import make_params, run_key_for
 from ..user_unit import UserBudgetView
+
+log = logging.getLogger(__name__)
 
 
 def assign_users(n: int, *, max_records: int, rng: np.random.Generator) -> np.ndarray:
@@ -63,67 +66,59 @@ def run_once(x, y, users, q, *, params, n_classes, unit: str, k: int | None, see
     return np.asarray(labels), time.perf_counter() - t0
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="indknn bench user-unit", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dataset", default="ag_news")
-    ap.add_argument("--eps", type=float, nargs="+", default=[0.5, 1.0, 2.0])
-    ap.add_argument("--draws", type=int, default=3)
-    ap.add_argument("--queries", type=int, default=1000)
-    ap.add_argument("--max-records", type=int, default=20, help="users have 1..N records (uniform)")
-    ap.add_argument("--k", type=int, default=3, help="--max-records-per-user of the capped user-unit row")
-    ap.add_argument("--tau", type=float, default=0.25)
-    ap.add_argument("--sigma2", type=float, default=0.6)
-    ap.add_argument("--delta", type=float, default=1e-5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args(argv)
+def run(*, dataset: str, eps: Sequence[float], draws: int, queries: int, max_records: int, k: int, tau: float,
+        sigma2: float, delta: float, seed: int, out: Path | None = None,
+        progress: Callable[[str], None] = log.info) -> dict:
+    """The record unit, the user unit and the user unit capped at ``k`` records per ε in ``eps`` (median over
+    ``draws`` random splits of ``queries`` queries; users of 1..``max_records`` records). ``progress(text)``: a
+    line per row. ``out``: a folder that also gets user_unit.json and user_unit.png."""
     from .data import load_dataset
 
-    ds = load_dataset(a.dataset)
+    ds = load_dataset(dataset)
     rows = []
 
     def split(draw: int):
         """The draw's generator (users are drawn from it next) and its query and private rows."""
-        rng = np.random.default_rng(a.seed * 1000 + draw)
+        rng = np.random.default_rng(seed * 1000 + draw)
         perm = rng.permutation(len(ds.x))
-        return rng, perm[:a.queries], perm[a.queries:]
+        return rng, perm[:queries], perm[queries:]
 
     majority = []  # per draw: the private rows' most common label, as a constant answer (the floor to beat)
-    for draw in range(a.draws):
+    for draw in range(draws):
         _, qi, pi = split(draw)
         top = int(np.bincount(ds.y[pi], minlength=len(ds.label_names)).argmax())
         majority.append(float((ds.y[qi] == top).mean()))
-    print(f"majority class (constant)  acc {np.median(majority):.3f}", file=sys.stderr)
-    for eps in a.eps:
-        for unit, k in (("record", None), ("user", None), ("user", a.k)):
+    progress(f"majority class (constant)  acc {np.median(majority):.3f}")
+    for epsilon in eps:
+        for unit, cap in (("record", None), ("user", None), ("user", k)):
             accs, qps = [], []
-            for draw in range(a.draws):
+            for draw in range(draws):
                 rng, qi, pi = split(draw)
-                users = assign_users(len(pi), max_records=a.max_records, rng=rng)
-                params = make_params(epsilon=eps, delta=a.delta, tau=a.tau, sigma2=a.sigma2,
-                                     planned_queries=a.queries, k_min=30, privacy_unit=unit,
-                                     max_records_per_user=k)
+                users = assign_users(len(pi), max_records=max_records, rng=rng)
+                params = make_params(epsilon=epsilon, delta=delta, tau=tau, sigma2=sigma2,
+                                     planned_queries=queries, k_min=30, privacy_unit=unit,
+                                     max_records_per_user=cap)
                 pred, secs = run_once(ds.x[pi], ds.y[pi], users, ds.x[qi], params=params,
-                                      n_classes=len(ds.label_names), unit=unit, k=k, seed=a.seed + draw)
+                                      n_classes=len(ds.label_names), unit=unit, k=cap, seed=seed + draw)
                 accs.append(float((pred == ds.y[qi]).mean()))
-                qps.append(a.queries / secs)
-            name = "record" if unit == "record" else f"user (k={k})" if k else "user (all records)"
-            rows.append({"epsilon": eps, "unit": unit, "variant": name, "max_records_per_user": k,
+                qps.append(queries / secs)
+            name = "record" if unit == "record" else f"user (k={cap})" if cap else "user (all records)"
+            rows.append({"epsilon": epsilon, "unit": unit, "variant": name, "max_records_per_user": cap,
                          "accuracy_median": float(np.median(accs)), "accuracies": accs,
                          "queries_per_s_median": float(np.median(qps)),
                          "adjacency": f"add/remove one {unit}", "conversion": "gdp"})
-            print(f"ε={eps:g} (gdp, per {unit}, add/remove one {unit}) {name:20s} acc {np.median(accs):.3f}  "
-                  f"{np.median(qps):7.0f} q/s", file=sys.stderr)
-    summary = {"experiment": "user-unit", "dataset": a.dataset, "private": len(ds.x) - a.queries,
-               "queries": a.queries, "users_records": f"1..{a.max_records} uniform", "tau": a.tau,
-               "sigma2": a.sigma2, "delta": a.delta, "draws": a.draws, "rows": rows,
+            progress(f"ε={epsilon:g} (gdp, per {unit}, add/remove one {unit}) {name:20s} acc "
+                     f"{np.median(accs):.3f}  {np.median(qps):7.0f} q/s")
+    summary = {"experiment": "user-unit", "dataset": dataset, "private": len(ds.x) - queries,
+               "queries": queries, "users_records": f"1..{max_records} uniform", "tau": tau,
+               "sigma2": sigma2, "delta": delta, "draws": draws, "rows": rows,
                "majority_class": {"method": "majority class (constant)", "accuracy_median": float(np.median(majority)),
                                   "accuracies": majority},
                "note": "record-unit ε is per record; user-unit ε is per user with all their records"}
-    if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "user_unit.json").write_text(json.dumps(summary, indent=1))
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "user_unit.json").write_text(json.dumps(summary, indent=1))
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -133,14 +128,13 @@ def main(argv: list[str]) -> int:
             line, = ax.plot([r["epsilon"] for r in sel], [r["accuracy_median"] for r in sel], marker="o", label=name)
             ax.fill_between([r["epsilon"] for r in sel], [min(r["accuracies"]) for r in sel],
                             [max(r["accuracies"]) for r in sel], color=line.get_color(), alpha=0.15, linewidth=0)
-        eps = sorted({r["epsilon"] for r in rows})
+        xs = sorted({r["epsilon"] for r in rows})
         ax.axhline(float(np.median(majority)), color="grey", linestyle=":", label="majority class")
-        ax.fill_between([eps[0], eps[-1]], min(majority), max(majority), color="grey", alpha=0.12, linewidth=0)
-        ax.set_xlabel("ε (gdp, δ = %g; per record or per user, add/remove one of them)" % a.delta)
-        ax.set_ylabel("median accuracy (%d draws)" % a.draws)
-        ax.set_title("AG News, users of 1–%d records (bands: min–max over draws)" % a.max_records, fontsize=9)
+        ax.fill_between([xs[0], xs[-1]], min(majority), max(majority), color="grey", alpha=0.12, linewidth=0)
+        ax.set_xlabel("ε (gdp, δ = %g; per record or per user, add/remove one of them)" % delta)
+        ax.set_ylabel("median accuracy (%d draws)" % draws)
+        ax.set_title("AG News, users of 1–%d records (bands: min–max over draws)" % max_records, fontsize=9)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(a.out / "user_unit.png", dpi=120)
-    print(json.dumps(summary))
-    return 0
+        fig.savefig(out / "user_unit.png", dpi=120)
+    return summary

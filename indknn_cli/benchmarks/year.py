@@ -7,16 +7,15 @@ Builds a synthetic clustered store of N private vectors and a ledger, stores
 each day's queries as their own batch, then per day times (in this process)
 ``BudgetLedger.open`` + ``serving.serve_queries`` and ``report.build_account_report``
 (what `indknn serve-queries` and `indknn account` do after their imports; with
-``--processes``, whole `indknn` processes on the compared days). Prints
-one JSON line: the median of days 8-12 ("day 10") and of the last five days, and
+``--processes``, whole `indknn` processes on the compared days). Returns
+one dict: the median of days 8-12 ("day 10") and of the last five days, and
 their ratios (target: ≤ 1.2), plus the event files and generation at the end.
 Fixed seed: for measurement only.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import logging
 import os
 import statistics
 import subprocess
@@ -26,6 +25,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
+#: Days 8-12 ("day 10") and the last five days apart: at 12 they were the same days (ratio 1 by design).
+MIN_DAYS = 17
 
 
 def clustered(n, d, classes, rng, spread=1.0):
@@ -37,8 +40,16 @@ def clustered(n, d, classes, rng, spread=1.0):
     return x, y.astype(np.int32)
 
 
-def run(days: int, m: int, n: int, d: int, tau: float, reuse: bool, eps: float, keep: str | None = None,
-        processes: bool = False) -> dict:
+def run(*, days: int, queries: int, n: int, d: int, tau: float, reuse: bool, eps: float,
+        keep: str | Path | None = None, processes: bool = False) -> dict:
+    """``days`` daily batches of ``queries`` queries served into one ledger (``keep``: build in this new folder
+    and keep it); the seconds of the last days against day 10's."""
+    if days < MIN_DAYS:
+        from ..errors import BadInputError
+
+        raise BadInputError(f"--days must be at least {MIN_DAYS} (days 8-12, \"day 10\", are compared with the "
+                            "last five days)")
+    m = queries
     from indknn_cli.ledger import BudgetLedger
     from indknn_cli.report import build_account_report
     from indknn_cli.serving import build_index, make_params, serve_queries
@@ -58,6 +69,7 @@ def run(days: int, m: int, n: int, d: int, tau: float, reuse: bool, eps: float, 
                          batch=f"day{day:04d}")
         params = make_params(epsilon=eps, delta=1e-5, tau=tau, sigma2=0.6, planned_queries=days * m)
         build_index(store_path=sp, ledger_path=lp, params=params)
+        log.info("store of %d records and %d daily batches built; serving", n, days)
         serve_s, account_s = [], []
         ten_days = set(range(max(0, min(7, days - 5)), max(5, min(12, days))))
         for day in range(days):
@@ -83,6 +95,8 @@ def run(days: int, m: int, n: int, d: int, tau: float, reuse: bool, eps: float, 
             t2 = time.perf_counter()
             serve_s.append(t1 - t0)
             account_s.append(t2 - t1)
+            if (day + 1) % 10 == 0:
+                log.info("day %d of %d served", day + 1, days)
         led = BudgetLedger.open(lp)
         events = len(led._event_files())
         answers = len(led.state.answers["query_index"])
@@ -102,24 +116,3 @@ def run(days: int, m: int, n: int, d: int, tau: float, reuse: bool, eps: float, 
     out["loadavg"] = [round(v, 2) for v in os.getloadavg()]
     return out
 
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="indknn bench year", description=__doc__.splitlines()[0])
-    ap.add_argument("--days", type=int, default=60)
-    ap.add_argument("--queries", type=int, default=200, help="queries per day")
-    ap.add_argument("--n", type=int, default=5000)
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--tau", type=float, default=0.5)
-    ap.add_argument("--eps", type=float, default=100.0, help="large so that records stay active all year")
-    ap.add_argument("--reuse", action="store_true", help="serve with reuse on (default off)")
-    ap.add_argument("--keep", default=None, help="build the store and ledger in this (new) folder and keep them")
-    ap.add_argument("--processes", action="store_true",
-                    help="time whole `indknn serve-queries` and `indknn account` processes on the compared days")
-    a = ap.parse_args(argv)
-    if a.days < 17:  # days 8-12 and the last five days apart: at 12 they were the same days (ratio 1 by design)
-        ap.error("--days must be at least 17 (days 8-12, \"day 10\", are compared with the last five days)")
-    print(json.dumps(run(a.days, a.queries, a.n, a.d, a.tau, a.reuse, a.eps, a.keep, a.processes)), flush=True)
-
-
-if __name__ == "__main__":
-    main()
