@@ -23,14 +23,15 @@ from .common import (emit_json, given_on_command_line, resolve_ledger, run_libra
 
 
 def _load() -> None:
-    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`: the
+    names are this module's globals, declared here."""
+    global CONVERSION_LABEL, enforce_verified, verification_lines, verify_ledger, QUANTILES, REALISED_LABEL, \
+        AccountReport, build_account_report, enforce_checks, public_allowance
     from ..accounting import CONVERSION_LABEL
     from ..ledger_verify import enforce_verified, verification_lines, verify_ledger
     from ..report import (QUANTILES, REALISED_LABEL, AccountReport,
                           build_account_report, enforce_checks)
     from ..serving import public_allowance
-    for key, value in dict(locals()).items():
-        globals().setdefault(key, value)
 
 
 HISTORY_ROWS = 20

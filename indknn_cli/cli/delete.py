@@ -15,11 +15,11 @@ from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store
 
 
 def _load() -> None:
-    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`: the
+    names are this module's globals, declared here."""
+    global delete_records, read_ids
     from ..deletion import delete_records
     from ..deletion_plan import read_ids
-    for key, value in dict(locals()).items():
-        globals().setdefault(key, value)
 
 
 def _read_file(name: str, what: str) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -13,11 +12,11 @@ from .common import (check_device, deprecated_alias, emit_json, progress_bar, re
 
 
 def _load() -> None:
-    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`: the
+    names are this module's globals, declared here."""
+    global resolve_scheduler, embed_into_store
     from ..scheduler_address import resolve_scheduler
     from ..embedding import embed_into_store
-    for key, value in dict(locals()).items():
-        globals().setdefault(key, value)
 
 
 def parse_label_names(text: Optional[str]) -> Optional[list]:

@@ -19,11 +19,11 @@ from .common import (check_lock_timeout, emit_json, env_value, given_on_command_
 
 
 def _load() -> None:
-    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`: the
+    names are this module's globals, declared here."""
+    global build_index, make_params, SEEDED_NOTE, TuneRequest, check_method, check_shape
     from ..serving import build_index, make_params
     from ..tuning import SEEDED_NOTE, TuneRequest, check_method, check_shape
-    for key, value in dict(locals()).items():
-        globals().setdefault(key, value)
 
 
 #: Privacy flags of `index` and the ledger field each sets (checked on a re-run without --eps: review 38, F4).

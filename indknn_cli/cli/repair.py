@@ -13,10 +13,10 @@ from .common import check_lock_timeout, emit_json, resolve_ledger, resolve_store
 
 
 def _load() -> None:
-    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`: the
+    names are this module's globals, declared here."""
+    global repair_ledger
     from ..ledger_repair import repair_ledger
-    for key, value in dict(locals()).items():
-        globals().setdefault(key, value)
 
 
 def repair_command(

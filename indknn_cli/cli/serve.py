@@ -17,10 +17,16 @@ from .common import check_device, deprecated_alias, progress_bar
 
 
 def _load() -> None:
-    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`."""
+    """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`: the
+    names are this module's globals, declared here."""
+    global BudgetLedger, gate, check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, \
+        check_seed, queries_answered, resolve_query_batch, serve_queries, AnswerRows, AnswersWriter, check_out_path, \
+        refuse_output_over, check_binding, read_mark, refuse_ledger_in_store, refuse_twin, local_path, FeatureStore, \
+        scheduler_session, resolve_scheduler, ABSTAIN_LABEL, check_screen_setting
     from ..ledger import BudgetLedger
     from .. import gate
-    from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, check_seed, queries_answered, resolve_query_batch, serve_queries)
+    from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin,
+                           check_seed, queries_answered, resolve_query_batch, serve_queries)
     from ..answers_out import AnswerRows, AnswersWriter, check_out_path, refuse_output_over
     from ..ledger_integrity import check_binding, read_mark, refuse_ledger_in_store
     from ..store_twins import refuse_twin
@@ -30,8 +36,6 @@ def _load() -> None:
     from ..scheduler_address import resolve_scheduler
     from ..engine import ABSTAIN_LABEL
     from ..bf16_screen import check_setting as check_screen_setting
-    for key, value in dict(locals()).items():
-        globals().setdefault(key, value)
 
 
 def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Optional[Path], batch_size: int,
