@@ -219,3 +219,12 @@ def test_a_bad_dask_duration_in_the_environment_is_named_not_an_import_failure(m
         dask_fence.grace_seconds()
     monkeypatch.setenv("INDKNN_DASK_FENCE_SECONDS", "2.5")
     assert dask_fence.grace_seconds() == 2.5
+
+
+def test_account_verbose_names_where_the_store_came_from_as_every_command_does(tmp_path):
+    """F5: `account -v` said "store: S (--store or $INDKNN_STORE)" for a store taken from $INDKNN_STORE."""
+    env = {"INDKNN_STORE": str(tmp_path / "nowhere.zarr"), "INDKNN_LEDGER": str(tmp_path / "L"), "INDKNN_WIDTH": "300"}
+    res = runner.invoke(app, ["account", "-v"], env=env)
+    assert "nowhere.zarr (from $INDKNN_STORE)" in res.stderr, res.stderr
+    res = runner.invoke(app, ["account", "-v", "--store", str(tmp_path / "given.zarr")], env=env)
+    assert "given.zarr (--store)" in res.stderr, res.stderr

@@ -255,9 +255,10 @@ def account_command(
     err = stderr_console()
     if store is not None and not store.strip() and not given_on_command_line(ctx, "store"):
         store = None  # a blank $INDKNN_STORE is unset, as in every other command (review 48, F7)
+    from_env = store is not None and not given_on_command_line(ctx, "store")  # -v says "from $INDKNN_STORE"
     ledger_path = resolve_ledger(ledger)
     if verify:
-        result = run_library_call(lambda: verify_ledger(ledger_path, store_path=_store(store)))
+        result = run_library_call(lambda: verify_ledger(ledger_path, store_path=_store(store, from_env)))
         emit_json(result) if json_out else typer.echo("\n".join(verification_lines(result)))
         run_library_call(lambda: enforce_verified(result))
         return
@@ -265,7 +266,7 @@ def account_command(
         from ..export import EXPORT_NOTE, export_account
 
         result = run_library_call(lambda: export_account(ledger_path=ledger_path, out=export, delta=delta,
-                                                         conversion=conversion, store_path=_store(store)))
+                                                         conversion=conversion, store_path=_store(store, from_env)))
         emit_json(result)
         say(f"wrote {count(result['rows'], 'record')} to {result['export']} ({EXPORT_NOTE})")
         return
@@ -277,7 +278,7 @@ def account_command(
             raise typer.Exit(code=EXIT_BUDGET_EXHAUSTED)
         return
     report = run_library_call(lambda: build_account_report(
-        ledger_path=ledger_path, store_path=_store(store), delta=delta, conversion=conversion, eps=eps,
+        ledger_path=ledger_path, store_path=_store(store, from_env), delta=delta, conversion=conversion, eps=eps,
         min_active=min_active, record_id=record, user_id=user, plot_path=plot))
     d = report.data
     check = d.get("store_check") if isinstance(d, dict) else None
@@ -310,12 +311,13 @@ def account_command(
     run_library_call(lambda: enforce_checks(report))
 
 
-def _store(store: Optional[str]):
+def _store(store: Optional[str], from_env: bool):
     """--store as given (a folder or an s3:// URL, mapped to its state folder), or None. An empty --store is refused
-    as in every other command (review 50, F9: `--verify --store ""` checked the recorded store instead)."""
+    as in every other command (review 50, F9: `--verify --store ""` checked the recorded store instead). ``from_env``:
+    typer read it from $INDKNN_STORE, which resolve_store reads itself and names (review 60, F5)."""
     from .common import resolve_store
 
-    return resolve_store(store) if store is not None else None
+    return None if store is None else resolve_store(None if from_env else store)
 
 
 def _checked_eps(chk: dict) -> str:
