@@ -9,7 +9,6 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from ..errors import BadInputError, ConcurrentChangeError, LedgerError
 from ..wording import count
 from .common import (check_lock_timeout, emit_json_lines, parse_size, read_json_line_from_stdin, resolve_ledger,
                      resolve_store, run_library_call, stderr_console)
@@ -19,88 +18,15 @@ from .common import check_device, deprecated_alias, progress_bar
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`: the
     names are this module's globals, declared here."""
-    global BudgetLedger, gate, check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin, \
-        check_seed, queries_answered, resolve_query_batch, serve_queries, AnswerRows, AnswersWriter, check_out_path, \
-        refuse_output_over, check_binding, read_mark, refuse_ledger_in_store, refuse_twin, local_path, FeatureStore, \
-        scheduler_session, resolve_scheduler, ABSTAIN_LABEL, check_screen_setting
-    from ..ledger import BudgetLedger
-    from .. import gate
-    from ..serving import (check_allowance_before_embedding, check_batch_id_before_embedding, check_min_margin,
-                           check_seed, queries_answered, resolve_query_batch, serve_queries)
-    from ..answers_out import AnswerRows, AnswersWriter, check_out_path, refuse_output_over
-    from ..ledger_integrity import check_binding, read_mark, refuse_ledger_in_store
-    from ..store_twins import refuse_twin
-    from ..object_store import local_path
-    from ..store import FeatureStore
+    global check_min_margin, check_seed, resolve_query_batch, serve_queries, AnswerRows, AnswersWriter, \
+        scheduler_session, resolve_scheduler, ABSTAIN_LABEL, preflight, queries_or_stored_batch, \
+        batch_size_or_none, retry_on_store_change
+    from ..serving import check_min_margin, check_seed, resolve_query_batch, serve_queries
+    from ..serve_request import batch_size_or_none, preflight, queries_or_stored_batch, retry_on_store_change
+    from ..answers_out import AnswerRows, AnswersWriter
     from ..distributed import session as scheduler_session
     from ..scheduler_address import resolve_scheduler
     from ..engine import ABSTAIN_LABEL
-    from ..bf16_screen import check_setting as check_screen_setting
-
-
-def _preflight(*, queries: str, store_path: Path, ledger_path: Path, out: Optional[Path], batch_size: int,
-               max_memory: int, batch_id: Optional[str], max_queries, reader_options: dict) -> None:
-    """Refusals that need no answer, before anything is written: a query FILE is embedded into the store
-    before the library call, and the library's ledger lock would create a missing ledger folder."""
-    if batch_size < 1:
-        raise BadInputError(f"--batch-size must be ≥ 1, got {batch_size}")
-    try:
-        check_screen_setting()
-    except ValueError as exc:
-        raise BadInputError(str(exc)) from None
-    if max_memory < (16 << 20):
-        raise BadInputError(f"--max-memory must be at least 16 MiB, got {max_memory} bytes")
-    if out is not None:  # else the answers would be charged, then not written
-        check_out_path(out)
-        refuse_output_over(out, option="--out", folders=[("the ledger's folder", ledger_path),
-                                                         ("the store's folder", local_path(store_path))],
-                           files=[("the query file being read", None if queries == "-" else queries)])
-    refuse_ledger_in_store(local_path(store_path), ledger_path)
-    if not BudgetLedger.exists(ledger_path):
-        raise LedgerError(f"{ledger_path}: no budget ledger here (create one with `indknn index`)")
-    BudgetLedger.check_writable(ledger_path)
-    max_queries = gate.parse_max_queries(max_queries)
-    if queries != "-" and Path(queries).exists():  # a file to embed: the ledger must fit the store first
-        store = FeatureStore.open(store_path, mode="r")
-        mark = read_mark(store.path)  # before the ledger: no lock is held here
-        led = BudgetLedger.open_for(ledger_path, store)
-        check_binding(store, led, ledger_path, mark=mark)
-        refuse_twin(store, led, ledger_path)  # before the file is embedded (nothing written on a refusal)
-        # Refusals that would come after the embed, checked before it (nothing written): a reused
-        # --batch-id, and a public allowance that is already used up.
-        check_batch_id_before_embedding(store=store, ledger=led, batch_id=batch_id)
-        check_allowance_before_embedding(store=store, ledger=led, queries=queries, batch_id=batch_id,
-                                         max_queries=max_queries, reader_options=reader_options)
-
-
-def _queries_or_stored_batch(queries: Optional[str], batch_id: Optional[str]) -> str:
-    """QUERIES as given; omitted, the stored batch --batch-id names (one name for a stored batch in `embed --role
-    query` and here: review 42, M4)."""
-    for flag, value, want in (("QUERIES", queries, "a query file or folder, a stored batch name, or -"),
-                              ("--batch-id", batch_id, "a name")):
-        if value is not None and not value.strip():  # "" read as "." (the working folder): review 43, L1
-            raise BadInputError(f"{flag} is empty: give {want}")
-    if queries is not None:
-        return queries
-    if batch_id is None:
-        raise BadInputError("give QUERIES (a query file or folder, a stored batch name, or - for embed's JSON line), "
-                            "or --batch-id NAME of a batch stored by `indknn embed --role query --batch-id NAME`")
-    if batch_id == "-":
-        raise BadInputError("--batch-id '-' without QUERIES: '-' means embed's JSON line on stdin; give it as QUERIES "
-                            "(serve-queries -), or name a stored batch")
-    if Path(batch_id).exists():  # that would embed a file: say which one is meant
-        raise BadInputError(f"--batch-id {batch_id!r} without QUERIES names a stored batch, and a file or folder of "
-                            "that name is here: give it as QUERIES to embed it, or run from another folder")
-    return batch_id
-
-
-def _batch_size_or_none(store_path: Path, name) -> Optional[int]:
-    """Queries in the batch, for the progress bar's total (None when it cannot be read cheaply)."""
-    try:
-        start, stop, _ = FeatureStore.open(store_path, mode="r").query_batch(str(name))
-        return int(stop - start)
-    except Exception:  # noqa: BLE001 - a bar without a total; serve_queries reports real problems
-        return None
 
 
 def serve_command(
@@ -133,8 +59,8 @@ def serve_command(
     2 bad input (nothing written); 3 --max-queries allowance reached (nothing answered or charged).
     """
     batch_id = deprecated_alias(batch_id, batch, new="--batch-id", old="--batch")
-    queries = run_library_call(lambda: _queries_or_stored_batch(queries, batch_id))
     _load()
+    queries = run_library_call(lambda: queries_or_stored_batch(queries, batch_id))
     err = stderr_console()
     store_path = run_library_call(lambda: resolve_store(store))
     ledger_path = resolve_ledger(ledger)
@@ -162,18 +88,9 @@ def serve_command(
 
     def call():
         check_lock_timeout(lock_timeout)
-        # A `delete --compact` that finished while we waited for a lock renumbered the store: nothing was
-        # written, so re-open and go on (a few times), else exit 1 (a transient condition, not bad input).
-        for attempt in range(3):
-            try:
-                return call_once()
-            except ConcurrentChangeError:
-                # A retry re-emits the batch's released answers first: once some went to stdout it would print
-                # them twice (the Dask candidate phase can raise this mid-run, after parts committed: audit 4,
-                # S1). --out is rewritten whole by each attempt, so only stdout stops here; a re-run finishes.
-                if attempt == 2 or printed[0]:
-                    raise
-                err.print("the store changed while this command waited; re-opening")  # no word on erasures (audit 9, S2)
+        # --out is rewritten whole by each attempt, so only answers already on stdout stop a retry
+        return retry_on_store_change(call_once, may_retry=lambda: not printed[0], on_retry=lambda: err.print(
+            "the store changed while this command waited; re-opening"))  # no word on erasures (audit 9, S2)
 
     def call_once():
         returned[:] = [0, 0]
@@ -184,7 +101,7 @@ def serve_command(
               if upstream and store is None and "store" in upstream else store_path)
         check_min_margin(min_margin)  # before a query file is embedded (nothing written on bad input)
         check_seed(seed)
-        _preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
+        preflight(queries=queries, store_path=sp, ledger_path=ledger_path, out=out, batch_size=batch_size,
                    max_memory=parse_size(max_memory), batch_id=batch_id, max_queries=max_queries,
                    reader_options=_reader_options())
         # The scheduler (--scheduler / $INDKNN_SCHEDULER) is reached before a query file is embedded.
@@ -201,7 +118,7 @@ def serve_command(
                                    reader_options=opts, device=device, lock_timeout=lock_timeout)
         # --out: answers appended as each part commits to a hidden temporary file, renamed onto --out when the
         # run ends (answers_out.py); a failed run leaves --out as it was. Answers held: one part's.
-        with progress_bar("answering", total=_batch_size_or_none(sp, name)) as update, \
+        with progress_bar("answering", total=batch_size_or_none(sp, name)) as update, \
                 (AnswersWriter(out) if out is not None else contextlib.nullcontext()) as writer:
             bar[:] = [update]
             sink[:] = [writer] if writer is not None else []
