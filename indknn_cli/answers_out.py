@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import BadInputError
+from .fsio import fsync_dir, storage_error
 from .output_files import refuse_not_a_file
 
 #: Answers per row group of the --out file (rows are buffered until then; the last group holds the rest).
@@ -174,8 +175,6 @@ class AnswersWriter:
     def _create_locked_tmp(self) -> tuple[Path, int]:
         """A new hidden temporary file, created and locked by this writer (checked to be the file at its path:
         a sweeper may remove a file in the instant between its creation and its lock)."""
-        from .ledger_files import _storage_error
-
         for _ in range(100):
             tmp = self.path.with_name(f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}")
             try:
@@ -183,7 +182,7 @@ class AnswersWriter:
             except FileExistsError:
                 continue
             except OSError as exc:
-                raise _storage_error(self.path, exc) from None
+                raise storage_error(self.path, exc) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
@@ -194,13 +193,13 @@ class AnswersWriter:
             except OSError as exc:  # e.g. no flock on this file system: nothing left behind
                 os.close(fd)
                 tmp.unlink(missing_ok=True)
-                raise _storage_error(self.path, exc) from None
+                raise storage_error(self.path, exc) from None
             except BaseException:
                 os.close(fd)
                 tmp.unlink(missing_ok=True)
                 raise
             os.close(fd)
-        raise _storage_error(self.path, OSError("could not create a temporary file next to it"))
+        raise storage_error(self.path, OSError("could not create a temporary file next to it"))
 
     def _release(self) -> None:
         if self._lock_fd is not None:
@@ -220,19 +219,15 @@ class AnswersWriter:
             self._pending, self._pending_rows = [rest], rest.num_rows
 
     def _flush(self, table: pa.Table) -> None:
-        from .ledger_files import _storage_error
-
         try:
             if self._writer is None:
                 self._writer = pq.ParquetWriter(self.tmp, SCHEMA)
             self._writer.write_table(table, row_group_size=max(1, table.num_rows))
         except OSError as exc:
-            raise _storage_error(self.path, exc) from None
+            raise storage_error(self.path, exc) from None
 
     def commit(self) -> None:
         """Write what is buffered, close, fsync and rename into place (the file's one commit point)."""
-        from .ledger_files import _fsync_dir, _storage_error
-
         if self._done:
             return
         try:
@@ -249,13 +244,13 @@ class AnswersWriter:
             os.replace(self.tmp, self.path)
         except OSError as exc:
             self.abort()
-            raise _storage_error(self.path, exc) from None
+            raise storage_error(self.path, exc) from None
         except BaseException:
             self.abort()
             raise
         self._done = True
         self._release()
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
 
     def abort(self) -> None:
         """Drop the temporary file; ``path`` is left as it was."""

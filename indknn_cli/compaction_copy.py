@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from . import object_store
+from .fsio import fsync_path
 from .record_keys import KEY_ARRAY
-from .store import (CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path, _read_chunks,
-                    scan_rows_for)
+from .store import CHECKSUM, ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, scan_rows_for
+from .store_layout import read_chunks
 
 PENDING_ATTR = ERASE_PENDING_ATTR
 #: a store created before the class list's origin was recorded keeps that fact through compaction
@@ -68,7 +69,7 @@ def _write_compacted_copy(store: FeatureStore, dest: Path, keep: np.ndarray, new
             if name not in src:  # a store made before content keys: its copy records none ("")
                 buf[name].append(np.full(sel.size, "", dtype=str))
                 continue
-            buf[name].append(_read_chunks(store.path, "private", name, lambda: np.asarray(src[name][lo:hi]))[sel])
+            buf[name].append(read_chunks(store.path, "private", name, lambda: np.asarray(src[name][lo:hi]))[sel])
         buffered += sel.size
         flush(False)
     flush(True)
@@ -98,6 +99,6 @@ def _fsync_tree(root: Path) -> int:
         for f in files:
             p = Path(folder) / f
             total += p.stat().st_size
-            _fsync_path(p)
-        _fsync_path(Path(folder))
+            fsync_path(p)
+        fsync_path(Path(folder))
     return total

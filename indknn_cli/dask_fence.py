@@ -29,6 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+from . import store_lease
+from .fsio import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 LOCAL_NAME = "dask-run.json"
@@ -69,9 +72,7 @@ class Fenced(RuntimeError):
 def place(store) -> dict:
     """Where the stamp of ``store`` is, as a worker can read it: ``{"url", "options"}`` or ``{"path"}``."""
     if store.remote is not None:
-        from .store_lease import lease_url
-
-        return {"url": lease_url(store.remote, SUFFIX), "options": dict(store.remote.options)}
+        return {"url": store_lease.lease_url(store.remote, SUFFIX), "options": dict(store.remote.options)}
     return {"path": str(Path(store.path).resolve() / LOCAL_NAME)}
 
 
@@ -97,8 +98,6 @@ def _read(where: dict) -> dict | None:
 
 def _write(where: dict, body: dict) -> None:
     if "path" in where:
-        from .ledger_files import atomic_write_text
-
         atomic_write_text(json.dumps(body), Path(where["path"]))
     else:
         _fs(where).pipe_file(where["url"], json.dumps(body).encode())

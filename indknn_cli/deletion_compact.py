@@ -23,10 +23,10 @@ from . import ledger_integrity as integrity
 from . import object_store
 from .compaction_copy import _fsync_tree, _write_compacted_copy
 from .errors import LedgerError, LedgerIntegrityError
+from .fsio import atomic_write_text, fsync_path
 from .ledger import BudgetLedger
 from .ledger_snapshot import unpublished_store_uuids
-from .ledger_files import atomic_write_text
-from .store import FeatureStore, _fsync_path
+from .store import FeatureStore
 from .wording import count
 
 _AT_FDCWD = -100
@@ -112,7 +112,7 @@ def recover_store_folder(store_path: Path) -> None:
     readable = [p for p in olds if _readable_store(p)]
     if olds:
         os.replace((readable or olds)[-1], store_path)
-        _fsync_path(store_path.parent)
+        fsync_path(store_path.parent)
 
 
 def _readable_store(folder: Path) -> bool:
@@ -263,13 +263,13 @@ def _new_store_lock(folder: Path) -> Iterator[Callable[[], None]]:
 def _swap(new: Path, store_path: Path, token: str, *, fault: Callable[[str], None], use_exchange: bool) -> Path:
     """Put ``new`` at ``store_path``; returns where the old store now is (to be removed)."""
     if use_exchange and _rename_exchange(new, store_path):
-        _fsync_path(store_path.parent)
+        fsync_path(store_path.parent)
         return new
     old = store_path.with_name(f".{store_path.name}.old-{token}")
     os.rename(store_path, old)
     fault("compact-half-swapped")
     os.rename(new, store_path)
-    _fsync_path(store_path.parent)
+    fsync_path(store_path.parent)
     return old
 
 

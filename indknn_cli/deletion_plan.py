@@ -16,7 +16,8 @@ import numpy as np
 from .errors import BadInputError, StoreError
 from .id_text import canonical
 from .ledger import BudgetLedger
-from .store import FeatureStore, _read_chunks
+from .store import FeatureStore
+from .store_layout import read_chunks
 from .wording import count
 
 
@@ -186,7 +187,7 @@ def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str
     # the ledger and the store must agree on which record a row holds before anything is erased
     check = led_rows >= 0
     if check.any():
-        got = _read_chunks(store.path, "private", "record_id", lambda: np.asarray(
+        got = read_chunks(store.path, "private", "record_id", lambda: np.asarray(
             store.group("private")["record_id"].oindex[led_rows[check]])).astype(object)
         want = s.record_id[plan.ledger_idx[check]]
         bad = np.flatnonzero(got != want)

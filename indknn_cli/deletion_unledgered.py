@@ -16,8 +16,9 @@ from . import ledger_integrity as integrity
 from .deletion_compact import LedgerUnreadable as _LedgerUnreadable
 from .deletion_plan import DeleteResult, _enforce_strict, _plan
 from .errors import LedgerError, StorageError
+from .fsio import fsync_path
 from .ledger import BudgetLedger
-from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore, _fsync_path
+from .store import ERASE_PENDING_ATTR, GROUP_OF_ROLE, FeatureStore
 from .wording import count
 
 
@@ -32,8 +33,8 @@ class IndexNotUpdated(Exception):
 def set_pending(store: FeatureStore, rows: np.ndarray) -> None:
     g = store.group("private")
     g.attrs.update({ERASE_PENDING_ATTR: [int(r) for r in rows]})
-    _fsync_path(store.path / GROUP_OF_ROLE["private"] / "zarr.json")
-    _fsync_path(store.path / GROUP_OF_ROLE["private"])
+    fsync_path(store.path / GROUP_OF_ROLE["private"] / "zarr.json")
+    fsync_path(store.path / GROUP_OF_ROLE["private"])
 
 
 def refuse_missing_bound_ledger(store: FeatureStore, ledger_path: Path) -> None:

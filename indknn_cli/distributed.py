@@ -62,7 +62,7 @@ def open_worker_store(loc: StoreLocation):
     """Open the store read-only on a worker. The single place a remote store (``loc.url``) would be opened."""
     if loc.url is not None:
         try:
-            from .object_store import open_store  # the object-storage store (issue 19, s3 part)
+            from .store import open_store  # the object-storage store (issue 19, s3 part)
         except ImportError:
             raise StoreError(f"{loc.url}: this indknn cannot open remote stores") from None
         return open_store(loc.url, mode="r", storage_options=loc.options)

@@ -35,8 +35,9 @@ from . import FORMAT_VERSION, accounting, locking
 from . import ledger_events, ledger_history, ledger_pairing, ledger_snapshot
 from . import ledger_integrity as integrity
 from .errors import LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
+from .fsio import atomic_write_text
 from .id_text import canonical, index_by_canonical
-from .ledger_files import _fault, atomic_write_parquet, atomic_write_parquet_tables, atomic_write_text
+from .ledger_files import _fault, atomic_write_parquet, atomic_write_parquet_tables
 from .ledger_state import ANSWER_SCHEMA, EVENT_SCHEMA, LedgerState, PrivacyParams, _check_finite_columns
 
 

@@ -1,5 +1,8 @@
 """The one commit protocol of every ledger file: temporary name → fsync → rename → fsync of the folder.
 
+The generic steps are :mod:`.fsio`'s; here, what only the ledger needs: its Parquet files, events never
+replaced, the crash tests' fault hook, and the check of a folder before a ledger is created there.
+
 A write the file system refuses (disk full, read-only, ...) is a :class:`StorageError` naming the file, and
 the temporary file is removed: nothing was renamed into place, the previous state is kept. ``FAULT_HOOK``
 lets the crash tests stop a commit between its steps.
@@ -10,15 +13,15 @@ from __future__ import annotations
 import errno
 import os
 import re
-import uuid
 from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import ledger_integrity as integrity
-from .errors import LedgerError, StorageError
+from . import fsio
+from .errors import BadInputError, LedgerError
+from .ledger_chain import sha256_bytes
 
 
 #: Test hook: called with a fault-point name at each step of a commit.
@@ -28,22 +31,6 @@ FAULT_HOOK: Callable[[str], None] | None = None
 def _fault(point: str) -> None:
     if FAULT_HOOK is not None:
         FAULT_HOOK(point)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _storage_error(path: Path, exc: OSError) -> StorageError:
-    """A refused write (disk full, read-only file system, ...) as a runtime error naming the file."""
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    err = StorageError(f"{path}: cannot write ({reason}); the file was not replaced, the previous state is kept")
-    err.path, err.reason = path, reason
-    return err
 
 
 #: link(2) refused by the file system itself (no hard links there): checked, then renamed instead.
@@ -69,34 +56,11 @@ def _place_new(tmp: Path, path: Path) -> None:
 
 
 def _atomic_replace(path: Path, write_tmp, *, fault: str | None = None, exclusive: bool = False):
-    """The one commit protocol of every ledger file: ``write_tmp(tmp)`` writes and fsyncs a temporary file
-    beside ``path`` (its return value is returned), then rename → fsync directory. A refused write (disk full,
-    read-only, ...) is a StorageError naming ``path``, and the temporary file is removed: nothing was renamed
-    into place, the previous state is kept. ``exclusive``: ``path`` must not exist yet (LedgerError if it
-    does; :func:`_place_new`)."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        out = write_tmp(tmp)
-        if fault is not None:
-            _fault(fault)
-        if exclusive:
-            _place_new(tmp, path)
-        else:
-            os.replace(tmp, path)
-    except OSError as exc:  # ENOSPC, EROFS, EACCES, EDQUOT, ...: nothing was renamed into place
-        raise _storage_error(path, exc) from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
-    return out
-
-
-def _write_synced(tmp: Path, data, mode: str = "wb") -> None:
-    with open(tmp, mode) as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    """The one commit protocol of every ledger file (:func:`.fsio.atomic_replace`), with the crash tests' fault
+    point ``fault`` before the rename. ``exclusive``: ``path`` must not exist yet (LedgerError if it does;
+    :func:`_place_new`)."""
+    return fsio.atomic_replace(path, write_tmp, before_rename=None if fault is None else lambda: _fault(fault),
+                               place=_place_new if exclusive else None)
 
 
 def atomic_write_parquet(table: pa.Table, path: Path, *, exclusive: bool = False) -> str:
@@ -107,8 +71,8 @@ def atomic_write_parquet(table: pa.Table, path: Path, *, exclusive: bool = False
     # serve event's numeric columns (a million charges at N = 10^6) gain nothing from it and wrote 1.5× slower.
     pq.write_table(table, sink, use_dictionary=[f.name for f in table.schema if pa.types.is_string(f.type)])
     data = memoryview(sink.getvalue())
-    _atomic_replace(path, lambda tmp: _write_synced(tmp, data), fault="event-written-tmp", exclusive=exclusive)
-    return integrity.sha256_bytes(data)
+    _atomic_replace(path, lambda tmp: fsio.write_synced(tmp, data), fault="event-written-tmp", exclusive=exclusive)
+    return sha256_bytes(data)
 
 
 #: Rows per row group of an answers file written by :func:`atomic_write_parquet_tables`.
@@ -145,14 +109,6 @@ def atomic_write_parquet_tables(tables, schema: pa.Schema, path: Path, *,
     return _atomic_replace(path, write, fault="event-written-tmp")
 
 
-def atomic_write_text(text: str, path: Path) -> None:
-    _atomic_replace(path, lambda tmp: _write_synced(tmp, text, "w"))
-
-
-def atomic_write_bytes(data: bytes, path: Path) -> None:
-    _atomic_replace(path, lambda tmp: _write_synced(tmp, data, "wb"))
-
-
 _LEDGER_NAMES = re.compile(r"LOCK|events|quarantine|(snapshot|answers)-\d{6}\.parquet|\..*")
 
 
@@ -161,8 +117,6 @@ def refuse_foreign_folder(path: Path) -> None:
     folder, a home directory given as --ledger by mistake) is refused (BadInputError, exit 2), nothing written;
     indknn would otherwise have added its files among them and later `repair`'s quarantine could move them. A
     missing or empty folder, or one holding only a ledger's own names (a creation that stopped), is fine."""
-    from .errors import BadInputError
-
     if not path.is_dir():
         return
     try:

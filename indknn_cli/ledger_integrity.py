@@ -54,15 +54,17 @@ from pathlib import Path
 
 import numpy as np
 
-from . import store_versions
+from . import locking, object_store, store_lease, store_versions
 from .accounting import epsilon_for_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
+from .fsio import fsync_path
 # the chain and the mark have modules of their own; their names stay importable from here, where the whole scheme is
 from .ledger_chain import (CHAIN_VERSION, GENESIS, _short, check_link, check_unique_seqs,  # noqa: F401
                            events_after_snapshot, head_seq, sha256_bytes, snapshot_chain_fields, snapshot_head,
                            snapshot_is_chained)
 from .ledger_mark import (_UNREAD, MARK_NAME, _read_local_mark, announced, carry_mark, check_mark,  # noqa: F401
                           mark_path, read_mark, write_mark)
+from .ledger_snapshot import current_generation
 from .wording import count, per_unit
 
 BINDING_ATTR = "ledger_binding"
@@ -253,21 +255,17 @@ def writer_lock(store_path, *, timeout: float):
     storage, whose state folder is per machine, the bucket's ledger-writer lease does the same across machines
     (review 23, F2), and the mark has a copy in the bucket (:mod:`.ledger_mark_remote`).
     """
-    from . import store_lease
-    from .locking import exclusive_file
-    from .object_store import location
-
     path = Path(store_path) / WRITER_LOCK_NAME
     stack = contextlib.ExitStack()
     try:
-        stack.enter_context(exclusive_file(path, timeout=timeout, on_timeout=lambda: LockTimeoutError(
+        stack.enter_context(locking.exclusive_file(path, timeout=timeout, on_timeout=lambda: LockTimeoutError(
             f"{store_path}: another indknn process writes this store's ledger (waited {timeout:g} s); "
             "retry later or raise --lock-timeout")))
     except OSError as exc:
         raise StorageError(f"{path}: cannot open the store's ledger-writer lock ({exc.strerror}); "
                            "is the store on a read-only file system?") from None
     with stack:
-        loc = location(store_path)
+        loc = object_store.location(store_path)
         if loc is not None:  # a store on object storage: the ledger writers of every machine (review 23, F2)
             stack.enter_context(store_lease.hold(loc, timeout=timeout, suffix=store_lease.LEDGER_SUFFIX))
         yield
@@ -319,7 +317,7 @@ def bind(store_path, ledger, ledger_path, *, lock_timeout: float = 60.0) -> None
 def _bind(store_path, ledger, ledger_path, lock_timeout: float, *, locked_store=None) -> None:
     """Bind the store (root attribute, mark, and the trace in the private group). ``locked_store``: the
     caller's own store object, opened for writing with its write lock held (delete)."""
-    from .store import FeatureStore, _fsync_path
+    from .store import FeatureStore
 
     st = locked_store if locked_store is not None else FeatureStore.open(store_path, mode="a")
     with (contextlib.nullcontext() if locked_store is not None else st.write_lock(timeout=lock_timeout)):
@@ -331,11 +329,11 @@ def _bind(store_path, ledger, ledger_path, lock_timeout: float, *, locked_store=
             b = {"ledger_uuid": ledger.meta["ledger_uuid"], "ledger_path": str(Path(ledger_path).resolve()),
                  "bound_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             st.root.attrs.update({BINDING_ATTR: b})
-            _fsync_path(Path(store_path) / "zarr.json")
+            fsync_path(Path(store_path) / "zarr.json")
         if binding_trace(st) is None:  # also for stores bound before the trace existed
             st.group("private").attrs.update({TRACE_ATTR: dict(b)})
-            _fsync_path(Path(store_path) / "private" / "zarr.json")
-        _fsync_path(Path(store_path))
+            fsync_path(Path(store_path) / "private" / "zarr.json")
+        fsync_path(Path(store_path))
 
 
 def recorded_store(ledger_path) -> tuple[Path | None, str | None, str]:
@@ -344,9 +342,7 @@ def recorded_store(ledger_path) -> tuple[Path | None, str | None, str]:
     it is reachable (the audit's D3); the path is None (and the note says why) when it is not."""
     import pyarrow.parquet as pq
 
-    from .ledger_snapshot import current_generation  # looks at CURRENT before reading it (a named pipe would block)
-
-    gen = current_generation(Path(ledger_path))
+    gen = current_generation(Path(ledger_path))  # looks at CURRENT before reading it (a named pipe would block)
     if gen is None:
         return None, None, "unchecked against the store: the ledger does not name one"
     try:

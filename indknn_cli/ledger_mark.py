@@ -9,8 +9,11 @@ import os
 import time
 from pathlib import Path
 
-from .errors import LedgerIntegrityError
+from . import ledger_mark_remote
+from .errors import ConcurrentChangeError, LedgerIntegrityError
+from .fsio import atomic_write_text
 from .ledger_chain import LOCAL_COPY, _short, check_seal, head_seq, sealed_mark, snapshot_head
+from .ledger_mark_remote import FROM_BUCKET
 
 MARK_NAME = "ledger-mark.json"
 #: Set by :func:`read_mark` on the mark of a store on object storage whose bucket copy is missing.
@@ -24,8 +27,6 @@ def mark_path(store_path: str | os.PathLike) -> Path:
 def read_mark(store_path) -> dict | None:
     """The store's high-water mark: the state folder's, or for a store on object storage the further of it and the
     bucket's copy (:mod:`.ledger_mark_remote`)."""
-    from . import ledger_mark_remote
-
     local, remote = _read_local_mark(store_path), ledger_mark_remote.read(store_path)
     m = ledger_mark_remote.furthest(local, remote, store_path=store_path)
     if m is not None and remote is None and ledger_mark_remote.is_remote(store_path):
@@ -56,9 +57,6 @@ def write_mark(path: Path, ledger, *, announce: tuple[int, str] | None = None) -
     :func:`check_mark` accepts a ledger past the mark's generation only at that announced snapshot (audit 10, F1:
     a snapshot written by hand at the next generation number was accepted, which refunded every charge).
     """
-    from . import ledger_mark_remote
-    from .ledger_files import atomic_write_text
-
     fields = {"ledger_uuid": ledger.meta["ledger_uuid"], "seq": head_seq(ledger),
               "sha256": ledger.head_sha256, "generation": int(ledger.generation),
               "snapshot_sha256": ledger.snapshot_sha256, "time": time.time(),
@@ -83,8 +81,6 @@ def announced(mark: dict | None, generation: int, snapshot_sha256: str | None) -
 def carry_mark(from_store, to_store) -> None:
     """Copy the store's local mark into another store folder (a compaction's copy, just before it becomes the
     store: the copy then carries the announcement of the ledger's next snapshot)."""
-    from .ledger_files import atomic_write_text
-
     src = mark_path(from_store)
     if src.is_file():
         atomic_write_text(src.read_text(), mark_path(to_store))
@@ -106,8 +102,6 @@ def _published_since(store_path, ledger) -> bool:
     the ledger's snapshot in between (announced in a mark this caller never saw, then named by the one now). True
     when the store's mark now names or announces exactly that snapshot; a mark already past it means the ledger
     moved on again while it was read (ConcurrentChangeError: run again)."""
-    from .errors import ConcurrentChangeError
-
     try:
         now = read_mark(store_path)
     except LedgerIntegrityError:
@@ -129,8 +123,6 @@ def check_mark(store_path, ledger, *, required: bool, mark=_UNREAD) -> dict | No
     the ledger: the mark is written after each commit, so it can then only be behind what it read.
     """
     m = read_mark(store_path) if mark is _UNREAD else mark
-    from .ledger_mark_remote import FROM_BUCKET
-
     if m is not None and m.get(FROM_BUCKET) and m.get("ledger_uuid") != ledger.meta["ledger_uuid"]:
         if required:
             # A bound store's bucket mark is its ledger's from `index`'s first commit on: another ledger's there was

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import object_store, store_lease
 from .errors import LedgerIntegrityError, StoreError
 from .ledger_chain import BUCKET_COPY, LOCAL_COPY, check_seal, sealed_mark
 
@@ -31,20 +32,15 @@ FROM_BUCKET = "from_bucket"
 
 def _where(store_path):
     """(filesystem, URL) of the bucket's mark for a remote store's state folder; None for a local store."""
-    from .object_store import filesystem, location
-    from .store_lease import lease_url
-
-    loc = location(Path(store_path))
+    loc = object_store.location(Path(store_path))
     if loc is None:
         return None
-    return filesystem(loc), lease_url(loc, SUFFIX)
+    return object_store.filesystem(loc), store_lease.lease_url(loc, SUFFIX)
 
 
 def is_remote(store_path) -> bool:
     """Whether the store named by its folder lives on object storage (and so has a bucket copy of its mark)."""
-    from .object_store import location
-
-    return location(Path(store_path)) is not None
+    return object_store.location(Path(store_path)) is not None
 
 
 def read(store_path) -> dict | None:
@@ -95,10 +91,7 @@ def write(store_path, fields: dict) -> None:
         # The event is committed here, the bucket's mark behind it: a copy of the ledger on another machine would
         # pass the bucket's mark and commit a second history (review 25). The ledger writers' lease stays in the
         # bucket, so that other machines are refused until a writer here (same state root) commits again.
-        from .object_store import location
-        from .store_lease import LEDGER_SUFFIX, retain
-
-        retain(location(Path(store_path)), LEDGER_SUFFIX)
+        store_lease.retain(object_store.location(Path(store_path)), store_lease.LEDGER_SUFFIX)
         raise StoreError(f"cannot write the ledger's high-water mark in the bucket {url} ({type(exc).__name__}); "
                          "the event before it is committed, nothing later was released; the store's ledger-writer "
                          "lease stays in the bucket (other machines are refused) until a ledger writer on this "

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from . import ledger_integrity as integrity
 from .errors import LedgerIntegrityError
+from .fsio import atomic_write_bytes, atomic_write_text
 from .ledger_current import not_a_file
-from .ledger_files import atomic_write_bytes, atomic_write_text
 from .ledger_snapshot import current_missing
 from .store import FeatureStore
 

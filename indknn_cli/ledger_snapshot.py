@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 
 from . import FORMAT_VERSION, ledger_history
 from .errors import LedgerError, LedgerIntegrityError
+from .ledger_chain import snapshot_is_chained
 from .ledger_current import not_a_file
-from .ledger_integrity import snapshot_is_chained
 from .ledger_state import RECORD_SCHEMA, LedgerState, PrivacyParams
 
 __all__ = ["Snapshot", "current_generation", "read_snapshot", "record_table", "unpublished_store_uuids"]

@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from . import ledger_history, rounding
 from .errors import BadInputError, LedgerError
+from .unit_options import check_unit_options
 from .wording import count
 
 
@@ -94,8 +95,6 @@ class PrivacyParams:
             if not isinstance(self.planned_queries, numbers.Integral) or isinstance(self.planned_queries, bool):
                 raise BadInputError(f"planned_queries must be an integer, got {self.planned_queries!r}")
             check_range("planned_queries", self.planned_queries)
-        from .user_unit import check_unit_options
-
         check_unit_options(privacy_unit=self.privacy_unit, max_records_per_user=self.max_records_per_user,
                            user_for_missing=self.user_for_missing)
         if self.c1 > self.budget:

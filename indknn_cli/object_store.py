@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import BadInputError, StoreError
+from .fsio import atomic_write_text
 from .wording import count
 
 STATE_ENV = "INDKNN_STATE_DIR"
 OPTIONS_ENV = "INDKNN_STORAGE_OPTIONS"
 POINTER = "remote.json"  # in a state folder: {"name": URL given, "url": URL of the data now}
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-_REGISTERED: dict[str, dict] = {}  # URL -> storage options given to open_store in this process
+_REGISTERED: dict[str, dict] = {}  # URL -> storage options given to store.open_store in this process
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def _legacy_state_dir(url: str) -> Path:
 
 
 def storage_options(url: str, given: dict | None = None) -> dict:
-    """The fsspec options for ``url``: ``given``, else the ones registered by :func:`open_store`, else the
+    """The fsspec options for ``url``: ``given``, else the ones registered by :func:`.store.open_store`, else the
     environment (``AWS_ENDPOINT_URL``..., ``INDKNN_STORAGE_OPTIONS``)."""
     if given is not None:
         return dict(given)
@@ -140,8 +141,6 @@ def local_path(path_or_url, *, storage_options: dict | None = None) -> Path:
 
 
 def write_pointer(folder: Path, *, name: str, url: str) -> None:
-    from .ledger_files import atomic_write_text
-
     atomic_write_text(json.dumps({"name": name, "url": url}), folder / POINTER)
 
 
@@ -360,14 +359,3 @@ def copy_group(store, dest: Path, group: str) -> None:
     dst_root = fs._strip_protocol(target.url)
     for src in fs.find(f"{src_root}/{group}"):  # object by object: the copy's keys are exactly the source's
         fs.copy(src, dst_root + src[len(src_root):])
-
-
-def open_store(path_or_url, *, mode: str = "r", storage_options: dict | None = None, **expect):
-    """Open a :class:`~indknn_cli.store.FeatureStore` at a local path or an fsspec URL (``s3://...``).
-
-    ``storage_options`` (fsspec) override the environment for this URL for the rest of the process.
-    ``expect``: ``expect_extractor=`` / ``expect_dim=`` as :meth:`FeatureStore.open` takes them.
-    """
-    from .store import FeatureStore
-
-    return FeatureStore.open(local_path(path_or_url, storage_options=storage_options), mode=mode, **expect)

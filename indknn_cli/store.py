@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import time
 import uuid
@@ -23,17 +24,15 @@ import zarr
 
 from . import FORMAT_VERSION, dask_fence, locking, object_store, store_lease, store_versions
 from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
+from .fsio import fsync_path
 from .record_keys import KEY_ARRAY, SALT_ATTR, new_salt
+from .store_append import Appender
+from .store_layout import (CHECKSUM, CHUNK_BYTES, GROUP_OF_ROLE, ROLES, SCAN_BYTES,  # noqa: F401 (re-exported)
+                           ExtractorInfo, array_checksummed, checksum_compressors, chunk_rows_for, normalize_rows,
+                           read_chunks, scan_rows_for)
 
-ROLES = ("private", "public", "query")
-GROUP_OF_ROLE = {"private": "private", "public": "public", "query": "queries"}
 NORM_TOLERANCE = 1e-3  # |‖x‖ − 1| accepted on input before re-normalising
 ERASE_PENDING_ATTR = "erase_pending"  # group attribute: rows of an accepted, unfinished erasure (deletion.py)
-CHECKSUM = "crc32c"  # root attribute ``checksums`` of stores whose every array ends its codecs with crc32c
-
-
-from .store_layout import (CHUNK_BYTES, SCAN_BYTES, ExtractorInfo, array_checksummed,  # noqa: E402,F401 (re-exported)
-                           checksum_compressors, chunk_rows_for, normalize_rows, scan_rows_for)
 
 
 class FeatureStore:
@@ -276,7 +275,7 @@ class FeatureStore:
         if stop <= start:
             arr = self.group(role)[name]
             return np.empty((0,) + tuple(arr.shape[1:]), dtype=arr.dtype if name != "record_id" else object)
-        return _read_chunks(self.path, role, name, lambda: np.asarray(self.group(role)[name][start:stop]))
+        return read_chunks(self.path, role, name, lambda: np.asarray(self.group(role)[name][start:stop]))
 
     def iter_chunks(self, role: str = "private", rows: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """Stream (start_row, float32 features) in steps of ``rows`` (default :attr:`scan_rows`); never loads
@@ -285,7 +284,7 @@ class FeatureStore:
         step = rows or self.scan_rows
         arr = self.group(role)["features"]
         for start in range(0, n, step):
-            yield start, _read_chunks(self.path, role, "features",
+            yield start, read_chunks(self.path, role, "features",
                                       lambda: np.asarray(arr[start:min(n, start + step)]))
 
     def content_keys(self, rows: np.ndarray | None = None) -> np.ndarray | None:
@@ -342,8 +341,6 @@ class FeatureStore:
         """Start an append; rows become visible only at :meth:`Appender.commit`."""
         if self.read_only:
             raise StoreError(f"{self.path}: opened read-only")
-        from .store_append import Appender
-
         return Appender(self, role, batch=batch)
 
     def append(
@@ -390,12 +387,10 @@ class FeatureStore:
     ERASED_IDS_NAME = "erased-ids.jsonl"
 
     def _log_erased_ids(self, rows: np.ndarray) -> None:
-        import json
-
         # the chunks holding these rows only: one corrupt chunk of *other* records' ids made every erasure fail
         # after its tombstone was committed (review 54, F3)
         rows = np.asarray(rows, np.int64)
-        rids, uids = (_read_chunks(self.path, "private", name, lambda name=name: np.asarray(
+        rids, uids = (read_chunks(self.path, "private", name, lambda name=name: np.asarray(
             self.group("private")[name].oindex[rows])) for name in ("record_id", "user_id"))
         lines = "".join(json.dumps({"record_id": str(r), "user_id": str(u or "")}) + "\n"
                         for r, u in zip(rids, uids) if str(r))
@@ -406,12 +401,10 @@ class FeatureStore:
             f.write(lines)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(self.path)
+        fsync_path(self.path)
 
     def erased_ids(self) -> list[tuple[str, str]]:
         """(record id, user id) of every private row erased since the log existed (see ERASED_IDS_NAME)."""
-        import json
-
         path = self.path / self.ERASED_IDS_NAME
         out = []
         try:
@@ -456,13 +449,13 @@ class FeatureStore:
         for chunk in np.unique(rows // step):
             lo = int(chunk) * step
             hi = min(lo + step, int(arr.shape[0]))
-            block = _read_chunks(self.path, role, name, lambda: np.asarray(arr[lo:hi]))
+            block = read_chunks(self.path, role, name, lambda: np.asarray(arr[lo:hi]))
             block[rows[(rows >= lo) & (rows < hi)] - lo] = value
             arr[lo:hi] = block  # the whole chunk: written without a read, file replaced atomically
             written += sum(4 + len(str(v).encode()) for v in block) if block.dtype.kind in "OUT" else block.nbytes
             chunk_file = folder / str(int(chunk)) / "0" if arr.ndim == 2 else folder / str(int(chunk))
-            _fsync_path(chunk_file)  # absent on object storage (no local file)
-            _fsync_path(chunk_file.parent)
+            fsync_path(chunk_file)  # absent on object storage (no local file)
+            fsync_path(chunk_file.parent)
         return written
 
 
@@ -489,31 +482,14 @@ def _open_root(path: Path, loc, mode: str) -> zarr.Group:
     return object_store.open_group(loc, mode) if loc is not None else zarr.open_group(str(path), mode=mode)
 
 
-def _read_chunks(path: Path, role: str, name: str, read):
-    """Run ``read()``; a chunk that cannot be decoded (truncated, garbled) becomes a clear StoreError."""
-    try:
-        return read()
-    except (OSError, MemoryError, StoreError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise ValueError, RuntimeError, ... on bad bytes
-        if "checksum" in str(exc).lower():
-            raise StoreError(f"{path}: a chunk of {GROUP_OF_ROLE[role]}/{name} is corrupt or truncated: it fails "
-                             f"its {CHECKSUM} checksum (the bytes on disk changed); restore the store from a backup"
-                             ) from None
-        raise StoreError(f"{path}: a chunk of {GROUP_OF_ROLE[role]}/{name} is corrupt or truncated "
-                         f"({type(exc).__name__}); restore the store from a backup") from None
+def open_store(path_or_url, *, mode: str = "r", storage_options: dict | None = None, **expect) -> FeatureStore:
+    """Open a :class:`FeatureStore` at a local path or an fsspec URL (``s3://...``).
 
-
-def _fsync_path(path: Path) -> None:
-    """fsync a file or folder (durability of a rewrite); a missing path is skipped."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    ``storage_options`` (fsspec) override the environment for this URL for the rest of the process.
+    ``expect``: ``expect_extractor=`` / ``expect_dim=`` as :meth:`FeatureStore.open` takes them.
+    """
+    path = object_store.local_path(path_or_url, storage_options=storage_options)
+    return FeatureStore.open(path, mode=mode, **expect)
 
 
 def store_checksummed(store: "FeatureStore | str | os.PathLike") -> bool:

@@ -4,7 +4,7 @@ made visible by one attribute update (the commit point; see store.py)."""
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -12,7 +12,10 @@ from . import store_versions
 from .errors import BadInputError, StoreError
 from .readers_base import check_key_text
 from .record_keys import KEY_ARRAY, vector_keys
-from .store import FeatureStore, _read_chunks
+from .store_layout import read_chunks
+
+if TYPE_CHECKING:  # the store module imports this one (FeatureStore.appender)
+    from .store import FeatureStore
 
 
 class Appender:
@@ -115,7 +118,7 @@ class Appender:
             if arr.shape[0] < hi:
                 arr.resize((hi,) + tuple(arr.shape[1:]))
             # a partly filled tail chunk is read back and rewritten whole: a corrupt one is a StoreError
-            _read_chunks(self.store.path, self.role, name, lambda: arr.__setitem__(slice(lo, hi), head))
+            read_chunks(self.store.path, self.role, name, lambda: arr.__setitem__(slice(lo, hi), head))
             self._written[name] = hi
             self.rows_written += int(len(head))
             self.bytes_written += int(head.nbytes)
@@ -130,7 +133,7 @@ class Appender:
             arr = self.group["features"]
             for lo in range(self.start, self.stop, self.store.scan_rows):
                 hi = min(self.stop, lo + self.store.scan_rows)
-                self._hash.update(_read_chunks(self.store.path, self.role, "features",
+                self._hash.update(read_chunks(self.store.path, self.role, "features",
                                                lambda: np.ascontiguousarray(arr[lo:hi], dtype=np.float32)).tobytes())
         if self.role == "query" and self.batch is not None:
             batches = dict(self.group.attrs.get("batches", {}))

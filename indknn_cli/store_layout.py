@@ -1,5 +1,6 @@
-"""How a feature store lays its arrays out: chunk sizes, checksummed codecs, the extractor record, and the
-per-row L2 normalisation every stored vector passes (docs/FORMAT.md). Plain functions, no store state."""
+"""How a feature store lays its arrays out: its roles' groups, chunk sizes, checksummed codecs (and the error
+a chunk that fails to decode becomes), the extractor record, and the per-row L2 normalisation every stored
+vector passes (docs/FORMAT.md). Plain functions, no store state."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from .errors import BadInputError
+from .errors import BadInputError, StoreError
+
+ROLES = ("private", "public", "query")
+GROUP_OF_ROLE = {"private": "private", "public": "public", "query": "queries"}
+CHECKSUM = "crc32c"  # root attribute ``checksums`` of stores whose every array ends its codecs with crc32c
 
 
 def checksum_compressors(*, compress: bool = True) -> list:
@@ -17,6 +22,21 @@ def checksum_compressors(*, compress: bool = True) -> list:
     zarr verifies the checksum on every chunk read; a flipped byte is a StoreError, never a changed value.
     """
     return ([ZstdCodec(level=0, checksum=False)] if compress else []) + [Crc32cCodec()]
+
+
+def read_chunks(path, role: str, name: str, read):
+    """Run ``read()``; a chunk that cannot be decoded (truncated, garbled) becomes a clear StoreError."""
+    try:
+        return read()
+    except (OSError, MemoryError, StoreError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise ValueError, RuntimeError, ... on bad bytes
+        if "checksum" in str(exc).lower():
+            raise StoreError(f"{path}: a chunk of {GROUP_OF_ROLE[role]}/{name} is corrupt or truncated: it fails "
+                             f"its {CHECKSUM} checksum (the bytes on disk changed); restore the store from a backup"
+                             ) from None
+        raise StoreError(f"{path}: a chunk of {GROUP_OF_ROLE[role]}/{name} is corrupt or truncated "
+                         f"({type(exc).__name__}); restore the store from a backup") from None
 
 
 def array_checksummed(arr) -> bool:

@@ -9,7 +9,7 @@ encoding, every chunk file written whole (padded) at ``<group>/features/c/<i>/0`
 :func:`scan_features` reads each chunk file straight into a step's buffer and checks its crc32c with
 google-crc32c, the library zarr's ``Crc32cCodec`` calls, over the same bytes (the chunk's body; the last four
 bytes are the little-endian checksum): the same float32 values zarr decodes, the same refusal of a changed
-chunk (``StoreError``, the wording of ``store._read_chunks``). Anything else (another layout, an object-store
+chunk (``StoreError``, the wording of ``store_layout.read_chunks``). Anything else (another layout, an object-store
 URL, a big-endian machine, a chunk file missing or of another size, a step not on chunk boundaries) is read
 by zarr for that step, as before. tests/test_store_scan.py compares both paths bit for bit and corrupts chunks.
 
@@ -27,7 +27,7 @@ from typing import Iterator
 
 import numpy as np
 
-from . import store as store_mod
+from .store_layout import GROUP_OF_ROLE, read_chunks
 
 
 def _fast_layout(store, role: str) -> tuple[Path, int] | None:
@@ -52,14 +52,14 @@ def _fast_layout(store, role: str) -> tuple[Path, int] | None:
         return None
     if not ok:
         return None
-    folder = Path(store.path) / store_mod.GROUP_OF_ROLE[role] / "features" / "c"
+    folder = Path(store.path) / GROUP_OF_ROLE[role] / "features" / "c"
     return folder, int(store.chunk_rows)
 
 
 def _read_chunk_into(path: Path, dest: memoryview, crc_buf: bytearray) -> bool:
     """Read one whole chunk file: its body into ``dest`` (exactly ``len(dest)`` bytes), then its 4 checksum
     bytes. False when the file is missing or not that size (zarr then reads the step); a checksum that
-    does not match raises zarr's error text, which ``store._read_chunks`` turns into a StoreError."""
+    does not match raises zarr's error text, which ``store_layout.read_chunks`` turns into a StoreError."""
     import google_crc32c
 
     try:
@@ -114,4 +114,4 @@ def scan_features(store, role: str = "private", rows: int | None = None, *,
                     return np.asarray(arr[start:stop], dtype=np.float32)  # zarr reads this step
             return buf[:stop - start]
 
-        yield start, store_mod._read_chunks(store.path, role, "features", read_step)
+        yield start, read_chunks(store.path, role, "features", read_step)

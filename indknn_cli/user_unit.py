@@ -28,11 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .engine import QueryAnswer, release_answer, release_count
-from .errors import BadInputError
 from .id_text import canonical
 
-PRIVACY_UNITS = ("record", "user")
-USER_FOR_MISSING = ("refuse", "record")
 #: Key prefix of a record that is its own user (``--user-for-missing record``); cannot clash with a user id
 #: read from data (user ids are stripped text without control characters).
 OWN_USER_PREFIX = "\x00record:"
@@ -52,20 +49,6 @@ def user_keys(user_ids, record_ids, *, user_for_missing: str) -> np.ndarray:
         else:
             keys[missing] = None
     return keys
-
-
-def check_unit_options(*, privacy_unit: str, max_records_per_user, user_for_missing: str) -> None:
-    if privacy_unit not in PRIVACY_UNITS:
-        raise BadInputError(f"--privacy-unit must be record or user, got {privacy_unit!r}")
-    if user_for_missing not in USER_FOR_MISSING:
-        raise BadInputError(f"--user-for-missing must be refuse or record, got {user_for_missing!r}")
-    if max_records_per_user is not None:
-        if privacy_unit != "user":
-            raise BadInputError("--max-records-per-user needs --privacy-unit user")
-        if isinstance(max_records_per_user, bool) or not isinstance(max_records_per_user, int) \
-                or not 1 <= max_records_per_user <= 1_000_000:
-            raise BadInputError(f"--max-records-per-user must be an integer in [1, 1000000], "
-                                f"got {max_records_per_user!r}")
 
 
 @dataclass

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from indknn_cli import tuning
+from indknn_cli.store import open_store
 
 from .conftest import clustered
 
@@ -66,7 +67,6 @@ def test_store_url_spellings_share_one_state_folder_and_one_write_lock(tmp_path,
 
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
-    from indknn_cli import object_store
     from indknn_cli.errors import LockTimeoutError
 
     from .s3_server import moto_server
@@ -74,9 +74,9 @@ def test_store_url_spellings_share_one_state_folder_and_one_write_lock(tmp_path,
     monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "state"))
     with moto_server() as endpoint:
         bucket = _s3_store(tmp_path, endpoint)
-        a = object_store.open_store(f"s3://{bucket}/stores/s1", mode="a")
+        a = open_store(f"s3://{bucket}/stores/s1", mode="a")
         for alias in (f"s3a://{bucket}/stores/s1", f"s3://{bucket}/stores/s1/", f"S3://{bucket}/stores/s1"):
-            b = object_store.open_store(alias, mode="a")
+            b = open_store(alias, mode="a")
             assert b.uuid == a.uuid  # the same data
             assert b.path == a.path, alias  # hence the same state folder: locks, ledger mark, candidate index
             with a.write_lock(timeout=5):
@@ -358,9 +358,8 @@ def test_erasure_in_a_bucket_versioned_later_is_recorded_and_reported_incomplete
                     params=make_params(epsilon=1, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=10))
         boto3.client("s3", endpoint_url=endpoint, **_creds()).put_bucket_versioning(
             Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
-        from indknn_cli import object_store
 
-        victim = object_store.open_store(url).read("private", "features")[3].tobytes()
+        victim = open_store(url).read("private", "features")[3].tobytes()
         res = CliRunner().invoke(app, ["delete", "--store", url, "--ledger", str(tmp_path / "L"), "--record", "r0003"])
         assert res.exit_code == 1, res.output
         assert "versioning" in res.stderr and bucket in res.stderr

@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
+from indknn_cli.store import open_store  # noqa: E402
+
 from .test_object_store import PARAMS, s3, state  # noqa: E402,F401 (the moto server and the state folder fixtures)
 
 
@@ -51,11 +53,10 @@ def test_f2_erasing_a_whole_chunk_writes_it_so_a_refused_delete_cannot_leave_the
                                                                                          monkeypatch):
     import s3fs
 
-    from indknn_cli import object_store
     from indknn_cli.deletion import delete_records
 
     url, x = _store(tmp_path, s3, n=600, d=384, users=["big"] * 512 + [f"u{i}" for i in range(88)])
-    assert object_store.open_store(url).chunk_rows == 512  # user "big" owns all of chunk 0
+    assert open_store(url).chunk_rows == 512  # user "big" owns all of chunk 0
 
     async def no_delete_permission(self, pathlist, **kw):  # every key refused inside a 200 answer
         return []
@@ -64,7 +65,7 @@ def test_f2_erasing_a_whole_chunk_writes_it_so_a_refused_delete_cannot_leave_the
         mp.setattr(s3fs.S3FileSystem, "_bulk_delete", no_delete_permission)
         r = delete_records(store_path=url, ledger_path=tmp_path / "L", user_ids=["big"])
     assert r.records_erased == 512
-    st = object_store.open_store(url)
+    st = open_store(url)
     assert not np.any(st.read("private", "features", 0, 512))  # the store reads back zeros
     assert _holding(s3, url, x[0]) == []  # and no object holds the erased vector
 
@@ -99,7 +100,7 @@ def test_f2_a_refused_removal_of_the_old_prefix_empties_it_keeps_its_pointer_and
     assert not [k for k in raw_objects(s3, bucket) if k.startswith("s/")]  # the next command removed it
 
     # Neither removed nor emptied (no delete and no put on those keys): reported, and erasure is not blocked.
-    current = object_store.open_store(url).remote.url.split("/", 3)[3]  # the prefix compaction will leave behind
+    current = open_store(url).remote.url.split("/", 3)[3]  # the prefix compaction will leave behind
 
     def refused(fs, key):
         raise PermissionError("AccessDenied")
@@ -114,7 +115,7 @@ def test_f2_a_refused_removal_of_the_old_prefix_empties_it_keeps_its_pointer_and
         assert r.records_erased == 1 and "neither removed nor emptied" in (r.physical_erasure or "")
         r = delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0030"])  # not blocked
         assert r.records_erased == 1 and "neither removed nor emptied" in (r.physical_erasure or "")
-    now = object_store.open_store(url).remote.url.split("/", 3)[3]
+    now = open_store(url).remote.url.split("/", 3)[3]
     assert not [k for k in _holding(s3, url, x[30]) if k.startswith(now + "/")]  # r0030 erased in the current store
     assert [k for k in _holding(s3, url, x[30]) if k.startswith(current + "/")]  # kept only by the reported leftover
     delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=[], compact=True)  # permissions back
@@ -221,7 +222,7 @@ def test_f7_the_coordinator_refuses_triples_no_worker_makes():
 def test_f6_an_index_on_object_storage_with_a_scheduler_is_refused_before_anything(s3, state, tmp_path):
     """Workers cannot read an S3 store's LSH/IVF index (it lives in the coordinator's state folder): every such run
     failed on the workers with a KeyError (exit 1); it is now refused up front with what to do (audit 8, F6)."""
-    from indknn_cli import distributed, object_store
+    from indknn_cli import distributed
     from indknn_cli.errors import BadInputError
     from indknn_cli.ledger import BudgetLedger
 
@@ -229,7 +230,7 @@ def test_f6_an_index_on_object_storage_with_a_scheduler_is_refused_before_anythi
     dask = distributed.DaskCandidates(client=None, tasks_per_worker=1)
     dask.workers = lambda: 1
     with pytest.raises(BadInputError, match="shared file system"):
-        dask.factory(object_store.open_store(url), BudgetLedger.open(tmp_path / "L"))
+        dask.factory(open_store(url), BudgetLedger.open(tmp_path / "L"))
 
 
 @pytest.mark.heavy
@@ -293,7 +294,7 @@ def _compact_leaving_the_old_prefix(url: str, tmp_path: Path, monkeypatch, *, re
     from indknn_cli import object_store
     from indknn_cli.deletion import delete_records
 
-    current = object_store.open_store(url).remote.url.split("/", 3)[3]
+    current = open_store(url).remote.url.split("/", 3)[3]
     real_bulk = s3fs.S3FileSystem._bulk_delete
     real_fs = object_store.filesystem
 
@@ -422,7 +423,7 @@ def test_f1_a_second_machine_waits_for_the_first_machines_write_to_end(s3, state
     from indknn_cli import object_store, store_lease
 
     url, x = _store(tmp_path, s3, n=300, d=16)
-    first = object_store.open_store(url, mode="a")
+    first = open_store(url, mode="a")
     f, more = _embed_more(tmp_path, url, start=0, n=40, d=16, seed=5)
     env = {**os.environ, "INDKNN_STATE_DIR": str(tmp_path / "machine-b"), "PYTHONPATH": str(REPO)}
     lease = store_lease.lease_url(first.remote)
@@ -437,7 +438,7 @@ def test_f1_a_second_machine_waits_for_the_first_machines_write_to_end(s3, state
         assert holder["machine"] == store_lease.machine_id()
     out, err = second.communicate(timeout=120)
     assert second.returncode == 0, err
-    st = object_store.open_store(url)
+    st = open_store(url)
     assert st.n_rows() == 340 and list(st.record_ids()[300:]) == [f"m{i:05d}" for i in range(40)]
     assert np.array_equal(st.read("private", "features")[300:], more)
     assert not object_store.filesystem(st.remote).exists(lease)  # released
@@ -475,7 +476,7 @@ def test_f1_a_lease_left_by_a_dead_process_here_is_taken_over_one_from_another_m
     from indknn_cli.errors import LockTimeoutError
 
     url, x = _store(tmp_path, s3, n=120, d=16)
-    st = object_store.open_store(url, mode="a")
+    st = open_store(url, mode="a")
     fs = object_store.filesystem(st.remote)
     lease = store_lease.lease_url(st.remote)
     import socket
@@ -533,13 +534,13 @@ def test_f1_a_cloned_machine_id_does_not_take_over_a_live_holders_lease(s3, stat
     from indknn_cli.errors import LockTimeoutError
 
     url, x = _store(tmp_path, s3, n=120, d=16)
-    first = object_store.open_store(url, mode="a")
+    first = open_store(url, mode="a")
     clone = tmp_path / "clone"
     clone.mkdir()
     shutil.copy(state / "machine-id", clone / "machine-id")
     with first.write_lock(timeout=5):
         monkeypatch.setenv("INDKNN_STATE_DIR", str(clone))
-        second = object_store.open_store(url, mode="a")
+        second = open_store(url, mode="a")
         with pytest.raises(LockTimeoutError, match="writer lease"):
             with second.write_lock(timeout=0.6):
                 pass

@@ -13,10 +13,11 @@ pytest.importorskip("distributed")
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from indknn_cli import distributed, object_store  # noqa: E402
+from indknn_cli import distributed  # noqa: E402
 from indknn_cli.embedding import embed_into_store  # noqa: E402
 from indknn_cli.ledger import BudgetLedger  # noqa: E402
 from indknn_cli.serving import build_index, make_params, serve_queries  # noqa: E402
+from indknn_cli.store import open_store  # noqa: E402
 
 from .s3_server import moto_server, new_bucket  # noqa: E402
 from .conftest import clustered  # noqa: E402
@@ -52,7 +53,7 @@ def test_scheduler_on_an_s3_store_equals_in_process(tmp_path, monkeypatch):
                           silence_logs=logging.ERROR) as cluster:
             got = distributed.serve_queries(scheduler=cluster.scheduler_address, store_path=urls[1],
                                             ledger_path=lb, query_batch="q1", seed=7, batch_size=8)
-        assert object_store.open_store(urls[1]).remote.url == urls[1]
+        assert open_store(urls[1]).remote.url == urls[1]
     key = lambda res: [(a["query_id"], a["label"], a["released_count"]) for a in res.answers]  # noqa: E731
     assert len(want.answers) == 30 and key(got) == key(want)
     sa, sb = BudgetLedger.open(la).state, BudgetLedger.open(lb).state

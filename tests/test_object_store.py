@@ -17,7 +17,7 @@ from indknn_cli.deletion import delete_records
 from indknn_cli.embedding import embed_into_store
 from indknn_cli.errors import StoreError
 from indknn_cli.serving import build_index, make_params, serve_queries
-from indknn_cli.store import FeatureStore, normalize_rows
+from indknn_cli.store import FeatureStore, normalize_rows, open_store
 
 from .conftest import clustered
 from .s3_server import moto_server, new_bucket, raw_objects
@@ -58,7 +58,7 @@ def test_round_trip_with_physical_erasure(s3, state, tmp_path):
     x = _inputs(tmp_path)
     res = embed_into_store(tmp_path / "priv.npz", store_path=url, extractor="vectors", label_names=["0", "1", "2"])
     assert res.store == url and res.rows_added == 300
-    store = object_store.open_store(url)  # the library's one opener of a store, local path or URL
+    store = open_store(url)  # the library's one opener of a store, local path or URL
     assert store.remote.url == url and store.remote.options == {"endpoint_url": s3}
     assert store.path == object_store.state_dir(url) and store.path.is_relative_to(state)
     assert np.array_equal(store.read("private", "features"), x)
@@ -73,11 +73,11 @@ def test_round_trip_with_physical_erasure(s3, state, tmp_path):
     res = delete_records(store_path=url, ledger_path=lp, record_ids=["r0007"])
     assert res.records_erased == 1
     assert not any(victim in body for body in raw_objects(s3, bucket).values())
-    assert object_store.open_store(url).record_ids()[7] == ""
+    assert open_store(url).record_ids()[7] == ""
 
     res = delete_records(store_path=url, ledger_path=lp, compact=True)
     assert res.compaction["store_rows_removed"] == 1
-    after = object_store.open_store(url)
+    after = open_store(url)
     assert after.remote.url.startswith(url + ".compacted-") and after.n_rows() == 299
     keys = raw_objects(s3, bucket)
     # old prefix gone; beside the store's name only its small objects stay (the ledger's high-water mark; a lease
@@ -106,7 +106,7 @@ def test_unreachable_endpoint_is_a_store_error(state, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("INDKNN_STORAGE_OPTIONS", json.dumps({"config_kwargs": {"retries": {"max_attempts": 1}}}))
     with pytest.raises(StoreError, match="cannot reach the object store"):
-        object_store.open_store("s3://nobucket/s")
+        open_store("s3://nobucket/s")
 
 
 def test_storage_options_from_env(monkeypatch):

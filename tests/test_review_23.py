@@ -21,6 +21,8 @@ from .s3_server import new_bucket
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
+from indknn_cli.store import open_store  # noqa: E402
+
 from .test_object_store import s3  # noqa: E402,F401 (the moto server fixture)
 
 
@@ -105,7 +107,7 @@ def test_f2_a_ledger_writer_on_another_machine_holds_the_ledger_writer_lease(s3,
     from indknn_cli.serving import serve_queries
 
     url = _two_machines(tmp_path, s3, monkeypatch)
-    st = object_store.open_store(url)
+    st = open_store(url)
     fs = object_store.filesystem(st.remote)
     lease = store_lease.lease_url(st.remote, store_lease.LEDGER_SUFFIX)
     fs.pipe_file(lease, json.dumps({"token": "t-a", "machine": "machine-a", "host": "node-a", "pid": 7,
@@ -209,7 +211,7 @@ def test_f2_review_25_a_failed_bucket_mark_keeps_the_ledger_writer_lease_so_a_co
     with pytest.raises(StoreError, match="ledger-writer lease stays"):
         serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1")
     monkeypatch.setattr(ledger_mark_remote, "_where", real)
-    st = object_store.open_store(url)
+    st = open_store(url)
     lease = store_lease.lease_url(st.remote, store_lease.LEDGER_SUFFIX)
     assert object_store.filesystem(st.remote).exists(lease)
 
@@ -235,7 +237,7 @@ def test_f2_review_25_a_stale_bucket_mark_of_another_ledger_does_not_refuse_the_
     from indknn_cli.store_lease import lease_url
 
     def stale_mark(url):  # the earlier store's ledger's mark, left in the bucket before this store's `index`
-        st = object_store.open_store(url)
+        st = open_store(url)
         object_store.filesystem(st.remote).pipe_file(lease_url(st.remote, SUFFIX), json.dumps(_sealed_mark()).encode())
 
     url = _two_machines(tmp_path, s3, monkeypatch, before_index=stale_mark)
@@ -267,7 +269,7 @@ def test_f1_review_29_another_ledgers_bucket_mark_copied_over_a_bound_stores_is_
 
     url = _two_machines(tmp_path, s3, monkeypatch)
     assert serve_queries(store_path=url, ledger_path=tmp_path / "LA", query_batch="q1").newly_answered == 150
-    st = object_store.open_store(url)
+    st = open_store(url)
     fs, key = object_store.filesystem(st.remote), lease_url(st.remote, SUFFIX)
     fs.pipe_file(key, json.dumps(_sealed_mark(ledger_uuid="the-other-stores-ledger")).encode())
     monkeypatch.setenv("INDKNN_STATE_DIR", str(tmp_path / "stateB"))
@@ -383,7 +385,7 @@ def test_review_31_a_state_folder_naming_another_store_than_its_data_is_refused(
     from indknn_cli.embedding import embed_into_store
     from indknn_cli.errors import StoreError
     from indknn_cli.ledger import BudgetLedger
-    from indknn_cli.object_store import local_path, open_store
+    from indknn_cli.object_store import local_path
     from indknn_cli.serving import serve_queries
 
     url = _two_machines(tmp_path, s3, monkeypatch)
@@ -443,7 +445,7 @@ def test_review_31_an_index_refused_by_a_stale_state_folder_mark_in_the_bucket_l
     np.savez(tmp_path / "p.npz", x=normalize_rows(x), y=y, ids=np.array([f"r{i}" for i in range(60)]))
     url = f"s3://{new_bucket(s3)}/s"
     embed_into_store(tmp_path / "p.npz", store_path=url, extractor="vectors", label_names=["0", "1"])
-    st = object_store.open_store(url)
+    st = open_store(url)
     fs, key = object_store.filesystem(st.remote), lease_url(st.remote, SUFFIX)
     fs.pipe_file(key, json.dumps(_sealed_mark(copy="local")).encode())  # the old store's, left behind
     params = make_params(epsilon=1.0, delta=1e-5, tau=0.3, sigma2=0.5, planned_queries=50)

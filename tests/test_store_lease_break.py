@@ -16,6 +16,8 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
+from indknn_cli.store import open_store  # noqa: E402
+
 from .test_audit_8 import _store  # noqa: E402
 from .test_object_store import s3, state  # noqa: E402,F401 (the moto server and the state folder fixtures)
 
@@ -36,7 +38,7 @@ def test_a_dead_machines_lease_is_shown_then_removed_by_its_token_and_the_erasur
     from indknn_cli.errors import LockTimeoutError
 
     url, _ = _store(tmp_path, s3, n=120, d=16)
-    st = object_store.open_store(url, mode="a")
+    st = open_store(url, mode="a")
     fs = object_store.filesystem(st.remote)
     lease = store_lease.lease_url(st.remote)
     fs.pipe_file(lease, json.dumps({"token": "t-dead", "machine": "another", "host": "node-7", "pid": 42,
@@ -72,7 +74,7 @@ def test_an_unreadable_lease_is_named_unreadable_and_a_live_writers_lease_is_nev
     from indknn_cli.errors import BadInputError
 
     url, _ = _store(tmp_path, s3, n=60, d=8)
-    st = object_store.open_store(url, mode="a")
+    st = open_store(url, mode="a")
     fs = object_store.filesystem(st.remote)
     lease = store_lease.lease_url(st.remote)
     fs.pipe_file(lease, b"\x00 not json")
@@ -107,7 +109,7 @@ def test_a_dead_holders_lease_whose_pid_now_names_a_live_process_does_not_block_
     from indknn_cli.deletion import delete_records
 
     url, _ = _store(tmp_path, s3, n=60, d=8)
-    st = object_store.open_store(url, mode="a")
+    st = open_store(url, mode="a")
     fs = object_store.filesystem(st.remote)
     lease = store_lease.lease_url(st.remote)
     with st.write_lock(timeout=5):  # a lease as this version writes it
@@ -145,7 +147,7 @@ def test_a_lease_taken_by_another_writer_between_the_read_and_the_removal_is_not
     from indknn_cli.errors import BadInputError
 
     url, _ = _store(tmp_path, s3, n=60, d=8)
-    st = object_store.open_store(url, mode="a")
+    st = open_store(url, mode="a")
     fs = object_store.filesystem(st.remote)
     lease = store_lease.lease_url(st.remote)
     newer = json.dumps({"token": "t-new", "machine": "m2", "host": "node-2", "pid": 7, "since": "now"}).encode()
