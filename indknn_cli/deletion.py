@@ -288,22 +288,21 @@ def delete_records(
             stuck, stuck_error = np.empty(0, np.int64), None
             try:
                 pending = complete_pending(store, ledger)
-            except StoreError as exc:  # review 57, F3: an earlier erasure stuck on a corrupt chunk blocked every
-                # later request before it was recorded; it stays pending and this one goes on
+            except (StoreError, StorageError) as exc:  # review 57, F3 (a corrupt chunk) and review 62, F3 (a write
+                # error: EIO, ENOSPC): an earlier erasure that cannot be finished blocked every later request before
+                # it was recorded; it stays pending (never selected) and this one is recorded and goes on
                 pending, stuck, stuck_error = 0, store.erase_pending_rows("private"), exc
-            except StorageError as exc:  # review 58, F5: exit 1 read as "recorded": say this request was not
-                raise StorageError(f"{exc}. Finishing an earlier erasure failed before this request was recorded: "
-                                   "nothing of this request was written; run it again") from None
             plan = _plan(store, ledger, record_ids, user_ids)
             _enforce_strict(plan, strict)
             log.info("erasing %s of the store (operator-only count)", count(int(plan.rows.size), "row"))
             written = _execute(store, ledger, plan, still_pending=stuck)
-            if stuck.size:
+            if stuck_error is not None:
+                how = ("once that chunk reads again (its file restored from a backup of this store)"
+                       if isinstance(stuck_error, StoreError) else "once the storage error above is cleared")
                 raise StorageError(
                     f"{stuck_error} This request's erasure went on ({count(len(plan.record_ids), 'record')}); an "
                     f"earlier one of {count(int(stuck.size), 'row')} is recorded but not finished (never selected "
-                    "again): once that chunk reads again (its file restored from a backup of this store), `indknn "
-                    "delete` finishes it")
+                    f"again): {how}, `indknn delete` finishes it")
             if compact:
                 log.info("compacting: rewriting the store without deleted rows, folding the ledger into a snapshot")
             compaction = _compact(store, ledger) if compact else None

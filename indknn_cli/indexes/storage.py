@@ -167,7 +167,7 @@ def remove_rows(store: FeatureStore, rows, *, lock_timeout: float = 300.0) -> in
     with index_lock(store.path, lock_timeout):
         remove_stale_copies(store.path)  # an erasure reaches every copy of the codes: killed builds' are removed
         try:
-            return _overwrite(store, rows)
+            done = _overwrite(store, rows)
         except Exception as exc:  # noqa: BLE001 - corrupt metadata or chunk (zarr's ValueError), EIO, ...
             # Review 58, F3: a candidate index that cannot be updated held every later erasure pending and
             # `serve-queries`/`index` (which finish it first) stopped until someone removed it by hand. The index
@@ -175,7 +175,20 @@ def remove_rows(store: FeatureStore, rows, *, lock_timeout: float = 300.0) -> in
             # erasure removes the whole of it (serving uses the exact scan until it is built again).
             drop_index(store.path, why=f"{type(exc).__name__}: {exc}" if isinstance(exc, StoreError)
                        else type(exc).__name__)
-            return int(rows.size)
+            done = int(rows.size)
+        _refuse_copies_left(store.path)
+        return done
+
+
+def _refuse_copies_left(store_path) -> None:
+    """Review 62, F1: a removal that failed half way (EIO) left a copy holding the erased rows' codes while the
+    erasure reported success; raised instead, the erasure stays pending and the next command tries again."""
+    remove_stale_copies(store_path)
+    left = stale_copies(store_path)
+    if left:
+        raise StoreError(f"{left[0]}: a copy of the candidate index (it holds the erased rows' codes) cannot be "
+                         "removed; the erasure stays pending (never selected) and the next `indknn delete`, `index` "
+                         "or `serve-queries` tries again (or remove that folder by hand)")
 
 
 def _overwrite(store: FeatureStore, rows: np.ndarray) -> int:
@@ -184,8 +197,11 @@ def _overwrite(store: FeatureStore, rows: np.ndarray) -> int:
         if index_path(store.path).exists():  # files without metadata (its zarr.json lost): they may hold codes
             raise StoreError(f"{index_path(store.path)}: the candidate index has no metadata")
         return 0
-    if meta.get("kind") == "flat" or meta.get("store_uuid") != store.uuid:
+    if meta.get("kind") == "flat":
         return 0
+    if meta.get("store_uuid") != store.uuid:  # another numbering (a compaction stopped before the index was
+        # renumbered): these rows cannot be found in it, and the erased ones' codes are there (review 62, F2)
+        raise StoreError(f"{index_path(store.path)}: the candidate index was built for other row numbers")
     rows = rows[(rows >= 0) & (rows < int(meta["n_rows"]))]
     if rows.size == 0:
         return 0
