@@ -4,16 +4,12 @@ read that module's docstring for what is scanned and why the pairs are a superse
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
+from .jit_common import njit
 
-def _jit(fn):
-    """nogil (the scan runs beside the next tile's product); cached on disk where numba finds a place."""
-    try:
-        return numba.njit(nogil=True, cache=True)(fn)
-    except Exception:  # no writable cache location: compile per process instead
-        return numba.njit(nogil=True)(fn)
+
+_jit = njit
 
 
 #: Scores tested together before any is looked at one by one (an OR over 64 int16 lanes vectorises).
@@ -75,13 +71,9 @@ def scan_ge(s, key_t, ordered, qi_out, ri_out):
     return _scan_keyed(s, key_t, qi_out, ri_out)
 
 
-def _jit_fp32(fn):
-    """As :func:`_jit`, with fp32 sums free to be reordered and fused (reassoc, contract: the fp32 screen's
-    margin bounds any summation order, and a fused multiply-add rounds once instead of twice)."""
-    try:
-        return numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})(fn)
-    except Exception:
-        return numba.njit(nogil=True, fastmath={"reassoc", "contract"})(fn)
+#: As ``_jit``, with fp32 sums free to be reordered and fused (reassoc, contract: the fp32 screen's margin bounds any
+#: summation order, and a fused multiply-add rounds once instead of twice).
+_jit_fp32 = njit(fastmath={"reassoc", "contract"})
 
 
 @_jit_fp32

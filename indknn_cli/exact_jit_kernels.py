@@ -5,24 +5,13 @@ compute and why the bits are numpy's."""
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-
-def _jit(fn):
-    """nogil, no fastmath (no reassociation, no contraction); cached on disk where numba finds a place."""
-    try:
-        return numba.njit(nogil=True, cache=True)(fn)
-    except Exception:  # no writable cache location: compile per process instead
-        return numba.njit(nogil=True)(fn)
+from .jit_common import njit
 
 
-def _jit_inline(fn):
-    """As :func:`_jit`, inlined into its callers by numba (LLVM then vectorises the callers' running sums)."""
-    try:
-        return numba.njit(nogil=True, cache=True, inline="always")(fn)
-    except Exception:
-        return numba.njit(nogil=True, inline="always")(fn)
+_jit = njit
+_jit_inline = njit(inline="always")  # inlined into its callers (LLVM then vectorises the callers' running sums)
 
 
 @_jit_inline

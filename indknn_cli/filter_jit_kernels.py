@@ -8,23 +8,13 @@ and how that is excluded.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-
-def _jit(fn):
-    """nogil, no fastmath; numpy's error model (a float division by zero gives inf or nan, as numpy's does)."""
-    try:
-        return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
-    except Exception:
-        return numba.njit(nogil=True, error_model="numpy")(fn)
+from .jit_common import njit
 
 
-def _jit_inline(fn):
-    try:
-        return numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")(fn)
-    except Exception:
-        return numba.njit(nogil=True, error_model="numpy", inline="always")(fn)
+_jit = njit(error_model="numpy")  # a float division by zero gives inf or nan, as numpy's does
+_jit_inline = njit(error_model="numpy", inline="always")
 
 
 @_jit_inline

@@ -6,9 +6,10 @@ constant is a ``np.uint64`` (numba, like numpy, turns uint64 mixed with a signed
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba.np.random._constants import fi_double, ki_double, wi_double, ziggurat_nor_inv_r, ziggurat_nor_r
+
+from .jit_common import njit
 
 FI = np.asarray(fi_double, dtype=np.float64)
 KI = np.asarray(ki_double, dtype=np.uint64)
@@ -24,11 +25,7 @@ _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
 
 
-def _jit(fn):
-    try:
-        return numba.njit(nogil=True, cache=True)(fn)
-    except Exception:
-        return numba.njit(nogil=True)(fn)
+_jit = njit
 
 
 @_jit
