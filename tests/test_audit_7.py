@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from indknn_cli.ledger import BudgetLedger
+from indknn_cli.store import FeatureStore
 from tests.test_audit_6 import _cli, _ok
 
 D = 16
@@ -28,7 +29,7 @@ def _records(tmp_path, user):
 
 def _alice_spends_then_her_erased_id_returns_under_bob(tmp_path, rid, v, rng) -> tuple[float, float]:
     """120 queries at alice's vector spend her record ``rid`` to about B; it is erased, then embedded again under
-    bob (the row stays out of the ledger). Returns (what she had paid, B)."""
+    bob (through the library: `embed` refuses it; the row stays out of the ledger). Returns (what she had paid, B)."""
     np.savez(tmp_path / "q1.npz", x=np.tile(v, (120, 1)) + 1e-3 * rng.standard_normal((120, D)))
     _ok(_cli("serve-queries", "q1.npz", "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
     budget = BudgetLedger.open(tmp_path / "L").params.budget
@@ -36,7 +37,12 @@ def _alice_spends_then_her_erased_id_returns_under_bob(tmp_path, rid, v, rng) ->
     assert paid > 0.9 * budget
     _ok(_cli("delete", "--record", rid, "--store", "s.zarr", "--ledger", "L", "-q", cwd=tmp_path))
     np.savez(tmp_path / "back.npz", x=v[None, :], y=[0], ids=np.array([rid]), users=np.array(["bob"]))
-    _ok(_cli("embed", "back.npz", "--store", "s.zarr", "-q", cwd=tmp_path))
+    p = _cli("embed", "back.npz", "--store", "s.zarr", "-q", cwd=tmp_path)
+    assert p.returncode == 2 and "keeps its user" in p.stderr  # embed refuses it since review 60, F3
+    # written through the library instead (a store written outside `embed`, or before that check)
+    FeatureStore.open(tmp_path / "s.zarr", mode="a").append("private", v[None, :].astype(np.float32),
+                                                            labels=np.zeros(1, np.int32), record_ids=[rid],
+                                                            user_ids=["bob"])
     return paid, budget
 
 
