@@ -198,7 +198,7 @@ def test_every_bench_command_is_typer_style():
     for cmd, needles in ((["year"], ["--days", "x>=17", "[default: 60]", "Queries per day", "--processes"]),
                          (["append"], ["--rows", "[default: 20000]", "per byte"]),
                          (["startup"], ["--repeat", "[default: 5]", "seconds"]),
-                         (["user-unit"], ["--eps", "[default: 0.5,1,2]", "--max-records", "--k"])):
+                         (["user-unit"], ["--eps", "[default: 0.5,1,2]", "--user-size-max", "--max-records-per-user"])):
         text = " ".join(invoke("bench", *cmd, "-h", env={"COLUMNS": "250"}).stdout.split())
         assert all(n in text for n in needles), (cmd, text)
     # bad values are refused by the typer options (exit 2), before any work

@@ -28,6 +28,7 @@ class BenchConfig:
     # Ind-KNN tuned privately (issue 18): `index --tune private` run by the library function it calls, at the same
     # total ε as the other rows; None values take index --tune's defaults (tuning_grid.py)
     private_tuning: bool = True
+    baselines: bool = True               # accuracy-vs-eps --no-baselines: the privately tuned rows alone
     tune_share: float | None = None
     tune_runs: float | None = None
     tune_shape: float | str | None = None

@@ -172,40 +172,20 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
     draws = query_draws(p.pool_x.shape[0], p.T, cfg.draws, cfg.seed)
     tuning: dict = {}
     timing: dict = {}
-    progress(f"tuning Ind-KNN on {p.val.q_x.shape[0]} validation queries ({count(len(cfg.epsilons), 'ε value')}, "
-             f"{cfg.conversion}, {UNIT_SHORT})")
-    t0 = time.perf_counter()
-    tuning["indknn"] = tune_indknn(p.val, epsilons=cfg.epsilons, delta=cfg.delta, conversion=cfg.conversion,
-                                   queries=p.T, seed=cfg.seed, sigma2_grid=cfg.sigma2_grid,
-                                   tau_offsets=cfg.tau_offsets, draws=cfg.tune_draws)
-    timing["tune_indknn"] = time.perf_counter() - t0
+    if cfg.baselines:
+        progress(f"tuning Ind-KNN on {p.val.q_x.shape[0]} validation queries ({count(len(cfg.epsilons), 'ε value')}, "
+                 f"{cfg.conversion}, {UNIT_SHORT})")
+        t0 = time.perf_counter()
+        tuning["indknn"] = tune_indknn(p.val, epsilons=cfg.epsilons, delta=cfg.delta, conversion=cfg.conversion,
+                                       queries=p.T, seed=cfg.seed, sigma2_grid=cfg.sigma2_grid,
+                                       tau_offsets=cfg.tau_offsets, draws=cfg.tune_draws)
+        timing["tune_indknn"] = time.perf_counter() - t0
     rows = []
     kcache: dict = {}  # exact κ of each query draw, shared by the privately tuned and oracle rows of every ε
     for i_eps, eps in enumerate(cfg.epsilons):
-        ch = tuning["indknn"]["chosen"][float(eps)]
-        say(progress, f"{eps_at(eps, 'each method by its own accountant')}: Ind-KNN τ={ch['tau']}, "
-            f"σ2={ch['sigma2']}; tuning Private-kNN and NoisySGD",
-            done=i_eps, total=len(cfg.epsilons))
-        t0 = time.perf_counter()
-        tp = tune_private_knn(p.val, epsilon=eps, delta=cfg.delta, queries=p.T, seed=cfg.seed,
-                              rates=cfg.pknn_rates, ks=cfg.pknn_ks, accountant=cfg.pknn_accountant)
-        ts = tune_noisy_sgd(p.val, epsilon=eps, delta=cfg.delta, seed=cfg.seed, lrs=cfg.sgd_lrs,
-                            epochs=cfg.sgd_epochs)
-        tuning.setdefault("private_knn", {})[float(eps)] = tp
-        tuning.setdefault("noisy_sgd", {})[float(eps)] = ts
-        timing[f"tune_baselines_eps{eps}"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for reuse in (False, True):
-            rows.append(_indknn_row(p, cfg, eps=eps, tau=ch["tau"], sigma2=ch["sigma2"], T=p.T, draws=draws,
-                                    reuse=reuse, tag="report"))
-        rows.append(_pknn_row(p, cfg, eps=eps, rate=tp["chosen"]["sampling_rate"], k=tp["chosen"]["k"], T=p.T,
-                              draws=draws))
-        models = _sgd_models(p, cfg, eps=eps, lr=ts["chosen"]["lr"], n=len(draws))
-        rows.append(_sgd_row(p, cfg, eps=eps, lr=ts["chosen"]["lr"], models=models, draws=draws))
-        timing[f"report_eps{eps}"] = time.perf_counter() - t0
-        say(progress, f"{eps_at(eps, 'each method by its own accountant')}: "
-            + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows[-4:]),
-            done=i_eps + 1, total=len(cfg.epsilons))
+        if cfg.baselines:
+            rows += _baseline_rows(p, cfg, eps=eps, draws=draws, tuning=tuning, timing=timing, progress=progress,
+                                   i_eps=i_eps)
         if cfg.private_tuning:
             from .private_tuning import private_rows
 
@@ -213,15 +193,49 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
             rows += private_rows(p, cfg, eps=eps, draws=draws, progress=progress, kcache=kcache)
             timing[f"private_tuning_eps{eps}"] = time.perf_counter() - t0
         partial(rows)
-    rows += _nonprivate_rows(p, cfg, draws, tuning, progress)
+    if cfg.baselines:
+        rows += _nonprivate_rows(p, cfg, draws, tuning, progress)
     timing["total"] = time.perf_counter() - t_start
     maj = majority_class(p, draws)
-    note = privacy_note(cfg, p.T) + (" Ind-KNN tuned privately: `index --tune private`'s search on the private "
-                                     "side, its RDP cost composed with serving into the same total ε (the other rows "
-                                     "are tuned non-privately on a validation split)." if cfg.private_tuning else "")
+    note = privacy_note(cfg, p.T) + (
+        "" if not cfg.private_tuning else
+        " Ind-KNN tuned privately: `index --tune private`'s search on the private side, its RDP cost composed with "
+        "serving into the same total ε" + (" (the other rows are tuned non-privately on a validation split)."
+                                           if cfg.baselines else "; no other method was run (--no-baselines)."))
     return {"experiment": "accuracy-vs-eps", "dataset": dataset_info(p), "config": cfg.as_dict(),
             "protocol": PROTOCOL, "results": rows, "tuning": tuning, "seconds": timing, "majority_class": maj,
             "table": eps_table(rows, cfg.epsilons, note=note, majority=maj)}
+
+
+def _baseline_rows(p: Prepared, cfg: BenchConfig, *, eps: float, draws: list, tuning: dict, timing: dict,
+                   progress: Progress, i_eps: int) -> list[dict]:
+    """Ind-KNN (tuned non-privately, with and without reuse), Private-kNN and Linear NoisySGD at one ε."""
+    rows = []
+    ch = tuning["indknn"]["chosen"][float(eps)]
+    say(progress, f"{eps_at(eps, 'each method by its own accountant')}: Ind-KNN τ={ch['tau']}, "
+        f"σ2={ch['sigma2']}; tuning Private-kNN and NoisySGD",
+        done=i_eps, total=len(cfg.epsilons))
+    t0 = time.perf_counter()
+    tp = tune_private_knn(p.val, epsilon=eps, delta=cfg.delta, queries=p.T, seed=cfg.seed,
+                          rates=cfg.pknn_rates, ks=cfg.pknn_ks, accountant=cfg.pknn_accountant)
+    ts = tune_noisy_sgd(p.val, epsilon=eps, delta=cfg.delta, seed=cfg.seed, lrs=cfg.sgd_lrs,
+                        epochs=cfg.sgd_epochs)
+    tuning.setdefault("private_knn", {})[float(eps)] = tp
+    tuning.setdefault("noisy_sgd", {})[float(eps)] = ts
+    timing[f"tune_baselines_eps{eps}"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for reuse in (False, True):
+        rows.append(_indknn_row(p, cfg, eps=eps, tau=ch["tau"], sigma2=ch["sigma2"], T=p.T, draws=draws,
+                                reuse=reuse, tag="report"))
+    rows.append(_pknn_row(p, cfg, eps=eps, rate=tp["chosen"]["sampling_rate"], k=tp["chosen"]["k"], T=p.T,
+                          draws=draws))
+    models = _sgd_models(p, cfg, eps=eps, lr=ts["chosen"]["lr"], n=len(draws))
+    rows.append(_sgd_row(p, cfg, eps=eps, lr=ts["chosen"]["lr"], models=models, draws=draws))
+    timing[f"report_eps{eps}"] = time.perf_counter() - t0
+    say(progress, f"{eps_at(eps, 'each method by its own accountant')}: "
+        + ", ".join(f"{r['method']} {r['accuracy_median']:.3f}" for r in rows),
+        done=i_eps + 1, total=len(cfg.epsilons))
+    return rows
 
 
 def majority_class(p: Prepared, draws: list[np.ndarray]) -> dict:

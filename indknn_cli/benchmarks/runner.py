@@ -140,6 +140,9 @@ def _validate(cfg: BenchConfig, epsilon: float) -> None:
         raise BadInputError(f"--delta must lie in (0, 1), got {cfg.delta}")
     if cfg.draws < 1:
         raise BadInputError(f"--draws must be ≥ 1, got {cfg.draws}")
+    if not cfg.baselines and not cfg.private_tuning:  # nothing but the majority class would be left
+        raise BadInputError("--no-baselines leaves only the privately tuned rows: give it without "
+                            "--no-private-tuning")
     if cfg.queries is not None and cfg.queries < 1:
         raise BadInputError(f"--queries must be ≥ 1, got {cfg.queries}")
     if cfg.conversion not in ("gdp", "rdp"):

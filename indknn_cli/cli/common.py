@@ -253,16 +253,44 @@ def _exit_interrupted(exc: KeyboardInterrupt):
     raise typer.Exit(code=130) from None
 
 
-def deprecated_alias(value, old_value, *, new: str, old: str):
-    """A hidden, deprecated option spelling (``old``) folded into ``new``: a note on stderr; both at once with
-    different values is a usage error (exit 2)."""
+def deprecated_alias(value, old_value, *, new: str, old: str, typed: bool | None = None):
+    """A hidden, deprecated option spelling (``old``, default None) folded into ``new``: a note on stderr; both at
+    once with different values is a usage error (exit 2). ``typed``: whether ``new`` was typed on the command line
+    (:func:`given_on_command_line`), for a ``new`` with a default other than None; else ``new`` counts as given
+    when it is not None."""
     if old_value is None:
         return value
-    if value is not None and value != old_value:
+    if (value is not None if typed is None else typed) and value != old_value:
         error_message("Error:", f"{old} is the old name of {new}: give one of them")
         raise typer.Exit(code=2)
     say(f"note: {old} is deprecated, use {new}")
     return old_value
+
+
+def parse_number_list(text: str, *, flag: str, distinct: bool = False, finite: bool = True) -> tuple:
+    """A comma-separated list of numbers (``--eps 0.5,1,2``, ``--tune-taus 0.2,0.3``), the one parser of every
+    such option. An empty item (``0.5,,1``, ``1,``) is a typo, not a list: refused (BadInputError, exit 2) with
+    the flag and the value named; so are an empty list, a word, and (``finite``) NaN or ±inf. ``distinct``:
+    a value given twice is refused too (a tuning grid, where a repeated point would count twice)."""
+    import math
+
+    from ..errors import BadInputError
+
+    items = [v.strip() for v in str(text).split(",")]
+    if not "".join(items):  # `--eps ""` ran with no ε at all (review 38)
+        raise BadInputError(f"{flag}: no number given ({text!r}); give comma-separated numbers, e.g. 0.5,1,2")
+    if any(not v for v in items):  # "0.1,,0.2" or "0.3,": a typo, not a list (review 16, F2)
+        raise BadInputError(f"{flag} {text!r}: give comma-separated numbers without empty items, e.g. 0.5,1,2")
+    try:
+        vals = tuple(float(v) for v in items)
+    except ValueError:
+        raise BadInputError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    bad = [v for v in vals if finite and not math.isfinite(v)]
+    if bad:
+        raise BadInputError(f"{flag}: {bad[0]!r} is not a finite number (in {text!r})")
+    if distinct and len(set(vals)) != len(vals):  # a repeated point would count twice in the exponential mechanism
+        raise BadInputError(f"{flag} lists a value twice, got {text!r}")
+    return vals
 
 
 def resolve_store(path: str | Path | None, *, source: str = "--store") -> Path:

@@ -14,7 +14,8 @@ from ..tuning_grid import (BROAD_TAUS, DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TU
                            DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
 from .. import rounding
 from ..wording import count
-from .common import (check_lock_timeout, emit_json, env_value, given_on_command_line, read_json_line_from_stdin, stdin_is_pipe,
+from .common import (check_lock_timeout, emit_json, env_value, given_on_command_line, parse_number_list,
+                     read_json_line_from_stdin, stdin_is_pipe,
                      resolve_ledger, resolve_store, run_library_call, stderr_console)
 
 
@@ -121,8 +122,8 @@ def index_command(
                                     "--tune-method random-search, or leave them out)")
             req = TuneRequest(epsilon=eps, delta=delta, on=tune, share=tune_share, method=tune_method,
                               mean_runs=DEFAULT_TUNE_RUNS if tune_runs is None else tune_runs,
-                              shape=check_shape(DEFAULT_TUNE_SHAPE if tune_shape is None else tune_shape), taus=None if tune_taus is None else _floats(tune_taus, "--tune-taus"),
-                              sigma2s=None if tune_sigma2s is None else _floats(tune_sigma2s, "--tune-sigma2s"), n_val=tune_queries, seed=tune_seed,
+                              shape=check_shape(DEFAULT_TUNE_SHAPE if tune_shape is None else tune_shape), taus=None if tune_taus is None else parse_number_list(tune_taus, flag="--tune-taus", distinct=True),
+                              sigma2s=None if tune_sigma2s is None else parse_number_list(tune_sigma2s, flag="--tune-sigma2s", distinct=True), n_val=tune_queries, seed=tune_seed,
                               conversion=conversion or ("rdp" if tune == "private" else "gdp"), kernel=kernel,
                               nu=nu, k_min=k_min, sigma1=sigma1, planned_queries=planned_queries)
             return build_index(store_path=store_path, ledger_path=resolve_ledger(ledger), params=None, kind=kind,
@@ -182,16 +183,3 @@ OPERATOR_ONLY_NOTE = ("operator-only: records and records_added are exact counts
                       "thetas_tried and chosen_run are not covered by the tuning guarantee (it covers the chosen τ, "
                       "σ2 and its noisy score; under exp-mech every tuning field is public or the chosen τ, σ2); for "
                       "the data holder, never for query-senders")
-
-
-def _floats(text: str, flag: str) -> tuple:
-    items = [v.strip() for v in text.split(",")]
-    if any(not v for v in items):  # "0.1,,0.2" or "0.3,": a typo, not a grid (review 16, F2)
-        raise BadInputError(f"{flag} must be comma-separated numbers without empty items, got {text!r}")
-    try:
-        vals = tuple(float(v) for v in items)
-    except ValueError:
-        raise BadInputError(f"{flag} must be comma-separated numbers, got {text!r}") from None
-    if len(set(vals)) != len(vals):  # a repeated point would count twice in the exponential mechanism
-        raise BadInputError(f"{flag} lists a value twice, got {text!r}")
-    return vals

@@ -8,12 +8,14 @@ from typing import Optional
 import typer
 
 from ...errors import EXIT_CHECK_FAILED
-from ..common import emit_json, progress_bar, run_library_call, say
+from ..common import deprecated_alias, emit_json, given_on_command_line, progress_bar, run_library_call, say
 
 
 def audit_command(
-    eps: float = typer.Option(2.0, "--eps", "--epsilon", help="Certified ε of the audited ledger (by --conversion, per "
-                              "record, add/remove one record; --epsilon: old name)."),
+    ctx: typer.Context,
+    eps: float = typer.Option(2.0, "--eps", help="Certified ε of the audited ledger (by --conversion, per record, "
+                              "add/remove one record)."),
+    epsilon: Optional[float] = typer.Option(None, "--epsilon", hidden=True, help="Deprecated spelling of --eps."),
     delta: float = typer.Option(1e-5, "--delta", help="δ of the certificate."),
     conversion: str = typer.Option("gdp", "--conversion", help="gdp or rdp: how B is calibrated from (ε, δ)."),
     trials: int = typer.Option(2000, "--trials", help="Trials per world (with and without the canary); ≥ 20, "
@@ -21,7 +23,8 @@ def audit_command(
     queries: int = typer.Option(3, "--queries", help="Queries aimed at the canary in each trial (≥ 1)."),
     background: int = typer.Option(40, "--background", help="Records of another label at the canary's location."),
     far: int = typer.Option(60, "--far", help="Records elsewhere (never candidates)."),
-    dim: int = typer.Option(8, "--dim", help="Dimension of the synthetic vectors (≥ 2)."),
+    d: int = typer.Option(8, "--d", help="Dimension of the synthetic vectors (≥ 2)."),
+    dim: Optional[int] = typer.Option(None, "--dim", hidden=True, help="Deprecated spelling of --d."),
     tau: float = typer.Option(0.5, "--tau", help="Cosine threshold τ."),
     sigma2: float = typer.Option(0.5, "--sigma2", help="Vote noise σ2."),
     count_share: float = typer.Option(0.98, "--count-share", help="One count charge 1/(2σ1²) as a share of B, "
@@ -40,10 +43,13 @@ def audit_command(
     """
     from ...benchmarks.audit import run
 
+    eps = deprecated_alias(eps, epsilon, new="--eps", old="--epsilon", typed=given_on_command_line(ctx, "eps"))
+    d = deprecated_alias(d, dim, new="--d", old="--dim", typed=given_on_command_line(ctx, "d"))
+
     with progress_bar("audit: trials") as update:  # on a terminal only (cron mail gets no progress lines)
         result = run_library_call(lambda: run(
             epsilon=eps, delta=delta, conversion=conversion, trials=trials, queries=queries, background=background,
-            far=far, dim=dim, tau=tau, sigma2=sigma2, count_share=count_share, k_min=k_min, alpha=alpha,
+            far=far, dim=d, tau=tau, sigma2=sigma2, count_share=count_share, k_min=k_min, alpha=alpha,
             reuse=reuse, seed=seed, out=out, progress=lambda done, total: update(completed=done, total=total)))
     emit_json(result)
     say(f"ε lower bound {result['epsilon_lower_bound']:.3f} (confidence {result['confidence']:.0%}) vs certified "

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from ..common import check_device
+from ..common import check_device, parse_number_list
 
 QUICK = typer.Option(False, "--quick", help="Fewer draws, fewer ε and smaller grids: a few minutes on 2 cores.")
 OUT = typer.Option(Path("bench_out"), "--out", help="Folder for the JSON results and PNG plots.")
@@ -21,7 +20,8 @@ FEATURES = typer.Option("hog", "--features", help="MNIST features: hog or pixels
 CONVERSION = typer.Option("gdp", "--conversion", help="Ind-KNN's (ε, δ) → budget conversion: gdp or rdp.")
 DELTA = typer.Option(1e-5, "--delta", help="δ of every method.")
 DRAWS = typer.Option(None, "--draws", help="Query draws (median reported; default 5, --quick 3).")
-QUERIES = typer.Option(None, "--queries", help="Queries per draw T (default min(1000, query pool)).")
+QUERIES = typer.Option(None, "--queries", help="Queries served per draw T, also the planned queries T of "
+                       "σ1 = sqrt(T/6B) (default min(1000, query pool)).")
 N_QUERIES = typer.Option(None, "--n-queries", help="Size of the query pool split off the data.")
 N_PRIVATE = typer.Option(None, "--n-private", help="Keep a seeded random subset of this many private records "
                          "(default: all; --quick caps at 20,000).")
@@ -29,24 +29,14 @@ TEST_STORE = typer.Option(None, "--test-store", help="Score on this store's labe
                           "FILE --role test --label-column ...`) instead of queries carved out of the data; their "
                           "labels score answers only. Same extractor and label names as --dataset.")
 PKNN_ACC = typer.Option("pld", "--pknn-accountant", help="Private-kNN accountant: pld or rdp (dp-accounting).")
-DEVICE = typer.Option("cpu", "--device", callback=check_device, help="cpu or cuda for the engine and the feature extractor.")
+DEVICE = typer.Option("cpu", "--device", callback=check_device, help="auto, cpu or cuda: the device of the engine "
+                      "and the feature extractor.")
 
 
-def floats(text: Optional[str], what: str) -> Optional[tuple]:
-    from ...errors import BadInputError
-
-    if text is None:
-        return None
-    try:
-        vals = tuple(float(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise BadInputError(f"{what}: expected comma-separated numbers, got {text!r}") from None
-    if not vals:  # `--eps ""` ran with no ε at all (review 38)
-        raise BadInputError(f"{what}: no number given ({text!r})")
-    bad = [v for v in vals if not math.isfinite(v)]
-    if bad:
-        raise BadInputError(f"{what}: {bad[0]!r} is not a finite number")
-    return vals
+def floats(text: Optional[str], what: str, *, distinct: bool = False) -> Optional[tuple]:
+    """A comma-separated list of finite numbers (None when the option was not given); empty items refused
+    (:func:`~indknn_cli.cli.common.parse_number_list`, the one parser of these lists)."""
+    return None if text is None else parse_number_list(text, flag=what, distinct=distinct)
 
 
 def ints(text: Optional[str], what: str) -> Optional[tuple]:

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ...wording import count
-from ..common import emit_json, progress_bar, run_library_call, stderr_console, verbosity
+from ..common import deprecated_alias, emit_json, progress_bar, run_library_call, stderr_console, verbosity
 from .options import (CACHE, CONVERSION, DATA_DIR, DATASET, DELTA, DEVICE, DRAWS, FEATURES, N_PRIVATE, N_QUERIES,
                       OUT, PKNN_ACC, QUERIES, QUICK, SEED, TEST_STORE, floats, ints)
 
@@ -93,10 +93,20 @@ def accuracy_vs_eps(
                                                "index's)."),
     tune_method: Optional[str] = typer.Option(None, "--tune-method", help="As index --tune-method (default: "
                                               "index's, exp-mech)."),
+    tune_taus: Optional[str] = typer.Option(None, "--tune-taus", help="As index --tune-taus: the τ grid of the "
+                                            "private tuning (default: index's prior for the data set's extractor)."),
+    tune_sigma2s: Optional[str] = typer.Option(None, "--tune-sigma2s", help="As index --tune-sigma2s (default: "
+                                               "index's budget-relative grid)."),
+    baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="--no-baselines: only Ind-KNN tuned "
+                                   "privately (and the best grid point unless --no-oracle) beside the majority "
+                                   "class, on the same split, draws and seed; no other method is tuned or served."),
 ) -> None:
     """Median accuracy over query draws per ε for every method, each tuned on a validation split (paper Fig. 1a, 2),
     next to Ind-KNN tuned privately at the same total ε, and the majority-class floor."""
-    _run("accuracy-vs-eps", lambda: dict(epsilons=floats(eps, "--eps")), private_tuning=private_tuning,
+    _run("accuracy-vs-eps", lambda: dict(epsilons=floats(eps, "--eps"),
+                                         tune_taus=floats(tune_taus, "--tune-taus", distinct=True),
+                                         tune_sigma2s=floats(tune_sigma2s, "--tune-sigma2s", distinct=True)),
+         private_tuning=private_tuning, baselines=baselines,
          oracle_grid=oracle, tune_share=tune_share, tune_runs=tune_runs, tune_queries=tune_queries,
          tune_method=tune_method, **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, draws, queries,
                    n_queries, pknn_accountant, device, n_private, test_store))
@@ -170,8 +180,12 @@ def tune(
                                       "record, add/remove one record)."),
     quick: bool = QUICK, out: Path = OUT, dataset: str = DATASET, data_dir: Optional[Path] = DATA_DIR,
     cache: Optional[Path] = CACHE, seed: int = SEED, features: str = FEATURES, conversion: str = CONVERSION,
-    delta: float = DELTA, queries: Optional[int] = typer.Option(None, "--queries", help="Planned queries T "
-                                                                "(sets σ1 = sqrt(T/6B))."),
+    delta: float = DELTA,
+    planned_queries: Optional[int] = typer.Option(None, "--planned-queries", min=1, help="Planned queries T (sets "
+                                                  "σ1 = sqrt(T/6B), as index --planned-queries; default min(1000, "
+                                                  "query pool))."),
+    queries: Optional[int] = typer.Option(None, "--queries", min=1, hidden=True,
+                                          help="Deprecated spelling of --planned-queries."),
     n_queries: Optional[int] = N_QUERIES, n_private: Optional[int] = N_PRIVATE, device: str = DEVICE,
     unaccounted_private_tuning: bool = typer.Option(
         False, "--unaccounted-private-tuning",
@@ -185,10 +199,11 @@ def tune(
     --unaccounted-private-tuning is given. Values tuned on private records leak information no budget
     accounts for.
     """
+    planned_queries = deprecated_alias(planned_queries, queries, new="--planned-queries", old="--queries")
     if unaccounted_private_tuning:
         from ...benchmarks.runner import UNACCOUNTED_PRIVATE_TUNING
 
         stderr_console().print(f"[yellow]{escape(UNACCOUNTED_PRIVATE_TUNING)}[/]", soft_wrap=True)
     _run("tune", lambda: dict(epsilons=floats(eps, "--eps")), unaccounted_private_tuning=unaccounted_private_tuning,
-         **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, None, queries,
+         **_common(quick, out, dataset, data_dir, cache, seed, features, conversion, delta, None, planned_queries,
                    n_queries, "pld", device, n_private))
