@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -344,6 +345,38 @@ class TuneRequest:
         if isinstance(self.n_val, bool) or not isinstance(self.n_val, int) or not 1 <= self.n_val <= 10**7:
             raise BadInputError(f"--tune-queries must be an integer in [1, 10000000], got {self.n_val!r}")
         return self
+
+
+def check_tune_options(*, tune: str | None, given: Sequence[str], eps: float | None, method: str,
+                       privacy_unit: str, max_records_per_user: int | None) -> None:
+    """`index`'s rules between the --tune options (a library caller builds a request the CLI would refuse
+    otherwise). ``given``: the flags the user set, in the order to name them: the ``--tune-*`` options set away from
+    their defaults, and ``--tau``/``--sigma2`` typed."""
+    tune_flags = [f for f in given if f.startswith("--tune-")]
+    if tune is None:
+        if tune_flags:  # silently ignored before (review 16, F3)
+            raise BadInputError(f"{tune_flags[0]} applies to --tune private (or public): give --tune, or leave "
+                                f"{tune_flags[0]} out")
+        return
+    for flag, grid in (("--tau", "--tune-taus"), ("--sigma2", "--tune-sigma2s")):
+        if flag in given:  # dropped without a word before (review 38, F4)
+            raise BadInputError(f"{flag} is what --tune chooses: leave it out (or give the grid to choose from with "
+                                f"{grid})")
+    if eps is None:
+        raise BadInputError("--tune needs --eps (the total ε, tuning included)")
+    if privacy_unit != "record" or max_records_per_user is not None:
+        # the tuning's base run and its accounting are per record; never downgrade a user-unit request
+        raise BadInputError(f"--tune is not available with --privacy-unit {privacy_unit} yet: give --tau and "
+                            "--sigma2 (chosen on public data) for a user-unit ledger")
+    if tune == "private":
+        check_method(method)  # an unknown method is named before anything else is said of it
+    elif "--tune-method" in given:
+        raise BadInputError(f"--tune-method applies to --tune private (the {tune!r} tuning tries every grid point on "
+                            "labelled public rows, free)")
+    if tune == "private" and method != "random-search" and ("--tune-runs" in given or "--tune-shape" in given):
+        raise BadInputError("--tune-runs and --tune-shape set the random search's number of runs; --tune-method "
+                            f"{method} selects once over the whole grid (give --tune-method random-search, or leave "
+                            "them out)")
 
 
 def request_record(req: TuneRequest, *, extractor: str) -> dict:

@@ -22,9 +22,9 @@ from .common import (check_lock_timeout, emit_json, env_value, given_on_command_
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`: the
     names are this module's globals, declared here."""
-    global build_index, make_params, SEEDED_NOTE, TuneRequest, check_method, check_shape
+    global build_index, make_params, SEEDED_NOTE, TuneRequest, check_shape, check_tune_options
     from ..serving import build_index, make_params
-    from ..tuning import SEEDED_NOTE, TuneRequest, check_method, check_shape
+    from ..tuning import SEEDED_NOTE, TuneRequest, check_shape, check_tune_options
 
 
 #: Privacy flags of `index` and the ledger field each sets (checked on a re-run without --eps: review 38, F4).
@@ -94,32 +94,12 @@ def index_command(
                                        ("--tune-taus", tune_taus is not None),
                                        ("--tune-sigma2s", tune_sigma2s is not None),
                                        ("--tune-queries", tune_queries != DEFAULT_TUNE_QUERIES),
-                                       ("--tune-seed", tune_seed is not None)) if on]
-        if tune is None and given:  # silently ignored before (review 16, F3)
-            raise BadInputError(f"{given[0]} applies to --tune private (or public): give --tune, or leave "
-                                f"{given[0]} out")
+                                       ("--tune-seed", tune_seed is not None),
+                                       ("--tau", given_on_command_line(ctx, "tau")),
+                                       ("--sigma2", given_on_command_line(ctx, "sigma2"))) if on]
+        check_tune_options(tune=tune, given=given, eps=eps, method=tune_method, privacy_unit=privacy_unit,
+                           max_records_per_user=max_records_per_user)
         if tune is not None:
-            for f, grid in (("tau", "--tune-taus"), ("sigma2", "--tune-sigma2s")):
-                if given_on_command_line(ctx, f):
-                    # dropped without a word before (review 38, F4)
-                    raise BadInputError(f"{_PRIVACY_FLAGS[f]} is what --tune chooses: leave it out (or give the "
-                                        f"grid to choose from with {grid})")
-            if eps is None:
-                raise BadInputError("--tune needs --eps (the total ε, tuning included)")
-            if privacy_unit != "record" or max_records_per_user is not None:
-                # the tuning's base run and its accounting are per record; never downgrade a user-unit request
-                raise BadInputError(f"--tune is not available with --privacy-unit {privacy_unit} yet: give --tau "
-                                    "and --sigma2 (chosen on public data) for a user-unit ledger")
-            if tune == "private":
-                check_method(tune_method)  # an unknown method is named before anything else is said of it
-            if tune != "private" and tune_method != DEFAULT_TUNE_METHOD:
-                raise BadInputError(f"--tune-method applies to --tune private (the {tune!r} tuning tries every grid "
-                                    "point on labelled public rows, free)")
-            if tune == "private" and tune_method != "random-search" and (tune_runs is not None
-                                                                         or tune_shape is not None):
-                raise BadInputError("--tune-runs and --tune-shape set the random search's number of runs; "
-                                    f"--tune-method {tune_method} selects once over the whole grid (give "
-                                    "--tune-method random-search, or leave them out)")
             req = TuneRequest(epsilon=eps, delta=delta, on=tune, share=tune_share, method=tune_method,
                               mean_runs=DEFAULT_TUNE_RUNS if tune_runs is None else tune_runs,
                               shape=check_shape(DEFAULT_TUNE_SHAPE if tune_shape is None else tune_shape), taus=None if tune_taus is None else parse_number_list(tune_taus, flag="--tune-taus", distinct=True),
