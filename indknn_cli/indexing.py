@@ -12,6 +12,7 @@ import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from .object_store import local_path
 from .store import FeatureStore
 from .user_unit import user_keys
 from .wording import count, per_unit
+
+if TYPE_CHECKING:  # the annotation only: tuning imports this module
+    from . import tuning
 
 log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
 

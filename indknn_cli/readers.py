@@ -134,8 +134,11 @@ class _TableReader:
                 except StopIteration:
                     break
                 except csv.Error as exc:
-                    raise BadInputError(f"{self.display}: row {n + 1} (from line {began}): {exc} (a quote opened "
-                                        "in a field and never closed, or text after a closing quote?)") from None
+                    why = str(exc).replace("\t", "\\t")  # a TSV's "'\t' expected": the tab shown, not blank space
+                    raise BadInputError(f"{self.display}: row {n + 1} (from line {began}): {why} (a quote opened "
+                                        "in a field and never closed, or text after a closing quote? A field that "
+                                        "starts with a quote is read as quoted: quote the whole field and double "
+                                        'the quotes inside it, e.g. """Quoted"" headline")') from None
                 if not row or (len(row) == 1 and not row[0].strip() and ncols > 1):
                     continue  # blank line
                 n += 1

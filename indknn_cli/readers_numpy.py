@@ -45,6 +45,7 @@ class NumpySource(Source):
                     self._require(lab, "label")
                 if lab in z.files:
                     self.labels_arr = z[lab]
+                _refuse_near_names(display, z.files, id_column=id_column, user_column=user_column)
                 for attr, opt, key in (("ids_arr", id_column, "id"), ("users_arr", user_column, "user")):
                     nm = opt or NPZ_DEFAULTS[key]
                     if opt:
@@ -124,4 +125,20 @@ class NumpySource(Source):
                 start=lo,
             )
 
+
+#: Array names a .npz is often written with that are not the ones read (review 63: an array ``id`` was ignored
+#: without a word, the records got generated ids and `delete --record` later said the id was not found).
+_NEAR_NAMES = {"id": ("id", "record_id", "record_ids"), "user": ("user", "user_id", "user_ids")}
+
+
+def _refuse_near_names(display: str, files, *, id_column, user_column) -> None:
+    given = {"id": id_column, "user": user_column}
+    option = {"id": "--id-column", "user": "--user-column"}
+    for key, names in _NEAR_NAMES.items():
+        if given[key] or NPZ_DEFAULTS[key] in files:
+            continue
+        near = [n for n in names if n in files]
+        if near:
+            raise BadInputError(f"{display}: array {near[0]!r} is not read: a .npz's {key}s are its array "
+                                f"{NPZ_DEFAULTS[key]!r}; rename it, or give {option[key]} {near[0]}")
 

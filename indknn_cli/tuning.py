@@ -370,9 +370,12 @@ def check_tune_options(*, tune: str | None, given: Sequence[str], eps: float | N
                             "--sigma2 (chosen on public data) for a user-unit ledger")
     if tune == "private":
         check_method(method)  # an unknown method is named before anything else is said of it
-    elif "--tune-method" in given:
-        raise BadInputError(f"--tune-method applies to --tune private (the {tune!r} tuning tries every grid point on "
-                            "labelled public rows, free)")
+    else:  # review 63: --tune-share, --tune-runs, --tune-shape and --tune-queries were ignored without a word
+        private_only = [f for f in given if f in ("--tune-method", "--tune-share", "--tune-runs", "--tune-shape",
+                                                  "--tune-queries")]
+        if private_only:
+            raise BadInputError(f"{private_only[0]} applies to --tune private (the {tune!r} tuning tries every grid "
+                                "point on labelled public rows, free)")
     if tune == "private" and method != "random-search" and ("--tune-runs" in given or "--tune-shape" in given):
         raise BadInputError("--tune-runs and --tune-shape set the random search's number of runs; --tune-method "
                             f"{method} selects once over the whole grid (give --tune-method random-search, or leave "

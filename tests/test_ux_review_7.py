@@ -71,9 +71,14 @@ def test_a_rerun_import_with_if_exists_skip_does_not_bring_back_an_erased_record
     st = FeatureStore.open(tmp_path / "s.zarr", mode="r")
     assert "t4" not in set(st.record_ids("private").tolist())
     # re-admitting on purpose (relabelling: delete, then embed the same id) still works, and says so
+    # under its own user (u2): an erased id keeps its user, so without it the row is refused (review 60, F3; `index`
+    # refused it before)
     np.savez(tmp_path / "t4.npz", x=np.ones((1, D)), y=np.array([1]), ids=np.array(["t4"]))
+    assert _cli("embed", "t4.npz", "--store", "s.zarr", cwd=tmp_path).returncode == 2
+    np.savez(tmp_path / "t4.npz", x=np.ones((1, D)), y=np.array([1]), ids=np.array(["t4"]), users=np.array(["u2"]))
     q = _ok(_cli("embed", "t4.npz", "--store", "s.zarr", cwd=tmp_path))
     assert json.loads(q.stdout)["rows_added"] == 1 and "re-admitted" in q.stderr
+    _ok(_cli("index", "--store", "s.zarr", "--ledger", "L", cwd=tmp_path))
 
 
 def test_index_after_a_failed_embed_in_a_pipe_says_that_no_line_arrived(tmp_path):

@@ -106,10 +106,11 @@ def run(*, queries: int, n: int, d: int, tau: float, reuse: bool, batch_size: in
     from indknn_cli.serving import build_index, make_params
     from indknn_cli.store import ExtractorInfo, FeatureStore
 
-    from .year import clustered
+    from .year import clustered, refuse_a_folder_in_use
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(keep) if keep else Path(tmp)
+        refuse_a_folder_in_use(keep)
         a, b, built = root / "streamed", root / "stored", root / "built"
         built.mkdir(parents=True)
         store = FeatureStore.create(built / "s.zarr", extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,

@@ -40,6 +40,15 @@ def clustered(n, d, classes, rng, spread=1.0):
     return x, y.astype(np.int32)
 
 
+def refuse_a_folder_in_use(keep) -> None:
+    """``--keep DIR`` is a new folder: one that holds anything is refused (review 63: the store and ledger were
+    written beside what was there)."""
+    from ..errors import BadInputError
+
+    if keep is not None and Path(keep).exists() and (not Path(keep).is_dir() or any(Path(keep).iterdir())):
+        raise BadInputError(f"--keep {keep}: not a new folder (it exists and is not empty); give a new one")
+
+
 def run(*, days: int, queries: int, n: int, d: int, tau: float, reuse: bool, eps: float,
         keep: str | Path | None = None, processes: bool = False) -> dict:
     """``days`` daily batches of ``queries`` queries served into one ledger (``keep``: build in this new folder
@@ -57,6 +66,7 @@ def run(*, days: int, queries: int, n: int, d: int, tau: float, reuse: bool, eps
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(keep) if keep else Path(tmp)
+        refuse_a_folder_in_use(keep)
         sp, lp = tmp / "s.zarr", tmp / "L"
         store = FeatureStore.create(sp, extractor=ExtractorInfo("vectors", "synthetic", "1"), dim=d,
                                     label_names=[str(i) for i in range(10)], label_names_source="declared")
