@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from . import store_lease
+from .errors import BadInputError
 from .fsio import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,6 @@ GRACE_SECONDS: float | None = None
 def env_seconds(name: str, default: float) -> float:
     """A duration from the environment, read when it is used (review 61: parsed at import, a bad value failed the
     import with a bare ValueError that named neither the variable nor the value)."""
-    from .errors import BadInputError
-
     text = os.environ.get(name, "").strip()
     if not text:
         return default
@@ -157,10 +156,15 @@ def revoke_orphan(store) -> bool:
     with _guard:
         if now.get("run") in _ACTIVE:
             return False
+    try:  # read before anything is written; a bad value never blocks the writer (an erasure among them: review 64)
+        grace = grace_seconds()
+    except BadInputError as exc:
+        log.warning("%s; the default 5 s is used", exc)
+        grace = 5.0
     if now.get("state") == "running":
         _write(where, {**now, "state": "revoked", "revoked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     log.warning("an embed --scheduler run (%s) ended without its coordinator; its workers were told to stop; "
-                "waiting %.0f s for a chunk write in flight", now.get("run"), grace_seconds())
-    time.sleep(grace_seconds())  # also for a stamp already revoked: its revoker may have died during its wait
+                "waiting %.0f s for a chunk write in flight", now.get("run"), grace)
+    time.sleep(grace)  # also for a stamp already revoked: its revoker may have died during its wait
     _remove(where)
     return True

@@ -468,6 +468,11 @@ class BudgetLedger:
             raise StorageError(f"{path}: cannot open the ledger lock for writing ({exc.strerror}); "
                                "is the ledger on a read-only file system?") from None
         os.close(fd)
+        for folder in (path, path / "events"):  # review 64, F2: a writable LOCK in a folder that is not writable
+            # passed, the query file was embedded, then the event write failed (access(2): nothing written)
+            if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+                raise StorageError(f"{folder}: the ledger's folder cannot be written (permissions, or a read-only "
+                                   "file system); nothing was written")
 
     @staticmethod
     @contextlib.contextmanager

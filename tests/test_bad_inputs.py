@@ -196,6 +196,10 @@ CASES: list[Case] = [
     Case("embed-vector-bools", "embed", "JSON lines whose vector mixes true/false with numbers",
          lambda w: ["embed", _jsonl(w, [{"vector": [1, 2, 3, True, 5, 6, 7, 8], "label": "a"}]), *S(w)], 2,
          "a bool (True) in the vector", "refused (before: true read as 1)"),
+    Case("embed-npz-id-array-misnamed", "embed", "an .npz whose ids are in an array named `id` (read from `ids`)",
+         lambda w: ["embed", _npz_raw(w, "in.npz", x=vecs(3), y=np.array(["a", "b", "a"]),
+                                      id=np.array(["m0", "m1", "m2"])), *S(w)], 2, "array 'id' is not read",
+         "refused naming --id-column (review 63; before: ignored, the records got generated ids)"),
     Case("embed-label-out-of-range", "embed", "a label that is not one of the store's labels",
          lambda w: ["embed", npz(w, "in.npz", vecs(3), y=["a", "zebra", "b"], ids=["k0", "k1", "k2"]), *S(w)],
          2, "unknown label 'zebra'"),
@@ -495,6 +499,11 @@ CASES: list[Case] = [
     Case("account-other-store", "account", "--store of another store than the ledger's",
          lambda w: ["account", "--ledger", str(w / "L2"), "--store", str(w / "s.zarr")], 2, "another feature store"),
 ]
+
+
+def _npz_raw(w: Path, name: str, **arrays) -> str:
+    np.savez(w / name, **arrays)
+    return str(w / name)
 
 
 def _jsonl(w: Path, rows: list[dict]) -> str:
