@@ -46,8 +46,8 @@ def calls(monkeypatch):
     (["audit"], "--dim", "--d", "5", ("dim", 5)),
     (["audit"], "--epsilon", "--eps", "1.5", ("epsilon", 1.5)),
     (["tune"], "--queries", "--planned-queries", "77", ("queries", 77)),
-    (["user-unit"], "--k", "--max-records-per-user", "4", ("k", 4)),
-    (["user-unit"], "--max-records", "--user-size-max", "7", ("max_records", 7)),
+    (["user-unit"], "--k", "--max-records-per-user", "4", ("max_records_per_user", 4)),
+    (["user-unit"], "--max-records", "--user-size-max", "7", ("user_size_max", 7)),
 ])
 def test_an_old_spelling_still_works_with_a_note_and_is_hidden(calls, cmd, old, new, value, key):
     res = invoke("bench", *cmd, old, value)
@@ -72,7 +72,7 @@ def test_the_new_names_keep_the_old_defaults(calls):
     assert calls["epsilon"] == 2.0 and calls["dim"] == 8
     calls.clear()
     assert invoke("bench", "user-unit").exit_code == 0
-    assert calls["max_records"] == 20 and calls["k"] == 3
+    assert calls["user_size_max"] == 20 and calls["max_records_per_user"] == 3
     calls.clear()
     assert invoke("bench", "tune").exit_code == 0
     assert calls["queries"] is None  # min(1000, query pool)

@@ -66,12 +66,14 @@ def run_once(x, y, users, q, *, params, n_classes, unit: str, k: int | None, see
     return np.asarray(labels), time.perf_counter() - t0
 
 
-def run(*, dataset: str, eps: Sequence[float], draws: int, queries: int, max_records: int, k: int, tau: float,
-        sigma2: float, delta: float, seed: int, out: Path | None = None,
+def run(*, dataset: str, eps: Sequence[float], draws: int, queries: int, user_size_max: int,
+        max_records_per_user: int, tau: float, sigma2: float, delta: float, seed: int, out: Path | None = None,
         progress: Callable[[str], None] = log.info) -> dict:
-    """The record unit, the user unit and the user unit capped at ``k`` records per ε in ``eps`` (median over
-    ``draws`` random splits of ``queries`` queries; users of 1..``max_records`` records). ``progress(text)``: a
-    line per row. ``out``: a folder that also gets user_unit.json and user_unit.png."""
+    """The record unit, the user unit and the user unit capped at ``max_records_per_user`` records per ε in ``eps``
+    (median over ``draws`` random splits of ``queries`` queries; users of 1..``user_size_max`` records); the keywords
+    are the CLI's flags. ``progress(text)``: a line per row. ``out``: a folder that also gets user_unit.json and
+    user_unit.png."""
+    max_records, k = user_size_max, max_records_per_user
     from .data import load_dataset
 
     ds = load_dataset(dataset)

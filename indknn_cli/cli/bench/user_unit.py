@@ -43,5 +43,5 @@ def user_unit_command(
                                             typed=given_on_command_line(ctx, "max_records_per_user"))
 
     emit_json(run_library_call(lambda: run(dataset=dataset, eps=floats(eps, "--eps"), draws=draws, queries=queries,
-                                           max_records=user_size_max, k=max_records_per_user, tau=tau, sigma2=sigma2, delta=delta,
-                                           seed=seed, out=out, progress=say)))
+                                           user_size_max=user_size_max, max_records_per_user=max_records_per_user,
+                                           tau=tau, sigma2=sigma2, delta=delta, seed=seed, out=out, progress=say)))
