@@ -165,7 +165,6 @@ def remove_rows(store: FeatureStore, rows, *, lock_timeout: float = 300.0) -> in
     if rows.size == 0 or (not index_path(store.path).exists() and not stale_copies(store.path)):
         return 0
     with index_lock(store.path, lock_timeout):
-        remove_stale_copies(store.path)  # an erasure reaches every copy of the codes: killed builds' are removed
         try:
             done = _overwrite(store, rows)
         except Exception as exc:  # noqa: BLE001 - corrupt metadata or chunk (zarr's ValueError), EIO, ...
@@ -176,13 +175,14 @@ def remove_rows(store: FeatureStore, rows, *, lock_timeout: float = 300.0) -> in
             drop_index(store.path, why=f"{type(exc).__name__}: {exc}" if isinstance(exc, StoreError)
                        else type(exc).__name__)
             done = int(rows.size)
-        _refuse_copies_left(store.path)
+        _refuse_copies_left(store.path)  # an erasure reaches every copy of the codes: killed builds' too
         return done
 
 
 def _refuse_copies_left(store_path) -> None:
-    """Review 62, F1: a removal that failed half way (EIO) left a copy holding the erased rows' codes while the
-    erasure reported success; raised instead, the erasure stays pending and the next command tries again."""
+    """Remove :func:`stale_copies` (killed builds', and an index this erasure renamed aside); one still there is a
+    StoreError (review 62, F1: a removal that failed half way (EIO) left a copy holding the erased rows' codes while
+    the erasure reported success), so the erasure stays pending and the next command tries again."""
     remove_stale_copies(store_path)
     left = stale_copies(store_path)
     if left:
