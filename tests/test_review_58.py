@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+import zarr
 from typer.testing import CliRunner
 
 from indknn_cli import indexes
@@ -28,29 +29,32 @@ def _lsh(sp):
 
 
 @pytest.mark.heavy
-def test_an_index_that_cannot_be_updated_is_removed_by_the_erasure_not_left_blocking(pair):
+def test_an_index_that_cannot_be_updated_is_rebuilt_by_the_erasure_not_left_blocking(pair):
     """F3: a corrupt LSH codes chunk ended the erasure "recorded but not finished" (exit 1), its rows pending, and
     every `serve-queries` and `index` (which finish it first) exited 1 until someone removed the index by hand; the
-    erased rows' codes stayed on disk."""
+    erased rows' codes stayed on disk. Since review 62, F4 the erasure encodes the index again from its public
+    hyperplanes (it removed it before, and serving used the exact scan until `index` ran)."""
     sp, lp = pair
-    for chunk in _lsh(sp):
+    chunks = _lsh(sp)
+    before = np.asarray(zarr.open_group(str(sp / "index"), mode="r")["codes"][:])
+    for chunk in chunks:
         _flip(chunk)
     res = _indknn("delete", "--store", sp, "--ledger", lp, "--record", "r003")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["records_erased"] == 1
-    assert "candidate index could not be updated" in res.stderr and "exact scan" in res.stderr
-    assert not (sp / "index").exists() and not list(sp.glob(".index-*"))  # the codes are gone with it
+    assert "could not be updated for an erasure" in res.stderr and "encoded again" in res.stderr
+    assert not list(sp.glob(".index-*"))
+    group = zarr.open_group(str(sp / "index"), mode="r")
+    codes, erased = np.asarray(group["codes"][:]), np.asarray(group["erased"][:])
+    assert not codes[3].any() and erased.tolist() == [i == 3 for i in range(len(erased))]
+    assert np.array_equal(np.delete(codes, 3, axis=0), np.delete(before, 3, axis=0))  # the same public structure
     st = FeatureStore.open(sp, mode="r")
     assert not st.erase_pending_rows("private").size and str(st.read("private", "record_id")[3]) == ""
-    # serving goes on (the exact scan), and `index --kind lsh` builds the index again
-    qs = sp.parent / "q.npy"
+    qs = sp.parent / "q.npy"  # serving goes on through the index
     np.save(qs, np.eye(4, dtype=np.float32))
     res = _indknn("serve-queries", "--store", sp, "--ledger", lp, qs, "--seed", "1")
     assert res.returncode == 0, res.stderr
     assert len(res.stdout.splitlines()) == 4
-    res = _indknn("index", "--store", sp, "--ledger", lp, "--kind", "lsh", "--tables", "4", "--bits", "3",
-                  "--eps", "1", "--delta", "1e-5", "--tau", "0.5", "--sigma2", "0.6", "--planned-queries", "50")
-    assert res.returncode == 0, res.stderr
     assert indexes.read_meta(sp)["kind"] == "lsh"
 
 

@@ -5,6 +5,7 @@ earlier erasure stuck on a write error blocked every new request."""
 from __future__ import annotations
 
 import errno
+import logging
 
 import numpy as np
 import pytest
@@ -38,6 +39,7 @@ def test_a_removal_that_fails_half_way_keeps_the_erasure_pending_and_the_next_co
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(storage, "_overwrite", enospc)
+    monkeypatch.setattr(storage, "write_index", enospc)  # the rebuild in place (review 62, F4) fails the same way
     real = storage.shutil.rmtree
     monkeypatch.setattr(storage.shutil, "rmtree", lambda p, ignore_errors=False: None)  # EIO, swallowed
     res = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r003"])
@@ -55,15 +57,72 @@ def test_a_removal_that_fails_half_way_keeps_the_erasure_pending_and_the_next_co
     assert not FeatureStore.open(sp, mode="r").erase_pending_rows("private").size
 
 
-def test_an_index_of_another_numbering_is_removed_by_an_erasure_not_skipped(pair):
+def test_an_index_of_another_numbering_is_rebuilt_by_an_erasure_not_skipped(pair):
     """F2: an index whose store_uuid is not the store's (a compaction stopped before renumbering it) was skipped as
-    "nothing to do": the erased row's codes stayed."""
+    "nothing to do": the erased row's codes stayed. It is encoded again for this store (F4), row 3 left out."""
     sp, lp = pair
     _lsh(sp)
     zarr.open_group(str(sp / "index"), mode="r+").attrs.update({"store_uuid": "0" * 32})
     res = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r003"])
     assert res.exit_code == 0, res.stderr
-    assert not (sp / "index").exists() and not list(sp.glob(".index-*"))
+    assert not list(sp.glob(".index-*"))
+    group = zarr.open_group(str(sp / "index"), mode="r")
+    assert group.attrs["store_uuid"] == FeatureStore.open(sp, mode="r").uuid
+    assert bool(group["erased"][3]) and not np.asarray(group["codes"][3]).any()
+
+
+def _delete_r003_with_overwrite_failing(sp, lp, monkeypatch, caplog):
+    def enospc(store, rows):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage, "_overwrite", enospc)  # a transient error: the disk has room again for the rebuild
+    with caplog.at_level(logging.WARNING, logger="indknn_cli"):
+        res = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r003"])
+    assert res.exit_code == 0, res.stderr
+    assert not list(sp.glob(".index-*"))
+    assert not FeatureStore.open(sp, mode="r").erase_pending_rows("private").size
+    return " ".join(caplog.text.split())
+
+
+@pytest.mark.parametrize("kind", ["lsh", "ivf"])
+def test_an_index_an_erasure_could_not_update_is_rebuilt_from_its_public_structure_not_removed(
+        pair, monkeypatch, caplog, kind):
+    """F4: any failure to update the index during an erasure (a transient ENOSPC too) removed it, and serving used
+    the exact scan for everyone until `index` ran. The structure is public, so the erasure encodes every row again
+    with it; the erased row gets the sentinel, the others what they had."""
+    sp, lp = pair
+    st = FeatureStore.open(sp, mode="a")
+    if kind == "lsh":
+        indexes.build(st, kind="lsh", tables=4, bits=3, seed=7)
+    else:
+        public = np.random.default_rng(9).standard_normal((64, st.dim)).astype(np.float32)
+        st.append("public", public / np.linalg.norm(public, axis=1, keepdims=True),
+                  record_ids=[f"p{i}" for i in range(64)])
+        indexes.build(st, kind="ivf", nlist=4, seed=3)
+    name = "codes" if kind == "lsh" else "lists"
+    before_meta = indexes.read_meta(sp)
+    before = np.asarray(zarr.open_group(str(sp / "index"), mode="r")[name][:])
+    text = _delete_r003_with_overwrite_failing(sp, lp, monkeypatch, caplog)
+    assert "encoded again from the store with its own public structure" in text
+    group = zarr.open_group(str(sp / "index"), mode="r")
+    after = np.asarray(group[name][:])
+    assert (not after[3].any()) if kind == "lsh" else after[3] == -1
+    assert np.array_equal(np.delete(after, 3, axis=0), np.delete(before, 3, axis=0))
+    assert np.asarray(group["erased"][:]).tolist() == [i == 3 for i in range(after.shape[0])]
+    meta = indexes.read_meta(sp)
+    assert {k: meta[k] for k in ("kind", "seed")} == {k: before_meta[k] for k in ("kind", "seed")}
+
+
+def test_an_index_whose_structure_does_not_match_its_hash_is_removed_not_rebuilt(pair, monkeypatch, caplog):
+    """F4's limit: hyperplanes that differ from the hash recorded at build (edited or damaged without a checksum
+    error) are not reused to encode the private rows; the index is removed as before."""
+    sp, lp = pair
+    _lsh(sp)
+    group = zarr.open_group(str(sp / "index"), mode="r+")
+    group["hyperplanes"][0, 0] = float(group["hyperplanes"][0, 0]) + 1.0
+    text = _delete_r003_with_overwrite_failing(sp, lp, monkeypatch, caplog)
+    assert "so it was removed with the erased rows' codes" in text
+    assert not (sp / "index").exists()
 
 
 @pytest.mark.heavy

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -15,12 +13,12 @@ import zarr
 
 from ..engine import Candidates
 from ..errors import BadInputError, PrivacyRefusedError, StoreError
-from ..store import FeatureStore, checksum_compressors, vectors_sha256
-from .common import DEFAULT_BITS, DEFAULT_TABLES, INDEX_FORMAT_VERSION, KINDS, KMEANS_NITER, REFUSED_KINDS, _read_private
+from ..store import FeatureStore, vectors_sha256
+from .common import DEFAULT_BITS, DEFAULT_TABLES, KINDS, KMEANS_NITER, REFUSED_KINDS, _read_private
 from .ivf import IvfFinder, IvfIndex, calibrate_nprobe, default_nlist, default_nprobe, kmeans_seed, load_training_vectors
 from .lsh import LshFinder, LshIndex
-from .storage import (_structure, _swap_out, _fill, add_rows, index_lock, index_path, read_meta, reconcile,
-                      remove_stale_copies)
+from .storage import (_structure, _swap_out, add_rows, index_lock, index_path, read_meta, reconcile,
+                      remove_stale_copies, write_index)
 
 
 # -- planning and building --------------------------------------------------------------
@@ -143,37 +141,7 @@ def apply_plan(store: FeatureStore, plan: IndexPlan, *, lock_timeout: float = 30
             zarr.open_group(str(path), mode="r+").attrs.update(
                 {k: plan.meta[k] for k in ("nprobe", "nprobe_calibration")})
             return _public_meta(read_meta(store.path), rows_added=0, seconds=time.perf_counter() - t0)
-        n = store.n_rows("private")
-        tmp = store.path / f".index-build-{uuid.uuid4().hex[:8]}"
-        try:
-            group = zarr.open_group(str(tmp), mode="w")
-            rows_chunk = 65536
-            if plan.kind == "lsh":
-                s: LshIndex = plan.structure
-                group.create_array("hyperplanes", data=s.hyperplanes, chunks=s.hyperplanes.shape,
-                                   compressors=checksum_compressors())
-                group.create_array("codes", shape=(n, s.tables), chunks=(rows_chunk, s.tables),
-                                   dtype=s.code_dtype, fill_value=0, compressors=checksum_compressors())
-            else:
-                s: IvfIndex = plan.structure
-                group.create_array("centroids", data=s.centroids, chunks=s.centroids.shape,
-                                   compressors=checksum_compressors())
-                group.create_array("lists", shape=(n,), chunks=(rows_chunk * 4,), dtype="int32", fill_value=-1,
-                                   compressors=checksum_compressors())
-            group.create_array("erased", shape=(n,), chunks=(rows_chunk * 4,), dtype="bool", fill_value=False,
-                               compressors=checksum_compressors())
-            group.attrs.update(dict(plan.meta, format_version=INDEX_FORMAT_VERSION, store_uuid=store.uuid,
-                                    dim=store.dim, n_rows=0))
-            t_enc = time.perf_counter()
-            _fill(group, plan.structure, store, 0, n)
-            group.attrs.update({"n_rows": n, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                "encode_seconds": round(time.perf_counter() - t_enc, 3),
-                                "train_seconds": round(plan.train_seconds, 3)})
-            _swap_out(path)
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        n = write_index(store, plan.structure, plan.meta, train_seconds=plan.train_seconds)
     added = add_rows(store, lock_timeout=lock_timeout)  # rows committed while we encoded
     return _public_meta(read_meta(store.path), rows_added=n + added, seconds=time.perf_counter() - t0)
 

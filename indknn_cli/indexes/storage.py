@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -16,7 +17,7 @@ import numpy as np
 import zarr
 
 from ..errors import BadInputError, LockTimeoutError, PrivacyRefusedError, StoreError
-from ..store import FeatureStore, checksum_compressors
+from ..store import FeatureStore, checksum_compressors, vectors_sha256
 from .common import ENCODE_ROWS, INDEX_FORMAT_VERSION, INDEX_GROUP, LOCK_NAME, _WHY
 from .ivf import IvfIndex
 from .lsh import LshIndex
@@ -172,8 +173,9 @@ def remove_rows(store: FeatureStore, rows, *, lock_timeout: float = 300.0) -> in
             # `serve-queries`/`index` (which finish it first) stopped until someone removed it by hand. The index
             # is derived data, rebuilt from the store by `indknn index`; the erased rows' codes are in it, so the
             # erasure removes the whole of it (serving uses the exact scan until it is built again).
-            drop_index(store.path, why=f"{type(exc).__name__}: {exc}" if isinstance(exc, StoreError)
-                       else type(exc).__name__)
+            why = f"{type(exc).__name__}: {exc}" if isinstance(exc, StoreError) else type(exc).__name__
+            if not _rebuild(store, why=why):  # review 62, F4: kept when its public structure can be read
+                drop_index(store.path, why=why)
             done = int(rows.size)
         _refuse_copies_left(store.path)  # an erasure reaches every copy of the codes: killed builds' too
         return done
@@ -213,6 +215,75 @@ def _overwrite(store: FeatureStore, rows: np.ndarray) -> int:
         values.set_orthogonal_selection((rows,), np.full(rows.size, -1, np.int32))
     group["erased"].set_orthogonal_selection((rows,), np.ones(rows.size, bool))
     return int(rows.size)
+
+
+_NOT_CARRIED = ("n_rows", "store_uuid", "built", "format_version", "dim", "encode_seconds", "train_seconds")
+
+
+def _rebuild(store: FeatureStore, *, why: str) -> bool:
+    """Rebuild the index in place from its public structure (caller holds :func:`index_lock`); True when done.
+
+    Review 62, F4: an index that could not be updated for an erasure (a corrupt codes chunk, another row numbering, a
+    transient write error) was removed, and serving used the exact scan for everyone until `indknn index` ran. The
+    structure is public (LSH hyperplanes drawn from the index's seed; IVF centroids trained on public vectors), so
+    every row is encoded again from the store, as `indknn index` would: the erased rows are flagged deleted there
+    already (step 1 of the erasure) and get the sentinel, never a code of their vector. When the structure cannot be
+    read, does not match its recorded hash, or the rebuild fails, the caller removes the index instead."""
+    try:
+        meta = read_meta(store.path)
+        if meta is None or meta.get("kind") not in ("lsh", "ivf"):
+            return False
+        structure = _structure(zarr.open_group(str(index_path(store.path)), mode="r"), meta)
+        key, values = (("hyperplanes_sha256", structure.hyperplanes) if isinstance(structure, LshIndex)
+                       else ("centroids_sha256", structure.centroids))
+        if meta.get(key) != vectors_sha256(values):  # a structure edited or damaged without a checksum error
+            return False
+        write_index(store, structure, {k: v for k, v in meta.items() if k not in _NOT_CARRIED})
+    except Exception as exc:  # noqa: BLE001 - the same failure again (ENOSPC), a corrupt structure, ...: removed
+        log.info("%s: the candidate index could not be rebuilt either (%s)", index_path(store.path),
+                 type(exc).__name__)
+        return False
+    log.warning("%s: the candidate index could not be updated for an erasure (%s), so it was encoded again from the "
+                "store with its own public structure; the erased rows are not in it", index_path(store.path), why)
+    return True
+
+
+def write_index(store: FeatureStore, structure: LshIndex | IvfIndex, meta: dict, *,
+                train_seconds: float = 0.0) -> int:
+    """Encode the store's committed private rows with ``structure`` into a new group, then swap it in as
+    ``<store>/index`` (caller holds :func:`index_lock`). A failure leaves the old index, or a stale copy that the
+    next index writer or erasure removes, never a half index at the path. Returns the rows encoded."""
+    n = store.n_rows("private")
+    tmp = store.path / f".index-build-{uuid.uuid4().hex[:8]}"
+    rows_chunk = 65536
+    try:
+        group = zarr.open_group(str(tmp), mode="w")
+        if isinstance(structure, LshIndex):
+            group.create_array("hyperplanes", data=structure.hyperplanes, chunks=structure.hyperplanes.shape,
+                               compressors=checksum_compressors())
+            group.create_array("codes", shape=(n, structure.tables), chunks=(rows_chunk, structure.tables),
+                               dtype=structure.code_dtype, fill_value=0, compressors=checksum_compressors())
+        else:
+            group.create_array("centroids", data=structure.centroids, chunks=structure.centroids.shape,
+                               compressors=checksum_compressors())
+            group.create_array("lists", shape=(n,), chunks=(rows_chunk * 4,), dtype="int32", fill_value=-1,
+                               compressors=checksum_compressors())
+        group.create_array("erased", shape=(n,), chunks=(rows_chunk * 4,), dtype="bool", fill_value=False,
+                           compressors=checksum_compressors())
+        group.attrs.update(dict(meta, format_version=INDEX_FORMAT_VERSION, store_uuid=store.uuid, dim=store.dim,
+                                n_rows=0))
+        t_enc = time.perf_counter()
+        _fill(group, structure, store, 0, n)
+        group.attrs.update({"n_rows": n, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                            "encode_seconds": round(time.perf_counter() - t_enc, 3),
+                            "train_seconds": round(train_seconds, 3)})
+        path = index_path(store.path)
+        _swap_out(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return n
 
 
 def drop_index(store_path: str | os.PathLike, *, why: str) -> None:
