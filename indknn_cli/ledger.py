@@ -19,22 +19,20 @@ replayed, is :mod:`.ledger_events`'; the hash chain is :mod:`.ledger_integrity`'
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import FORMAT_VERSION, accounting, locking
-from . import ledger_events, ledger_history, ledger_pairing, ledger_snapshot
+from . import FORMAT_VERSION, accounting
+from . import ledger_events, ledger_history, ledger_lock, ledger_pairing, ledger_snapshot
 from . import ledger_integrity as integrity
-from .errors import LedgerError, LedgerIntegrityError, LockTimeoutError, StorageError
+from .errors import LedgerError, LedgerIntegrityError
 from .fsio import atomic_write_text
 from .id_text import canonical, index_by_canonical
 from .ledger_files import _fault, atomic_write_parquet, atomic_write_parquet_tables
@@ -65,15 +63,7 @@ class BudgetLedger:
         self.store_version = None
 
     # -- opening -----------------------------------------------------------
-    @staticmethod
-    def exists(path: str | os.PathLike) -> bool:
-        """A ledger is here when anything named CURRENT is: a folder or a broken link in its place is a damaged
-        ledger (opening it says so; `indknn repair` writes it back), never "no ledger", which would let `index`
-        make a second one beside the store's snapshots (review 40, left). So is a folder whose CURRENT is gone but
-        that holds the ledger's events or a later snapshot (review 54, F1: "no ledger here, create one with
-        `indknn index`", exit 2, and `repair` refused it too); a lone first snapshot is a creation that stopped."""
-        path = Path(path)
-        return os.path.lexists(path / "CURRENT") or ledger_snapshot.current_missing(path)
+    exists = staticmethod(ledger_snapshot.ledger_exists)
 
     @classmethod
     def create(cls, path: str | os.PathLike, *, params: PrivacyParams, store_uuid: str, store_path: str,
@@ -455,53 +445,6 @@ class BudgetLedger:
         self._write_snapshot(generation=gen, publish=False)
         return gen
 
-    # -- locking ---------------------------------------------------------------
-    @staticmethod
-    def check_writable(path: str | os.PathLike) -> None:
-        """Refuse early (StorageError) when the ledger's lock cannot be opened for writing; writes nothing."""
-        path = Path(path)
-        try:
-            fd = os.open(path / "LOCK", os.O_RDWR)
-        except FileNotFoundError:
-            return  # created by the first writer; the folder itself is checked there
-        except OSError as exc:
-            raise StorageError(f"{path}: cannot open the ledger lock for writing ({exc.strerror}); "
-                               "is the ledger on a read-only file system?") from None
-        os.close(fd)
-        for folder in (path, path / "events"):  # review 64, F2: a writable LOCK in a folder that is not writable
-            # passed, the query file was embedded, then the event write failed (access(2): nothing written)
-            if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
-                raise StorageError(f"{folder}: the ledger's folder cannot be written (permissions, or a read-only "
-                                   "file system); nothing was written")
-
-    @staticmethod
-    @contextlib.contextmanager
-    def write_lock(path: str | os.PathLike, *, timeout: float = 60.0) -> Iterator[None]:
-        """One writer at a time: flock on the ledger folder and on ``LOCK`` (:mod:`.locking`: removing or
-        replacing ``LOCK`` releases nothing); waits up to ``timeout`` seconds."""
-        path = Path(path)
-
-        def expired() -> LockTimeoutError:
-            return LockTimeoutError(f"{path}: another indknn process holds the ledger lock (waited {timeout:g} s); "
-                                    "retry later or raise --lock-timeout")
-        for attempt in range(5):  # a folder another run created, then removed unused (locking.remove_unused)
-            stack = contextlib.ExitStack()
-            try:
-                # inside the try: a parent that cannot be searched raised a raw PermissionError, before `delete`'s
-                # erase-from-the-store fallback for a ledger it cannot reach (review 56, observation)
-                created = locking.missing_folders(path)
-                path.mkdir(parents=True, exist_ok=True)
-                stack.enter_context(locking.exclusive(path, path / "LOCK", timeout=timeout, on_timeout=expired))
-                break
-            except FileNotFoundError:
-                if attempt == 4:
-                    raise StorageError(f"{path}: the ledger folder keeps disappearing") from None
-            except OSError as exc:  # a read-only file system or no permission: an I/O failure, not bad input
-                raise StorageError(f"{path}: cannot open the ledger lock for writing ({exc.strerror}); "
-                                   "is the ledger on a read-only file system?") from None
-        with stack:
-            try:
-                yield
-            finally:  # no ledger written in folders this lock created (a refusal, a ledger-less delete): remove them
-                if not BudgetLedger.exists(path):
-                    locking.remove_unused(created, path / "LOCK")
+    # -- locking (ledger_lock) ----------------------------------------------------
+    check_writable = staticmethod(ledger_lock.check_writable)
+    write_lock = staticmethod(ledger_lock.write_lock)

@@ -38,6 +38,16 @@ class Snapshot:
     answers_bytes: bytes
 
 
+def ledger_exists(path: str | os.PathLike) -> bool:
+    """A ledger is here when anything named CURRENT is: a folder or a broken link in its place is a damaged
+    ledger (opening it says so; `indknn repair` writes it back), never "no ledger", which would let `index`
+    make a second one beside the store's snapshots (review 40, left). So is a folder whose CURRENT is gone but
+    that holds the ledger's events or a later snapshot (review 54, F1: "no ledger here, create one with
+    `indknn index`", exit 2, and `repair` refused it too); a lone first snapshot is a creation that stopped."""
+    path = Path(path)
+    return os.path.lexists(path / "CURRENT") or current_missing(path)
+
+
 def current_missing(path: Path) -> bool:
     """Whether ``path`` is a used ledger whose CURRENT is gone: an event file, or a snapshot past the first, without
     anything named CURRENT (removed by hand, by a sync tool, a backup restored in part)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import time
 import uuid
@@ -22,7 +21,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import zarr
 
-from . import FORMAT_VERSION, dask_fence, locking, object_store, store_lease, store_versions
+from . import FORMAT_VERSION, dask_fence, locking, object_store, store_erased_ids, store_lease, store_versions
 from .errors import BadInputError, ConcurrentChangeError, LockTimeoutError, StoreError
 from .fsio import fsync_path
 from .record_keys import KEY_ARRAY, SALT_ATTR, new_salt
@@ -380,44 +379,12 @@ class FeatureStore:
             store_versions.bump(self)
         return written
 
-    #: Ids of erased private rows, one JSON line each, appended (fsync'd) *before* the row is overwritten: the
-    #: erasure blanks the id in the store, and a ledger rolled back past the erasure's tombstone would otherwise
-    #: hold no trace of an id added and erased in the lost events; `repair` tombstones these at B so a
-    #: returning id never starts afresh (SPEC §8; AUDIT_FINDINGS_2.md P4). Ids only, never vectors or labels.
-    ERASED_IDS_NAME = "erased-ids.jsonl"
-
     def _log_erased_ids(self, rows: np.ndarray) -> None:
-        # the chunks holding these rows only: one corrupt chunk of *other* records' ids made every erasure fail
-        # after its tombstone was committed (review 54, F3)
-        rows = np.asarray(rows, np.int64)
-        rids, uids = (read_chunks(self.path, "private", name, lambda name=name: np.asarray(
-            self.group("private")[name].oindex[rows])) for name in ("record_id", "user_id"))
-        lines = "".join(json.dumps({"record_id": str(r), "user_id": str(u or "")}) + "\n"
-                        for r, u in zip(rids, uids) if str(r))
-        if not lines:
-            return
-        path = self.path / self.ERASED_IDS_NAME
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(self.path)
+        store_erased_ids.append(self, rows)
 
     def erased_ids(self) -> list[tuple[str, str]]:
-        """(record id, user id) of every private row erased since the log existed (see ERASED_IDS_NAME)."""
-        path = self.path / self.ERASED_IDS_NAME
-        out = []
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return out
-        for line in text.splitlines():
-            try:
-                d = json.loads(line)
-                out.append((str(d["record_id"]), str(d.get("user_id") or "")))
-            except (ValueError, KeyError, TypeError):
-                continue  # a line torn by a crash mid-append: its erasure had not started
-        return out
+        """(record id, user id) of every private row erased since the log existed (:mod:`store_erased_ids`)."""
+        return store_erased_ids.read(self.path)
 
     def mark_deleted(self, role: str, rows: np.ndarray) -> int:
         """Set ``deleted`` only (no data touched), fsync'd: the first step of a deletion."""
