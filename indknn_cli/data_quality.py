@@ -125,3 +125,15 @@ def store_warnings(store, role: str, source: str, empty: list[int]) -> list[str]
     if role != "query":
         labels = store.read(role, "labels")[~store.read(role, "deleted").astype(bool)]
     return embed_warnings(source=source, empty=empty, labels=labels, label_names=store.label_names)
+
+
+def delta_warning(*, subjects: int, delta: float, unit: str) -> str | None:
+    """At ``index`` (operator only: it names the exact number of records or users): δ at least 1/N. A mechanism
+    that publishes one subject's data in full with probability δ meets (0, δ)-DP, so a δ of that size promises
+    little (Dwork & Roth 2014, §2.3: δ "less than the inverse of any polynomial in the size of the database").
+    Review 65, F2: `--delta 0.1` on 2,000 records was taken without a word."""
+    if subjects <= 0 or delta * subjects < 1.0:
+        return None
+    return (f"δ = {delta:g} is at least 1/N for the {count(subjects, unit)} of this ledger (operator-only count): at "
+            "that δ, publishing one of them in full with probability δ would meet the guarantee too; choose δ well "
+            f"below 1/N (for example ≤ {0.01 / subjects:.1g}) when the ledger is made")

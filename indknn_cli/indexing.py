@@ -291,6 +291,11 @@ def build_index(
     sparse = data_quality.neighbour_warning(store, ledger.params) if created or added else None
     warnings = warnings + ([sparse] if sparse else [])
     small = data_quality.tuning_size_warning(records=len(ledger.state), tuning=record) if created else None
+    if created or added:
+        users = ledger.params.privacy_unit == "user"
+        big_delta = data_quality.delta_warning(subjects=_subjects(ledger, users), delta=float(ledger.params.delta),
+                                               unit="user" if users else "record")
+        warnings = warnings + ([big_delta] if big_delta else [])
     warnings = warnings + ([small] if small else []) + ([rerun_note] if rerun_note else [])
     if created and store.label_names_source in (None, "unrecorded"):
         warnings.append("the store does not record where its class names came from (it was created before indknn "
@@ -300,6 +305,15 @@ def build_index(
                        records_added=added, created=created, params=ledger.params, kind=plan.kind,
                        extra={"index": index_info, **({"warnings": warnings} if warnings else {})},
                        tuning=ledger.meta.get("tuning"))
+
+
+def _subjects(ledger: BudgetLedger, users: bool) -> int:
+    """Records (or users, each record without a user its own) not erased: the N of δ ≥ 1/N (operator only)."""
+    live = ~np.asarray(ledger.state.deleted, dtype=bool)
+    if not users:
+        return int(live.sum())
+    ids = [str(u or "") for u in np.asarray(ledger.state.user_id, dtype=object)[live]]
+    return len({u for u in ids if u}) + sum(1 for u in ids if not u)
 
 
 def _roll_forward_pending(store_path, ledger: BudgetLedger, lock_timeout: float) -> None:

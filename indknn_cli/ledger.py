@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from . import FORMAT_VERSION, accounting
 from . import ledger_events, ledger_history, ledger_lock, ledger_pairing, ledger_snapshot
 from . import ledger_integrity as integrity
-from .errors import LedgerError, LedgerIntegrityError
+from .errors import LedgerError, LedgerIntegrityError, StorageError, StoreError
 from .fsio import atomic_write_text
 from .id_text import canonical, index_by_canonical
 from .ledger_files import _fault, atomic_write_parquet, atomic_write_parquet_tables
@@ -261,7 +261,12 @@ class BudgetLedger:
         self.last_event_seq = seq
         self.chain_prev_sha256 = self.head_sha256 = self.event_sha256[seq] = sha
         if self.mark_path is not None:  # after the commit point: a crash here leaves the mark behind, never ahead
-            integrity.write_mark(self.mark_path, self)
+            try:
+                integrity.write_mark(self.mark_path, self)
+            except (StorageError, StoreError) as exc:  # review 67, F4: the event stands, nothing of it released
+                raise type(exc)(f"{exc}. Event {seq} is committed (its charges stand) and nothing of it was released; "
+                                "the store's high-water mark is one event behind: the next serve-queries, index or "
+                                "delete writes it before it releases anything") from None
         return path
 
     # -- records -------------------------------------------------------------

@@ -71,6 +71,7 @@ BINDING_ATTR = "ledger_binding"
 #: Lock file in the store folder that every ledger writer of the store holds (whichever copy of the ledger).
 WRITER_LOCK_NAME = ".indknn-ledger-writer.lock"
 BUDGET_REL_TOL = 1e-9       # B must be the largest budget certifying ε up to this relative step
+EARLIER_CURVE_TOL = 1e-10   # ... and certify ε up to this (gdp ledgers made before review 65, F1's rounding)
 
 
 @functools.lru_cache(maxsize=256)
@@ -97,7 +98,10 @@ def budget_matches(budget: float, params) -> bool:
         return False
     if not (math.isfinite(b) and b > 0):
         return False
-    return _certifies(b, eps, delta, conv) and not _certifies(b * (1.0 + BUDGET_REL_TOL), eps, delta, conv)
+    # ε(B) ≤ ε to 1e-10: a gdp ledger calibrated before δ(ε) was rounded up (review 65, F1) converts to an ε up to
+    # ~1e-11 (relative) above its target with today's curve; it is the same ledger, not an edited B
+    return (_certifies(b, eps * (1.0 + EARLIER_CURVE_TOL), delta, conv)
+            and not _certifies(b * (1.0 + BUDGET_REL_TOL), eps, delta, conv))
 
 
 @functools.lru_cache(maxsize=64)
@@ -301,12 +305,30 @@ def attach(store, ledger, ledger_path, *, bind: bool, lock_timeout: float = 60.0
 
     The caller holds the ledger lock (and, when ``bind`` is False, may hold the store lock).
     """
-    check_binding(store, ledger, ledger_path)
+    mark = check_binding(store, ledger, ledger_path)["mark"]
     store_versions.check(store, ledger)  # a store restored from an older copy is refused (audit 6, F1)
     if bind and (binding_of(store) is None or binding_trace(store) is None):
         _bind(store.path, ledger, ledger_path, lock_timeout, locked_store=locked_store)
     ledger.mark_path = mark_path(store.path)
     ledger.store_version = lambda: store_versions.current(store)
+    catch_up_mark(ledger, mark)
+
+
+def catch_up_mark(ledger, mark: dict | None) -> None:
+    """Write the store's mark at the ledger's head when it is behind (the caller holds the ledger locks and checked
+    the mark: :func:`check_mark`), before anything is released.
+
+    Review 67, F4: the mark is written after each event's commit, so a crash (kill -9, a cron timeout) or a full
+    store volume between the two leaves it one event behind, which :func:`check_mark` accepts: nothing of that event
+    had been released. The cron's re-run then released the event's answers through the "already answered" path,
+    which commits nothing, so the mark stayed behind; a ledger backup one event older (or the newest event file
+    removed) then passed every check and refunded those charges. Every ledger writer (serve, index, delete) now
+    brings the mark up first; when it cannot be written, the command stops with nothing released."""
+    if mark is None or ledger.mark_path is None:
+        return
+    behind = head_seq(ledger) > int(mark["seq"]) or int(ledger.generation) > int(mark["generation"])
+    if behind:
+        write_mark(ledger.mark_path, ledger)
 
 
 def bind(store_path, ledger, ledger_path, *, lock_timeout: float = 60.0) -> None:

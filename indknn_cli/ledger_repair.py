@@ -85,7 +85,13 @@ class RepairResult:
                     ", and the ledger then verified against the store's high-water mark")
         else:
             cost = "utility only: every record not deleted is retired (spent = B); no spent budget goes down"
-        return {**self.__dict__, "cost": cost}
+        # review 65, F6: the counts of records and store rows are exact figures of the private data (SPEC §8)
+        return {**self.__dict__, "cost": cost, "operator_only": OPERATOR_ONLY_REPAIR}
+
+
+OPERATOR_ONLY_REPAIR = ("operator-only: records_retired, store_rows_added_retired, tombstones_written, "
+                        "rows_erased_again, rows_left_out_other_user and the answer counts are exact figures of the "
+                        "private data; for the data holder, never for query-senders")
 
 
 def _event_files(path: Path) -> list[tuple[int, Path]]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import FORMAT_VERSION
-from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _check_delta, _check_epsilon,
+from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _check_epsilon, check_range,
                          calibrate_budget, epsilon_for_budget)
 from . import ledger_history
 from . import ledger_integrity as integrity
@@ -46,7 +46,7 @@ from . import data_quality
 from .report_plot import check_plot_path
 from .realised import realised_loss  # noqa: F401 (also imported from here: export, tests)
 from .report_wording import (ADJACENCY, OPERATOR_ONLY_NOTE, REALISED_LABEL, SUBJECT_NOTE, USER_LEVEL_NOTE,  # noqa: F401
-                             USER_UNIT_NOTE, unit_figures)  # (REALISED_LABEL: the CLI's and tests' import)
+                             USER_UNIT_NOTE, tuned_conversion_label, unit_figures)  # (REALISED_LABEL: the CLI's and tests' import)
 
 log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
 
@@ -243,8 +243,8 @@ def build_account_report(
             raise BadInputError(f"{'--record' if record_id is not None else '--user'} is one data subject's view "
                                 f"and shows no figures of other records; {', '.join(ledger_wide)} "
                                 "(ledger-wide) cannot be combined with it")
-    if delta is not None:
-        delta = _check_delta(delta)
+    if delta is not None:  # review 65, F3: the range `index` takes; (0, 1) let `--delta 0.5 --eps 0.001` pass (exit 0)
+        delta = check_range("delta", delta, flag="--delta")
     if conversion is not None:
         conversion = _check_conversion(conversion)
     if eps is not None:
@@ -344,7 +344,8 @@ def build_account_report(
         "delta": use_delta,
         "epsilon": _finite(epsilon),
         "conversion": use_conv,
-        "conversion_label": CONVERSION_LABEL[use_conv],
+        "conversion_label": (CONVERSION_LABEL[use_conv] if tuning_share is None
+                             else tuned_conversion_label(tuning_share)),
         "epsilon_by_conversion": headline,
         "ledger_delta": ledger_delta,
         "ledger_conversion": params.conversion,

@@ -41,3 +41,12 @@ def unit_figures(privacy_unit: str) -> dict:
     if privacy_unit == "user":
         return {"unit": "user", "adjacency": "add/remove one user", "scope": USER_SCOPE}
     return {"unit": UNIT, "adjacency": ADJACENCY, "scope": SCOPE}
+
+
+def tuned_conversion_label(share: dict) -> str:
+    """The conversion of a privately tuned ledger's headline (review 65, F4: it was labelled "RDP (α·B ...)", the
+    untuned curve, although the figure composes the search with serving; docs/TUNING.md "Accounting"). ``share``:
+    :func:`tuning.headline`'s figures."""
+    search = ("ZCDpEvent(ρ) of the exponential mechanism" if share.get("method") == "exp-mech"
+              else "RepeatAndSelectDpEvent of the random search")
+    return f"RDP composition of the tuning search ({search}) with serving's α·B, dp-accounting RdpAccountant"

@@ -76,8 +76,11 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
     out.print(g)
     out.print(f"headline: ε({escape(d['conversion'])}) = {_up(d['epsilon'])} at δ = {_given(d['delta'])}, "
               f"{escape(d['adjacency'])}")
-    for c in ("gdp", "rdp"):
-        out.print(escape(f"  {c}: {CONVERSION_LABEL[c]}"))
+    if d.get("tuning") is None:
+        for c in ("gdp", "rdp"):
+            out.print(escape(f"  {c}: {CONVERSION_LABEL[c]}"))
+    else:  # review 65, F4: the rdp column is the composition; the gdp one is empty
+        out.print(escape(f"  rdp: {d['conversion_label']}; gdp: not applicable to the composition"))
     out.print(f"the ledger was calibrated for ε({escape(d['target_conversion'])}) = {_given(d['target_epsilon'])} "
               f"at δ = {_given(d['ledger_delta'])}, {escape(d['adjacency'])}")
     t = d.get("tuning")

@@ -62,7 +62,7 @@ def repair_command(
         err.print("the ledger then verified against the store's high-water mark: nothing retired, no budget refunded")
     else:
         verb = "would quarantine" if result.dry_run else "quarantined"
-        err.print(escape(f"{verb} {count(len(result.quarantined), 'event file')}; "
+        err.print(escape(f"[OPERATOR ONLY] {verb} {count(len(result.quarantined), 'event file')}; "
                          f"{count(result.records_retired, 'record')} "
                          f"retired (spent = B) and {count(result.store_rows_added_retired, 'store row')} brought in "
                          "retired: utility lost, no budget refunded"))
