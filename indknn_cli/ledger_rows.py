@@ -81,3 +81,28 @@ def check_erased_owners(ledger, store) -> int:
             "do not start at what they had spent. Not repairable automatically; see AUDIT_FINDINGS_7.md (review 15, "
             "2) and compare the store's erased-ids.jsonl with `indknn account --export`")
     return len(logged)
+
+
+def check_erased_rows_blank(store) -> int:
+    """Refuse (StoreError, naming no id) when a private row flagged erased still holds data: a chunk file restored
+    from a backup older than the erasure (the advice for a corrupt chunk) brings its vectors, labels and ids back,
+    and only the rows still pending were overwritten again (review 67, F2). Rows pending erasure are skipped (the
+    next command overwrites them). Returns the number of erased rows checked."""
+    from .errors import StoreError
+
+    flagged = np.flatnonzero(store.read("private", "deleted").astype(bool))
+    rows = np.setdiff1d(flagged, store.erase_pending_rows("private"))
+    if rows.size == 0:
+        return 0
+    g = store.group("private")
+    held = np.abs(np.asarray(g["features"].oindex[rows, :])).sum(axis=1) > 0
+    held |= np.asarray(g["labels"].oindex[rows]) != -1
+    for name in ("record_id", "user_id"):
+        held |= np.asarray([str(v) != "" for v in np.asarray(g[name].oindex[rows], dtype=object)], dtype=bool)
+    bad = int(held.sum())
+    if bad:
+        raise StoreError(
+            f"{store.path}: private rows the store has erased hold data again ({count(bad, 'row')}; a chunk file "
+            "restored from a backup taken before their erasure?): run `indknn delete --compact`, which rewrites the store "
+            "without them, or restore the chunk from a backup taken after the erasure")
+    return int(rows.size)

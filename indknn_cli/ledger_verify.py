@@ -12,7 +12,7 @@ from . import store_twins, store_versions
 from .accounting import calibrate_budget
 from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import binding_of, check_binding, check_mark, head_seq, read_mark, snapshot_is_chained
-from .ledger_rows import check_erased_owners, check_rows_hold_records
+from .ledger_rows import check_erased_owners, check_erased_rows_blank, check_rows_hold_records
 from .rounding import up
 from .wording import adjacency, count, per_unit
 
@@ -129,6 +129,7 @@ def _verify_once(ledger_path, *, store_path=None) -> dict:
             store_versions.check(store, ledger)  # the store the ledger last wrote against (not an older copy)
             compared = check_rows_hold_records(ledger, store)
             check_erased_owners(ledger, store)
+            check_erased_rows_blank(store)  # review 67, F2
             twin_info = _check_recorded(other, ledger, other_mark) if other is not None else None
             out["store"] = {
                 "path": str(store.path), "store_uuid": store.uuid, "recorded_by_ledger": not explicit,

@@ -402,6 +402,14 @@ class FeatureStore:
                              f"{n} committed {role} rows")
         return rows
 
+    def _flagged_in(self, role: str, lo: int, hi: int) -> np.ndarray:
+        """Positions in [lo, hi) of rows flagged deleted; none when the flags cannot be read (this erasure's own rows
+        are overwritten all the same)."""
+        try:
+            return np.flatnonzero(np.asarray(self.group(role)["deleted"][lo:hi], dtype=bool))
+        except Exception:  # noqa: BLE001 - a corrupt flags chunk: not this step's to report
+            return np.empty(0, np.int64)
+
     def _overwrite_rows(self, role: str, name: str, rows: np.ndarray, value) -> int:
         """Rewrite each chunk of ``name`` holding one of ``rows`` with ``value`` at those rows; fsync."""
         if rows.size == 0:
@@ -418,6 +426,9 @@ class FeatureStore:
             hi = min(lo + step, int(arr.shape[0]))
             block = read_chunks(self.path, role, name, lambda: np.asarray(arr[lo:hi]))
             block[rows[(rows >= lo) & (rows < hi)] - lo] = value
+            if name != "deleted":  # rows erased earlier in this chunk too (review 67, F2): a chunk restored from a
+                # backup older than their erasure (the advice for a corrupt chunk) brought their data back
+                block[self._flagged_in(role, lo, hi)] = value
             arr[lo:hi] = block  # the whole chunk: written without a read, file replaced atomically
             written += sum(4 + len(str(v).encode()) for v in block) if block.dtype.kind in "OUT" else block.nbytes
             chunk_file = folder / str(int(chunk)) / "0" if arr.ndim == 2 else folder / str(int(chunk))

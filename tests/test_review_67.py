@@ -66,3 +66,28 @@ def test_a_rerun_after_a_mark_write_failed_pins_the_event_before_releasing_it(pa
     assert "rolled back" in " ".join(res.stderr.split())
     res = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"])
     assert res.exit_code != 0
+
+
+def test_an_erasure_blanks_again_the_rows_erased_earlier_in_a_chunk_restored_from_a_backup(pair):
+    """F2: the advice for a corrupt chunk is to restore its file from a backup; a backup older than an erasure
+    brought the erased rows' vectors back, the next erasure overwrote only its own rows, and `account --verify`
+    passed. Now `--verify` names such rows and every erasure blanks all rows flagged erased in the chunks it
+    rewrites."""
+    from indknn_cli.store import FeatureStore
+
+    sp, lp = pair
+    chunk = sp / "private" / "features" / "c" / "0" / "0"  # rows 0-15
+    backup = chunk.read_bytes()
+    assert runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r003"]).exit_code == 0
+    assert not FeatureStore.open(sp, mode="r").read("private", "features")[3].any()
+    chunk.write_bytes(backup)  # restored from the backup of the night before
+    assert FeatureStore.open(sp, mode="r").read("private", "features")[3].any()
+    res = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"])
+    assert res.exit_code != 0
+    assert "private rows the store has erased hold data again (1 row;" in " ".join((res.stdout + res.stderr).split())
+    res = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r005"])
+    assert res.exit_code == 0, res.stderr
+    features = FeatureStore.open(sp, mode="r").read("private", "features")
+    assert not features[3].any() and not features[5].any() and features[4].any()
+    res = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"])
+    assert res.exit_code == 0, res.stdout + res.stderr
