@@ -137,3 +137,14 @@ def delta_warning(*, subjects: int, delta: float, unit: str) -> str | None:
     return (f"δ = {delta:g} is at least 1/N for the {count(subjects, unit)} of this ledger (operator-only count): at "
             "that δ, publishing one of them in full with probability δ would meet the guarantee too; choose δ well "
             f"below 1/N (for example ≤ {0.01 / subjects:.1g}) when the ledger is made")
+
+
+def truncated_warning(source: str, rows: list[int], *, limit: int) -> list[str]:
+    """After an ``embed``: the rows (1-based) of ``source`` whose text is longer than the text model reads (``limit``
+    word pieces): it embeds their start only, so texts that differ after it get the same vector (review 66, F9)."""
+    if not rows:
+        return []
+    shown_rows = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+    return [f"{source}: {count(len(rows), 'text')} longer than the text model reads ({limit} word pieces) "
+            f"(row{'s' if len(rows) > 1 else ''} {shown_rows}): each was embedded from its start only, so texts "
+            "that differ after it get the same vector"]

@@ -358,6 +358,8 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                 seen: set[str] = set()
                 rows_in = rows_skipped = rows_added = 0
                 empty: list[int] = []  # rows (1-based) with an empty text
+                truncated: list[int] = []  # rows (1-based) longer than the text model reads
+                read_limit = 0
                 erased_skipped = erased_readmitted = 0  # ids erased from the store (UX review 7, finding 2)
                 for rb in src.batches(labels=use_labels):
                     n = len(rb)
@@ -406,6 +408,9 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                         rows_k, ids_k = pick(rows), pick(ids)
                         if ex.input_kind == "text":
                             empty += [rows_k[k] + 1 for k in data_quality.empty_texts(items)]
+                            if dist is None and hasattr(ex, "too_long"):  # review 66, F9
+                                cut, read_limit = ex.too_long(items)
+                                truncated += [rows_k[k] + 1 for k in cut]
                         if dist is None:
                             xn = embed_rows(ex, items, rows_k, ids_k, name=src.name, dim=dim,
                                             store_named=named if store is not None else None)
@@ -469,6 +474,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     start, stop = app.commit(extra)
                     log.info("%s: %s written to the store's %s rows", src.name, count(rows_added, "row"), role)
                     warnings += data_quality.store_warnings(store, role, src.name, empty)
+                    warnings += data_quality.truncated_warning(src.name, truncated, limit=read_limit)
         except BaseException:
             if created:
                 remote = store.remote

@@ -35,7 +35,8 @@ import numpy as np
 
 from .errors import BadInputError
 from .store import ExtractorInfo
-from .text_model import _CACHE, _CACHE_LOCK, bundled_minilm_path, embed_texts_alone, load_sentence_transformer
+from .text_model import (_CACHE, _CACHE_LOCK, _TOKENIZER_LOCK, bundled_minilm_path, embed_texts_alone,
+                         load_sentence_transformer)
 
 EXTRACTOR_NAMES = ("text", "image", "pixels", "hog", "vectors")
 INPUT_KIND = {"text": "text", "image": "image", "pixels": "image", "hog": "image", "vectors": "vector"}
@@ -144,6 +145,24 @@ class TextExtractor(Extractor):
 
         dim_fn = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
         super().__init__(stored, f"sentence-transformers-{sentence_transformers.__version__}", int(dim_fn()))
+
+    def too_long(self, items: Sequence[str]) -> tuple[list[int], int]:
+        """Positions of the texts longer than the model reads (its ``max_seq_length`` word pieces, special tokens
+        included), which it cuts to their start without a word (review 66, F9: two long texts that differ only
+        at their ends got the same vector), and that limit. A text of fewer characters than the limit cannot pass
+        it (every word piece covers at least one character), so only longer ones are tokenized."""
+        limit = int(getattr(self._model, "max_seq_length", 0) or 0)
+        tok = getattr(self._model, "tokenizer", None)
+        if limit <= 0 or tok is None:
+            return [], limit
+        out = []
+        for k, t in enumerate(_as_list(items)):
+            if isinstance(t, str) and len(t) > limit - 2:
+                with _TOKENIZER_LOCK:  # the tokenizer is not thread-safe
+                    n = len(tok(t, add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
+                if n > limit:
+                    out.append(k)
+        return out, limit
 
     def embed(self, items: Sequence[str]) -> np.ndarray:
         texts = _as_list(items)
