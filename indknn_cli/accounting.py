@@ -85,16 +85,17 @@ def gdp_delta(*, epsilon: float, mu: float) -> float:
         return 0.0
     a = -epsilon / mu + mu / 2.0
     b = -epsilon / mu - mu / 2.0
-    log_first = float(log_ndtr(a))
-    first = math.exp(log_first)
-    second = math.exp(epsilon + float(log_ndtr(b)))
+    log_first, log_b = float(log_ndtr(a)), float(log_ndtr(b))
+    first, second = math.exp(log_first), math.exp(epsilon + log_b)
     # Rounded up (review 65, F1; review 53, F1): where ε/μ is large (small ε and δ) the two terms nearly cancel, and
     # the float difference came out up to 3e-10 (relative) *below* the true δ, so a calibrated B could exceed the
     # exact solution by ~1e-13 and a printed ε fall below the exact one. Each term is exp(x) of a log term x computed
-    # to a few ulps of |x|, so its relative error is about |x|·2^-52; (|x| + 2)·2^-50 of the larger term covers that
-    # fourfold (measured errors: ≤ 2.2e-15 of it), so this float δ is an upper bound of the exact curve (checked
-    # against mpmath at 60 digits in tests/test_review_65.py).
-    return max(0.0, first - second) + first * (abs(log_first) + 2.0) * _GDP_DELTA_ULP
+    # to a few ulps of its parts (ε + log Φ(b) for the second: |ε| + |log Φ(b)|), so its relative error is about
+    # that size times 2^-52; (size + 2)·2^-50 of each term covers it fourfold (measured: ≤ 2.2e-15 of the larger),
+    # so this float δ is an upper bound of the exact curve (checked against mpmath at 60 digits in
+    # tests/test_review_65.py; review 68, F1: the second term's error, which grows with ε, matters at large B and ε).
+    margin = (first * (abs(log_first) + 2.0) + second * (epsilon + abs(log_b) + 2.0)) * _GDP_DELTA_ULP
+    return max(0.0, first - second) + margin
 
 
 def _float_bits(x: float) -> int:

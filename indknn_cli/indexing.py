@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import accounting, data_quality, indexes, rounding, store_twins
+from . import accounting, data_quality, indexes, rounding, store_erased_ids, store_twins
 from . import ledger_integrity as integrity
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
@@ -115,6 +115,9 @@ def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
         # the ledger already knows reads none (at N = 1M the two string columns took 0.7 s per serve; issue 21)
         ids = _read_rows(store, "record_id", new_rows)
         users = _read_rows(store, "user_id", new_rows)
+        back = store_erased_ids.resurrected(store, new_rows, ids)  # erased, restored from a backup: never re-admitted
+        if back.any():
+            new_rows, ids, users = new_rows[~back], ids[~back], users[~back]
         p = ledger.params
         if p.privacy_unit == "user":
             # A record without a user id cannot be charged to anybody: under --user-for-missing refuse it stays

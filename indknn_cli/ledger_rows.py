@@ -84,25 +84,45 @@ def check_erased_owners(ledger, store) -> int:
 
 
 def check_erased_rows_blank(store) -> int:
-    """Refuse (StoreError, naming no id) when a private row flagged erased still holds data: a chunk file restored
-    from a backup older than the erasure (the advice for a corrupt chunk) brings its vectors, labels and ids back,
-    and only the rows still pending were overwritten again (review 67, F2). Rows pending erasure are skipped (the
-    next command overwrites them). Returns the number of erased rows checked."""
+    """Refuse (StoreError, naming no id) when a private row the store erased holds data again: a chunk file restored
+    from a backup older than the erasure (the advice for a corrupt chunk) brings its vectors, labels, ids and content
+    key back, and only the rows still pending were overwritten again (review 67, F2); with the flags chunk restored
+    too, the row is not even flagged (review 68, F2: the erased-ids log names its row). Rows pending erasure are
+    skipped (the next command overwrites them). Read chunk by chunk (a corrupt one is the usual StoreError). Returns
+    the number of erased rows checked."""
+    from . import store_erased_ids
     from .errors import StoreError
+    from .record_keys import KEY_ARRAY
+    from .store_layout import read_chunks
 
+    n = store.n_rows("private")
     flagged = np.flatnonzero(store.read("private", "deleted").astype(bool))
     rows = np.setdiff1d(flagged, store.erase_pending_rows("private"))
-    if rows.size == 0:
-        return 0
+    logged = {r: rid for r, rid in store_erased_ids.rows_of(store.path, store.uuid).items() if r < n}
+    unflagged = np.setdiff1d(np.fromiter(logged, np.int64, len(logged)), flagged)
     g = store.group("private")
-    held = np.abs(np.asarray(g["features"].oindex[rows, :])).sum(axis=1) > 0
-    held |= np.asarray(g["labels"].oindex[rows]) != -1
-    for name in ("record_id", "user_id"):
-        held |= np.asarray([str(v) != "" for v in np.asarray(g[name].oindex[rows], dtype=object)], dtype=bool)
-    bad = int(held.sum())
+    names = [x for x in ("labels", "record_id", "user_id", KEY_ARRAY) if x in g]
+    bad = 0
+    for lo in range(0, int(rows.size), ERASED_CHECK_ROWS):
+        part = rows[lo:lo + ERASED_CHECK_ROWS]
+        held = np.abs(read_chunks(store.path, "private", "features", lambda: np.asarray(
+            g["features"].oindex[part, :]))).sum(axis=1) > 0
+        for name in names:
+            vals = read_chunks(store.path, "private", name, lambda name=name: np.asarray(g[name].oindex[part]))
+            held |= (vals != -1) if name == "labels" else np.array([str(v) != "" for v in vals], dtype=bool)
+        bad += int(held.sum())
+    if unflagged.size:
+        ids = read_chunks(store.path, "private", "record_id", lambda: np.asarray(g["record_id"].oindex[unflagged]))
+        bad += sum(str(i) == logged[int(r)] for r, i in zip(unflagged, ids))
     if bad:
         raise StoreError(
             f"{store.path}: private rows the store has erased hold data again ({count(bad, 'row')}; a chunk file "
-            "restored from a backup taken before their erasure?): run `indknn delete --compact`, which rewrites the store "
-            "without them, or restore the chunk from a backup taken after the erasure")
-    return int(rows.size)
+            "restored from a backup taken before their erasure?): serving never selects them, but their data is on "
+            "disk. `indknn delete --record ID` with their ids (the store's erased-ids.jsonl) erases them again; "
+            "`indknn delete --compact` removes the flagged ones; or restore the chunk from a backup taken after the "
+            "erasure")
+    return int(rows.size + unflagged.size)
+
+
+#: Erased rows read per step by :func:`check_erased_rows_blank` (bounds its memory: 65,536 × d floats).
+ERASED_CHECK_ROWS = 1 << 16

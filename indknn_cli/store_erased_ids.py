@@ -28,8 +28,12 @@ def append(store, rows: np.ndarray) -> None:
     rows = np.asarray(rows, np.int64)
     rids, uids = (read_chunks(store.path, "private", name, lambda name=name: np.asarray(
         store.group("private")[name].oindex[rows])) for name in ("record_id", "user_id"))
-    lines = "".join(json.dumps({"record_id": str(r), "user_id": str(u or "")}) + "\n"
-                    for r, u in zip(rids, uids) if str(r))
+    # the row too (review 68, F2): a chunk of flags restored from an older backup brings an erased row back
+    # unflagged, and only its (row, id) tells it from the same id embedded again later under a new row
+    # (rows are numbered per store: a compaction renumbers them under a new store uuid)
+    lines = "".join(json.dumps({"record_id": str(r), "user_id": str(u or ""), "row": int(row),
+                                "store_uuid": str(store.uuid)}) + "\n"
+                    for row, r, u in zip(rows.tolist(), rids, uids) if str(r))
     if not lines:
         return
     path = Path(store.path) / NAME
@@ -54,3 +58,32 @@ def read(store_path: str | os.PathLike) -> list[tuple[str, str]]:
         except (ValueError, KeyError, TypeError):
             continue  # a line torn by a crash mid-append: its erasure had not started
     return out
+
+
+def rows_of(store_path: str | os.PathLike, store_uuid: str) -> dict[int, str]:
+    """{store row: record id} of the logged erasures of this store's numbering (``store_uuid``: a compaction
+    renumbers the rows under a new uuid) that name their row (lines written since 2026-11-29)."""
+    out: dict[int, str] = {}
+    try:
+        text = (Path(store_path) / NAME).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            d = json.loads(line)
+            if (isinstance(d.get("row"), int) and not isinstance(d.get("row"), bool)
+                    and d.get("store_uuid") == store_uuid):
+                out[int(d["row"])] = str(d["record_id"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a torn line
+    return out
+
+
+def resurrected(store, rows: np.ndarray, ids) -> np.ndarray:
+    """Which of the private ``rows`` (holding ``ids``) are rows erased earlier and back unflagged: a chunk restored
+    from a backup taken before their erasure (review 68, F2). Serving and `index` never bring them into the
+    ledger; `account --verify` names them; `indknn delete --record ID` erases them again."""
+    logged = rows_of(store.path, store.uuid) if len(rows) else {}
+    if not logged:
+        return np.zeros(len(rows), dtype=bool)
+    return np.array([logged.get(int(r)) == str(i) for r, i in zip(rows, ids)], dtype=bool)

@@ -108,8 +108,10 @@ def _encode(structure: LshIndex | IvfIndex, block: np.ndarray, deleted: np.ndarr
     return out
 
 
-def _fill(group: zarr.Group, structure, store: FeatureStore, start: int, stop: int) -> None:
-    """Write codes/lists and erased flags of store rows [start, stop) (arrays already sized)."""
+def _fill(group: zarr.Group, structure, store: FeatureStore, start: int, stop: int,
+          also_erased: np.ndarray | None = None) -> None:
+    """Write codes/lists and erased flags of store rows [start, stop) (arrays already sized); ``also_erased``: rows
+    to leave out besides those the store flags (an index rebuilt in place keeps its own erased rows out)."""
     values = group[_values_array(group.attrs["kind"])]
     erased = group["erased"]
     step = max(store.scan_rows, ENCODE_ROWS)
@@ -117,6 +119,9 @@ def _fill(group: zarr.Group, structure, store: FeatureStore, start: int, stop: i
         hi = min(stop, lo + step)
         block = store.read("private", "features", lo, hi)
         deleted = store.read("private", "deleted", lo, hi).astype(bool)
+        if also_erased is not None:
+            part = also_erased[lo:hi]  # shorter than the block where the old index covered fewer rows
+            deleted[:part.size] |= part
         values[lo:hi] = _encode(structure, block, deleted)
         erased[lo:hi] = deleted
 
@@ -238,7 +243,8 @@ def _rebuild(store: FeatureStore, *, why: str) -> bool:
                        else ("centroids_sha256", structure.centroids))
         if meta.get(key) != vectors_sha256(values):  # a structure edited or damaged without a checksum error
             return False
-        write_index(store, structure, {k: v for k, v in meta.items() if k not in _NOT_CARRIED})
+        write_index(store, structure, {k: v for k, v in meta.items() if k not in _NOT_CARRIED},
+                    also_erased=_erased_before(store))
     except Exception as exc:  # noqa: BLE001 - the same failure again (ENOSPC), a corrupt structure, ...: removed
         log.info("%s: the candidate index could not be rebuilt either (%s)", index_path(store.path),
                  type(exc).__name__)
@@ -248,8 +254,17 @@ def _rebuild(store: FeatureStore, *, why: str) -> bool:
     return True
 
 
+def _erased_before(store: FeatureStore) -> np.ndarray | None:
+    """Rows the old index marks erased (review 68, F4: a store chunk of flags restored from an older backup would
+    otherwise let the rebuild encode an erased row again), or None when that column cannot be read."""
+    try:
+        return np.asarray(zarr.open_group(str(index_path(store.path)), mode="r")["erased"][:], dtype=bool)
+    except Exception:  # noqa: BLE001 - the column is what could not be read: the store's flags alone
+        return None
+
+
 def write_index(store: FeatureStore, structure: LshIndex | IvfIndex, meta: dict, *,
-                train_seconds: float = 0.0) -> int:
+                train_seconds: float = 0.0, also_erased: np.ndarray | None = None) -> int:
     """Encode the store's committed private rows with ``structure`` into a new group, then swap it in as
     ``<store>/index`` (caller holds :func:`index_lock`). A failure leaves the old index, or a stale copy that the
     next index writer or erasure removes, never a half index at the path. Returns the rows encoded."""
@@ -273,7 +288,7 @@ def write_index(store: FeatureStore, structure: LshIndex | IvfIndex, meta: dict,
         group.attrs.update(dict(meta, format_version=INDEX_FORMAT_VERSION, store_uuid=store.uuid, dim=store.dim,
                                 n_rows=0))
         t_enc = time.perf_counter()
-        _fill(group, structure, store, 0, n)
+        _fill(group, structure, store, 0, n, also_erased)
         group.attrs.update({"n_rows": n, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                             "encode_seconds": round(time.perf_counter() - t_enc, 3),
                             "train_seconds": round(train_seconds, 3)})
