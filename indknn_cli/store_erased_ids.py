@@ -44,39 +44,33 @@ def append(store, rows: np.ndarray) -> None:
     fsync_path(store.path)
 
 
-def read(store_path: str | os.PathLike) -> list[tuple[str, str]]:
-    """(record id, user id) of every private row erased since the log existed."""
-    out = []
+def _entries(store_path: str | os.PathLike):
+    """The log's entries as dicts with a record id (a line torn by a crash mid-append is skipped: its erasure had not
+    started)."""
     try:
         text = (Path(store_path) / NAME).read_text(encoding="utf-8")
     except FileNotFoundError:
-        return out
+        return
     for line in text.splitlines():
         try:
             d = json.loads(line)
-            out.append((str(d["record_id"]), str(d.get("user_id") or "")))
-        except (ValueError, KeyError, TypeError):
-            continue  # a line torn by a crash mid-append: its erasure had not started
-    return out
+        except ValueError:
+            continue
+        if isinstance(d, dict) and "record_id" in d:
+            yield d
+
+
+def read(store_path: str | os.PathLike) -> list[tuple[str, str]]:
+    """(record id, user id) of every private row erased since the log existed."""
+    return [(str(d["record_id"]), str(d.get("user_id") or "")) for d in _entries(store_path)]
 
 
 def rows_of(store_path: str | os.PathLike, store_uuid: str) -> dict[int, str]:
     """{store row: record id} of the logged erasures of this store's numbering (``store_uuid``: a compaction
     renumbers the rows under a new uuid) that name their row (lines written since 2026-11-29)."""
-    out: dict[int, str] = {}
-    try:
-        text = (Path(store_path) / NAME).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        try:
-            d = json.loads(line)
-            if (isinstance(d.get("row"), int) and not isinstance(d.get("row"), bool)
-                    and d.get("store_uuid") == store_uuid):
-                out[int(d["row"])] = str(d["record_id"])
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # a torn line
-    return out
+    return {int(d["row"]): str(d["record_id"]) for d in _entries(store_path)
+            if isinstance(d.get("row"), int) and not isinstance(d.get("row"), bool)
+            and d.get("store_uuid") == store_uuid}
 
 
 def resurrected(store, rows: np.ndarray, ids) -> np.ndarray:
