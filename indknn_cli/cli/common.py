@@ -159,6 +159,24 @@ def emit_json_lines(objs: list[dict]) -> None:
         sys.stdout.flush()
 
 
+def stdout_closed(*, released: int, batch: str | None, batch_id_given: bool) -> Exception:
+    """The error for answers whose stdout was closed by its reader (``| head -1``: EPIPE; review 66, F10): exit 1
+    (a runtime error), saying that the answers were released — charged and committed — and how to print them
+    again. stdout then points at /dev/null, so that the interpreter's last flush at exit prints no "Exception
+    ignored … BrokenPipeError" line."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test runner's stdout)
+        pass
+    again = (f"re-running with the same --batch-id {batch} prints them again without charging" if batch_id_given
+             else f"re-running the same command (batch {batch!r}) prints them again without charging")
+    return IndknnError(f"stdout was closed by its reader after {count(released, 'answer')} of this run "
+                       f"{'was' if released == 1 else 'were'} released (charged and committed to the ledger); "
+                       f"{again}")
+
+
 def run_library_call(fn: Callable[[], T]) -> T:
     """Run a library call; map typed errors to a message on stderr and the documented exit code.
 

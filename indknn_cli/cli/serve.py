@@ -12,7 +12,7 @@ from rich.markup import escape
 from ..wording import count
 from .common import (check_lock_timeout, emit_json_lines, parse_size, read_json_line_from_stdin, resolve_ledger,
                      resolve_store, run_library_call, stderr_console)
-from .common import check_device, deprecated_alias, progress_bar
+from .common import check_device, deprecated_alias, progress_bar, stdout_closed
 
 
 def _load() -> None:
@@ -81,10 +81,15 @@ def serve_command(
         if sink:
             sink[0].write(rows)
         else:
-            emit_json_lines(rows)
+            try:
+                emit_json_lines(rows)
+            except BrokenPipeError:  # `| head -1` (review 66, F10): this part is committed, charged and released
+                raise stdout_closed(released=printed[0] + len(rows), batch=batch_name[0] if batch_name else batch_id,
+                                    batch_id_given=batch_id is not None) from None
             printed[0] += len(rows)
 
     upstream_line: list = []
+    batch_name: list = []  # the batch's name once known (--batch-id, else the query batch's), for stdout_closed
 
     def call():
         check_lock_timeout(lock_timeout)
@@ -116,6 +121,7 @@ def serve_command(
         opts = _reader_options()
         name = resolve_query_batch(store_path=sp, queries=queries, batch_id=batch_id, upstream=upstream,
                                    reader_options=opts, device=device, lock_timeout=lock_timeout)
+        batch_name[:] = [batch_id or name]
         # --out: answers appended as each part commits to a hidden temporary file, renamed onto --out when the
         # run ends (answers_out.py); a failed run leaves --out as it was. Answers held: one part's.
         with progress_bar("answering", total=batch_size_or_none(sp, name)) as update, \
