@@ -23,7 +23,7 @@ from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .id_text import canonical
 from .readers import Source, open_source
-from .readers_base import _has_surrogates, check_key_text
+from .readers_base import _has_surrogates, check_batch_id, check_key_text
 from .record_keys import input_keys
 from .embedding_rows import embed_rows, sort_label_names
 from .store import ROLES, ExtractorInfo, FeatureStore
@@ -112,6 +112,11 @@ def embed_into_store(
         raise BadInputError(f"--if-exists must be error or skip, got {if_exists!r}")
     if batch is not None and role not in ("query", TEST_ROLE):
         raise BadInputError("--batch-id applies to --role query only (or --role test)")
+    if batch is not None:
+        check_batch_id(batch)
+    if label_names is not None and role == "query":  # silently ignored before (review 66, F4)
+        raise BadInputError("--label-names applies to --role private, public or test (the store's class list); "
+                            "queries carry no labels: leave --label-names out")
     store_path = object_store.local_path(store_path)  # an s3:// URL: its local state folder
     store = None
     if _store_exists(store_path) or (object_store.location(store_path) is None and store_path.exists()
