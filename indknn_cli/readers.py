@@ -191,15 +191,22 @@ def _to_pylist(values: Any) -> list:
 
 
 def _strings(values: Any, *, col: str, start: int, display: str, allow_empty: bool = True,
-             none_as_empty: bool = False) -> list[str]:
+             none_as_empty: bool = False, key: bool = False) -> list[str]:
     """``none_as_empty``: a null (Parquet, JSON lines) reads as an empty cell, "no value" (the user column: review
-    60, F2, a missing user was refused at `embed` from Parquet but accepted from CSV, and `index` decides)."""
+    60, F2, a missing user was refused at `embed` from Parquet but accepted from CSV, and `index` decides).
+    ``key`` (a record or user id column): a boolean, an object or a list is refused (review 66, F8: JSON's true
+    became the id "True" and {"a": 1} the id "{'a': 1}", ids nobody could type back); text and numbers are read."""
     out = []
     for j, v in enumerate(_to_pylist(values)):
         if v is None and none_as_empty:
             v = ""
         if v is None:
             raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: missing value")
+        if key and isinstance(v, (bool, np.bool_, dict, list, tuple)):
+            kind = ("a boolean (" + str(bool(v)).lower() + ")" if isinstance(v, (bool, np.bool_))
+                    else "an object" if isinstance(v, dict) else "a list")
+            raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: {kind} is not an id; ids are text "
+                                "or numbers")
         if isinstance(v, bytes):
             try:
                 v = v.decode("utf-8")
@@ -367,10 +374,10 @@ class TableSource(Source):
                                                  display=self.name, allow_empty=False)])
             ids = (None if self.id_column is None else
                    [v.strip() for v in _strings(block[self.id_column], col=self.id_column, start=start,
-                                                display=self.name, allow_empty=False)])
+                                                display=self.name, allow_empty=False, key=True)])
             users = (None if self.user_column is None else
                      [v.strip() for v in _strings(block[self.user_column], col=self.user_column, start=start,
-                                                  display=self.name, none_as_empty=True)])
+                                                  display=self.name, none_as_empty=True, key=True)])
             yield RecordBatch(items=items, labels=labs, ids=ids, users=users, start=start)
 
     def _items(self, block: dict, start: int):
