@@ -25,7 +25,7 @@ from .id_text import canonical
 from .readers import Source, open_source
 from .readers_base import _has_surrogates, check_batch_id, check_key_text
 from .record_keys import input_keys
-from .embedding_rows import embed_rows, sort_label_names
+from .embedding_rows import embed_rows, open_checked, sort_label_names
 from .store import ROLES, ExtractorInfo, FeatureStore
 from .wording import count, shown
 
@@ -131,7 +131,7 @@ def embed_into_store(
     # Check the input (file, format, columns) before loading a model (issue 20): the input kind needs no model.
     kind = None if isinstance(source, Source) or isinstance(extractor, Extractor) else input_kind_of(
         extractor if extractor is not None else (store.extractor.name if store is not None else "text"))
-    opened = open_source(source, extractor_kind=kind, **reader_opts) if kind is not None else None
+    opened = open_checked(source, kind, reader_opts, defaulted=extractor is None and store is None)
     try:
         with contextlib.ExitStack() as stack:
             ex = _resolve_extractor(extractor, model, device, store)
