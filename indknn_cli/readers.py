@@ -467,16 +467,17 @@ def open_source(
                 spooled.unlink()
                 raise BadInputError(f"{path}: empty input (nothing after decompressing)")
             path, suffix = spooled, inner
-        if suffix == ".npy":
-            fmt = "npy"
-        elif suffix == ".npz":
-            fmt = "npz"
+        if suffix in (".npy", ".npz"):
+            fmt = suffix[1:]
         elif suffix in TABLE_SUFFIXES:
             fmt = TABLE_SUFFIXES[suffix]
         else:
+            pipe = ("; a pipe names no format: give - instead (`embed -` tells the format from the bytes; for serve-queries: "
+                    "`… | indknn embed - --role query --batch-id NAME | indknn serve-queries -`)"
+                    if str(path) == "/dev/stdin" or str(path).startswith("/dev/fd/") else "")  # review 66, F2
             raise BadInputError(f"{path}: unknown input format {suffix or '(no extension)'}; expected .csv, .parquet, "
                                 f".jsonl, .npy, .npz (each but .npz also gzip-compressed, .csv.gz …), a folder "
-                                "of images, or - for stdin")
+                                f"of images, or - for stdin{pipe}")
         if path.stat().st_size == 0:
             raise BadInputError(f"{path}: empty input")
     try:

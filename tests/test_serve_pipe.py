@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 
 from indknn_cli.cli.app import app
 
+from .test_bad_inputs import tree_digest
+
 runner = CliRunner()
 
 
@@ -37,3 +39,23 @@ def test_reader_closing_stdout_early(vector_store, tmp_path):
     assert again.returncode == 0, again.stderr
     lines = again.stdout.decode().splitlines()
     assert len(lines) == 40 and lines[0].encode() == first.rstrip(b"\n")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("arg,data,needle", [
+    ("-", b"id,text\nq1,hello\n", "embed it first"), ("/dev/stdin", b"id,text\nq1,hello\n", "give - instead"),
+    ("-", b'{"id": "q1", "vector": [1, 0]}\n', "embed it first")])  # JSON lines: the last line is an object
+def test_raw_query_data_on_stdin_says_how_to_pipe_it(vector_store, tmp_path, arg, data, needle):
+    """review 66, F2: `cat q.csv | indknn serve-queries -` and `serve-queries /dev/stdin < q.csv` were refused without
+    a word on how to pipe query data (through `embed - --role query`)."""
+    made = runner.invoke(app, ["index", "--store", str(vector_store.path), "--ledger", str(tmp_path / "L"), "--eps",
+                               "1", "--tau", "0.5"])
+    assert made.exit_code == 0, made.stderr
+    cmd = [sys.executable, "-m", "indknn_cli", "serve-queries", arg, "--store", str(vector_store.path),
+           "--ledger", str(tmp_path / "L")]
+    before = tree_digest(tmp_path)
+    res = subprocess.run(cmd, input=data, capture_output=True, env=dict(os.environ), timeout=120)
+    assert tree_digest(tmp_path) == before  # nothing written
+    err = res.stderr.decode()
+    assert res.returncode == 2 and res.stdout == b"", err
+    assert needle in err and "indknn embed - --role query --batch-id NAME | indknn serve-queries -" in err, err

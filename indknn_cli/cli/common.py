@@ -398,8 +398,9 @@ def stdin_is_pipe() -> bool:
         return False
 
 
-def read_json_line_from_stdin() -> dict | None:
-    """The JSON line of an upstream `indknn embed` on a pipe (None when stdin is a terminal or empty)."""
+def read_json_line_from_stdin(*, hint: str = "") -> dict | None:
+    """The JSON line of an upstream `indknn embed` on a pipe (None when stdin is a terminal or empty). ``hint``:
+    added to the refusal of anything else (serve-queries: how to pipe query data, review 66 F2)."""
     if sys.stdin is None or sys.stdin.isatty():
         return None
     text = sys.stdin.read().strip()
@@ -411,7 +412,7 @@ def read_json_line_from_stdin() -> dict | None:
     except ValueError:
         from ..errors import BadInputError
 
-        raise BadInputError("stdin: expected the JSON line printed by `indknn embed`") from None
+        raise BadInputError("stdin: expected the JSON line printed by `indknn embed`" + hint) from None
     return obj if isinstance(obj, dict) else None
 
 

@@ -20,8 +20,8 @@ def _load() -> None:
     names are this module's globals, declared here."""
     global check_min_margin, check_seed, resolve_query_batch, serve_queries, AnswerRows, AnswersWriter, \
         scheduler_session, resolve_scheduler, ABSTAIN_LABEL, preflight, queries_or_stored_batch, \
-        batch_size_or_none, retry_on_store_change
-    from ..serving import check_min_margin, check_seed, resolve_query_batch, serve_queries
+        batch_size_or_none, retry_on_store_change, STDIN_QUERY_HINT
+    from ..serving import STDIN_QUERY_HINT, check_min_margin, check_seed, resolve_query_batch, serve_queries
     from ..serve_request import batch_size_or_none, preflight, queries_or_stored_batch, retry_on_store_change
     from ..answers_out import AnswerRows, AnswersWriter
     from ..distributed import session as scheduler_session
@@ -100,7 +100,7 @@ def serve_command(
     def call_once():
         returned[:] = [0, 0]
         if queries == "-" and not upstream_line:
-            upstream_line.append(read_json_line_from_stdin())
+            upstream_line.append(read_json_line_from_stdin(hint=STDIN_QUERY_HINT))
         upstream = upstream_line[0] if queries == "-" else None
         sp = (resolve_store(upstream["store"], source="the upstream embed's JSON line on stdin")
               if upstream and store is None and "store" in upstream else store_path)
