@@ -23,9 +23,9 @@ from .errors import BadInputError, StoreError
 from .extractors import Extractor, extractor_from_info, get_extractor, input_kind_of
 from .id_text import canonical
 from .readers import Source, open_source
-from .readers_base import _has_surrogates, check_key_text
+from .readers_base import _has_surrogates, check_batch_id, check_key_text
 from .record_keys import input_keys
-from .embedding_rows import embed_rows, sort_label_names
+from .embedding_rows import embed_rows, open_checked, sort_label_names
 from .store import ROLES, ExtractorInfo, FeatureStore
 from .wording import count, shown
 
@@ -112,6 +112,11 @@ def embed_into_store(
         raise BadInputError(f"--if-exists must be error or skip, got {if_exists!r}")
     if batch is not None and role not in ("query", TEST_ROLE):
         raise BadInputError("--batch-id applies to --role query only (or --role test)")
+    if batch is not None:
+        check_batch_id(batch)
+    if label_names is not None and role == "query":  # silently ignored before (review 66, F4)
+        raise BadInputError("--label-names applies to --role private, public or test (the store's class list); "
+                            "queries carry no labels: leave --label-names out")
     store_path = object_store.local_path(store_path)  # an s3:// URL: its local state folder
     store = None
     if _store_exists(store_path) or (object_store.location(store_path) is None and store_path.exists()
@@ -126,7 +131,7 @@ def embed_into_store(
     # Check the input (file, format, columns) before loading a model (issue 20): the input kind needs no model.
     kind = None if isinstance(source, Source) or isinstance(extractor, Extractor) else input_kind_of(
         extractor if extractor is not None else (store.extractor.name if store is not None else "text"))
-    opened = open_source(source, extractor_kind=kind, **reader_opts) if kind is not None else None
+    opened = open_checked(source, kind, reader_opts, defaulted=extractor is None and store is None)
     try:
         with contextlib.ExitStack() as stack:
             ex = _resolve_extractor(extractor, model, device, store)

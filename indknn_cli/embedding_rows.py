@@ -9,6 +9,7 @@ import numpy as np
 
 from .errors import BadInputError, StoreError
 from .extractors import Extractor
+from .readers import Source, open_source
 from .store import normalize_rows
 
 
@@ -52,3 +53,24 @@ def embed_rows(ex: Extractor, items, rows: Sequence[int], ids: Sequence[str | No
 
 def _id_note(rid: str | None) -> str:
     return "" if rid is None else f" (id {rid!r})"
+
+
+def open_checked(source, kind: str | None, reader_opts: dict, *, defaulted: bool) -> Source | None:
+    """``open_source`` before any model is loaded. ``defaulted`` (a new store, no --extractor: text): an input the
+    text extractor cannot read but the vectors one can is refused with what to pass (review 66, F1: a .npz or a
+    Parquet file with a `vector` column was refused as "this store's extractor takes text input", with no store
+    yet, or as "text column 'text' not found")."""
+    if kind is None:
+        return None
+    try:
+        return open_source(source, extractor_kind=kind, **reader_opts)
+    except BadInputError as exc:
+        if not defaulted or kind == "vector" or str(source) == "-":  # stdin cannot be read twice
+            raise
+        try:
+            open_source(source, extractor_kind="vector", **reader_opts).close()
+        except Exception:  # noqa: BLE001 - not vectors either: the text reader's message stands
+            raise exc from None
+        raise BadInputError(f"{source}: this input holds precomputed vectors, and a new store's extractor defaults "
+                            "to text: give --extractor vectors (the store keeps it; later embeds into it need not "
+                            "repeat it)") from None

@@ -12,7 +12,7 @@ import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Collection
 
 import numpy as np
 
@@ -143,14 +143,15 @@ def _read_rows(store: FeatureStore, name: str, rows: np.ndarray, *, max_runs: in
                            for run in np.split(rows, breaks)])
 
 
-def _tuned_rerun(ledger_path, store: FeatureStore, tune) -> str:
+def _tuned_rerun(ledger_path, store: FeatureStore, tune, given=None) -> str:
     """``index --tune`` on a ledger that exists: the creation's own command again (a re-run pipeline, or a second
     run started while the first tuned) adds new records and tunes nothing; any other --tune request is refused."""
     from . import tuning as _tuning
 
     existing = BudgetLedger.open_for(ledger_path, store)
     tuned = existing.meta.get("tuning") or {}
-    differ = _tuning.request_differences(tuned.get("request"), tune, extractor=store.extractor.name)
+    differ = _tuning.request_differences(tuned.get("request"), tune, extractor=store.extractor.name,
+                                            given=given)
     if differ:
         raise LedgerError(f"{ledger_path}: the ledger already exists; --tune chooses τ and σ2 once, when the "
                           "ledger is created (its parameters and budget cannot change afterwards), and this "
@@ -165,7 +166,7 @@ def build_index(
     kind: str | None = None, lock_timeout: float = 60.0, tables: int | None = None, bits: int | None = None,
     index_seed: int | None = None, nlist: int | None = None, nprobe: int | None = None,
     train_on: str | os.PathLike | None = None, tune: "tuning.TuneRequest | None" = None,
-    given: dict | None = None,
+    given: dict | None = None, tune_given: "Collection[str] | None" = None,
 ) -> IndexResult:
     """Create the ledger (or add the store's new records to it, keeping every spent budget).
 
@@ -177,6 +178,10 @@ def build_index(
     ``tune`` (index --tune, docs/TUNING.md): choose (τ, σ2) first — privately, at a cost composed into the
     guarantee, or free on labelled public rows — then create the ledger with the chosen parameters and the
     tuning record in its metadata. Only when the ledger does not exist yet (tuning is once, at creation).
+
+    ``given`` (the CLI: field → (flag, value) of the privacy flags typed) and ``tune_given`` (the flags typed): on an
+    existing ledger only these are compared with the ledger's, a flag left out meaning the ledger's value; without
+    them (a library caller) the whole ``params`` / ``tune`` request is compared.
     """
     indexes.check_kind(kind)
     if tune is not None:
@@ -200,7 +205,7 @@ def build_index(
     with contextlib.ExitStack() as held:
         ledger_locked = False
         if tune is not None and BudgetLedger.exists(ledger_path):
-            rerun_note, tune = _tuned_rerun(ledger_path, store, tune), None
+            rerun_note, tune = _tuned_rerun(ledger_path, store, tune, tune_given), None
         if tune is not None:
             integrity.refuse_second_ledger(store, ledger_path)  # refused before the search, not after (audit 5, F3)
             # held from the search through the ledger's creation (review 47): two simultaneous first `index --tune`
@@ -208,7 +213,7 @@ def build_index(
             held.enter_context(BudgetLedger.write_lock(ledger_path, timeout=lock_timeout))
             ledger_locked = True
             if BudgetLedger.exists(ledger_path):  # created by another run while this one waited for the lock
-                rerun_note, tune = _tuned_rerun(ledger_path, store, tune), None
+                rerun_note, tune = _tuned_rerun(ledger_path, store, tune, tune_given), None
             else:
                 from . import tuning as _tuning
 
@@ -216,14 +221,13 @@ def build_index(
                 record = {**rec.as_dict(), "request": _tuning.request_record(tune, extractor=store.extractor.name)}
 
         def known_params():  # τ and kernel for IVF's nprobe calibration; read only when an IVF is trained
-            if params is not None or not BudgetLedger.exists(ledger_path):
+            if not BudgetLedger.exists(ledger_path):  # an existing ledger's own, not this run's defaults (review 66)
                 return params
             return BudgetLedger.open_for(ledger_path, store).params
 
         existing_ledger = BudgetLedger.exists(ledger_path)
-        warnings = _unit_checks(store, params if params is not None else (
-            BudgetLedger.open_for(ledger_path, store).params if existing_ledger else None),
-            creating=not existing_ledger)
+        warnings = _unit_checks(store, BudgetLedger.open_for(ledger_path, store).params if existing_ledger
+                                else params, creating=not existing_ledger)
         # Refusals and IVF training (public data only) happen before anything is written.
         plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
                                   nprobe=nprobe, train_on=train_on, params=known_params)
@@ -242,14 +246,15 @@ def build_index(
                     raise LedgerError(f"{ledger_path}: another process created the ledger while this one tuned")
                 integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
                 store_twins.refuse_twin(store, ledger, ledger_path)  # a copied pair used from both copies (review 42)
-                differences = _differences(params, ledger.params) if params is not None else []
+                differences = (_given_differences(params.epsilon, given, ledger.params) if given is not None
+                               else _differences(params, ledger.params)) if params is not None else []
                 if differences:
                     raise LedgerError(
                         f"{ledger_path}: the ledger already exists with fixed parameters "
                         f"(ε={ledger.params.epsilon} at δ={ledger.params.delta} ({ledger.params.conversion}, "
                         f"{per_unit(ledger.params.privacy_unit)}), B={rounding.up(ledger.params.budget)}, "
                         f"τ={ledger.params.tau}, σ2={ledger.params.sigma2}); they cannot change after creation, and "
-                        f"this run's differ (the ledger's → this run's; a flag left out takes its default): "
+                        f"this run's differ (the ledger's → this run's; a flag left out keeps the ledger's value): "
                         f"{'; '.join(differences)}. To "
                         f"add new records, run `indknn index --ledger {ledger_path}` without --eps and the other "
                         "privacy flags"
@@ -385,6 +390,28 @@ def _check_given(given: dict | None, params: PrivacyParams, ledger_path) -> None
                 f"{flag} {value} differs from the ledger's {have} ({ledger_path}): a ledger's parameters are fixed "
                 f"when it is created ({per_unit(params.privacy_unit)}); re-running index only adds new records, so "
                 f"leave {flag} out, or create a new store and ledger for other parameters")
+
+
+def _given_differences(epsilon: float, given: dict, b: PrivacyParams) -> list[str]:
+    """`index --eps …` on an existing ledger: what differs between the flags actually given (``given``: field →
+    (flag, value); --eps always) and the ledger's ``b``, as :func:`_differences` words it. A flag left out means the
+    ledger's value (review 66, F3: `index --eps 4` on a ledger made with `--eps 4 --tau 0.3` was refused, τ 0.3 →
+    the default 0.25). σ1 follows --sigma1, else --planned-queries with the ledger's B (the paper's sqrt(T/(6B)))."""
+    out = [f"epsilon: {b.epsilon!r} → {float(epsilon)!r}"] if float(epsilon) != b.epsilon else []
+    for name, (_flag, value) in given.items():
+        if name == "sigma1":
+            continue
+        have = getattr(b, name)
+        same = (math.isclose(float(value), float(have)) if isinstance(value, float) and have is not None
+                else value == have)
+        if not same:
+            out.append(f"{name}: {have!r} → {value!r}")
+    if "sigma1" in given or "planned_queries" in given:
+        sigma1 = (float(given["sigma1"][1]) if "sigma1" in given
+                  else accounting.default_sigma1(planned_queries=int(given["planned_queries"][1]), budget=b.budget))
+        if not math.isclose(sigma1, b.sigma1):
+            out.append(f"sigma1 (from --sigma1 or --planned-queries): {b.sigma1!r} → {sigma1!r}")
+    return out
 
 
 def _differences(a: PrivacyParams, b: PrivacyParams) -> list[str]:

@@ -191,15 +191,22 @@ def _to_pylist(values: Any) -> list:
 
 
 def _strings(values: Any, *, col: str, start: int, display: str, allow_empty: bool = True,
-             none_as_empty: bool = False) -> list[str]:
+             none_as_empty: bool = False, key: bool = False) -> list[str]:
     """``none_as_empty``: a null (Parquet, JSON lines) reads as an empty cell, "no value" (the user column: review
-    60, F2, a missing user was refused at `embed` from Parquet but accepted from CSV, and `index` decides)."""
+    60, F2, a missing user was refused at `embed` from Parquet but accepted from CSV, and `index` decides).
+    ``key`` (a record or user id column): a boolean, an object or a list is refused (review 66, F8: JSON's true
+    became the id "True" and {"a": 1} the id "{'a': 1}", ids nobody could type back); text and numbers are read."""
     out = []
     for j, v in enumerate(_to_pylist(values)):
         if v is None and none_as_empty:
             v = ""
         if v is None:
             raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: missing value")
+        if key and isinstance(v, (bool, np.bool_, dict, list, tuple)):
+            kind = ("a boolean (" + str(bool(v)).lower() + ")" if isinstance(v, (bool, np.bool_))
+                    else "an object" if isinstance(v, dict) else "a list")
+            raise BadInputError(f"{display}: row {start + j + 1}, column {col!r}: {kind} is not an id; ids are text "
+                                "or numbers")
         if isinstance(v, bytes):
             try:
                 v = v.decode("utf-8")
@@ -367,10 +374,10 @@ class TableSource(Source):
                                                  display=self.name, allow_empty=False)])
             ids = (None if self.id_column is None else
                    [v.strip() for v in _strings(block[self.id_column], col=self.id_column, start=start,
-                                                display=self.name, allow_empty=False)])
+                                                display=self.name, allow_empty=False, key=True)])
             users = (None if self.user_column is None else
                      [v.strip() for v in _strings(block[self.user_column], col=self.user_column, start=start,
-                                                  display=self.name, none_as_empty=True)])
+                                                  display=self.name, none_as_empty=True, key=True)])
             yield RecordBatch(items=items, labels=labs, ids=ids, users=users, start=start)
 
     def _items(self, block: dict, start: int):
@@ -460,16 +467,17 @@ def open_source(
                 spooled.unlink()
                 raise BadInputError(f"{path}: empty input (nothing after decompressing)")
             path, suffix = spooled, inner
-        if suffix == ".npy":
-            fmt = "npy"
-        elif suffix == ".npz":
-            fmt = "npz"
+        if suffix in (".npy", ".npz"):
+            fmt = suffix[1:]
         elif suffix in TABLE_SUFFIXES:
             fmt = TABLE_SUFFIXES[suffix]
         else:
+            pipe = ("; a pipe names no format: give - instead (`embed -` tells the format from the bytes; for serve-queries: "
+                    "`… | indknn embed - --role query --batch-id NAME | indknn serve-queries -`)"
+                    if str(path) == "/dev/stdin" or str(path).startswith("/dev/fd/") else "")  # review 66, F2
             raise BadInputError(f"{path}: unknown input format {suffix or '(no extension)'}; expected .csv, .parquet, "
                                 f".jsonl, .npy, .npz (each but .npz also gzip-compressed, .csv.gz …), a folder "
-                                "of images, or - for stdin")
+                                f"of images, or - for stdin{pipe}")
         if path.stat().st_size == 0:
             raise BadInputError(f"{path}: empty input")
     try:

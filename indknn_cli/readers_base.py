@@ -48,6 +48,14 @@ class RecordBatch:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2064\ufeff]")
 
 
+def check_batch_id(batch_id: str, *, option: str = "--batch-id") -> None:
+    """Refuse a batch id holding a control or invisible character, as record ids are (review 66, F4: a tab was
+    taken, echoed in every answer line and written as "_" in the event file's name)."""
+    if m := _CONTROL.search(batch_id):
+        raise BadInputError(f"{option} {shown(batch_id)} holds the control character U+{ord(m.group()):04X} (a "
+                            "control or invisible character); batch ids must be printable text")
+
+
 def check_key_text(values, *, what: str, display: str, start: int, surrounding_space: bool = False,
                    composed: bool = False) -> None:
     """Refuse a record or user id holding a control character (BadInputError naming the row and the character).

@@ -13,6 +13,7 @@ from .errors import BadInputError, ConcurrentChangeError, LedgerError
 from .ledger import BudgetLedger
 from .ledger_integrity import check_binding, read_mark, refuse_ledger_in_store
 from .object_store import local_path
+from .readers_base import check_batch_id
 from .serving import check_allowance_before_embedding, check_batch_id_before_embedding
 from .store import FeatureStore
 from .store_twins import refuse_twin
@@ -62,6 +63,8 @@ def queries_or_stored_batch(queries: Optional[str], batch_id: Optional[str]) -> 
                               ("--batch-id", batch_id, "a name")):
         if value is not None and not value.strip():  # "" read as "." (the working folder): review 43, L1
             raise BadInputError(f"{flag} is empty: give {want}")
+    if batch_id is not None:
+        check_batch_id(batch_id)
     if queries is not None:
         return queries
     if batch_id is None:

@@ -389,6 +389,11 @@ def _reuse_pool(store: FeatureStore, ledger: BudgetLedger) -> ReusePool:
     return ReusePool(block[rows - lo].astype(np.float32), labels)
 
 
+#: review 66, F2: `cat q.csv | indknn serve-queries -` was refused without saying how to pipe query data
+STDIN_QUERY_HINT = ("; `serve-queries -` reads only that line. To pipe query data (CSV, JSON lines, Parquet, .npy, "
+                    "gzip), embed it first: `… | indknn embed - --role query --batch-id NAME | indknn serve-queries -`")
+
+
 def resolve_query_batch(
     *, store_path: str | os.PathLike, queries: str, batch_id: str | None = None,
     upstream: dict | None = None, reader_options: dict | None = None, device: str = "auto",
@@ -407,7 +412,7 @@ def resolve_query_batch(
                                 f"anyway")
         names = {str(v) for v in ((upstream or {}).get("batch_id"), (upstream or {}).get("batch")) if v is not None}
         if not upstream or upstream.get("role") != "query" or not names:
-            raise BadInputError("stdin: expected the JSON line of `indknn embed --role query`")
+            raise BadInputError("stdin: expected the JSON line of `indknn embed --role query`" + STDIN_QUERY_HINT)
         if len(names) > 1:  # review 43, L2: batch_id was taken silently
             raise BadInputError(f"stdin: the JSON line names two batches ({', '.join(sorted(map(repr, names)))} under "
                                 "batch_id and batch); embed writes the same name under both")

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 
@@ -395,12 +395,17 @@ def request_record(req: TuneRequest, *, extractor: str) -> dict:
     return json.loads(json.dumps(d))
 
 
-def request_differences(recorded: dict | None, req: TuneRequest, *, extractor: str) -> list[str]:
-    """The options of ``req`` that differ from the ledger's recorded request; one explanation when none is recorded."""
+def request_differences(recorded: dict | None, req: TuneRequest, *, extractor: str,
+                        given: Collection[str] | None = None) -> list[str]:
+    """The options of ``req`` that differ from the ledger's recorded request; one explanation when none is recorded.
+    ``given``: the flags typed (the CLI); the others are not compared, a flag left out meaning the recorded value
+    (review 66, F3). --eps, --tune and the store's extractor are always compared."""
     now = request_record(req, extractor=extractor)
     if not isinstance(recorded, dict):
         return ["it records none: made before indknn recorded the request, or without --tune"]
-    return [_REQUEST_FLAGS.get(k, k) for k in now if recorded.get(k, object()) != now[k]]
+    always = ("epsilon", "on", "extractor")
+    return [_REQUEST_FLAGS.get(k, k) for k in now if recorded.get(k, object()) != now[k]
+            and (given is None or k in always or _REQUEST_FLAGS.get(k) in given)]
 
 
 _REQUEST_FLAGS = {"epsilon": "--eps", "delta": "--delta", "on": "--tune", "share": "--tune-share",

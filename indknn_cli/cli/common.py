@@ -159,6 +159,24 @@ def emit_json_lines(objs: list[dict]) -> None:
         sys.stdout.flush()
 
 
+def stdout_closed(*, released: int, batch: str | None, batch_id_given: bool) -> Exception:
+    """The error for answers whose stdout was closed by its reader (``| head -1``: EPIPE; review 66, F10): exit 1
+    (a runtime error), saying that the answers were released — charged and committed — and how to print them
+    again. stdout then points at /dev/null, so that the interpreter's last flush at exit prints no "Exception
+    ignored … BrokenPipeError" line."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test runner's stdout)
+        pass
+    again = (f"re-running with the same --batch-id {batch} prints them again without charging" if batch_id_given
+             else f"re-running the same command (batch {batch!r}) prints them again without charging")
+    return IndknnError(f"stdout was closed by its reader after {count(released, 'answer')} of this run "
+                       f"{'was' if released == 1 else 'were'} released (charged and committed to the ledger); "
+                       f"{again}")
+
+
 def run_library_call(fn: Callable[[], T]) -> T:
     """Run a library call; map typed errors to a message on stderr and the documented exit code.
 
@@ -380,8 +398,9 @@ def stdin_is_pipe() -> bool:
         return False
 
 
-def read_json_line_from_stdin() -> dict | None:
-    """The JSON line of an upstream `indknn embed` on a pipe (None when stdin is a terminal or empty)."""
+def read_json_line_from_stdin(*, hint: str = "") -> dict | None:
+    """The JSON line of an upstream `indknn embed` on a pipe (None when stdin is a terminal or empty). ``hint``:
+    added to the refusal of anything else (serve-queries: how to pipe query data, review 66 F2)."""
     if sys.stdin is None or sys.stdin.isatty():
         return None
     text = sys.stdin.read().strip()
@@ -393,7 +412,7 @@ def read_json_line_from_stdin() -> dict | None:
     except ValueError:
         from ..errors import BadInputError
 
-        raise BadInputError("stdin: expected the JSON line printed by `indknn embed`") from None
+        raise BadInputError("stdin: expected the JSON line printed by `indknn embed`" + hint) from None
     return obj if isinstance(obj, dict) else None
 
 

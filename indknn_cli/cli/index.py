@@ -108,7 +108,9 @@ def index_command(
                               nu=nu, k_min=k_min, sigma1=sigma1, planned_queries=planned_queries)
             return build_index(store_path=store_path, ledger_path=resolve_ledger(ledger), params=None, kind=kind,
                                lock_timeout=lock_timeout, tables=tables, bits=bits, index_seed=index_seed,
-                               nlist=nlist, nprobe=nprobe, train_on=train_on, tune=req)
+                               nlist=nlist, nprobe=nprobe, train_on=train_on, tune=req,
+                               tune_given={p.opts[0] for p in ctx.command.params
+                                           if p.opts and given_on_command_line(ctx, p.name)})
         if eps is not None:
             params = make_params(epsilon=eps, delta=delta, conversion=conversion or "gdp", kernel=kernel, tau=tau,
                                  sigma2=sigma2, sigma1=sigma1, planned_queries=planned_queries, nu=nu, k_min=k_min,

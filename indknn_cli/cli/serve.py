@@ -12,7 +12,7 @@ from rich.markup import escape
 from ..wording import count
 from .common import (check_lock_timeout, emit_json_lines, parse_size, read_json_line_from_stdin, resolve_ledger,
                      resolve_store, run_library_call, stderr_console)
-from .common import check_device, deprecated_alias, progress_bar
+from .common import check_device, deprecated_alias, progress_bar, stdout_closed
 
 
 def _load() -> None:
@@ -20,8 +20,8 @@ def _load() -> None:
     names are this module's globals, declared here."""
     global check_min_margin, check_seed, resolve_query_batch, serve_queries, AnswerRows, AnswersWriter, \
         scheduler_session, resolve_scheduler, ABSTAIN_LABEL, preflight, queries_or_stored_batch, \
-        batch_size_or_none, retry_on_store_change
-    from ..serving import check_min_margin, check_seed, resolve_query_batch, serve_queries
+        batch_size_or_none, retry_on_store_change, STDIN_QUERY_HINT
+    from ..serving import STDIN_QUERY_HINT, check_min_margin, check_seed, resolve_query_batch, serve_queries
     from ..serve_request import batch_size_or_none, preflight, queries_or_stored_batch, retry_on_store_change
     from ..answers_out import AnswerRows, AnswersWriter
     from ..distributed import session as scheduler_session
@@ -81,10 +81,15 @@ def serve_command(
         if sink:
             sink[0].write(rows)
         else:
-            emit_json_lines(rows)
+            try:
+                emit_json_lines(rows)
+            except BrokenPipeError:  # `| head -1` (review 66, F10): this part is committed, charged and released
+                raise stdout_closed(released=printed[0] + len(rows), batch=batch_name[0] if batch_name else batch_id,
+                                    batch_id_given=batch_id is not None) from None
             printed[0] += len(rows)
 
     upstream_line: list = []
+    batch_name: list = []  # the batch's name once known (--batch-id, else the query batch's), for stdout_closed
 
     def call():
         check_lock_timeout(lock_timeout)
@@ -95,7 +100,7 @@ def serve_command(
     def call_once():
         returned[:] = [0, 0]
         if queries == "-" and not upstream_line:
-            upstream_line.append(read_json_line_from_stdin())
+            upstream_line.append(read_json_line_from_stdin(hint=STDIN_QUERY_HINT))
         upstream = upstream_line[0] if queries == "-" else None
         sp = (resolve_store(upstream["store"], source="the upstream embed's JSON line on stdin")
               if upstream and store is None and "store" in upstream else store_path)
@@ -116,6 +121,7 @@ def serve_command(
         opts = _reader_options()
         name = resolve_query_batch(store_path=sp, queries=queries, batch_id=batch_id, upstream=upstream,
                                    reader_options=opts, device=device, lock_timeout=lock_timeout)
+        batch_name[:] = [batch_id or name]
         # --out: answers appended as each part commits to a hidden temporary file, renamed onto --out when the
         # run ends (answers_out.py); a failed run leaves --out as it was. Answers held: one part's.
         with progress_bar("answering", total=batch_size_or_none(sp, name)) as update, \
