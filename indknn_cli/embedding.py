@@ -25,7 +25,7 @@ from .id_text import canonical
 from .readers import Source, open_source
 from .readers_base import _has_surrogates, check_batch_id, check_key_text
 from .record_keys import input_keys
-from .embedding_rows import embed_rows, open_checked, sort_label_names
+from .embedding_rows import embed_rows, first_row_of, open_checked, sort_label_names
 from .store import ROLES, ExtractorInfo, FeatureStore
 from .wording import count, shown
 
@@ -290,7 +290,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
         name_index = {n: i for i, n in enumerate(names)}
         unknown = [v for v in present if v not in name_index]
         if unknown:
-            raise BadInputError(f"{src.name}: {_first_row_of(src, unknown[0])}unknown label {shown(unknown[0])}"
+            raise BadInputError(f"{src.name}: {first_row_of(src, unknown[0])}unknown label {shown(unknown[0])}"
                                 f"{' (and %d more)' % (len(unknown) - 1) if len(unknown) > 1 else ''}; "
                                 f"the store's labels are {names}")
 
@@ -494,12 +494,3 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                        dim=int(store.dim), extractor=store.extractor, batch=batch, start=start, stop=stop,
                        created=created, warnings=warnings)
 
-
-def _first_row_of(src: Source, label: str) -> str:
-    """``row N: `` of the first row holding ``label`` (review 60, F6: a 100k-row file had to be searched by hand);
-    read again on this error path only."""
-    for rb in src.batches(labels=True):
-        for k, value in enumerate(rb.labels or []):
-            if value == label:
-                return f"row {rb.start + k + 1}: "
-    return ""

@@ -74,3 +74,13 @@ def open_checked(source, kind: str | None, reader_opts: dict, *, defaulted: bool
         raise BadInputError(f"{source}: this input holds precomputed vectors, and a new store's extractor defaults "
                             "to text: give --extractor vectors (the store keeps it; later embeds into it need not "
                             "repeat it)") from None
+
+
+def first_row_of(src: Source, label: str) -> str:
+    """``row N: `` of the first row holding ``label`` (review 60, F6: a 100k-row file had to be searched by hand);
+    read again on this error path only."""
+    for rb in src.batches(labels=True):
+        for k, value in enumerate(rb.labels or []):
+            if value == label:
+                return f"row {rb.start + k + 1}: "
+    return ""
