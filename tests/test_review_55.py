@@ -47,7 +47,11 @@ def test_the_index_rerun_refusal_names_what_differs(pair):
     """F7: a re-run with the creation's --eps and --tau but not its --planned-queries listed values all equal to those
     typed; the difference (σ1, from --planned-queries' default) was not named."""
     sp, lp = pair
+    # since review 66, F3 a flag left out keeps the ledger's value: this re-run adds nothing and passes
     res = runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "1", "--tau", "0.5"], env=WIDE)
+    assert res.exit_code == 0, res.stderr
+    res = runner.invoke(app, ["index", "--store", str(sp), "--ledger", str(lp), "--eps", "1", "--tau", "0.5",
+                              "--planned-queries", "5000"], env=WIDE)
     assert res.exit_code == 2
     assert "this run's differ" in res.stderr and "sigma1 (from --sigma1 or --planned-queries)" in res.stderr
     assert "epsilon:" not in res.stderr  # ε is the same: not listed
