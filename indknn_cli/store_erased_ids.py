@@ -37,7 +37,13 @@ def append(store, rows: np.ndarray) -> None:
     if not lines:
         return
     path = Path(store.path) / NAME
-    with open(path, "a", encoding="utf-8") as f:
+    with open(path, "a+", encoding="utf-8") as f:
+        if f.tell() > 0:  # a line torn by a crash mid-append would swallow this one's first line (review 69, F1)
+            f.seek(f.tell() - 1)
+            torn = f.read(1) != "\n"
+            f.seek(0, os.SEEK_END)
+            if torn:
+                lines = "\n" + lines
         f.write(lines)
         f.flush()
         os.fsync(f.fileno())
@@ -73,11 +79,13 @@ def rows_of(store_path: str | os.PathLike, store_uuid: str) -> dict[int, str]:
             and d.get("store_uuid") == store_uuid}
 
 
-def resurrected(store, rows: np.ndarray, ids) -> np.ndarray:
-    """Which of the private ``rows`` (holding ``ids``) are rows erased earlier and back unflagged: a chunk restored
-    from a backup taken before their erasure (review 68, F2). Serving and `index` never bring them into the
-    ledger; `account --verify` names them; `indknn delete --record ID` erases them again."""
+def resurrected(store, rows: np.ndarray) -> np.ndarray:
+    """Which of the private ``rows`` are rows erased earlier: the log names them for this store's numbering. Rows are
+    never reused (an append goes past the last row), so such a row holding anything is a chunk restored from a backup
+    taken before the erasure, its flags with it (review 68, F2), whatever id it holds now (review 69, F3: a record-id
+    chunk not restored left it under the id ""). Serving, `index` and private tuning never take them;
+    `account --verify` names them; `indknn delete --record ID` erases them again."""
     logged = rows_of(store.path, store.uuid) if len(rows) else {}
     if not logged:
         return np.zeros(len(rows), dtype=bool)
-    return np.array([logged.get(int(r)) == str(i) for r, i in zip(rows, ids)], dtype=bool)
+    return np.isin(np.asarray(rows, np.int64), np.fromiter(logged, np.int64, len(logged)))

@@ -53,7 +53,7 @@ from typing import Collection, Sequence
 
 import numpy as np
 
-from . import rounding
+from . import rounding, store_erased_ids
 from .errors import BadInputError
 from .record_keys import stored_keys
 from .tuning_accounting import (EXP_MECH, METHODS, ORDERS, POISSON, RANDOM_SEARCH,  # noqa: F401 (re-exported)
@@ -445,6 +445,7 @@ def run_tuning(store, req: TuneRequest) -> tuple[TuningRecord, "object"]:
                            sigma2_grid=_grid_rule(req.sigma2s), tau_grid=tau_rule)
     keep = ~store.read("private", "deleted").astype(bool)
     keep[store.erase_pending_rows("private")] = False
+    keep &= ~store_erased_ids.resurrected(store, np.arange(keep.size))  # review 69, F3
     rows = np.flatnonzero(keep)
     features, labels = store.read("private", "features")[rows], store.read("private", "labels")[rows]
     keys = stored_keys(keys=store.content_keys(rows), features=features, labels=labels,

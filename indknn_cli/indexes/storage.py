@@ -258,7 +258,10 @@ def _erased_before(store: FeatureStore) -> np.ndarray | None:
     """Rows the old index marks erased (review 68, F4: a store chunk of flags restored from an older backup would
     otherwise let the rebuild encode an erased row again), or None when that column cannot be read."""
     try:
-        return np.asarray(zarr.open_group(str(index_path(store.path)), mode="r")["erased"][:], dtype=bool)
+        group = zarr.open_group(str(index_path(store.path)), mode="r")
+        if group.attrs.get("store_uuid") != store.uuid:  # another numbering (review 69, F2: live rows were left out)
+            return None
+        return np.asarray(group["erased"][:int(group.attrs["n_rows"])], dtype=bool)
     except Exception:  # noqa: BLE001 - the column is what could not be read: the store's flags alone
         return None
 

@@ -1,0 +1,78 @@
+"""Review 69 (2026-11-29, a helper as privacy auditor of reviews 66–68's fixes, `/work/review69`): a torn last line of the
+erased-ids log swallowed the next erasure's entry; the in-place rebuild applied the erased rows of an index of
+another numbering; an erased row restored without its id chunk came back under the id "" and was selected."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import zarr
+from typer.testing import CliRunner
+
+from indknn_cli import store_erased_ids
+from indknn_cli.cli.app import app
+from indknn_cli.ledger import BudgetLedger
+from indknn_cli.store import FeatureStore
+
+from .test_review_54 import pair  # noqa: F401 (the fixture)
+
+runner = CliRunner()
+
+
+def _chunks(sp, arrays=None):
+    out = []
+    for arr in (sp / "private").iterdir():
+        if arr.is_dir() and (arr / "c").is_dir() and (arrays is None or arr.name in arrays):
+            out += [p for p in (arr / "c").rglob("*") if p.is_file() and p.relative_to(arr / "c").parts[0] == "0"]
+    return out
+
+
+def _restore(sp, backup, arrays=None):
+    for p in _chunks(sp, arrays):
+        if p not in backup:
+            p.unlink()
+    for p, b in backup.items():
+        p.write_bytes(b)
+
+
+def test_f1_a_torn_last_line_does_not_swallow_the_next_erasure(pair):
+    sp, lp = pair
+    (sp / store_erased_ids.NAME).write_text('{"record_id": "r0')  # a crash mid-append
+    assert runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r005"]).exit_code == 0
+    st = FeatureStore.open(sp, mode="r")
+    assert store_erased_ids.rows_of(st.path, st.uuid).get(5) == "r005"
+    assert ("r005", "") in store_erased_ids.read(st.path)
+
+
+def test_f2_an_index_of_another_numbering_does_not_mark_live_rows_erased_in_the_rebuild(pair):
+    sp, lp = pair
+    args = ["--store", str(sp), "--ledger", str(lp)]
+    assert runner.invoke(app, ["index", *args, "--kind", "lsh", "--tables", "4", "--bits", "3",
+                               "--index-seed", "7"]).exit_code == 0
+    assert runner.invoke(app, ["delete", *args, "--record", "r003"]).exit_code == 0
+    old = sp.parent / "old_index"
+    shutil.copytree(sp / "index", old)
+    assert runner.invoke(app, ["delete", *args, "--compact"]).exit_code == 0
+    shutil.rmtree(sp / "index")
+    shutil.copytree(old, sp / "index")  # a compaction stopped before the index was renumbered
+    assert runner.invoke(app, ["delete", *args, "--record", "r010"]).exit_code == 0
+    st = FeatureStore.open(sp, mode="r")
+    erased = np.asarray(zarr.open_group(str(sp / "index"), mode="r")["erased"][:])
+    live = ~st.read("private", "deleted").astype(bool)
+    assert not (erased[:live.size] & live).any()
+
+
+def test_f3_a_logged_row_restored_without_its_id_is_never_readmitted(pair):
+    sp, lp = pair
+    arrays = ("deleted", "features", "labels")
+    backup = {p: p.read_bytes() for p in _chunks(sp, arrays)}
+    assert runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r003"]).exit_code == 0
+    _restore(sp, backup, arrays)
+    st = FeatureStore.open(sp, mode="r")
+    q = sp.parent / "q.npy"
+    np.save(q, np.tile(st.read("private", "features")[3], (4, 1)))
+    assert runner.invoke(app, ["serve-queries", "--store", str(sp), "--ledger", str(lp), str(q),
+                               "--seed", "1"]).exit_code == 0
+    s = BudgetLedger.open(lp).state
+    assert not [i for i in range(len(s)) if int(s.row[i]) == 3 and not s.deleted[i]]
+    assert runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"]).exit_code != 0
