@@ -36,6 +36,10 @@ A ledger that cannot be read (a truncated event, ...) does not block erasure
 the store names and ``erase_pending`` stays set, so the tombstones (step 2) are
 written by the next delete that can read the ledger.
 
+A store writer lease held by another machine (object storage) does not block it either (review 67, F1,
+:mod:`deletion_deferred`): the tombstones and the rows still to overwrite are committed to the ledger, exit 1; the
+next writer holding the lease rolls them forward with the store's ``erase_pending`` (:func:`complete_pending`).
+
 Compaction (``--compact``)
 --------------------------
 Rewrites the store without its deleted rows and folds the ledger's events into a
