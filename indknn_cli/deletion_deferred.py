@@ -69,5 +69,5 @@ def record(store_path, ledger_path, record_ids, user_ids, *, strict: bool, lease
     raise LockTimeoutError(
         f"The erasure request is recorded in the ledger ({count(len(plan.record_ids), 'record')}; never selected "
         f"again), but the physical erasure of {count(int(todo.size), 'store row')} waits for the store's writer "
-        f"lease: {waits} The next `indknn delete` (any ids) that gets the lease finishes it (as does a serve-queries "
-        "or index run that finds the lease free)")
+        f"lease: {waits.rstrip('.')}. The next `indknn delete` (any ids) that gets the lease finishes it (as does a "
+        "serve-queries or index run that finds the lease free)")
