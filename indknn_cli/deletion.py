@@ -36,6 +36,10 @@ A ledger that cannot be read (a truncated event, ...) does not block erasure
 the store names and ``erase_pending`` stays set, so the tombstones (step 2) are
 written by the next delete that can read the ledger.
 
+A store writer lease held by another machine (object storage) does not block it either (review 67, F1,
+:mod:`deletion_deferred`): the tombstones and the rows still to overwrite are committed to the ledger, exit 1; the
+next writer holding the lease rolls them forward with the store's ``erase_pending`` (:func:`complete_pending`).
+
 Compaction (``--compact``)
 --------------------------
 Rewrites the store without its deleted rows and folds the ledger's events into a
@@ -88,7 +92,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from . import ledger_integrity as integrity
-from . import object_store, store_twins
+from . import deletion_deferred, object_store, store_twins
 from .deletion_compact import LedgerUnreadable as _LedgerUnreadable
 from .deletion_compact import compact as _compact_store
 from .deletion_compact import recover as _recover
@@ -98,7 +102,8 @@ from .deletion_plan import DeleteResult, _enforce_strict, _plan, _Plan
 from .deletion_plan import read_ids  # noqa: F401 (its home before the split: library callers)
 from .deletion_unledgered import (IndexNotUpdated as _IndexNotUpdated, RowsNotOverwritten as _RowsNotOverwritten,
                                   erase_without_ledger, open_readable, refuse_missing_bound_ledger, set_pending)
-from .errors import BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, StorageError, StoreError
+from .errors import (BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError,
+                     StorageError, StoreError)
 from .id_text import canonical
 from .ledger import BudgetLedger
 from .store import ERASE_PENDING_ATTR, FeatureStore
@@ -178,7 +183,8 @@ def delete_records(
                 raise
             compact, compact_refused = False, str(exc)  # reported with the result (review 31: it erased nothing)
     if finish_pending and not (record_ids or user_ids or compact) and \
-            not FeatureStore.open(store_path, mode="r").erase_pending_rows("private").size:
+            not (st := FeatureStore.open(store_path, mode="r")).erase_pending_rows("private").size and \
+            not deletion_deferred.pending_in(ledger_path, st):  # nor one recorded without the store's lease
         # a day without erasure requests (empty --ids-file): nothing to do, the store checked (UX review 7)
         return DeleteResult(records_erased=0, users=[], ids_not_found=[], users_not_found=[], already_deleted=[],
                             record_ids=[], bytes_rewritten=0, dry_run=dry_run)
@@ -246,7 +252,15 @@ def delete_records(
         note = None if status is None else object_store.versioned_erasure_note(store.remote, status)
         if note is not None and not (record_ids or user_ids):  # --compact alone: refused as any other write
             object_store.refuse_versioned(store.remote)
-        with integrity.writer_lock(store_path, timeout=lock_timeout), store.write_lock(timeout=lock_timeout):
+        with integrity.writer_lock(store_path, timeout=lock_timeout), contextlib.ExitStack() as store_held:
+            try:
+                store_held.enter_context(store.write_lock(timeout=lock_timeout))
+            except LockTimeoutError as exc:  # the writer lease held elsewhere (a crashed coordinator): the request
+                # is recorded in the ledger all the same, never selected again (review 67, F1); exit 1
+                if store.remote is None or no_ledger is not None or not (record_ids or user_ids):
+                    raise
+                deletion_deferred.record(store_path, ledger_path, record_ids, user_ids, strict=strict,
+                                         lease_error=exc)
             cleanup: list = []
             recovered = False
             try:
@@ -411,10 +425,21 @@ def roll_forward_pending(store_path, ledger: BudgetLedger, *, lock_timeout: floa
 
     The caller holds the ledger lock and the ledger-writer lock; the store lock is taken here (the same
     order as `delete`). The pending rows get their tombstones first, so a record id re-added since then
-    joins its old spent (no refund) instead of being refused as "already active" (the audit's D2).
+    joins its old spent (no refund) instead of being refused as "already active" (the audit's D2). Rows of an
+    erasure recorded without the store's lease (:mod:`.deletion_deferred`) are overwritten when the lease is free
+    at once; otherwise they wait (never candidates meanwhile) and the command goes on.
     """
-    if FeatureStore.open(store_path, mode="r").erase_pending_rows("private").size == 0:
-        return 0
+    current = FeatureStore.open(store_path, mode="r")
+    if current.erase_pending_rows("private").size == 0:
+        if not deletion_deferred.rows(ledger, current).size:
+            return 0
+        store = FeatureStore.open(store_path, mode="a")
+        try:
+            with store.write_lock(timeout=0):
+                return complete_pending(store, ledger)
+        except LockTimeoutError as exc:
+            log.info("an erasure recorded earlier waits for the store's writer lease: %s", exc)
+            return 0
     store = FeatureStore.open(store_path, mode="a")
     with store.write_lock(timeout=lock_timeout):
         return complete_pending(store, ledger)
@@ -423,11 +448,15 @@ def roll_forward_pending(store_path, ledger: BudgetLedger, *, lock_timeout: floa
 def complete_pending(store: FeatureStore, ledger: BudgetLedger | None) -> int:
     """Roll forward a deletion that was interrupted (rows in ``erase_pending``): the same steps as a request
     (:func:`_erase_steps`), the tombstones found by the ledger's own ``row`` column. Caller holds both locks. A chunk
-    that cannot be read leaves the rows pending and raises StoreError (the tombstones written first)."""
-    if not store.group("private").attrs.get(PENDING_ATTR):
+    that cannot be read leaves the rows pending and raises StoreError (the tombstones written first). Rows the ledger
+    recorded without the store's writer lease (:func:`deletion_deferred.rows`) are rolled forward with them."""
+    deferred = deletion_deferred.rows(ledger, store)
+    if not store.group("private").attrs.get(PENDING_ATTR) and not deferred.size:
         return 0
     n = store.n_rows("private")
-    pending = store.erase_pending_rows("private")
+    pending = np.union1d(store.erase_pending_rows("private"), deferred)
+    if deferred.size:
+        set_pending(store, pending)  # the store's own record of the intent first, as for a request
     if pending.size:
         def tombstone() -> None:
             if ledger is not None:

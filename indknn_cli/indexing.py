@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Collection
 
 import numpy as np
 
-from . import accounting, data_quality, indexes, rounding, store_erased_ids, store_twins
+from . import accounting, data_quality, deletion_deferred, indexes, rounding, store_erased_ids, store_twins
 from . import ledger_integrity as integrity
 from .errors import BadInputError, LedgerError
 from .ledger import BudgetLedger, PrivacyParams
@@ -109,6 +109,7 @@ def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
     known = ledger.store_row_map(n) >= 0
     deleted_rows = store.read("private", "deleted").astype(bool) if n else np.zeros(0, bool)
     deleted_rows[store.erase_pending_rows("private")] = True  # an erasure not finished: never brought back in
+    deleted_rows[deletion_deferred.rows(ledger, store)] = True  # nor one recorded without the store's lease
     new_rows = np.flatnonzero(~known & ~deleted_rows)
     if new_rows.size:
         # Only the new rows' identifiers, read run by run (appended rows sit at the end): a serve of a store

@@ -140,6 +140,12 @@ def apply_table(s: LedgerState, table: pa.Table, info: dict, *, c1: float) -> No
         s.extend_answers(table.filter(pa.array(ans)))
     if isinstance(info.get("store_seen"), dict):  # the store's version at this commit (store_versions.py)
         s.store_seen = info["store_seen"]
+    erase = info.get("rows_to_erase")
+    if isinstance(erase, dict) and erase.get("rows"):  # an erasure whose store rows wait for the writer lease
+        old = s.rows_to_erase if isinstance(s.rows_to_erase, dict) and \
+            s.rows_to_erase.get("store_uuid") == erase.get("store_uuid") else {"rows": []}
+        s.rows_to_erase = {"store_uuid": erase.get("store_uuid"),
+                           "rows": sorted({int(r) for r in list(old["rows"]) + list(erase["rows"])})}
     if info.get("type") == "repair":
         s.answers_not_held += int(info.get("answers_not_recovered") or 0)
     if info.get("type") == "serve":

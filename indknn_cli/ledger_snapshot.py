@@ -141,6 +141,8 @@ def read_snapshot(path: Path) -> Snapshot:
     state.answers_not_held = int(meta.get("answers_not_held", 0))
     seen = meta.get("store_seen")
     state.store_seen = seen if isinstance(seen, dict) else None
+    erase = meta.get("rows_to_erase")
+    state.rows_to_erase = erase if isinstance(erase, dict) else None
     return Snapshot(generation, snap_path, meta, state, snap_bytes, answers_bytes)
 
 

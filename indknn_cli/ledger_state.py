@@ -179,6 +179,11 @@ class LedgerState:
     answers_not_held: int = 0
     #: The store's state at the latest commit that recorded it: {"store_uuid", "version"} (store_versions.py).
     store_seen: dict | None = None
+    #: Store rows an erasure recorded while the store's writer lease was held elsewhere (review 67, F1): their
+    #: tombstones are committed but the rows not yet flagged nor overwritten: {"store_uuid", "rows"}. Never
+    #: candidates nor added back (:func:`indknn_cli.deletion_deferred.rows`); the next writer holding the lease
+    #: erases them. Kept after that (a flagged row is no longer pending); another store uuid (a compaction) voids it.
+    rows_to_erase: dict | None = None
     # Answers released: the snapshot's (ledger_history.LazyAnswers: an Arrow table parsed on first use) plus one
     # Arrow table per event replayed or committed since. No Python object per answer unless someone asks for
     # ``answers`` (issue 21: a 2,000,000-query run holds its answers as Arrow columns, ~100 bytes each).

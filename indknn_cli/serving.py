@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from . import gate, indexes, store_twins
+from . import deletion_deferred, gate, indexes, store_twins
 from . import ledger_integrity as integrity
 from .answers_out import SCHEMA as ANSWERS_SCHEMA
 from .answers_out import AnswerRows
@@ -198,6 +198,7 @@ def serve_queries(
         row_to_ledger[store.read("private", "deleted").astype(bool)] = -1
         # Rows of an accepted but unfinished erasure request (a delete that failed part-way) neither.
         row_to_ledger[store.erase_pending_rows("private")] = -1
+        row_to_ledger[deletion_deferred.rows(ledger, store)] = -1  # nor one recorded without the store's lease
         row_labels = store.read("private", "labels").astype(np.int64)
         n_classes = len(store.label_names)
         if params.privacy_unit == "user":  # SPEC §9: the filter runs on users

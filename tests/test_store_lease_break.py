@@ -46,6 +46,7 @@ def test_a_dead_machines_lease_is_shown_then_removed_by_its_token_and_the_erasur
     with pytest.raises(LockTimeoutError) as err:  # the erasure is blocked, and told how to go on
         delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0001"], lock_timeout=0.5)
     assert f"indknn break-lease --store {url} --token t-dead" in str(err.value)
+    assert "recorded in the ledger" in str(err.value)  # never selected again meanwhile (review 67, F1)
 
     other = tmp_path / "operator"  # another machine's state root: the command needs nothing of the holder's
     rc, out, msg = _cli("--store", url, state_dir=other)  # shown, not removed
@@ -61,7 +62,9 @@ def test_a_dead_machines_lease_is_shown_then_removed_by_its_token_and_the_erasur
 
     rc, out, msg = _cli("--store", url, "--token", "t-dead", state_dir=other)
     assert rc == 0 and out[0]["removed"] == lease and not fs.exists(lease), msg
-    assert delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0001"]).records_erased == 1
+    res = delete_records(store_path=url, ledger_path=tmp_path / "L", record_ids=["r0001"])
+    assert res.already_deleted == ["r0001"] and res.pending_completed == 1  # recorded then, overwritten now
+    assert "r0001" not in set(open_store(url).read("private", "record_id"))
 
     rc, out, _ = _cli("--store", url, "--token", "t-dead", state_dir=other)  # safe to re-run: nothing held
     assert rc == 0 and out[0]["leases"] == [] and out[0]["removed"] is None
