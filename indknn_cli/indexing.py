@@ -247,8 +247,15 @@ def build_index(
                     raise LedgerError(f"{ledger_path}: another process created the ledger while this one tuned")
                 integrity.attach(store, ledger, ledger_path, bind=True, lock_timeout=lock_timeout)
                 store_twins.refuse_twin(store, ledger, ledger_path)  # a copied pair used from both copies (review 42)
-                differences = (_given_differences(params.epsilon, given, ledger.params) if given is not None
-                               else _differences(params, ledger.params)) if params is not None else []
+                typed_eps = (given or {}).get("epsilon")  # the CLI's re-run: --eps and the flags typed, no params
+                if params is not None:
+                    differences = (_given_differences(params.epsilon, given, ledger.params) if given is not None
+                                   else _differences(params, ledger.params))
+                elif typed_eps is not None:
+                    differences = _given_differences(typed_eps[1], {k: v for k, v in given.items() if k != "epsilon"},
+                                                     ledger.params)
+                else:
+                    differences = []
                 if differences:
                     raise LedgerError(
                         f"{ledger_path}: the ledger already exists with fixed parameters "
@@ -260,7 +267,7 @@ def build_index(
                         f"add new records, run `indknn index --ledger {ledger_path}` without --eps and the other "
                         "privacy flags"
                     )
-                if params is None:
+                if params is None and typed_eps is None:
                     _check_given(given, ledger.params, ledger_path)
             else:
                 if params is None:
@@ -385,7 +392,7 @@ def _check_given(given: dict | None, params: PrivacyParams, ledger_path) -> None
     for name, (flag, value) in (given or {}).items():
         have = getattr(params, name)
         same = (math.isclose(float(value), float(have)) if isinstance(value, float) and have is not None
-                else value == have)
+                and name != "epsilon" else value == have)  # ε exactly, as `index --eps` on a new ledger takes it
         if not same:
             raise BadInputError(
                 f"{flag} {value} differs from the ledger's {have} ({ledger_path}): a ledger's parameters are fixed "

@@ -76,3 +76,24 @@ def test_f3_a_logged_row_restored_without_its_id_is_never_readmitted(pair):
     s = BudgetLedger.open(lp).state
     assert not [i for i in range(len(s)) if int(s.row[i]) == 3 and not s.deleted[i]]
     assert runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"]).exit_code != 0
+
+
+def test_f4_an_index_rerun_checks_the_flags_typed_against_the_ledger_not_against_defaults(tmp_path):
+    """F4: on a user-unit ledger `index --eps 2 --max-records-per-user 3` (the creation's values, the unit left out)
+    was refused "--max-records-per-user needs --privacy-unit user": the typed flags were made into parameters with
+    defaults first. Typed values equal to the ledger's pass; a differing one (ε by a hair too) is refused naming it."""
+    from .test_tuned_realised import _store
+
+    st = _store(tmp_path / "s.zarr", n=60, user_ids=[f"u{i % 20}" for i in range(60)])
+    base = ["index", "--store", str(st.path), "--ledger", str(tmp_path / "L")]
+    create = ["--eps", "2", "--delta", "1e-6", "--tau", "0.3", "--sigma2", "0.8", "--planned-queries", "200",
+              "--privacy-unit", "user", "--max-records-per-user", "3"]
+    assert runner.invoke(app, base + create).exit_code == 0
+    for args, code in ((["--eps", "2", "--max-records-per-user", "3"], 0), (["--eps", "2"], 0),
+                       (["--eps", "2", "--privacy-unit", "user"], 0), (["--eps", "2.0000000001"], 2),
+                       (["--eps", "2", "--max-records-per-user", "4"], 2), (["--eps", "2", "--sigma1", "1.0"], 2)):
+        res = runner.invoke(app, base + args)
+        assert res.exit_code == code, (args, res.stderr)
+        if code:
+            err = " ".join(res.stderr.split())
+            assert "this run's differ" in err and "exceed the budget" not in err, err

@@ -22,7 +22,8 @@ from .common import (check_lock_timeout, emit_json, env_value, given_on_command_
 def _load() -> None:
     """Import the library (numpy, pyarrow, zarr, scipy, ...) when the command runs, not at `indknn --help`: the
     names are this module's globals, declared here."""
-    global build_index, make_params, SEEDED_NOTE, TuneRequest, check_shape, check_tune_options
+    global build_index, make_params, SEEDED_NOTE, TuneRequest, check_shape, check_tune_options, ledger_exists
+    from ..ledger_snapshot import ledger_exists
     from ..serving import build_index, make_params
     from ..tuning import SEEDED_NOTE, TuneRequest, check_shape, check_tune_options
 
@@ -111,7 +112,12 @@ def index_command(
                                nlist=nlist, nprobe=nprobe, train_on=train_on, tune=req,
                                tune_given={p.opts[0] for p in ctx.command.params
                                            if p.opts and given_on_command_line(ctx, p.name)})
-        if eps is not None:
+        ledger_path = resolve_ledger(ledger)
+        # an existing ledger: the flags typed are compared with its own values (a flag left out keeps the ledger's),
+        # not made into new parameters first, whose defaults were checked and worded (review 69, F4: a same-valued
+        # --max-records-per-user refused as "needs --privacy-unit user", a message quoting the default δ's B)
+        rerun = eps is not None and ledger_exists(ledger_path)
+        if eps is not None and not rerun:
             params = make_params(epsilon=eps, delta=delta, conversion=conversion or "gdp", kernel=kernel, tau=tau,
                                  sigma2=sigma2, sigma1=sigma1, planned_queries=planned_queries, nu=nu, k_min=k_min,
                                  privacy_unit=privacy_unit, max_records_per_user=max_records_per_user,
@@ -121,7 +127,9 @@ def index_command(
                       max_records_per_user=max_records_per_user, user_for_missing=user_for_missing)
         given = {f: (flag, values[f]) for f, flag in _PRIVACY_FLAGS.items()
                  if given_on_command_line(ctx, f)}
-        return build_index(store_path=store_path, ledger_path=resolve_ledger(ledger), params=params, kind=kind,
+        if rerun:
+            given["epsilon"] = ("--eps", float(eps))
+        return build_index(store_path=store_path, ledger_path=ledger_path, params=params, kind=kind,
                            lock_timeout=lock_timeout, tables=tables, bits=bits, index_seed=index_seed, nlist=nlist,
                            nprobe=nprobe, train_on=train_on, given=given)
 
