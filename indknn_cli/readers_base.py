@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -45,7 +46,10 @@ class RecordBatch:
 
 #: C0 and C1 controls, and invisible format characters (zero-width, direction marks, byte-order mark): an id holding
 #: one looks like another id it is not (review 40, L4: "x\u200b" beside "x").
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2064\ufeff]")
+#: Also the soft hyphen, the Arabic letter mark, the Mongolian vowel separator, line and paragraph separators, the
+#: bidi isolates, interlinear annotation marks and the tag characters (review 69, F5).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2069"
+                      "\ufeff\ufff9-\ufffb\U000e0000-\U000e007f]")
 
 
 def check_batch_id(batch_id: str, *, option: str = "--batch-id") -> None:
@@ -54,6 +58,13 @@ def check_batch_id(batch_id: str, *, option: str = "--batch-id") -> None:
     if m := _CONTROL.search(batch_id):
         raise BadInputError(f"{option} {shown(batch_id)} holds the control character U+{ord(m.group()):04X} (a "
                             "control or invisible character); batch ids must be printable text")
+    # review 69, F5: "day1 " or a decomposed "é" was another batch: charged again instead of printed again
+    if batch_id != batch_id.strip():
+        raise BadInputError(f"{option} {shown(batch_id)} starts or ends with a space; batch ids are taken as typed, "
+                            "so it would name another batch than the one without it: leave the space out")
+    if unicodedata.normalize("NFC", batch_id) != batch_id:
+        raise BadInputError(f"{option} {shown(batch_id)} is not in Unicode NFC form (a letter and its accent as two "
+                            "characters); type it composed, as another spelling would name another batch")
 
 
 def check_key_text(values, *, what: str, display: str, start: int, surrounding_space: bool = False,

@@ -97,3 +97,25 @@ def test_f4_an_index_rerun_checks_the_flags_typed_against_the_ledger_not_against
         if code:
             err = " ".join(res.stderr.split())
             assert "this run's differ" in err and "exceed the budget" not in err, err
+
+
+def test_f5_batch_ids_refuse_more_invisible_characters_surrounding_spaces_and_decomposed_forms(pair):
+    """F5: bidi isolates, U+2028, the soft hyphen and tag characters passed; "day1 " and a decomposed "é" named other
+    batches than "day1" and "é", so a retyped id was charged as a new batch instead of printed again."""
+    from indknn_cli.errors import BadInputError
+    from indknn_cli.readers_base import check_batch_id
+
+    for bad in ("a\u2066b", "a\u00adb", "a\u2028b", "a\U000e0041", "day1 ", " day1", "cafe\u0301"):
+        try:
+            check_batch_id(bad)
+        except BadInputError:
+            continue
+        raise AssertionError(f"{bad!r} was taken")
+    for good in ("day1", "caf\u00e9", "2026-11-29", "日本"):
+        check_batch_id(good)
+    sp, lp = pair
+    q = sp.parent / "q.npy"
+    np.save(q, np.eye(4, dtype=np.float32))
+    res = runner.invoke(app, ["serve-queries", "--store", str(sp), "--ledger", str(lp), str(q),
+                              "--batch-id", "day1 "])
+    assert res.exit_code == 2 and res.stdout == "" and "starts or ends with a space" in res.stderr
