@@ -94,6 +94,17 @@ OPERATOR_ONLY_REPAIR = ("operator-only: records_retired, store_rows_added_retire
                         "private data; for the data holder, never for query-senders")
 
 
+def _deferred_rows(led, store, moved, quarantine, flagged: np.ndarray) -> np.ndarray:
+    """Rows of an erasure recorded without the store's writer lease (:mod:`.deletion_deferred`), in the kept ledger
+    or in a quarantined event, not yet flagged in the store."""
+    from .deletion_deferred import rows as kept_rows
+    from .ledger_repair_lost import rows_to_erase_in_lost_events
+
+    lost = rows_to_erase_in_lost_events([quarantine / p.name for p in moved], store.uuid)
+    rows = np.union1d(kept_rows(led, store), np.asarray([r for r in lost if 0 <= r < flagged.size], np.int64))
+    return rows[~flagged[rows]] if rows.size else rows.astype(np.int64)
+
+
 def _event_files(path: Path) -> list[tuple[int, Path]]:
     out = []
     for p in (path / "events").glob("*.parquet"):
@@ -229,7 +240,7 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
                 if odd:
                     stand_in(cur, path / "CURRENT")  # what is there, without reading it
             try:
-                res = _repair_at(path, store, ledger_path=ledger_path, dry_run=dry_run)
+                res = _repair_at(path, store, ledger_path=ledger_path, dry_run=dry_run, lock_timeout=lock_timeout)
             except IndknnError as exc:
                 if not dry_run:
                     raise
@@ -240,7 +251,8 @@ def repair_ledger(*, ledger_path: str | os.PathLike, store_path: str | os.PathLi
             return res
 
 
-def _repair_at(path: Path, store: FeatureStore, *, ledger_path: Path, dry_run: bool) -> RepairResult:
+def _repair_at(path: Path, store: FeatureStore, *, ledger_path: Path, dry_run: bool,
+               lock_timeout: float = 60.0) -> RepairResult:
     """The repair itself, on ``path`` (the ledger, or its copy under --dry-run); both locks are held."""
     events = path / "events"
     if events.is_symlink():  # repair would move another folder's files, and write its event there (review 39)
@@ -267,7 +279,7 @@ def _repair_at(path: Path, store: FeatureStore, *, ledger_path: Path, dry_run: b
                                     current_written_back=back, events_put_back=put_back,
                                     quarantine_folder=None if dry_run else str(ledger_path / kept_in))
             reason = f"{reason}; with CURRENT written back to generation {back}: {after}"
-        res = _repair(path, store, reason, dry_run=dry_run, shown_path=ledger_path)
+        res = _repair(path, store, reason, dry_run=dry_run, shown_path=ledger_path, lock_timeout=lock_timeout)
         res.events_put_back = put_back
     except BaseException:
         # the repair failed: CURRENT as it was, so the ledger is in the state repair found (a damaged ledger
@@ -312,7 +324,8 @@ def _refusal(path: Path, store: FeatureStore) -> str | None:
         return str(exc)
 
 
-def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, shown_path: Path) -> RepairResult:
+def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, shown_path: Path,
+            lock_timeout: float = 60.0) -> RepairResult:
     try:
         mark = integrity.read_mark(store.path)
     except LedgerIntegrityError:
@@ -341,6 +354,11 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # an accepted erasure not finished is as gone as a flagged row: tombstoned, never added back (review 58, F1: its
     # tombstone in a quarantined event and its flag lost, repair kept the record live)
     deleted_rows[store.erase_pending_rows("private")] = True
+    # and one recorded while the store's writer lease was held elsewhere, in a kept or a quarantined event (review 70,
+    # F1: forgotten when quarantined, the record came back live and its row was never overwritten; F2: taken for a
+    # row restored from a backup, its re-erasure waited 60 s for the lease and the repair failed)
+    deferred = _deferred_rows(led, store, moved, quarantine, deleted_rows)
+    deleted_rows[deferred] = True
     ids = store.read("private", "record_id")
     users = store.read("private", "user_id")
     # Records the kept ledger holds as live whose store row is gone (erased in a lost event, or by a delete
@@ -450,12 +468,13 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # event, which then records a version the restored copy lacks: an interrupted re-erasure is finished by the
     # next command, and the copy restored again is refused (review 14, 1). The store lock is taken first.
     wst = FeatureStore.open(store.path, mode="a") if back.size and not dry_run else None
-    with wst.write_lock(timeout=60.0) if wst is not None else contextlib.nullcontext():
+    with wst.write_lock(timeout=lock_timeout) if wst is not None else contextlib.nullcontext():
         if wst is not None:
             pending_before = [int(r) for r in wst.erase_pending_rows("private")]
             wst.group("private").attrs.update({ERASE_PENDING_ATTR: sorted(set(pending_before) | set(back.tolist()))})
             wst.mark_deleted("private", back)
         led.commit_event(event_type="repair", info={
+            **({"rows_to_erase": {"store_uuid": store.uuid, "rows": deferred.tolist()}} if deferred.size else {}),
             "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
             "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
             "answers_left_out": refused, "unreadable_events": unreadable,
@@ -470,7 +489,7 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     if not dry_run and integrity.binding_of(FeatureStore.open(store.path, mode="r")) is None:
         # a ledger from before binding and chaining (or one stripped of them: review 27, F2), every record now
         # retired: bound here, so that from now on the mark guards it
-        integrity.bind(store.path, led, shown_path, lock_timeout=60.0)
+        integrity.bind(store.path, led, shown_path, lock_timeout=lock_timeout)
     return RepairResult(ledger=str(shown_path), repaired=True, reason=reason,
                         events_kept_through=files[keep - 1][0] if keep else snap_seq,
                         quarantined=[p.name for p in moved],

@@ -80,3 +80,24 @@ def checked_answers(table, store: FeatureStore, have: set) -> tuple["object", in
         seen.add((b, qi))
         keep.append(i)
     return (table.take(keep) if keep else None), table.num_rows - len(keep)
+
+
+def rows_to_erase_in_lost_events(paths: list[Path], store_uuid: str) -> list[int]:
+    """Store rows of ``store_uuid`` whose erasure a quarantined event recorded without the store's writer lease
+    (``rows_to_erase`` in its info: :mod:`.deletion_deferred`), from the events whose metadata can still be read.
+    Review 70, F1: a repair that quarantined that event forgot the request, and the row was never overwritten."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    out: set[int] = set()
+    for p in paths:
+        try:
+            meta = pq.read_schema(p).metadata or {}
+            info = json.loads(meta.get(b"indknn_event", b"{}"))
+        except Exception:  # noqa: BLE001 - the damaged event itself
+            continue
+        erase = info.get("rows_to_erase") if isinstance(info, dict) else None
+        if isinstance(erase, dict) and erase.get("store_uuid") == store_uuid:
+            out.update(int(r) for r in erase.get("rows") or [] if isinstance(r, int) and not isinstance(r, bool))
+    return sorted(out)

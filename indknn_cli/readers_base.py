@@ -50,14 +50,24 @@ class RecordBatch:
 #: bidi isolates, interlinear annotation marks and the tag characters (review 69, F5).
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2069"
                       "\ufeff\ufff9-\ufffb\U000e0000-\U000e007f]")
+#: Batch ids (operator-chosen names) also refuse what renders as nothing in them: the combining grapheme joiner,
+#: Hangul fillers, Khmer vowel inherents, variation selectors, the braille blank, musical formatting (review 70,
+#: F3). Not record ids: a variation selector belongs to emoji ids such as "❤️", which embed takes.
+_BATCH_INVISIBLE = re.compile("[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u2800\u3164\ufe00-\ufe0f"
+                              "\uffa0\U0001d173-\U0001d17a\U000e0100-\U000e01ef]")
+#: Spaces other than U+0020 (no-break and the like), refused in batch ids: "day 1" with U+00A0 looks like "day 1".
+_OTHER_SPACE = re.compile(r"[^\S ]")
 
 
 def check_batch_id(batch_id: str, *, option: str = "--batch-id") -> None:
     """Refuse a batch id holding a control or invisible character, as record ids are (review 66, F4: a tab was
     taken, echoed in every answer line and written as "_" in the event file's name)."""
-    if m := _CONTROL.search(batch_id):
+    if m := (_CONTROL.search(batch_id) or _BATCH_INVISIBLE.search(batch_id)):
         raise BadInputError(f"{option} {shown(batch_id)} holds the control character U+{ord(m.group()):04X} (a "
                             "control or invisible character); batch ids must be printable text")
+    if m := _OTHER_SPACE.search(batch_id):  # review 70, F3
+        raise BadInputError(f"{option} {shown(batch_id)} holds the space character U+{ord(m.group()):04X}, which "
+                            "looks like another; batch ids take the plain space (U+0020) only")
     # review 69, F5: "day1 " or a decomposed "é" was another batch: charged again instead of printed again
     if batch_id != batch_id.strip():
         raise BadInputError(f"{option} {shown(batch_id)} starts or ends with a space; batch ids are taken as typed, "

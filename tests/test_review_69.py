@@ -105,13 +105,15 @@ def test_f5_batch_ids_refuse_more_invisible_characters_surrounding_spaces_and_de
     from indknn_cli.errors import BadInputError
     from indknn_cli.readers_base import check_batch_id
 
-    for bad in ("a\u2066b", "a\u00adb", "a\u2028b", "a\U000e0041", "day1 ", " day1", "cafe\u0301"):
+    for bad in ("a\u2066b", "a\u00adb", "a\u2028b", "a\U000e0041", "day1 ", " day1", "cafe\u0301",
+                # review 70, F3: more characters that render as nothing, and spaces other than U+0020
+                "da\u034fy1", "day1\ufe0f", "a\u3164", "a\u2800", "a\u17b4", "a\U0001d173", "day\u00a01", "a\u180b"):
         try:
             check_batch_id(bad)
         except BadInputError:
             continue
         raise AssertionError(f"{bad!r} was taken")
-    for good in ("day1", "caf\u00e9", "2026-11-29", "日本"):
+    for good in ("day1", "caf\u00e9", "2026-11-29", "日本", "day 1"):
         check_batch_id(good)
     sp, lp = pair
     q = sp.parent / "q.npy"
