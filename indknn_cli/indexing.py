@@ -221,17 +221,14 @@ def build_index(
                 rec, params = _tuning.run_tuning(store, tune)
                 record = {**rec.as_dict(), "request": _tuning.request_record(tune, extractor=store.extractor.name)}
 
-        def known_params():  # τ and kernel for IVF's nprobe calibration; read only when an IVF is trained
-            if not BudgetLedger.exists(ledger_path):  # an existing ledger's own, not this run's defaults (review 66)
-                return params
-            return BudgetLedger.open_for(ledger_path, store).params
-
         existing_ledger = BudgetLedger.exists(ledger_path)
-        warnings = _unit_checks(store, BudgetLedger.open_for(ledger_path, store).params if existing_ledger
-                                else params, creating=not existing_ledger)
-        # Refusals and IVF training (public data only) happen before anything is written.
+        # an existing ledger's own parameters, not this run's defaults (review 66), opened once for both uses
+        run_params = BudgetLedger.open_for(ledger_path, store).params if existing_ledger else params
+        warnings = _unit_checks(store, run_params, creating=not existing_ledger)
+        # Refusals and IVF training (public data only) happen before anything is written; τ and the kernel calibrate
+        # an IVF's nprobe
         plan = indexes.plan_index(store, kind=kind, tables=tables, bits=bits, seed=index_seed, nlist=nlist,
-                                  nprobe=nprobe, train_on=train_on, params=known_params)
+                                  nprobe=nprobe, train_on=train_on, params=run_params)
         created = False
         if not BudgetLedger.exists(ledger_path):  # before the lock, which would create the ledger folder
             integrity.refuse_second_ledger(store, ledger_path)
@@ -392,7 +389,7 @@ def _check_given(given: dict | None, params: PrivacyParams, ledger_path) -> None
     for name, (flag, value) in (given or {}).items():
         have = getattr(params, name)
         same = (math.isclose(float(value), float(have)) if isinstance(value, float) and have is not None
-                and name != "epsilon" else value == have)  # ε exactly, as `index --eps` on a new ledger takes it
+                else value == have)
         if not same:
             raise BadInputError(
                 f"{flag} {value} differs from the ledger's {have} ({ledger_path}): a ledger's parameters are fixed "
