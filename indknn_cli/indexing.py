@@ -87,6 +87,9 @@ def make_params(
             raise BadInputError(f"planned_queries must be an integer, got {planned_queries!r}")
         planned_queries = int(planned_queries)
         accounting.check_range("planned_queries", planned_queries)
+    if privacy_unit == "record" and user_for_missing == "record":  # was ignored without a word (review 69, F6)
+        raise BadInputError("--user-for-missing record needs --privacy-unit user (under the record unit every record "
+                            "is its own unit already): leave it out, or give --privacy-unit user")
     budget = accounting.calibrate_budget(epsilon=epsilon, delta=delta, conversion=conversion)
     if sigma1 is None:
         sigma1 = accounting.default_sigma1(planned_queries=planned_queries or 1000, budget=budget)

@@ -348,7 +348,8 @@ class TuneRequest:
 
 
 def check_tune_options(*, tune: str | None, given: Sequence[str], eps: float | None, method: str,
-                       privacy_unit: str, max_records_per_user: int | None) -> None:
+                       privacy_unit: str, max_records_per_user: int | None,
+                       user_for_missing: str = "refuse") -> None:
     """`index`'s rules between the --tune options (a library caller builds a request the CLI would refuse
     otherwise). ``given``: the flags the user set, in the order to name them: the ``--tune-*`` options set away from
     their defaults, and ``--tau``/``--sigma2`` typed."""
@@ -364,6 +365,9 @@ def check_tune_options(*, tune: str | None, given: Sequence[str], eps: float | N
                                 f"{grid})")
     if eps is None:
         raise BadInputError("--tune needs --eps (the total ε, tuning included)")
+    if privacy_unit == "record" and max_records_per_user is None and user_for_missing != "refuse":
+        raise BadInputError(f"--user-for-missing {user_for_missing} needs --privacy-unit user, which --tune does not "
+                            "offer yet (its ledger is per record): leave --user-for-missing out")  # review 69, F6
     if privacy_unit != "record" or max_records_per_user is not None:
         # the tuning's base run and its accounting are per record; never downgrade a user-unit request
         raise BadInputError(f"--tune is not available with --privacy-unit {privacy_unit} yet: give --tau and "

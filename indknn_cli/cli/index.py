@@ -99,7 +99,7 @@ def index_command(
                                        ("--tau", given_on_command_line(ctx, "tau")),
                                        ("--sigma2", given_on_command_line(ctx, "sigma2"))) if on]
         check_tune_options(tune=tune, given=given, eps=eps, method=tune_method, privacy_unit=privacy_unit,
-                           max_records_per_user=max_records_per_user)
+                           max_records_per_user=max_records_per_user, user_for_missing=user_for_missing)
         if tune is not None:
             req = TuneRequest(epsilon=eps, delta=delta, on=tune, share=tune_share, method=tune_method,
                               mean_runs=DEFAULT_TUNE_RUNS if tune_runs is None else tune_runs,
