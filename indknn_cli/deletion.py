@@ -211,7 +211,10 @@ def delete_records(
             if not (record_ids or user_ids):
                 raise (exc.error if isinstance(exc, _LedgerUnreadable) else exc) from None
             ledger = None  # the store alone says which rows the ids name (see deletion_unledgered)
-        plan = _plan(store, ledger, record_ids, user_ids)
+        # rows whose erasure the ledger recorded under another machine's store lease: the real run finishes them
+        # first, so their ids are already deleted and the rows count as pending (review 70, F4)
+        deferred = deletion_deferred.rows(ledger, store)
+        plan = _plan(store, ledger, record_ids, user_ids, erased_rows=deferred)
         _enforce_strict(plan, strict)
         if dry_run:
             compaction = None
@@ -224,7 +227,8 @@ def delete_records(
                                 users_already_deleted=plan.users_already_deleted,
                                 record_ids=plan.record_ids, bytes_rewritten=0, dry_run=True,
                                 # read as every command reads it (a damaged list: review 58, F4, an internal error)
-                                pending_completed=int(store.erase_pending_rows("private").size),
+                                pending_completed=int(np.union1d(store.erase_pending_rows("private"),
+                                                                 deferred).size),
                                 compaction=compaction)
 
     # A ledger that cannot even be locked (a plain file, a read-only folder) or that is the store's own folder (its

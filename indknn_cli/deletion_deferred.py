@@ -23,7 +23,8 @@ import numpy as np
 
 from . import ledger_integrity as integrity
 from .deletion_plan import _enforce_strict, _plan
-from .errors import ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError, StoreError
+from .errors import (BadInputError, ConcurrentChangeError, LedgerError, LedgerIntegrityError, LockTimeoutError,
+                     StoreError)
 from .ledger import BudgetLedger
 from .store import FeatureStore
 from .wording import count
@@ -45,8 +46,10 @@ def pending_in(ledger_path, store: FeatureStore) -> bool:
     """Whether the ledger at ``ledger_path`` (read without its lock) names rows of ``store`` still to erase."""
     try:
         return bool(rows(BudgetLedger.open_for(ledger_path, store), store).size)
-    except Exception:  # noqa: BLE001 - a ledger that cannot be read here: the locked path decides
-        return False
+    except (LedgerError, LedgerIntegrityError, BadInputError):
+        return False  # no ledger, or one damaged: nothing in it can be finished (repair carries it: review 70, F1)
+    except Exception:  # noqa: BLE001 - a ledger mid-commit, a transient read error: the locked path decides (review 70, F4)
+        return True
 
 
 def record(store_path, ledger_path, record_ids, user_ids, *, strict: bool, lease_error: LockTimeoutError):
@@ -60,7 +63,7 @@ def record(store_path, ledger_path, record_ids, user_ids, *, strict: bool, lease
     except (LedgerError, LedgerIntegrityError, ConcurrentChangeError, StoreError) as exc:
         raise LockTimeoutError(f"{lease_error} (the request could not be recorded in the ledger either: {exc})") \
             from None
-    plan = _plan(store, ledger, record_ids, user_ids)
+    plan = _plan(store, ledger, record_ids, user_ids, erased_rows=rows(ledger, store))  # asked again: already deleted
     _enforce_strict(plan, strict)
     todo = np.setdiff1d(plan.rows, np.flatnonzero(store.read("private", "deleted").astype(bool)))
     ledger.delete_records(plan.ledger_idx, rows_to_erase={"store_uuid": store.uuid, "rows": [int(r) for r in todo]}

@@ -124,10 +124,15 @@ def _flags(store: FeatureStore, n: int) -> np.ndarray:
     return out
 
 
-def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str], user_ids: list[str]) -> _Plan:
-    """Which ledger records and store rows the ids name. Reads only."""
+def _plan(store: FeatureStore, ledger: BudgetLedger | None, record_ids: list[str], user_ids: list[str], *,
+          erased_rows: np.ndarray | None = None) -> _Plan:
+    """Which ledger records and store rows the ids name. Reads only. ``erased_rows``: rows whose erasure the ledger
+    already recorded, still to be overwritten (``deletion_deferred.rows``): read as erased, as the store's flags are."""
     n = store.n_rows("private")
     flagged = _flags(store, n)
+    if erased_rows is not None and erased_rows.size:
+        flagged = flagged.copy()
+        flagged[erased_rows] = True
     row_map = ledger.store_row_map(n) if ledger is not None else np.full(n, -1, np.int64)
     # rows that are in the store but not (yet) in the ledger: erased in the store only
     unindexed = np.flatnonzero((row_map < 0) & ~flagged)

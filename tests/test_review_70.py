@@ -65,3 +65,57 @@ def test_repair_with_the_lease_still_held_keeps_the_deferred_erasure_and_does_no
     i = list(st.record_id).index(X)
     assert rep.exit_code == 0
     assert bool(st.deleted[i]) and time.time() - t < 30
+
+
+@pytest.mark.heavy
+def test_f4_dry_run_and_account_read_a_deferred_erasure_as_erased(s3, tmp_path, monkeypatch):
+    """Review 70, F4: with an erasure deferred under another machine's lease, `delete --dry-run` of the same id listed
+    it as to be erased again and counted no pending row, and `account` counted its row as a new record not yet in
+    the ledger."""
+    import json
+
+    url = _world(tmp_path, s3, monkeypatch)
+    led = tmp_path / "L"
+    _plant_foreign_lease(url)
+    r = runner.invoke(app, ["delete", "--record", X, "--store", url, "--ledger", str(led), "--lock-timeout", "0.5"])
+    assert r.exit_code == 1, r.output
+    d = runner.invoke(app, ["delete", "--record", X, "--store", url, "--ledger", str(led), "--dry-run"])
+    assert d.exit_code == 0, d.output
+    out = json.loads(d.stdout)
+    assert out["records_erased"] == 0 and X in out["already_deleted"], out
+    assert out["pending_completed"] == 1, out
+    a = runner.invoke(app, ["account", "--ledger", str(led), "--store", url, "--json"])
+    assert a.exit_code == 0, a.output
+    store = json.loads(a.stdout)["store"]
+    assert store["rows_not_in_ledger"] == 0 and store["rows_erasure_deferred"] == 1, store
+
+
+def test_f4_pending_in_takes_the_locked_path_when_the_ledger_cannot_be_read_for_a_passing_reason(tmp_path,
+                                                                                                   monkeypatch):
+    """Review 70, F4: a transient read error (a ledger mid-commit, a network error) made `pending_in` say "nothing
+    waits", so an empty --ids-file exited "nothing to do" without looking under the lock; a damaged or absent ledger
+    still says nothing waits (there is nothing it could finish)."""
+    import numpy as np
+
+    from indknn_cli import deletion_deferred
+    from indknn_cli.embedding import embed_into_store
+    from indknn_cli.errors import LedgerError
+    from indknn_cli.store import FeatureStore, normalize_rows
+
+    from .conftest import clustered
+
+    x, y, _ = clustered(20, 8, 2, seed=1)
+    np.savez(tmp_path / "p.npz", x=normalize_rows(x), y=y, ids=np.array([f"r{i}" for i in range(20)]))
+    embed_into_store(tmp_path / "p.npz", store_path=tmp_path / "s.zarr", extractor="vectors", label_names=["0", "1"])
+    store = FeatureStore.open(tmp_path / "s.zarr", mode="r")
+    assert deletion_deferred.pending_in(tmp_path / "no-ledger", store) is False
+
+    def boom(exc):
+        def open_for(*a, **k):
+            raise exc
+        return open_for
+
+    monkeypatch.setattr(BudgetLedger, "open_for", boom(OSError("connection reset")))
+    assert deletion_deferred.pending_in(tmp_path / "L", store) is True
+    monkeypatch.setattr(BudgetLedger, "open_for", boom(LedgerError("damaged")))
+    assert deletion_deferred.pending_in(tmp_path / "L", store) is False

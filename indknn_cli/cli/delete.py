@@ -91,6 +91,9 @@ def delete_command(
         err.print(f"finished an interrupted deletion of {count(result.pending_completed, 'row')} first",
                   soft_wrap=True)
     if dry_run:
+        if result.pending_completed:
+            err.print(f"a real run would first finish an interrupted or deferred erasure of "
+                      f"{count(result.pending_completed, 'row')}", soft_wrap=True)
         err.print("dry run: nothing was written", soft_wrap=True)
     emit_json(result.as_dict())
     refused = (result.compaction or {}).get("refused")  # a ledger in the store's folder: exit 2, fix the flags
