@@ -377,8 +377,8 @@ def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan,
 def _execute_recorded(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan,
                       still_pending: np.ndarray = np.empty(0, np.int64)) -> int:
     def tombstone() -> None:
-        if ledger is not None and plan.ledger_idx.size:
-            ledger.delete_records(plan.ledger_idx)
+        if ledger is not None and (plan.ledger_idx.size or plan.rows.size):  # the rows too (review 72, F1)
+            ledger.delete_records(plan.ledger_idx, erased_rows={"store_uuid": store.uuid, "rows": plan.rows})
 
     if not plan.rows.size:  # ledger records whose store rows are gone already: their tombstones only
         tombstone()
@@ -465,7 +465,7 @@ def complete_pending(store: FeatureStore, ledger: BudgetLedger | None) -> int:
         def tombstone() -> None:
             if ledger is not None:
                 li = ledger.store_row_map(n)[pending]
-                ledger.delete_records(li[li >= 0])
+                ledger.delete_records(li[li >= 0], erased_rows={"store_uuid": store.uuid, "rows": pending})
 
         try:
             _erase_steps(store, pending, tombstone=tombstone)

@@ -48,8 +48,8 @@ def pending_in(ledger_path, store: FeatureStore) -> bool:
         return bool(rows(BudgetLedger.open_for(ledger_path, store), store).size)
     except (LedgerError, LedgerIntegrityError, BadInputError):
         return False  # no ledger, or one damaged: nothing in it can be finished (repair carries it: review 70, F1)
-    except Exception:  # noqa: BLE001 - a ledger mid-commit, a transient read error: the locked path decides (review 70, F4)
-        return True
+    except Exception:  # noqa: BLE001 - a ledger mid-commit, a passing read error: the locked path decides
+        return True  # (review 70, F4)
 
 
 def record(store_path, ledger_path, record_ids, user_ids, *, strict: bool, lease_error: LockTimeoutError):
@@ -67,7 +67,8 @@ def record(store_path, ledger_path, record_ids, user_ids, *, strict: bool, lease
     _enforce_strict(plan, strict)
     todo = np.setdiff1d(plan.rows, np.flatnonzero(store.read("private", "deleted").astype(bool)))
     ledger.delete_records(plan.ledger_idx, rows_to_erase={"store_uuid": store.uuid, "rows": [int(r) for r in todo]}
-                          if todo.size else None)
+                          if todo.size else None,  # the rows waiting join erased_rows once overwritten
+                          erased_rows={"store_uuid": store.uuid, "rows": np.setdiff1d(plan.rows, todo)})
     waits = str(lease_error).replace("; nothing was written. Run again when it is done.", ".")
     raise LockTimeoutError(
         f"The erasure request is recorded in the ledger ({count(len(plan.record_ids), 'record')}; never selected "

@@ -119,7 +119,7 @@ def sync_ledger(ledger: BudgetLedger, store: FeatureStore) -> int:
         # the ledger already knows reads none (at N = 1M the two string columns took 0.7 s per serve; issue 21)
         ids = _read_rows(store, "record_id", new_rows)
         users = _read_rows(store, "user_id", new_rows)
-        back = store_erased_ids.resurrected(store, new_rows)  # erased, restored from a backup: never re-admitted
+        back = store_erased_ids.resurrected(store, new_rows, ledger)  # erased, restored from a backup: never again
         if back.any():
             new_rows, ids, users = new_rows[~back], ids[~back], users[~back]
         p = ledger.params

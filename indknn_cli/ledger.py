@@ -340,13 +340,16 @@ class BudgetLedger:
                 out.append(rid)
         return out
 
-    def delete_records(self, ledger_indices, *, rows_to_erase: dict | None = None) -> int:
+    def delete_records(self, ledger_indices, *, rows_to_erase: dict | None = None,
+                       erased_rows: dict | None = None) -> int:
         """Tombstone records (one `delete` event): never selectable again, spent kept, never refunded.
 
         The event keeps each record's id, user, former store row and spent; replay
         sets ``deleted``, ``deleted_at`` and ``row = -1``. Already deleted records
         are skipped. Returns the number of records tombstoned. ``rows_to_erase`` ({"store_uuid", "rows"}): store
         rows whose physical erasure waits for the store's writer lease (``state.rows_to_erase``, review 67, F1).
+        ``erased_rows`` ({"store_uuid", "rows"}): every store row the erasure overwrites, in the ledger or not
+        (``state.erased_rows``, review 72, F1); the tombstones' former rows when not given.
         """
         s = self.state
         li = np.unique(np.asarray(ledger_indices, dtype=np.int64))
@@ -354,9 +357,13 @@ class BudgetLedger:
             raise LedgerError(f"{self.path}: ledger index {int(li[0] if li[0] < 0 else li[-1])} is outside "
                               f"the {len(s)} records")
         li = li[~s.deleted[li]]
-        if li.size == 0 and not (rows_to_erase and rows_to_erase.get("rows")):
+        if li.size == 0 and not (rows_to_erase and rows_to_erase.get("rows")) and \
+                not (erased_rows and erased_rows.get("rows")):
             return 0
-        info = {"records": int(li.size), **({"rows_to_erase": rows_to_erase} if rows_to_erase else {})}
+        info = {"records": int(li.size), **({"rows_to_erase": rows_to_erase} if rows_to_erase else {}),
+                **({"erased_rows": {"store_uuid": erased_rows["store_uuid"],
+                                    "rows": sorted({int(r) for r in erased_rows["rows"]})}}
+                   if erased_rows is not None else {})}
         self.commit_event(event_type="delete", info=info, columns={
             "kind": ["delete"] * li.size, "ledger_index": li.tolist(),
             "record_id": [str(x) for x in s.record_id[li]], "user_id": [str(x or "") for x in s.user_id[li]],
@@ -386,7 +393,7 @@ class BudgetLedger:
                                                   self.path / f"answers-{generation:06d}.parquet")
         meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
                     batches=s.batches, history=s.history[-100000:], answers_not_held=int(s.answers_not_held),
-                    store_seen=s.store_seen, rows_to_erase=s.rows_to_erase,
+                    store_seen=s.store_seen, rows_to_erase=s.rows_to_erase, erased_rows=s.erased_rows,
                     **integrity.snapshot_chain_fields(self, answers_sha))
         table = ledger_snapshot.record_table(s, meta, c1=c1)
         sha = atomic_write_parquet(table, self.path / f"snapshot-{generation:06d}.parquet")

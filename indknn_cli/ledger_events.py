@@ -142,10 +142,15 @@ def apply_table(s: LedgerState, table: pa.Table, info: dict, *, c1: float) -> No
         s.store_seen = info["store_seen"]
     erase = info.get("rows_to_erase")
     if isinstance(erase, dict) and erase.get("rows"):  # an erasure whose store rows wait for the writer lease
-        old = s.rows_to_erase if isinstance(s.rows_to_erase, dict) and \
-            s.rows_to_erase.get("store_uuid") == erase.get("store_uuid") else {"rows": []}
-        s.rows_to_erase = {"store_uuid": erase.get("store_uuid"),
-                           "rows": sorted({int(r) for r in list(old["rows"]) + list(erase["rows"])})}
+        merge_rows(s, "rows_to_erase", erase)
+    erased = info.get("erased_rows")
+    if info.get("type") == "delete" and "erased_rows" not in info and dele.any() \
+            and isinstance(info.get("store_seen"), dict):
+        # delete events written before the list: the tombstones' former rows, in the numbering the commit recorded
+        erased = {"store_uuid": info["store_seen"].get("store_uuid"),
+                  "rows": [int(r) for r in table.column("row").to_numpy(zero_copy_only=False)[dele] if r >= 0]}
+    if isinstance(erased, dict) and erased.get("store_uuid") and erased.get("rows"):
+        merge_rows(s, "erased_rows", erased)
     if info.get("type") == "repair":
         s.answers_not_held += int(info.get("answers_not_recovered") or 0)
     if info.get("type") == "serve":
@@ -154,6 +159,15 @@ def apply_table(s: LedgerState, table: pa.Table, info: dict, *, c1: float) -> No
         if not ledger_history.has_stats(stats):
             stats = ledger_history.history_stats(s, c1)  # events written before state_after
         s.history.append(ledger_history.history_entry(info, stats, time=t, answers=n_answers))
+
+
+def merge_rows(s: LedgerState, name: str, add: dict) -> None:
+    """Union ``add`` ({"store_uuid", "rows"}) into the state's ``name`` list of the same store uuid; another uuid (a
+    compaction renumbered the rows) replaces it."""
+    old = getattr(s, name)
+    old_rows = old.get("rows", []) if isinstance(old, dict) and old.get("store_uuid") == add.get("store_uuid") else []
+    setattr(s, name, {"store_uuid": add.get("store_uuid"),
+                      "rows": sorted({int(r) for r in list(old_rows) + list(add["rows"])})})
 
 
 def stats_after_serve(s: LedgerState, columns: dict, params: PrivacyParams) -> dict:

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from . import ledger_integrity as integrity
-from . import store_versions
+from . import store_erased_ids, store_versions
 from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerIntegrityError, LedgerOlderThanStoreError
 from .ledger import BudgetLedger
 from .ledger_current import not_a_file, stand_in
@@ -374,20 +374,20 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # A gone record whose id the store now holds at another row (a restored store, rows embedded again in
     # another order) is mapped there at spent = B by `add` below, not tombstoned (audit 6, F1).
     # Rows holding an id the kept ledger erased that the store's own erasure log does not name: a store restored
-    # from a copy older than the erasure brought the record back. They are erased again below, never brought into
-    # the ledger (audit 6 review). An id the store's log names was erased in this store and embedded again since
+    # from a copy older than the erasure brought the record back; so do rows its erasures overwrote (review 72,
+    # F1: the log lost with them). They are erased again below, never brought into the ledger (audit 6 review). An id the store's log names was erased in this store and embedded again since
     # (a re-admission the kept ledger lost in a rollback): kept, brought in retired like any other row (review 14).
     quarantined = [quarantine / p.name for p in moved]
     lost_ids, store_erased = ids_in_lost_events(quarantined), store.erased_ids()  # each read once
     logged = {rid for rid, _ in store_erased}
     erased_ids = {str(r) for r in s.record_id[s.deleted]} - logged
-    back = np.asarray([r for r in new_rows if str(ids[r]) in erased_ids], np.int64)
+    back = np.union1d([r for r in new_rows if str(ids[r]) in erased_ids],
+                      np.intersect1d(new_rows, store_erased_ids.in_ledger(led, store))).astype(np.int64)
     new_rows = np.setdiff1d(new_rows, back)
     # A row whose id the kept ledger holds under another (non-empty) user stays out of the ledger, as `add_records`
     # keeps it out and `index` refuses it: an `add` would move the record, its tombstone and its spent, to the new
-    # user, and the first user would come back afresh (audit 7, F1).
-    # Ids the kept ledger lost (a rollback, lost events) keep their first owner from the readable quarantined events
-    # and the store's erasure log (review 15, 1).
+    # user, and the first user would come back afresh (audit 7, F1). Ids the kept ledger lost (a rollback, lost
+    # events) keep their first owner from the readable quarantined events and the store's erasure log (review 15, 1).
     owner = {str(r): str(u or "") for r, u in zip(s.record_id, s.user_id)}
     for rid, uid in lost_ids + store_erased:
         owner.setdefault(str(rid), str(uid or ""))

@@ -83,7 +83,7 @@ def check_erased_owners(ledger, store) -> int:
     return len(logged)
 
 
-def check_erased_rows_blank(store) -> int:
+def check_erased_rows_blank(store, ledger=None) -> int:
     """Refuse (StoreError, naming no id) when a private row the store erased holds data again: a chunk file restored
     from a backup older than the erasure (the advice for a corrupt chunk) brings its vectors, labels, ids and content
     key back, and only the rows still pending were overwritten again (review 67, F2); with the flags chunk restored
@@ -98,6 +98,9 @@ def check_erased_rows_blank(store) -> int:
     n = store.n_rows("private")
     flagged = np.flatnonzero(store.read("private", "deleted").astype(bool))
     logged = np.fromiter((r for r in store_erased_ids.rows_of(store.path, store.uuid) if r < n), np.int64)
+    if ledger is not None:  # and the rows the ledger's erasures overwrote (review 72, F1: the log lost)
+        in_led = store_erased_ids.in_ledger(ledger, store)
+        logged = np.union1d(logged, in_led[in_led < n])
     # flagged rows, and rows the log names whatever their flag (review 68, F2; review 69, F3): not those pending
     rows = np.setdiff1d(np.union1d(flagged, logged), store.erase_pending_rows("private"))
     g = store.group("private")

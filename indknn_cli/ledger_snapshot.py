@@ -143,6 +143,8 @@ def read_snapshot(path: Path) -> Snapshot:
     state.store_seen = seen if isinstance(seen, dict) else None
     erase = meta.get("rows_to_erase")
     state.rows_to_erase = erase if isinstance(erase, dict) else None
+    erased = meta.get("erased_rows")
+    state.erased_rows = erased if isinstance(erased, dict) else None
     return Snapshot(generation, snap_path, meta, state, snap_bytes, answers_bytes)
 
 

@@ -184,6 +184,12 @@ class LedgerState:
     #: candidates nor added back (:func:`indknn_cli.deletion_deferred.rows`); the next writer holding the lease
     #: erases them. Kept after that (a flagged row is no longer pending); another store uuid (a compaction) voids it.
     rows_to_erase: dict | None = None
+    #: Store rows the ledger's erasures overwrote, in the numbering of one store uuid: {"store_uuid", "rows"}
+    #: (review 72, F1). Rows are never reused (an append goes past the last row), so one of them holding data again
+    #: is a chunk restored from a backup older than its erasure: never added back, whatever the store's own
+    #: erased-ids log (an unsealed file) says (:func:`indknn_cli.store_erased_ids.in_ledger`). Another uuid (a
+    #: compaction renumbered the rows) replaces it.
+    erased_rows: dict | None = None
     # Answers released: the snapshot's (ledger_history.LazyAnswers: an Arrow table parsed on first use) plus one
     # Arrow table per event replayed or committed since. No Python object per answer unless someone asks for
     # ``answers`` (issue 21: a 2,000,000-query run holds its answers as Arrow columns, ~100 bytes each).

@@ -129,7 +129,7 @@ def _verify_once(ledger_path, *, store_path=None) -> dict:
             store_versions.check(store, ledger)  # the store the ledger last wrote against (not an older copy)
             compared = check_rows_hold_records(ledger, store)
             check_erased_owners(ledger, store)
-            check_erased_rows_blank(store)  # review 67, F2
+            check_erased_rows_blank(store, ledger)  # review 67, F2; review 72, F1
             twin_info = _check_recorded(other, ledger, other_mark) if other is not None else None
             out["store"] = {
                 "path": str(store.path), "store_uuid": store.uuid, "recorded_by_ledger": not explicit,

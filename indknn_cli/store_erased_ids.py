@@ -79,13 +79,26 @@ def rows_of(store_path: str | os.PathLike, store_uuid: str) -> dict[int, str]:
             and d.get("store_uuid") == store_uuid}
 
 
-def resurrected(store, rows: np.ndarray) -> np.ndarray:
+def in_ledger(ledger, store) -> np.ndarray:
+    """Rows of ``store`` (this numbering) that ``ledger``'s erasures overwrote (``state.erased_rows``, review 72, F1:
+    the ledger is tamper-evident where this log is not: the log removed or restored with the chunks let the record
+    come back)."""
+    e = getattr(getattr(ledger, "state", None), "erased_rows", None)
+    if not isinstance(e, dict) or e.get("store_uuid") != store.uuid or not e.get("rows"):
+        return np.empty(0, np.int64)
+    return np.asarray(sorted({int(r) for r in e["rows"]}), np.int64)
+
+
+def resurrected(store, rows: np.ndarray, ledger=None) -> np.ndarray:
     """Which of the private ``rows`` are rows erased earlier: the log names them for this store's numbering. Rows are
     never reused (an append goes past the last row), so such a row holding anything is a chunk restored from a backup
     taken before the erasure, its flags with it (review 68, F2), whatever id it holds now (review 69, F3: a record-id
     chunk not restored left it under the id ""). Serving, `index` and private tuning never take them;
-    `account --verify` names them; `indknn delete --record ID` erases them again."""
+    `account --verify` names them; `indknn delete --record ID` erases them again. With ``ledger``, the rows its
+    erasures overwrote too (:func:`in_ledger`)."""
     logged = rows_of(store.path, store.uuid) if len(rows) else {}
-    if not logged:
+    erased = np.union1d(np.fromiter(logged, np.int64, len(logged)),
+                        in_ledger(ledger, store) if ledger is not None and len(rows) else np.empty(0, np.int64))
+    if not erased.size:
         return np.zeros(len(rows), dtype=bool)
-    return np.isin(np.asarray(rows, np.int64), np.fromiter(logged, np.int64, len(logged)))
+    return np.isin(np.asarray(rows, np.int64), erased)
