@@ -40,10 +40,16 @@ def test_an_erased_row_restored_with_its_flags_is_never_brought_back_into_the_le
             p.unlink()
     for p, b in backup.items():
         p.write_bytes(b)
+    r003_restored_stays_out(sp, lp)
+
+
+def r003_restored_stays_out(sp, lp, queries: int = 4) -> None:
+    """r003 (erased, its row 3 restored unflagged from a backup) is never brought back nor selected by a serve of
+    queries on its vector; `--verify` names the row; `delete --record r003` erases it again and `--verify` passes."""
     st = FeatureStore.open(sp, mode="r")
     assert not st.read("private", "deleted")[3] and str(st.read("private", "record_id")[3]) == "r003"
     q = sp.parent / "q.npy"
-    np.save(q, np.tile(st.read("private", "features")[3], (4, 1)))  # queries right on r003's vector
+    np.save(q, np.tile(st.read("private", "features")[3], (queries, 1)))  # queries right on r003's vector
     res = runner.invoke(app, ["serve-queries", "--store", str(sp), "--ledger", str(lp), str(q), "--seed", "1"])
     assert res.exit_code == 0, res.stderr
     state = BudgetLedger.open(lp).state

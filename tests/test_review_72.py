@@ -5,7 +5,6 @@ told a restored row from a new one. The ledger now keeps the store rows its eras
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -14,7 +13,7 @@ from indknn_cli.ledger import BudgetLedger
 from indknn_cli.store import FeatureStore
 
 from .test_review_54 import pair  # noqa: F401 (the fixture)
-from .test_review_68 import _chunks
+from .test_review_68 import _chunks, r003_restored_stays_out
 
 runner = CliRunner()
 
@@ -37,25 +36,7 @@ def test_an_erased_row_restored_with_its_chunks_stays_out_when_the_erased_ids_lo
     backup = {p: p.read_bytes() for p in _chunks(sp)}
     assert runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r003"]).exit_code == 0
     _restore(sp, backup, log)
-    st = FeatureStore.open(sp, mode="r")
-    assert not st.read("private", "deleted")[3] and str(st.read("private", "record_id")[3]) == "r003"
-    q = sp.parent / "q.npy"
-    np.save(q, np.tile(st.read("private", "features")[3], (10, 1)))  # queries right on r003's vector
-    res = runner.invoke(app, ["serve-queries", "--store", str(sp), "--ledger", str(lp), str(q), "--seed", "1"])
-    assert res.exit_code == 0, res.stderr
-    state = BudgetLedger.open(lp).state
-    mine = [i for i, r in enumerate(state.record_id) if str(r) == "r003"]
-    assert mine and all(state.deleted[i] for i in mine)  # only its tombstone: never brought back
-    assert sum(int(state.times_selected[i]) for i in mine) == 0
-    res = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"])
-    assert res.exit_code != 0
-    assert "hold data again (1 row;" in " ".join((res.stdout + res.stderr).split())
-    res = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp), "--record", "r003"])
-    assert res.exit_code == 0, res.stderr
-    st = FeatureStore.open(sp, mode="r")
-    assert st.read("private", "deleted")[3] and not st.read("private", "features")[3].any()
-    res = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"])
-    assert res.exit_code == 0, res.stdout + res.stderr
+    r003_restored_stays_out(sp, lp, queries=10)
 
 
 def test_the_ledger_keeps_its_erased_rows_across_a_compaction_of_the_ledger_and_a_repair(pair):  # noqa: F811
