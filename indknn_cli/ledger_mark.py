@@ -65,6 +65,10 @@ def write_mark(path: Path, ledger, *, announce: tuple[int, str] | None = None) -
               "answers": int(ledger.state.answers_released())}
     if announce is not None:
         fields.update(next_generation=int(announce[0]), next_snapshot_sha256=str(announce[1]))
+    erase = getattr(ledger.state, "rows_to_erase", None)
+    if isinstance(erase, dict) and erase.get("rows"):  # an erasure deferred under a held store lease lives only in the
+        # ledger: a copy here lets `repair` finish it after a rollback lost its event (review 72, F2)
+        fields["rows_to_erase"] = {"store_uuid": erase.get("store_uuid"), "rows": [int(r) for r in erase["rows"]]}
     atomic_write_text(json.dumps(sealed_mark(fields, copy=LOCAL_COPY)), Path(path))
     # a store on object storage: the bucket's copy too, sealed with copy="bucket" (review 30, F1)
     ledger_mark_remote.write(Path(path).parent, fields)

@@ -41,7 +41,7 @@ from . import store_erased_ids, store_versions
 from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerIntegrityError, LedgerOlderThanStoreError
 from .ledger import BudgetLedger
 from .ledger_current import not_a_file, stand_in
-from .ledger_repair_lost import answers_in_lost_events, checked_answers, ids_in_lost_events
+from .ledger_repair_lost import answers_in_lost_events, checked_answers, deferred_rows, ids_in_lost_events
 from .ledger_repair_setup import put_back_probes, put_current_back, write_current_back
 from .ledger_rows import check_rows_hold_records, compare_rows
 from .store import ERASE_PENDING_ATTR, FeatureStore
@@ -92,17 +92,6 @@ class RepairResult:
 OPERATOR_ONLY_REPAIR = ("operator-only: records_retired, store_rows_added_retired, tombstones_written, "
                         "rows_erased_again, rows_left_out_other_user and the answer counts are exact figures of the "
                         "private data; for the data holder, never for query-senders")
-
-
-def _deferred_rows(led, store, moved, quarantine, flagged: np.ndarray) -> np.ndarray:
-    """Rows of an erasure recorded without the store's writer lease (:mod:`.deletion_deferred`), in the kept ledger
-    or in a quarantined event, not yet flagged in the store."""
-    from .deletion_deferred import rows as kept_rows
-    from .ledger_repair_lost import rows_to_erase_in_lost_events
-
-    lost = rows_to_erase_in_lost_events([quarantine / p.name for p in moved], store.uuid)
-    rows = np.union1d(kept_rows(led, store), np.asarray([r for r in lost if 0 <= r < flagged.size], np.int64))
-    return rows[~flagged[rows]] if rows.size else rows.astype(np.int64)
 
 
 def _event_files(path: Path) -> list[tuple[int, Path]]:
@@ -357,7 +346,7 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # and one recorded while the store's writer lease was held elsewhere, in a kept or a quarantined event (review 70,
     # F1: forgotten when quarantined, the record came back live and its row was never overwritten; F2: taken for a
     # row restored from a backup, its re-erasure waited 60 s for the lease and the repair failed)
-    deferred = _deferred_rows(led, store, moved, quarantine, deleted_rows)
+    deferred = deferred_rows(led, store, moved, quarantine, deleted_rows, mark)
     deleted_rows[deferred] = True
     ids = store.read("private", "record_id")
     users = store.read("private", "user_id")

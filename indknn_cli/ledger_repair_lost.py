@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from .store import FeatureStore
 
 
@@ -101,3 +103,17 @@ def rows_to_erase_in_lost_events(paths: list[Path], store_uuid: str) -> list[int
         if isinstance(erase, dict) and erase.get("store_uuid") == store_uuid:
             out.update(int(r) for r in erase.get("rows") or [] if isinstance(r, int) and not isinstance(r, bool))
     return sorted(out)
+
+
+def deferred_rows(led, store, moved, quarantine, flagged: np.ndarray, mark: dict | None) -> np.ndarray:
+    """Rows of an erasure recorded without the store's writer lease (:mod:`.deletion_deferred`), in the kept ledger,
+    in a quarantined event or in the store's mark (a rollback: review 72, F2), not yet flagged in the store."""
+    from .deletion_deferred import rows as kept_rows
+
+    lost = rows_to_erase_in_lost_events([quarantine / p.name for p in moved], store.uuid)
+    e = (mark or {}).get("rows_to_erase")
+    if isinstance(e, dict) and e.get("store_uuid") == store.uuid and (mark or {}).get("ledger_uuid") == \
+            led.meta["ledger_uuid"] and isinstance(e.get("rows"), list):
+        lost = list(lost) + [int(r) for r in e["rows"] if isinstance(r, int) and not isinstance(r, bool)]
+    rows = np.union1d(kept_rows(led, store), np.asarray([r for r in lost if 0 <= r < flagged.size], np.int64))
+    return rows[~flagged[rows]] if rows.size else rows.astype(np.int64)
