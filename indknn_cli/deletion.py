@@ -315,8 +315,9 @@ def delete_records(
             log.info("erasing %s of the store (operator-only count)", count(int(plan.rows.size), "row"))
             written = _execute(store, ledger, plan, still_pending=stuck)
             if stuck_error is not None:
-                how = ("once that chunk reads again (its file restored from a backup of this store)"
-                       if isinstance(stuck_error, StoreError) else "once the storage error above is cleared")
+                how = ("once that chunk reads again (its file restored from a backup of this store taken since its "
+                       "last compaction)" if isinstance(stuck_error, StoreError)
+                       else "once the storage error above is cleared")
                 raise StorageError(
                     f"{stuck_error} This request's erasure went on ({count(len(plan.record_ids), 'record')}); an "
                     f"earlier one of {count(int(stuck.size), 'row')} is recorded but not finished (never selected "
@@ -358,7 +359,8 @@ def _execute(store: FeatureStore, ledger: BudgetLedger | None, plan: _Plan,
             f"{exc} The erasure was recorded but not finished: the records are never selected again (the store's "
             "erase-pending rows are written, the ledger's tombstones when it could be reached); their rows could not "
             "be overwritten. Once "
-            "that chunk reads again (its file restored from a backup of this store: docs/RELIABILITY.md), `indknn "
+            "that chunk reads again (its file restored from a backup of this store taken since its last compaction: "
+            "docs/RELIABILITY.md), `indknn "
             "delete` (any ids) finishes the erasure") from None
     except (StorageError, OSError) as exc:
         if not rows.size:

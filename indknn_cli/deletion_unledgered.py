@@ -96,7 +96,8 @@ def erase_without_ledger(store: FeatureStore, record_ids: list[str], user_ids: l
                     raise StorageError(f"{exc} The erasure was recorded but not finished: the records are never "
                                        "selected again (the store's erase-pending rows are written); their rows "
                                        "could not be overwritten. Once that chunk reads again (its file restored "
-                                       "from a backup of this store: docs/RELIABILITY.md), `indknn delete` (any "
+                                       "from a backup of this store taken since its last compaction: "
+                                       "docs/RELIABILITY.md), `indknn delete` (any "
                                        "ids) finishes the erasure") from None
                 stuck = exc
             except IndexNotUpdated as exc:
@@ -105,7 +106,8 @@ def erase_without_ledger(store: FeatureStore, record_ids: list[str], user_ids: l
         raise StorageError(
             f"{stuck} This request's erasure went on ({count(len(plan.record_ids), 'record')}, the ledger unread: "
             f"{reason}); an earlier one of {count(int(earlier.size), 'row')} is recorded but not finished (never "
-            "selected again): once that chunk reads again (its file restored from a backup of this store), `indknn "
+            "selected again): once that chunk reads again (its file restored from a backup of this store taken since "
+            "its last compaction), `indknn "
             "delete` finishes it")
     return DeleteResult(records_erased=len(plan.record_ids), users=plan.users, ids_not_found=plan.not_found,
                         users_not_found=plan.users_not_found, already_deleted=plan.already_deleted,
