@@ -35,14 +35,12 @@ import numpy as np
 from . import FORMAT_VERSION
 from .accounting import (CONVERSION_LABEL, CONVERSIONS, _check_conversion, _check_epsilon, check_range,
                          calibrate_budget, epsilon_for_budget)
-from . import ledger_history
-from . import ledger_integrity as integrity
+from . import data_quality, deletion_deferred, ledger_history, ledger_integrity as integrity
 from .errors import BadInputError, BudgetExhaustedError, CheckFailedError
 from .id_text import canonical, canonical_array
 from .ledger_readonly import open_ledger_readonly
 from .rounding import given, up
 from .wording import count, per_unit
-from . import data_quality, deletion_deferred
 from .report_plot import check_plot_path
 from .realised import realised_loss  # noqa: F401 (also imported from here: export, tests)
 from .report_wording import (ADJACENCY, OPERATOR_ONLY_NOTE, REALISED_LABEL, SUBJECT_NOTE, USER_LEVEL_NOTE,  # noqa: F401
@@ -384,10 +382,8 @@ def build_account_report(
         n_rows = store.n_rows("private")
         row_map = ledger.store_row_map(n_rows)
         store_deleted = store.read("private", "deleted").astype(bool) if n_rows else np.zeros(0, bool)
-        # rows whose erasure the ledger recorded while another machine held the store's lease: erased, not new
-        deferred = deletion_deferred.rows(ledger, store)  # (review 70, F4: they were counted as not in the ledger)
-        not_in = (row_map < 0) & ~store_deleted
-        not_in[deferred] = False
+        deferred = deletion_deferred.rows(ledger, store)  # erased under a held lease: not new (review 70, F4)
+        (not_in := (row_map < 0) & ~store_deleted)[deferred] = False
         data["store"] = {
             "path": str(store_path), "store_uuid": store.uuid, "label_names": list(store.label_names),
             "private_rows": n_rows,
