@@ -72,8 +72,9 @@ Additions and returning ids
 ---------------------------
 ``embed`` appends rows; ``index`` or the next ``serve-queries`` brings them into
 the ledger (``sync_ledger`` → ``BudgetLedger.add_records``). A record id whose
-ledger record is tombstoned (or retired) keeps its spent budget; a new record of
-a user with tombstones starts at that user's largest tombstoned spent. Because
+ledger record is tombstoned (or retired) keeps its spent budget (under the user
+unit a new record of a known user joins that user's spent; under the record unit
+another record id starts afresh: review 71, F2). Because
 erasure blanks the record id in the store, the id is free for ``embed`` again
 (``--if-exists`` only concerns ids of *live* store rows: ``error`` refuses,
 ``skip`` keeps the existing row with its spent budget — neither gives a fresh

@@ -274,8 +274,8 @@ class BudgetLedger:
         """Bring store rows into the ledger with budget B (an `add` event).
 
         A record id already in the ledger (deleted or retired) keeps the spent
-        budget it had; a new record of a user with tombstoned records starts at
-        that user's largest spent (SPEC §8: no fresh budget for a returning id).
+        budget it had (SPEC §8: no fresh budget for a returning id). Under the user
+        unit a new record of a known user joins that user's spent.
         """
         s = self.state
         # keyed by the NFC form: an id in another Unicode spelling of one already here (a store from before ids were
@@ -283,10 +283,12 @@ class BudgetLedger:
         # a live id's second spelling joined as another live record). Users likewise (id_text)
         index_of = index_by_canonical(s.record_id, deleted=s.deleted, spent=s.spent)
         user_spent: dict[str, float] = {}
-        # Record unit: a new record of a user with tombstones starts at their largest spent. User unit: every
-        # record of a user carries the user's spent, so a new record joins that budget, never a fresh one.
-        inherit_from = (np.arange(len(s)) if self.params.privacy_unit == "user"
-                        else np.flatnonzero(s.deleted)) if inherit_user_spent else np.empty(0, np.int64)
+        # User unit: every record of a user carries the user's spent, so a new record joins that budget, never a
+        # fresh one. Record unit: nothing passes between records (review 71, F2: a new record of a user started at
+        # the largest spent of that user's erased records, so an erased record changed which *other* records were
+        # eligible, a dependence on it that its own budget never paid for; SPEC §2 step 1, §8).
+        inherit_from = np.arange(len(s)) if self.params.privacy_unit == "user" and inherit_user_spent \
+            else np.empty(0, np.int64)
         for i in inherit_from:
             u = canonical(s.user_id[i])
             if u:

@@ -205,7 +205,8 @@ def serve_queries(
             budgets = UserBudgetView.from_ledger_state(state, budget=params.budget,
                                                        user_for_missing=params.user_for_missing,
                                                        max_records_per_user=params.max_records_per_user)
-            row_to_ledger[(row_to_ledger >= 0) & (budgets.user_of[np.maximum(row_to_ledger, 0)] < 0)] = -1
+            mapped = np.flatnonzero(row_to_ledger >= 0)  # only these (review 71, F1: a ledger of no records, as
+            row_to_ledger[mapped[budgets.user_of[row_to_ledger[mapped]] < 0]] = -1  # every row erased: IndexError)
         else:
             budgets = BudgetView(spent=state.spent.copy(), budget=state.budget.copy(),
                                  deleted=state.deleted.copy(), times_selected=np.zeros(len(state), np.int64))
