@@ -50,19 +50,27 @@ def rows_table(rows: list[dict]) -> pa.Table:
     }, schema=SCHEMA)
 
 
+class ReplayedAnswers(list):
+    """Answers an earlier run released, returned again as dicts (:class:`AnswerRows` ``replayed``'s list form)."""
+
+    replayed = True
+
+
 class AnswerRows(Sequence):
     """One part's released answers as a table of :data:`SCHEMA`, read as ``on_committed``'s dicts on demand
     (issue 21): serve-queries builds the table from arrays, ``--out`` appends it as it is, and only a consumer
     that iterates (JSON lines on stdout, a library caller) makes one dict per answer, with the keys in
     SCHEMA's order and ``seed`` only when the run was seeded, as before."""
 
-    __slots__ = ("table", "_dicts")
+    __slots__ = ("table", "_dicts", "replayed")
 
-    def __init__(self, table: pa.Table):
+    def __init__(self, table: pa.Table, *, replayed: bool = False):
         if table.schema != SCHEMA:
             raise ValueError(f"answer rows must have the schema {SCHEMA}, got {table.schema}")
         self.table = table
         self._dicts: list[dict] | None = None
+        #: answers an earlier run released under this batch id, returned again (nothing charged)
+        self.replayed = replayed
 
     def dicts(self) -> list[dict]:
         if self._dicts is None:

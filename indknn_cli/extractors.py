@@ -263,6 +263,7 @@ class VectorsExtractor(Extractor):
 
     def __init__(self, model: str | None = None):
         super().__init__(model or DEFAULT_VECTORS_MODEL, "passthrough", None)
+        self.dim_from = "earlier vectors had"
 
     def embed(self, items: Any) -> np.ndarray:
         try:
@@ -276,7 +277,7 @@ class VectorsExtractor(Extractor):
         if self.dim is None and x.shape[0]:
             self.dim = int(x.shape[1])
         elif x.shape[0] and x.shape[1] != self.dim:
-            raise BadInputError(f"vectors: d={x.shape[1]}, earlier vectors had d={self.dim}")
+            raise BadInputError(f"vectors: d={x.shape[1]}, but {self.dim_from} d={self.dim}")
         if x.size:  # a finite row past float32's range (1e300) or below its normal range: only its direction counts
             # (every row is L2-normalised), so it is divided by its largest entry first; other rows are unchanged
             with np.errstate(invalid="ignore"):
@@ -408,4 +409,5 @@ def extractor_from_info(info: ExtractorInfo, *, device: str = "auto", dim: int |
     ex = get_extractor(info.name, model=info.model, device=device)
     if ex.dim is None and dim is not None:
         ex.dim = int(dim)
+        ex.dim_from = "the store has"  # review 73, F2: it said "earlier vectors had" of a store's d
     return ex

@@ -38,7 +38,7 @@ import numpy as np
 from .errors import BadInputError
 from .input_spool import gunzip, spool_stdin
 from .readers_base import (DEFAULT_ID_COLUMN, DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_TEXT_COLUMN,
-                           DEFAULT_VECTOR_COLUMN, TABLE_SUFFIXES, TEXT_JOINER, RecordBatch, Source, _has_surrogates,
+                           DEFAULT_USER_COLUMN, DEFAULT_VECTOR_COLUMN, TABLE_SUFFIXES, TEXT_JOINER, RecordBatch, Source, _has_surrogates,
                            _label_str)
 from .readers_images import ImageFolderSource  # noqa: F401 (re-exported)
 from .readers_numpy import NumpySource  # noqa: F401 (re-exported)
@@ -318,10 +318,10 @@ class TableSource(Source):
         else:
             self.label_column = DEFAULT_LABEL_COLUMN if DEFAULT_LABEL_COLUMN in self.columns else None
         self.requested_label_column = label_column or DEFAULT_LABEL_COLUMN
-        if id_column is None and DEFAULT_ID_COLUMN in self.columns:
-            id_column = DEFAULT_ID_COLUMN
-        self.id_column = id_column or None
-        self.user_column = user_column
+        # a column id (user) is read when its option is not given; "" reads none (review 73, F1: `user` was ignored)
+        id_column, user_column = (d if c is None and d in self.columns else c for c, d in (
+            (id_column, DEFAULT_ID_COLUMN), (user_column, DEFAULT_USER_COLUMN)))
+        self.id_column, self.user_column = id_column or None, user_column or None
         if id_column:
             t.require(id_column, "id")
         if user_column:

@@ -21,6 +21,7 @@ DEFAULT_LABEL_COLUMN = "label"
 DEFAULT_IMAGE_COLUMN = "path"
 DEFAULT_VECTOR_COLUMN = "vector"
 DEFAULT_ID_COLUMN = "id"  # used when the input has such a column; --id-column "" generates ids instead
+DEFAULT_USER_COLUMN = "user"  # likewise; --user-column "" reads no user ids
 NPZ_DEFAULTS = {"x": "x", "label": "y", "id": "ids", "user": "users"}
 TEXT_JOINER = ". "
 

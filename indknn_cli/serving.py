@@ -16,7 +16,7 @@ import pyarrow as pa
 from . import deletion_deferred, gate, indexes, store_twins
 from . import ledger_integrity as integrity
 from .answers_out import SCHEMA as ANSWERS_SCHEMA
-from .answers_out import AnswerRows
+from .answers_out import AnswerRows, ReplayedAnswers
 from .engine import (ABSTAIN_LABEL, ABSTAIN_NAME, COUNT_GRID_DECIMALS, AnswerArrays, BudgetView,  # noqa: F401
                      ReusePool, StoreSource, answer_batch, run_key_for)
 from .errors import BadInputError
@@ -96,7 +96,12 @@ def _done_parts(done: pa.Table, size: int):
     """The answers already released under a batch id, sorted by query index, in lists of ``size``."""
     done = done.sort_by("query_index")
     for lo in range(0, done.num_rows, size):
-        yield _answer_rows(done.slice(lo, size))
+        rows = _answer_rows(done.slice(lo, size))
+        if isinstance(rows, AnswerRows):
+            rows.replayed = True
+            yield rows
+        else:
+            yield ReplayedAnswers(rows)
 
 
 def serve_queries(

@@ -39,6 +39,14 @@ def test_reader_closing_stdout_early(vector_store, tmp_path):
     assert again.returncode == 0, again.stderr
     lines = again.stdout.decode().splitlines()
     assert len(lines) == 40 and lines[0].encode() == first.rstrip(b"\n")
+    # the batch answered: a reader closing early now sees answers printed again, and is not told of charges
+    # (review 73, F3: it said "1024 answers of this run were released (charged and committed)")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    assert proc.stdout.readline() == first
+    proc.stdout.close()
+    err = " ".join(proc.stderr.read().decode().split())
+    assert proc.wait(timeout=120) == 1, err
+    assert "released by an earlier run (printed again, nothing charged)" in err and "charged and committed" not in err
 
 
 @pytest.mark.heavy

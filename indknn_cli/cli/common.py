@@ -159,7 +159,7 @@ def emit_json_lines(objs: list[dict]) -> None:
         sys.stdout.flush()
 
 
-def stdout_closed(*, released: int, batch: str | None, batch_id_given: bool) -> Exception:
+def stdout_closed(*, released: int, batch: str | None, batch_id_given: bool, replayed: int = 0) -> Exception:
     """The error for answers whose stdout was closed by its reader (``| head -1``: EPIPE; review 66, F10): exit 1
     (a runtime error), saying that the answers were released — charged and committed — and how to print them
     again. stdout then points at /dev/null, so that the interpreter's last flush at exit prints no "Exception
@@ -172,9 +172,13 @@ def stdout_closed(*, released: int, batch: str | None, batch_id_given: bool) -> 
         pass
     again = (f"re-running with the same --batch-id {batch} prints them again without charging" if batch_id_given
              else f"re-running the same command (batch {batch!r}) prints them again without charging")
+    before = (f"{count(replayed, 'answer')} released by an earlier run (printed again, nothing charged)"
+              if replayed else "")
+    if not released:  # review 73, F3: a batch answered before said "released (charged and committed)"
+        return IndknnError(f"stdout was closed by its reader after {before}; {again}")
     return IndknnError(f"stdout was closed by its reader after {count(released, 'answer')} of this run "
-                       f"{'was' if released == 1 else 'were'} released (charged and committed to the ledger); "
-                       f"{again}")
+                       f"{'was' if released == 1 else 'were'} released (charged and committed to the ledger)"
+                       f"{f', and {before}' if before else ''}; {again}")
 
 
 def run_library_call(fn: Callable[[], T]) -> T:

@@ -48,7 +48,7 @@ def embed_command(
     text_column: Optional[str] = typer.Option(None, "--text-column", help="Text column (default: text); a comma list such as title,description is joined with '. '."),
     label_column: Optional[str] = typer.Option(None, "--label-column", help="Label column (default: label; .npz: y; image folders: the class folder names)."),
     id_column: Optional[str] = typer.Option(None, "--id-column", help="Record id column (default: id when the input has such a column, else generated ids ROLE-00000000; \"\" always generates; image folders: FOLDERNAME/CLASS/FILE; .npz: ids)."),
-    user_column: Optional[str] = typer.Option(None, "--user-column", help="User id column (optional; .npz: users)."),
+    user_column: Optional[str] = typer.Option(None, "--user-column", help="User id column (default: user, when the input has one; \"\" reads none; .npz: users)."),
     image_column: Optional[str] = typer.Option(None, "--image-column", help="Image path column of a table of images (default: path; relative to the table's folder)."),
     vector_column: Optional[str] = typer.Option(None, "--vector-column", help="List column of precomputed vectors in Parquet / JSON lines (default: vector; .npz: x)."),
     label_names: Optional[str] = typer.Option(None, "--label-names", help="Comma-separated class names (or a JSON list, '[\"a, b\", \"c\"]', for names holding commas), fixed at store creation: required when the store is created from private rows (every answer is one of them, so the list is declared, never read from private data); from --role public or test rows the default is their sorted distinct labels."),

@@ -69,7 +69,7 @@ def serve_command(
 
     sink: list = []  # the --out writer of the current attempt
 
-    printed: list = [0]  # answer lines this command has written to stdout (retry guard below)
+    printed: list = [0, 0]  # answer lines this command has written to stdout (retry guard below), and replayed ones
     returned: list = [0, 0]  # answers returned by this attempt, and abstentions among them (--min-margin)
 
     def emit(rows):  # called once per committed part: its answers go out now, nothing is kept
@@ -84,9 +84,12 @@ def serve_command(
             try:
                 emit_json_lines(rows)
             except BrokenPipeError:  # `| head -1` (review 66, F10): this part is committed, charged and released
-                raise stdout_closed(released=printed[0] + len(rows), batch=batch_name[0] if batch_name else batch_id,
+                again = len(rows) if getattr(rows, "replayed", False) else 0  # or released earlier (review 73, F3)
+                raise stdout_closed(released=printed[0] - printed[1] + len(rows) - again,
+                                    replayed=printed[1] + again, batch=batch_name[0] if batch_name else batch_id,
                                     batch_id_given=batch_id is not None) from None
             printed[0] += len(rows)
+            printed[1] += len(rows) if getattr(rows, "replayed", False) else 0
 
     upstream_line: list = []
     batch_name: list = []  # the batch's name once known (--batch-id, else the query batch's), for stdout_closed
