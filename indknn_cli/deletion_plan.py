@@ -55,6 +55,9 @@ class DeleteResult:
             "record_ids": self.record_ids, "bytes_rewritten": self.bytes_rewritten, "dry_run": self.dry_run,
             "pending_completed": self.pending_completed,
         }
+        if self.dry_run:  # nothing was erased; what would be is named so (review 73, F6: a script reading
+            out = {"records_erased": 0, "records_to_erase": self.records_erased,  # records_erased counted it)
+                   **{k: v for k, v in out.items() if k != "records_erased"}}
         if self.compaction is not None:
             out["compaction"] = self.compaction
         if self.ledger_unreadable is not None:

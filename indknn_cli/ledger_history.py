@@ -122,17 +122,35 @@ def answers_summary(tables, *, k_min: float | None) -> dict:
     footer, so the file's sha256 (in the snapshot's hash chain) covers it; a summary that disagrees with the
     footer's row count is ignored and the columns are read instead."""
     counts: dict[str, int] = {}
-    rows = finite = at = 0
+    rows = finite = at = seeded = 0
     for t in tables:
         rows += t.num_rows
         _add_label_counts(counts, t.column("label_name"))
+        seeded += _seeded(t.column("seed"))
         if k_min is not None:
             f, a = _clamp_counts(t.column("released_count"), k_min)
             finite, at = finite + f, at + a
-    out = {"rows": rows, "label_counts": [[name, n] for name, n in counts.items()]}
+    out = {"rows": rows, "label_counts": [[name, n] for name, n in counts.items()], "seeded": seeded}
     if k_min is not None:
         out.update(k_min=float(k_min), released_finite=finite, at_k_min=at)
     return out
+
+
+def _seeded(column) -> int:
+    """Answers of one ``seed`` column released by a seeded run (their noise is recomputable from the seed)."""
+    return int(len(column) - column.null_count)
+
+
+def seeded_answers(state) -> int:
+    """Answers released with a fixed ``--seed`` (review 73, F0: the seed is printed with each answer, so whoever
+    reads them can recompute the noise; `account` says the guarantee does not cover them)."""
+    src = state._answers_src
+    n = 0
+    if src is not None and src.summary is not None and "seeded" in src.summary:
+        n = int(src.summary["seeded"])
+    elif src is not None:
+        n = _seeded(src.column("seed"))
+    return n + sum(_seeded(t.column("seed")) for t in state._answers_parts)
 
 
 def _count(v) -> bool:
@@ -146,7 +164,7 @@ def _valid_summary(s, rows: int) -> bool:
     pairs = s["label_counts"]
     if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and _count(p[1]) for p in pairs):
         return False
-    if sum(p[1] for p in pairs) > rows:
+    if sum(p[1] for p in pairs) > rows or ("seeded" in s and not (_count(s["seeded"]) and s["seeded"] <= rows)):
         return False
     if "k_min" in s:
         k, f, a = s.get("k_min"), s.get("released_finite"), s.get("at_k_min")
@@ -233,6 +251,7 @@ def check_answers_summary(state) -> str:
     counts: dict[str, int] = {}
     _add_label_counts(counts, src.column("label_name"))
     ok = [[name, n] for name, n in counts.items()] == [list(p) for p in src.summary["label_counts"]]
+    ok = ok and ("seeded" not in src.summary or _seeded(src.column("seed")) == src.summary["seeded"])
     if ok and "k_min" in src.summary:
         finite, at = _clamp_counts(src.column("released_count"), src.summary["k_min"])
         ok = (finite, at) == (src.summary["released_finite"], src.summary["at_k_min"])

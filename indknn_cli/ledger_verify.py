@@ -14,6 +14,7 @@ from .errors import BadInputError, LedgerError, LedgerIntegrityError
 from .ledger_integrity import binding_of, check_binding, check_mark, head_seq, read_mark, snapshot_is_chained
 from .ledger_rows import check_erased_owners, check_erased_rows_blank, check_rows_hold_records
 from .rounding import up
+from .store_layout import check_private_chunks
 from .wording import adjacency, count, per_unit
 
 #: A failed verification is tried again while the ledger folder changes under it (a serve committing, a compaction
@@ -130,6 +131,7 @@ def _verify_once(ledger_path, *, store_path=None) -> dict:
             compared = check_rows_hold_records(ledger, store)
             check_erased_owners(ledger, store)
             check_erased_rows_blank(store, ledger)  # review 67, F2; review 72, F1
+            check_private_chunks(store)  # review 73, F16
             twin_info = _check_recorded(other, ledger, other_mark) if other is not None else None
             out["store"] = {
                 "path": str(store.path), "store_uuid": store.uuid, "recorded_by_ledger": not explicit,

@@ -44,14 +44,14 @@ from .wording import count, per_unit
 from .report_plot import check_plot_path
 from .realised import realised_loss  # noqa: F401 (also imported from here: export, tests)
 from .report_wording import (ADJACENCY, OPERATOR_ONLY_NOTE, REALISED_LABEL, SUBJECT_NOTE, USER_LEVEL_NOTE,  # noqa: F401
-                             USER_UNIT_NOTE, tuned_conversion_label, unit_figures)  # (REALISED_LABEL: the CLI's and tests' import)
+                             USER_UNIT_NOTE, seeded_note, tuned_conversion_label, unit_figures)  # (REALISED_LABEL: the CLI's and tests' import)
 
 log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
 
 #: The keys of the ledger-wide guarantee, the only ledger-level figures a data-subject view carries.
 _GUARANTEE_KEYS = ("ledger", "format_version", "unit", "adjacency", "scope", "budget", "delta", "epsilon", "tuning",
                    "conversion", "conversion_label", "epsilon_by_conversion", "ledger_delta", "ledger_conversion",
-                   "target_epsilon", "target_conversion", "guarantees", "next_charge_at_least")
+                   "target_epsilon", "target_conversion", "guarantees", "next_charge_at_least", "seeded_answers")
 QUANTILES = (("min", 0.0), ("median", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
 # -- conversions -----------------------------------------------------------------
 def _quantiles(values: np.ndarray) -> dict[str, float | None]:
@@ -352,6 +352,7 @@ def build_account_report(
         "guarantees": guarantees,
         **({"tuning": tuning_share} if tuning_share is not None else {}),
         "next_charge_at_least": c1,
+        "seeded_answers": (seeded := ledger_history.seeded_answers(s)),  # a void guarantee (review 73, F0)
         "records": n,
         "records_active": n_active,
         "records_retired": n_retired,
@@ -409,17 +410,17 @@ def build_account_report(
                     over = int(np.count_nonzero(np.minimum(spent, budget) > threshold))
         passed = epsilon is not None and math.isfinite(epsilon) and epsilon <= eps
         data["check_eps"] = {
-            "eps": eps, "delta": use_delta, "conversion": use_conv, "epsilon": _finite(epsilon), "passed": passed,
+            "eps": eps, "delta": use_delta, "conversion": use_conv, "epsilon": _finite(epsilon),
+            "passed": passed and not seeded, "seeded_answers": seeded, "records_realised_above_eps": over,
             "excess": None if passed or epsilon is None else (epsilon - eps if math.isfinite(epsilon) else None),
-            "records_realised_above_eps": over, "realised_label": REALISED_LABEL,
-        }
+            "realised_label": REALISED_LABEL}
+        failures += [(CheckFailedError, seeded_note(seeded))] if seeded else []
         if not passed:
             # rounded against the user (review 47): the ε and the excess up, the figures given exactly
             shown = "inf" if epsilon is None else up(epsilon)
             by = "an unbounded amount" if epsilon is None else up(epsilon - eps)
-            failures.append((CheckFailedError,
-                             f"the ledger's guarantee ε({use_conv}) = {shown} at δ = {given(use_delta)} "
-                             f"({data['unit'] if 'unit' in data else 'record'} unit, {data.get('adjacency', ADJACENCY)}) is above "
+            failures.append((CheckFailedError, f"the ledger's guarantee ε({use_conv}) = {shown} at δ = "
+                             f"{given(use_delta)} ({data.get('unit', 'record')} unit, {data.get('adjacency', ADJACENCY)}) is above "
                              f"--eps {given(eps)} by {by} (B = {up(budget)})"))
     if min_spec is not None:
         kind, value = min_spec

@@ -50,3 +50,11 @@ def tuned_conversion_label(share: dict) -> str:
     search = ("ZCDpEvent(ρ) of the exponential mechanism" if share.get("method") == "exp-mech"
               else "RepeatAndSelectDpEvent of the random search")
     return f"RDP composition of the tuning search ({search}) with serving's α·B, dp-accounting RdpAccountant"
+
+
+def seeded_note(n: int) -> str:
+    """What `account` says of answers released by a seeded serve (review 73, F0): the seed is printed with each
+    answer, so whoever reads them can recompute the noise and with it the exact count of records near each query."""
+    return (f"{n} answer{'s were' if n != 1 else ' was'} released with a fixed --seed (for experiments only): the seed "
+            "is printed with each answer, so their noise can be recomputed: the guarantee does not hold for the "
+            "records near those queries")

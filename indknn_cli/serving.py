@@ -26,6 +26,7 @@ from .ledger import BudgetLedger
 from .serve_pipeline import Committer, PassScreen, event_columns, responsive_threads, signals_deferred
 from .object_store import local_path
 from .store import FeatureStore
+from .store_layout import check_private_chunks
 from .user_unit import UserBudgetView
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ def serve_queries(
                 release(rows)
             return ServeResult(batch_id, released, 0, already, seed, queries_answered(ledger), allowance, holes)
         gate.check(allowance, new_queries=q_stop - todo_start)  # public figures only, before any charge
+        check_private_chunks(store)  # a chunk file lost is refused, as a damaged one is (review 73, F16)
         sync_ledger(ledger, store)
         state = ledger.state
         # No branch on whether any record is active (SPEC §8): retired and deleted records are simply never

@@ -68,9 +68,10 @@ def served_template(tmp_path_factory):
     store = _make_store(root / "store.zarr")
     ledger = root / "L"
     build_index(store_path=store.path, ledger_path=ledger, params=make_params(**PARAMS))
-    serve_queries(store_path=store.path, ledger_path=ledger, query_batch="q1", batch_size=16, seed=3)
+    # unseeded (noise from OS entropy): a seeded ledger fails every --eps check (review 73, F0)
+    serve_queries(store_path=store.path, ledger_path=ledger, query_batch="q1", batch_size=16)
     _delete(ledger, DELETED, store)
-    serve_queries(store_path=store.path, ledger_path=ledger, query_batch="q2", batch_size=64, seed=4)
+    serve_queries(store_path=store.path, ledger_path=ledger, query_batch="q2", batch_size=64)
     return root
 
 
@@ -102,7 +103,7 @@ def synthetic_ledger(path, spent_fraction, *, deleted=(), params=None):
         "part": [None] * charged.size + [0], "query_index": [None] * charged.size + [0],
         "query_id": [None] * charged.size + ["q0"], "query_row": [None] * charged.size + [0],
         "label": [None] * charged.size + [0], "label_name": [None] * charged.size + ["a"],
-        "released_count": [None] * charged.size + [30.0], "seed": [None] * charged.size + ["1"],
+        "released_count": [None] * charged.size + [30.0], "seed": [None] * (charged.size + 1),
     })
     if len(deleted):
         led.commit_event(event_type="delete", info={}, columns={

@@ -284,7 +284,8 @@ def test_cli_dry_run_writes_nothing(vector_store, tmp_path):
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["dry_run"] is True and out["bytes_rewritten"] == 0 and out["ids_not_found"] == ["nope"]
-    assert out["records_erased"] == 7 and "r0001" in out["record_ids"] and out["users"] == ["u001", "u002"]
+    assert out["records_to_erase"] == 7 and "r0001" in out["record_ids"] and out["users"] == ["u001", "u002"]
+    assert out["records_erased"] == 0  # nothing was (review 73, F6)
     assert "dry run" in r.stderr
     assert _digest(vector_store.path, lp) == before
 

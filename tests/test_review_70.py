@@ -82,7 +82,7 @@ def test_f4_dry_run_and_account_read_a_deferred_erasure_as_erased(s3, tmp_path, 
     d = runner.invoke(app, ["delete", "--record", X, "--store", url, "--ledger", str(led), "--dry-run"])
     assert d.exit_code == 0, d.output
     out = json.loads(d.stdout)
-    assert out["records_erased"] == 0 and X in out["already_deleted"], out
+    assert out["records_to_erase"] == 0 and X in out["already_deleted"], out
     assert out["pending_completed"] == 1, out
     a = runner.invoke(app, ["account", "--ledger", str(led), "--store", url, "--json"])
     assert a.exit_code == 0, a.output

@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 from indknn_cli.cli.app import app
 from indknn_cli.store import FeatureStore
 
+from .test_review_54 import pair  # noqa: F401 (the fixture)
+
 runner = CliRunner()
 
 
@@ -49,3 +51,50 @@ def test_user_column_empty_reads_no_user_ids(tmp_path):
                             "--label-names", "a,b", "--user-column", ""])
     assert r.exit_code == 0, r.output
     assert {str(u) for u in FeatureStore.open(s, mode="r").read("private", "user_id")} == {""}
+
+
+@pytest.mark.heavy
+def test_f0_account_flags_a_ledger_with_seeded_answers_and_its_eps_check_fails(vector_store, tmp_path):
+    """F0: `serve-queries --seed N` on a real ledger prints the seed with every answer, so anyone can recompute the
+    noise (the reviewer recovered the exact count near each query); `account` still showed ε = 1 and `account --eps 1`
+    passed. It now says so, and the check fails, also after the ledger is compacted (the answers file's footer)."""
+    from indknn_cli.ledger import BudgetLedger
+
+    s, lp = str(vector_store.path), str(tmp_path / "L")
+    assert runner.invoke(app, ["index", "--store", s, "--ledger", lp, "--eps", "1", "--tau", "0.5"]).exit_code == 0
+    r = runner.invoke(app, ["serve-queries", "q1", "--store", s, "--ledger", lp, "--batch-id", "b0"])
+    assert r.exit_code == 0, r.output
+    ok = runner.invoke(app, ["account", "--ledger", lp, "--eps", "1", "--json"])
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["seeded_answers"] == 0, ok.output
+    r = runner.invoke(app, ["serve-queries", "q1", "--store", s, "--ledger", lp, "--batch-id", "b1", "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    for compacted in (False, True):
+        if compacted:  # the answers move into the snapshot's answers file, counted in its footer
+            r = runner.invoke(app, ["delete", "--compact", "--store", s, "--ledger", lp])
+            assert r.exit_code == 0, r.output
+            assert BudgetLedger.open(lp).state._answers_src.summary["seeded"] == 40
+        a = runner.invoke(app, ["account", "--ledger", lp])
+        assert a.exit_code == 0 and "released with a fixed --seed" in " ".join(a.stdout.split()), a.output
+        c = runner.invoke(app, ["account", "--ledger", lp, "--eps", "1", "--json"])
+        assert c.exit_code != 0, c.output
+        assert json.loads(c.stdout)["seeded_answers"] == 40 and "fixed --seed" in " ".join(c.stderr.split())
+    v = runner.invoke(app, ["account", "--ledger", lp, "--store", s, "--verify"])
+    assert v.exit_code == 0, v.output  # the footer's count is checked against the rows
+
+
+def test_f16_a_missing_chunk_fails_verify_and_a_chunk_of_erased_rows_does_not(pair):  # noqa: F811
+    """F16: a private chunk file removed (a partial restore, a failed copy) read back as zeros and labels -1:
+    `serve-queries` answered without its records and `account --verify` passed. A chunk every row of which was erased
+    may be absent (zarr stores no chunk of fill values only): that one is not refused."""
+    sp, lp = pair
+    ids = [f"r{i:03d}" for i in range(16)]  # rows 0-15: the first chunk
+    r = runner.invoke(app, ["delete", "--store", str(sp), "--ledger", str(lp),
+                            *sum((["--record", i] for i in ids), [])])
+    assert r.exit_code == 0, r.output
+    (sp / "private" / "features" / "c" / "0" / "0").unlink()  # erased rows only: an absent chunk is theirs
+    v = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"])
+    assert v.exit_code == 0, v.output
+    chunk = sp / "private" / "features" / "c" / "1" / "0"  # rows 16-31, live
+    chunk.unlink()
+    v = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"])
+    assert v.exit_code != 0 and "is missing" in " ".join(v.output.split()), v.output

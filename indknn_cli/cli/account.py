@@ -81,6 +81,10 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
             out.print(escape(f"  {c}: {CONVERSION_LABEL[c]}"))
     else:  # review 65, F4: the rdp column is the composition; the gdp one is empty
         out.print(escape(f"  rdp: {d['conversion_label']}; gdp: not applicable to the composition"))
+    if d.get("seeded_answers"):  # review 73, F0: a seeded serve's answers carry their seed
+        from ..report_wording import seeded_note
+
+        out.print("[bold yellow]warning:[/] " + escape(seeded_note(d["seeded_answers"])))
     out.print(f"the ledger was calibrated for ε({escape(d['target_conversion'])}) = {_given(d['target_epsilon'])} "
               f"at δ = {_given(d['ledger_delta'])}, {escape(d['adjacency'])}")
     t = d.get("tuning")
@@ -174,6 +178,15 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
             out.print(f"last {HISTORY_ROWS} of {len(hist)} batches (all of them in --json)")
 
 
+def _seeded(chk: dict) -> str:
+    """Why an --eps check failed whatever the ε (review 73, F0)."""
+    if not chk.get("seeded_answers"):
+        return ""
+    from ..report_wording import seeded_note
+
+    return f", but {seeded_note(chk['seeded_answers'])}"
+
+
 def _one_line_check(report: AccountReport) -> None:
     """`account --eps/--min-active` used as a check off a terminal (or with --quiet): one verdict line on stderr,
     the documented exit code, no tables."""
@@ -183,7 +196,7 @@ def _one_line_check(report: AccountReport) -> None:
     if chk is not None:
         parts.append(f"--eps {_given(chk['eps'])} check {'passed' if chk['passed'] else 'FAILED'}: guarantee "
                      f"ε({chk['conversion']}) = {_checked_eps(chk)} at δ = {_given(chk['delta'])}, "
-                     f"{d['adjacency']}")
+                     f"{d['adjacency']}{_seeded(chk)}")
     chk = d.get("check_min_active")
     if chk is not None:
         parts.append(f"--min-active {chk['min_active']} check {'passed' if chk['passed'] else 'FAILED'}: "
@@ -304,7 +317,7 @@ def account_command(
         over = chk["records_realised_above_eps"]
         verdict = "passed" if chk["passed"] else "FAILED"
         err.print(escape(f"--eps {_given(chk['eps'])} check {verdict}: guarantee ε({chk['conversion']}) = "
-                         f"{_checked_eps(chk)} at δ = {_given(chk['delta'])}, {d['adjacency']}"))
+                         f"{_checked_eps(chk)} at δ = {_given(chk['delta'])}, {d['adjacency']}{_seeded(chk)}"))
         err.print(escape(f"{over} {'record' if over == 1 else 'records'}' realised loss ε({chk['conversion']}, per "
                          f"{d['unit']}, {d['adjacency']}) is above {_given(chk['eps'])} (informational: {REALISED_LABEL})"))
     chk = d.get("check_min_active")

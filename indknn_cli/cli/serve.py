@@ -161,4 +161,6 @@ def serve_command(
                          "last recorded answer have no answer (lost in a ledger repair: an unreadable event, or "
                          "answer rows it left out) and are not answered again"))
     if seed is not None:
-        err.print(f"[yellow]seeded run (--seed {seed}): for experiments only, not for real answers[/]")
+        err.print(f"[yellow]seeded run (--seed {seed}): for experiments only, not for real answers: the seed is "
+                  "printed with each answer, so their noise can be recomputed; `account` flags this ledger and "
+                  "its --eps check fails[/]")
