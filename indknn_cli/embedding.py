@@ -270,10 +270,12 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
     else:
         if not src.has_labels:
             raise BadInputError(src.missing_labels_message())
-        present = src.label_values() or []
+        # labels compared in Unicode NFC, as ids are (review 73, F13: a decomposed "Café" was "unknown label 'Café';
+        # the store's labels are ['Café', …]", two names that print the same)
+        present = list(dict.fromkeys(canonical(v) for v in src.label_values() or []))
         if store is not None:
             names = list(store.label_names)
-            if label_names is not None and list(label_names) != names:
+            if label_names is not None and [canonical(n) for n in label_names] != [canonical(n) for n in names]:
                 raise BadInputError(f"--label-names {label_names} differ from the store's label names {names} "
                                     f"(label names are fixed when the store is created)")
         else:
@@ -287,7 +289,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                     "records); or create the store from labelled public rows (--role public) first")
             names = list(label_names) if label_names is not None else sort_label_names(present)
             names_source = "declared" if label_names is not None else "public rows"  # only they may infer it
-        name_index = {n: i for i, n in enumerate(names)}
+        name_index = {canonical(n): i for i, n in enumerate(names)}
         unknown = [v for v in present if v not in name_index]
         if unknown:
             raise BadInputError(f"{src.name}: {first_row_of(src, unknown[0])}unknown label {shown(unknown[0])}"
@@ -426,7 +428,7 @@ def _embed_source(src: Source, *, store: FeatureStore | None, store_path: Path, 
                         if use_labels:
                             lab_idx = np.empty(len(keep), dtype=np.int32)
                             for k, lab in enumerate(labels):
-                                if lab not in name_index:
+                                if (lab := canonical(lab)) not in name_index:
                                     raise BadInputError(f"{src.name}: row {rows_k[k] + 1}: unknown label {shown(lab)}; "
                                                         f"the store's labels are {names}")
                                 lab_idx[k] = name_index[lab]

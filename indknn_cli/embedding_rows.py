@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import BadInputError, StoreError
+from .id_text import canonical
 from .extractors import Extractor
 from .readers import Source, open_source
 from .store import normalize_rows
@@ -81,6 +82,6 @@ def first_row_of(src: Source, label: str) -> str:
     read again on this error path only."""
     for rb in src.batches(labels=True):
         for k, value in enumerate(rb.labels or []):
-            if value == label:
+            if canonical(value) == label:  # labels are compared in NFC (review 73, F13)
                 return f"row {rb.start + k + 1}: "
     return ""

@@ -98,3 +98,17 @@ def test_f16_a_missing_chunk_fails_verify_and_a_chunk_of_erased_rows_does_not(pa
     chunk.unlink()
     v = runner.invoke(app, ["account", "--store", str(sp), "--ledger", str(lp), "--verify"])
     assert v.exit_code != 0 and "is missing" in " ".join(v.output.split()), v.output
+
+
+def test_f13_labels_are_compared_in_nfc(tmp_path):
+    """F13: a label written decomposed (macOS tools, some exports) against --label-names typed composed was refused
+    as "unknown label 'Café'; the store's labels are ['Café', 'Tea']"; labels are compared in NFC, as ids are."""
+    nfc, nfd = "Caf\u00e9", "Cafe\u0301"
+    p = tmp_path / "u.jsonl"
+    p.write_text(json.dumps({"id": "a1", "label": nfd, "vector": [1, 2, 3]}) + "\n"
+                 + json.dumps({"id": "a2", "label": "Tea", "vector": [3, 2, 1]}) + "\n")
+    s = str(tmp_path / "s.zarr")
+    r = runner.invoke(app, ["embed", str(p), "--store", s, "--extractor", "vectors", "--label-names", f"{nfc},Tea"])
+    assert r.exit_code == 0, r.output
+    st = FeatureStore.open(s, mode="r")
+    assert list(st.read("private", "labels")) == [0, 1] and list(st.label_names) == [nfc, "Tea"]

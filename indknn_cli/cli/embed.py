@@ -25,6 +25,7 @@ def parse_label_names(text: Optional[str]) -> Optional[list]:
     import json
 
     from ..errors import BadInputError
+    from ..id_text import canonical
 
     if text is None:
         return None
@@ -35,8 +36,8 @@ def parse_label_names(text: Optional[str]) -> Optional[list]:
             raise BadInputError(f"--label-names {text!r}: not a JSON list (give a,b,c or [\"a\", \"b\"])") from None
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise BadInputError(f"--label-names {text!r}: the JSON list must hold strings only")
-        return [n.strip() for n in names]
-    return [n.strip() for n in text.split(",")]
+        return [canonical(n.strip()) for n in names]
+    return [canonical(n.strip()) for n in text.split(",")]  # in NFC, as ids (review 73, F13)
 
 
 def embed_command(
