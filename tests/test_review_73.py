@@ -112,3 +112,15 @@ def test_f13_labels_are_compared_in_nfc(tmp_path):
     assert r.exit_code == 0, r.output
     st = FeatureStore.open(s, mode="r")
     assert list(st.read("private", "labels")) == [0, 1] and list(st.label_names) == [nfc, "Tea"]
+
+
+@pytest.mark.heavy
+def test_f15_a_stored_batch_answered_under_another_batch_id_says_so(vector_store, tmp_path):
+    """F15: `serve-queries q1 --batch-id b2` answered q1's queries again, charged, without a word on the two names."""
+    s, lp = str(vector_store.path), str(tmp_path / "L")
+    assert runner.invoke(app, ["index", "--store", s, "--ledger", lp, "--eps", "1", "--tau", "0.5"]).exit_code == 0
+    r = runner.invoke(app, ["serve-queries", "q1", "--store", s, "--ledger", lp, "--batch-id", "b2"])
+    assert r.exit_code == 0, r.output
+    assert "query batch 'q1' is answered under --batch-id 'b2'" in " ".join(r.stderr.split())
+    r = runner.invoke(app, ["serve-queries", "q1", "--store", s, "--ledger", lp])
+    assert r.exit_code == 0 and "answered under" not in r.stderr

@@ -125,6 +125,10 @@ def serve_command(
         name = resolve_query_batch(store_path=sp, queries=queries, batch_id=batch_id, upstream=upstream,
                                    reader_options=opts, device=device, lock_timeout=lock_timeout)
         batch_name[:] = [batch_id or name]
+        if batch_id is not None and name != batch_id:  # review 73, F15: two names, without a word
+            err.print(escape(f"note: query batch {name!r} is answered under --batch-id {batch_id!r}: a batch id of its "
+                             "own answers its queries again, with fresh noise, charged (leave --batch-id out to "
+                             "re-print the answers released under its own name)"), soft_wrap=True)
         # --out: answers appended as each part commits to a hidden temporary file, renamed onto --out when the
         # run ends (answers_out.py); a failed run leaves --out as it was. Answers held: one part's.
         with progress_bar("answering", total=batch_size_or_none(sp, name)) as update, \
