@@ -67,6 +67,8 @@ class EmbedResult:
         if self.role in ("query", TEST_ROLE):
             out["batch_id"] = self.batch  # the name answers carry too (review 42, M4)
             out["batch"] = self.batch  # the same, under the name it had before 2026-11-28 (pipes written for it)
+        if self.role == "private":  # exact counts of the private rows, as index, delete and account say (review 73 F12)
+            out["operator_only"] = "operator-only: rows_added and rows_skipped are exact counts of private rows"
         return out
 
 

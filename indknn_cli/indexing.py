@@ -362,7 +362,7 @@ def _unit_checks(store: FeatureStore, params: PrivacyParams | None, *, creating:
     if has_user.any():  # review 55, F4: on an existing ledger --privacy-unit user is refused: never advise it there
         return ["the store has user ids but the privacy unit is record: a person with several records is "
                 "protected per record, not as a person; " + (
-                    "consider --privacy-unit user" if creating else
+                    "consider --privacy-unit user (with --tau and --sigma2: --tune is per record)" if creating else
                     "the unit is fixed when the ledger is made (per-user protection needs a new store and ledger "
                     "made with --privacy-unit user)")]
     return []

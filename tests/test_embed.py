@@ -106,7 +106,9 @@ def test_text_csv_into_a_new_store(tmp_path, minilm):
                            label_names=["Business", "Sports", "World"],
                            progress=lambda done, total: seen.append((done, total)))
     assert res.as_dict() == {"store": str(tmp_path / "s.zarr"), "role": "private", "rows_added": 4,
-                             "rows_skipped": 0, "d": 384, "extractor": minilm.info.as_dict()}
+                             "rows_skipped": 0, "d": 384, "extractor": minilm.info.as_dict(),
+                             "operator_only": "operator-only: rows_added and rows_skipped are exact counts of private "
+                                              "rows"}
     assert seen == [(3, 4), (4, 4)]
     s = FeatureStore.open(tmp_path / "s.zarr")
     assert s.label_names == ["Business", "Sports", "World"]
@@ -437,7 +439,8 @@ def test_cli_embed_prints_one_json_line(tmp_path, minilm):
     assert len(lines) == 1
     out = json.loads(lines[0])
     assert out == {"store": str(store), "role": "private", "rows_added": 2, "rows_skipped": 0, "d": 384,
-                   "extractor": minilm.info.as_dict()}
+                   "extractor": minilm.info.as_dict(), "operator_only": "operator-only: rows_added and rows_skipped "
+                                                                         "are exact counts of private rows"}
     assert "{" not in result.stderr  # the progress bar and messages only
     # a query batch through stdin
     result = runner.invoke(app, ["embed", "-", "--store", str(store), "--role", "query", "--device", "cpu"],
