@@ -44,7 +44,7 @@ from .wording import count, per_unit
 from .report_plot import check_plot_path
 from .realised import realised_loss  # noqa: F401 (also imported from here: export, tests)
 from .report_wording import (ADJACENCY, OPERATOR_ONLY_NOTE, REALISED_LABEL, SUBJECT_NOTE, USER_LEVEL_NOTE,  # noqa: F401
-                             USER_UNIT_NOTE, seeded_note, tuned_conversion_label, unit_figures)  # (REALISED_LABEL: the CLI's and tests' import)
+                             USER_UNIT_NOTE, public_tuning, seeded_note, tuned_conversion_label, unit_figures)
 
 log = logging.getLogger(__name__)  # --verbose: indknn's own INFO lines on stderr
 
@@ -223,8 +223,7 @@ def build_account_report(
     ``report.failures``; :func:`enforce_checks` raises them, so the caller can
     print the report first.
     """
-    # ids as `embed` stores them: surrounding whitespace trimmed (review 38, F3: " sp1 " was "not in the ledger")
-    # and in Unicode NFC (review 53, F2), matched against every stored spelling (id_text)
+    # ids as `embed` stores them: trimmed (review 38, F3), in NFC (review 53, F2), against every stored spelling
     record_id = None if record_id is None else canonical(str(record_id).strip())
     user_id = None if user_id is None else canonical(str(user_id).strip())
     # validate every option before reading anything
@@ -309,7 +308,7 @@ def build_account_report(
             raise BadInputError("--conversion gdp: this ledger was tuned privately (index --tune private); its "
                                 "guarantee composes the search with serving by RDP, and the Gaussian-DP curve does "
                                 "not apply to the search: give --conversion rdp, or leave it out")
-        tuning_share["epsilon_serving_alone"] = headline["rdp"]
+        tuning_share.update(epsilon_serving_alone=headline["rdp"], **unit_figures(params.privacy_unit))  # rev. 73 F8
         headline = {"gdp": None, "rdp": _finite(tuning_share["epsilon_total"])}
         for g in guarantees:
             g["epsilon_by_conversion"] = {"gdp": None, "rdp": _finite(tuning_headline(
@@ -351,6 +350,7 @@ def build_account_report(
         "target_conversion": params.conversion,
         "guarantees": guarantees,
         **({"tuning": tuning_share} if tuning_share is not None else {}),
+        **public_tuning(ledger.meta.get("tuning")),  # --tune public (review 73, F7: account said nothing)
         "next_charge_at_least": c1,
         "seeded_answers": (seeded := ledger_history.seeded_answers(s)),  # a void guarantee (review 73, F0)
         "records": n,

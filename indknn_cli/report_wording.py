@@ -58,3 +58,13 @@ def seeded_note(n: int) -> str:
     return (f"{n} answer{'s were' if n != 1 else ' was'} released with a fixed --seed (for experiments only): the seed "
             "is printed with each answer, so their noise can be recomputed: the guarantee does not hold for the "
             "records near those queries")
+
+
+def public_tuning(t: dict | None) -> dict:
+    """`account`'s ``tuned_on_public_rows`` for a ledger made with ``index --tune public`` (else nothing)."""
+    if not t or t.get("mode") != "public":
+        return {}
+    return {"tuned_on_public_rows": {
+        "chosen": {"tau": t.get("chosen_tau"), "sigma2": t.get("chosen_sigma2")}, "epsilon_tuning": 0.0,
+        "note": "τ and σ2 chosen on the store's labelled public rows (index --tune public): no private record read, "
+                "no privacy cost"}}

@@ -493,6 +493,7 @@ def test_account_shows_the_tuning_share(tune_store, tmp_path, method):
     assert d["conversion"] == "rdp" and d["epsilon"] == t["epsilon_total"] <= 2.0
     assert d["epsilon_by_conversion"]["gdp"] is None
     assert t["epsilon_tuning"] < d["epsilon"] and t["epsilon_serving_alone"] < d["epsilon"]
+    assert (t["conversion"], t["unit"], t["adjacency"]) == ("rdp", "record", "add/remove one record")  # rev. 73 F8
     res = runner.invoke(app, ["account", "--ledger", str(ledger_path)], env={"INDKNN_WIDTH": "200"})
     assert res.exit_code == 0, res.output
     assert "of which tuning" in res.stdout and "rdp" in res.stdout
@@ -518,8 +519,14 @@ def test_public_tuning_is_free(tmp_path):
     from indknn_cli.accounting import calibrate_budget
 
     assert led.params.budget == calibrate_budget(epsilon=2.0, delta=1e-5, conversion="gdp")  # nothing paid
-    assert build_account_report(ledger_path=tmp_path / "l").data.get("tuning") is None
+    d = build_account_report(ledger_path=tmp_path / "l").data
+    assert d.get("tuning") is None
     assert res.as_dict()["tuning"]["public_accuracy"] > 0.5
+    # review 73, F7: account says how τ and σ2 were chosen, and that it cost nothing
+    pub = d["tuned_on_public_rows"]
+    assert pub["epsilon_tuning"] == 0.0 and pub["chosen"]["tau"] == led.meta["tuning"]["chosen_tau"]
+    r = CliRunner().invoke(app, ["account", "--ledger", str(tmp_path / "l")])
+    assert r.exit_code == 0 and "no privacy cost" in " ".join(r.stdout.split()), r.output
 
 
 def test_cli_index_tune(tune_store, tmp_path):

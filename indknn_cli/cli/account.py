@@ -87,6 +87,9 @@ def _print_tables(report: AccountReport, *, full: bool) -> None:
         out.print("[bold yellow]warning:[/] " + escape(seeded_note(d["seeded_answers"])))
     out.print(f"the ledger was calibrated for ε({escape(d['target_conversion'])}) = {_given(d['target_epsilon'])} "
               f"at δ = {_given(d['ledger_delta'])}, {escape(d['adjacency'])}")
+    if d.get("tuned_on_public_rows"):
+        p = d["tuned_on_public_rows"]
+        out.print(escape(f"tuning: τ={p['chosen']['tau']:g}, σ2={p['chosen']['sigma2']:g}, {p['note']}"))
     t = d.get("tuning")
     if t is not None:  # index --tune private: the headline composes the search with serving (RDP)
         how = ("by the exponential mechanism" if t.get("method") == "exp-mech" else
