@@ -154,6 +154,10 @@ def test_no_baselines_gives_the_rows_the_script_printed(tmp_path):
                                      seed=3, baselines=False, epsilons=(1.0, 2.0), **tiny)
     data = json.loads(Path(summary["json"]).read_text())
     assert data["tuning"] == {} and "--no-baselines" in data["table"]["note"]
+    # review 73, F10: no word of the other rows' protocol (tuned without accounting) nor of a Gaussian-DP ε
+    note = data["table"]["note"]
+    assert "ε of Ind-KNN: Gaussian-DP" not in note and "without accounting" not in note
+    assert data["protocol"] is None and data["tuned_on"].startswith("Ind-KNN alone, tuned privately")
     assert {r["method"] for r in data["results"]} == {private_tuning.PRIVATE, private_tuning.ORACLE}
     # the script: load, split, prepare, draw, private_rows per ε
     ds = load_dataset(str(store.path))

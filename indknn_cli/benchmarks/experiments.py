@@ -197,13 +197,15 @@ def accuracy_vs_eps(ds: Dataset, split: Split, cfg: BenchConfig, progress: Progr
         rows += _nonprivate_rows(p, cfg, draws, tuning, progress)
     timing["total"] = time.perf_counter() - t_start
     maj = majority_class(p, draws)
-    note = privacy_note(cfg, p.T) + (
+    note = (privacy_note(cfg, p.T) if cfg.baselines else  # review 73, F10: named gdp and the others' accountants
+            f"δ={cfg.delta:g}, T={p.T} queries per draw, median of {cfg.draws} draws. Every ε: {UNIT_TEXT}.") + (
         "" if not cfg.private_tuning else
         " Ind-KNN tuned privately: `index --tune private`'s search on the private side, its RDP cost composed with "
         "serving into the same total ε" + (" (the other rows are tuned non-privately on a validation split)."
                                            if cfg.baselines else "; no other method was run (--no-baselines)."))
     return {"experiment": "accuracy-vs-eps", "dataset": dataset_info(p), "config": cfg.as_dict(),
-            "protocol": PROTOCOL, "results": rows, "tuning": tuning, "seconds": timing, "majority_class": maj,
+            "protocol": PROTOCOL if cfg.baselines else None, "results": rows, "tuning": tuning, "seconds": timing,
+            "majority_class": maj,
             "table": eps_table(rows, cfg.epsilons, note=note, majority=maj)}
 
 
