@@ -146,13 +146,21 @@ def apply_table(s: LedgerState, table: pa.Table, info: dict, *, c1: float) -> No
     erased = info.get("erased_rows")
     if info.get("type") == "delete" and "erased_rows" not in info and dele.any() \
             and isinstance(info.get("store_seen"), dict):
-        # delete events written before the list: the tombstones' former rows, in the numbering the commit recorded
+        # delete events written before the list: the tombstones' former rows, in the numbering the commit recorded,
+        # but those of a deferred erasure (still to overwrite: they join once overwritten; review 74, F2)
+        waiting = set((info.get("rows_to_erase") or {}).get("rows") or [])
         erased = {"store_uuid": info["store_seen"].get("store_uuid"),
-                  "rows": [int(r) for r in table.column("row").to_numpy(zero_copy_only=False)[dele] if r >= 0]}
+                  "rows": [int(r) for r in table.column("row").to_numpy(zero_copy_only=False)[dele]
+                           if r >= 0 and int(r) not in waiting]}
     if isinstance(erased, dict) and erased.get("store_uuid") and erased.get("rows"):
         merge_rows(s, "erased_rows", erased)
     if info.get("type") == "repair":
         s.answers_not_held += int(info.get("answers_not_recovered") or 0)
+        # the lists as they hold for the store repair accepted (review 74, F1/F5: a store restored from a shorter
+        # copy appends new people at row numbers the lists named: they were never admitted, or erased unasked)
+        for name in ("erased_rows", "rows_to_erase"):
+            if isinstance(info.get(f"{name}_reset"), dict):
+                setattr(s, name, info[f"{name}_reset"])
     if info.get("type") == "serve":
         s.add_batch(info.get("batch_id"))
         stats = info.get("state_after")

@@ -41,7 +41,8 @@ from . import store_erased_ids, store_versions
 from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerIntegrityError, LedgerOlderThanStoreError
 from .ledger import BudgetLedger
 from .ledger_current import not_a_file, stand_in
-from .ledger_repair_lost import answers_in_lost_events, checked_answers, deferred_rows, ids_in_lost_events
+from .ledger_repair_lost import (answers_in_lost_events, checked_answers, deferred_rows, erased_rows_now,
+                                 ids_in_lost_events)
 from .ledger_repair_setup import put_back_probes, put_current_back, write_current_back
 from .ledger_rows import check_rows_hold_records, compare_rows
 from .store import ERASE_PENDING_ATTR, FeatureStore
@@ -463,7 +464,8 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
             wst.group("private").attrs.update({ERASE_PENDING_ATTR: sorted(set(pending_before) | set(back.tolist()))})
             wst.mark_deleted("private", back)
         led.commit_event(event_type="repair", info={
-            **({"rows_to_erase": {"store_uuid": store.uuid, "rows": deferred.tolist()}} if deferred.size else {}),
+            "rows_to_erase_reset": {"store_uuid": store.uuid, "rows": deferred.tolist()},
+            "erased_rows_reset": erased_rows_now(led, store, back, n_store),
             "reason": reason[:500], "quarantined": [p.name for p in moved], "records_retired": nc,
             "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
             "answers_left_out": refused, "unreadable_events": unreadable,

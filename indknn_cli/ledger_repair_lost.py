@@ -99,7 +99,7 @@ def rows_to_erase_in_lost_events(paths: list[Path], store_uuid: str) -> list[int
             info = json.loads(meta.get(b"indknn_event", b"{}"))
         except Exception:  # noqa: BLE001 - the damaged event itself
             continue
-        erase = info.get("rows_to_erase") if isinstance(info, dict) else None
+        erase = (info.get("rows_to_erase") or info.get("rows_to_erase_reset")) if isinstance(info, dict) else None
         if isinstance(erase, dict) and erase.get("store_uuid") == store_uuid:
             out.update(int(r) for r in erase.get("rows") or [] if isinstance(r, int) and not isinstance(r, bool))
     return sorted(out)
@@ -117,3 +117,15 @@ def deferred_rows(led, store, moved, quarantine, flagged: np.ndarray, mark: dict
         lost = list(lost) + [int(r) for r in e["rows"] if isinstance(r, int) and not isinstance(r, bool)]
     rows = np.union1d(kept_rows(led, store), np.asarray([r for r in lost if 0 <= r < flagged.size], np.int64))
     return rows[~flagged[rows]] if rows.size else rows.astype(np.int64)
+
+
+def erased_rows_now(led, store, back: np.ndarray, n_store: int) -> dict:
+    """The ledger's ``erased_rows`` as they hold for the store a repair accepts: those below its end (a store
+    restored from a shorter copy appends new people past it: review 74, F1), the rows flagged deleted, and the rows
+    the repair erases again."""
+    from .store_erased_ids import in_ledger
+
+    kept = in_ledger(led, store)
+    flagged = np.flatnonzero(store.read("private", "deleted").astype(bool)) if n_store else np.empty(0, np.int64)
+    rows = np.union1d(np.union1d(kept[kept < n_store], flagged), np.asarray(back, np.int64))
+    return {"store_uuid": store.uuid, "rows": [int(r) for r in rows]}
