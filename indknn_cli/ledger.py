@@ -395,6 +395,7 @@ class BudgetLedger:
                                                   self.path / f"answers-{generation:06d}.parquet")
         meta = dict(self.meta, last_event_seq=max(self.last_event_seq, self.snapshot_event_seq),
                     batches=s.batches, history=s.history[-100000:], answers_not_held=int(s.answers_not_held),
+                    seeded_not_held=int(s.seeded_not_held),
                     store_seen=s.store_seen, rows_to_erase=s.rows_to_erase, erased_rows=s.erased_rows,
                     **integrity.snapshot_chain_fields(self, answers_sha))
         table = ledger_snapshot.record_table(s, meta, c1=c1)

@@ -156,6 +156,7 @@ def apply_table(s: LedgerState, table: pa.Table, info: dict, *, c1: float) -> No
         merge_rows(s, "erased_rows", erased)
     if info.get("type") == "repair":
         s.answers_not_held += int(info.get("answers_not_recovered") or 0)
+        s.seeded_not_held += int(info.get("seeded_not_recovered") or 0)
         # the lists as they hold for the store repair accepted (review 74, F1/F5: a store restored from a shorter
         # copy appends new people at row numbers the lists named: they were never admitted, or erased unasked)
         for name in ("erased_rows", "rows_to_erase"):

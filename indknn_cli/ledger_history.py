@@ -145,11 +145,11 @@ def seeded_answers(state) -> int:
     """Answers released with a fixed ``--seed`` (review 73, F0: the seed is printed with each answer, so whoever
     reads them can recompute the noise; `account` says the guarantee does not cover them)."""
     src = state._answers_src
-    n = 0
+    n = int(getattr(state, "seeded_not_held", 0))  # released, in events a repair could not recover
     if src is not None and src.summary is not None and "seeded" in src.summary:
-        n = int(src.summary["seeded"])
+        n += int(src.summary["seeded"])
     elif src is not None:
-        n = _seeded(src.column("seed"))
+        n += _seeded(src.column("seed"))
     return n + sum(_seeded(t.column("seed")) for t in state._answers_parts)
 
 

@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from . import ledger_mark_remote
+from . import ledger_history, ledger_mark_remote
 from .errors import ConcurrentChangeError, LedgerIntegrityError
 from .fsio import atomic_write_text
 from .ledger_chain import LOCAL_COPY, _short, check_seal, head_seq, sealed_mark, snapshot_head
@@ -62,7 +62,9 @@ def write_mark(path: Path, ledger, *, announce: tuple[int, str] | None = None) -
               "snapshot_sha256": ledger.snapshot_sha256, "time": time.time(),
               # answers released through the ledger up to the head: what `repair` compares
               # with what a damaged or rolled-back ledger still holds (audit 3, review 2)
-              "answers": int(ledger.state.answers_released())}
+              "answers": int(ledger.state.answers_released()),
+              # and how many of them carry their seed: a rollback must not hide them (review 74, F3)
+              "seeded": int(ledger_history.seeded_answers(ledger.state))}
     if announce is not None:
         fields.update(next_generation=int(announce[0]), next_snapshot_sha256=str(announce[1]))
     erase = getattr(ledger.state, "rows_to_erase", None)

@@ -38,6 +38,7 @@ import numpy as np
 
 from . import ledger_integrity as integrity
 from . import store_erased_ids, store_versions
+from .ledger_history import seeded_answers
 from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerIntegrityError, LedgerOlderThanStoreError
 from .ledger import BudgetLedger
 from .ledger_current import not_a_file, stand_in
@@ -428,6 +429,10 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     after = s.answers_released() + nans
     not_recovered = (max(0, int(marked) - after)
                      if isinstance(marked, int) and not isinstance(marked, bool) else None)
+    seeded = (mark or {}).get("seeded")  # likewise the seeded ones (review 74, F3: a rollback hid them from account)
+    seeded_lost = (max(0, seeded - seeded_answers(s) - (0 if lost_answers is None else int(
+        lost_answers.num_rows - lost_answers.column("seed").null_count)))
+        if isinstance(seeded, int) and not isinstance(seeded, bool) else 0)
     if not dry_run:
         led.mark_path = integrity.mark_path(store.path)  # the mark moves to the repair event
     led.store_version = lambda: store_versions.current(store)  # the repair event records the store as it is now
@@ -470,6 +475,7 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
             "store_rows_added_retired": len(new_rows), "tombstones_written": nt, "answers_recovered": nans,
             "answers_left_out": refused, "unreadable_events": unreadable,
             "answers_not_recovered": not_recovered or 0, "rows_erased_again": int(back.size),
+            "seeded_not_recovered": seeded_lost,
             "rows_left_out_other_user": int(other_user.size)}, columns=columns)
         if wst is not None:
             wst.erase_rows("private", back)

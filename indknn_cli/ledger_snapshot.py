@@ -139,6 +139,7 @@ def read_snapshot(path: Path) -> Snapshot:
     state.batches = list(meta.get("batches", []))
     state.history = list(meta.get("history", []))
     state.answers_not_held = int(meta.get("answers_not_held", 0))
+    state.seeded_not_held = int(meta.get("seeded_not_held", 0))
     seen = meta.get("store_seen")
     state.store_seen = seen if isinstance(seen, dict) else None
     erase = meta.get("rows_to_erase")

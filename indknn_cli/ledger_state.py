@@ -177,6 +177,8 @@ class LedgerState:
     #: Answers released that no event holds any more (a repair after a rollback or an unreadable event: the
     #: store's high-water mark counted them). Counted in queries answered, so that figure never goes down.
     answers_not_held: int = 0
+    #: Of those, answers released with a fixed --seed (the mark counted them: review 74, F3).
+    seeded_not_held: int = 0
     #: The store's state at the latest commit that recorded it: {"store_uuid", "version"} (store_versions.py).
     store_seen: dict | None = None
     #: Store rows an erasure recorded while the store's writer lease was held elsewhere (review 67, F1): their

@@ -100,3 +100,19 @@ def test_f2_an_old_deferred_delete_events_waiting_rows_are_not_counted_as_overwr
             "rows_to_erase": {"store_uuid": uuid, "rows": [7]}}
     apply_table(led.state, table, info, c1=led.params.c1)
     assert led.state.erased_rows == {"store_uuid": uuid, "rows": [3]}
+
+
+def test_f3_a_rollback_does_not_hide_seeded_answers(tmp_path):
+    """F3: the newest event (a seeded batch) removed and `repair` run: `account --eps` passed without a word of the
+    seeded answers, which the mark had seen released. The mark counts them; repair keeps the lost ones."""
+    sp, lp = world(tmp_path)
+    q = tmp_path / "q.npy"
+    np.save(q, FeatureStore.open(sp).read("private", "features")[:3])
+    assert cli("serve-queries", q, "--store", sp, "--ledger", lp, "--batch-id", "b1", "--device", "cpu").exit_code == 0
+    r = cli("serve-queries", q, "--store", sp, "--ledger", lp, "--seed", "2", "--batch-id", "b3", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    sorted((lp / "events").glob("*.parquet"))[-1].unlink()
+    r = cli("repair", "--store", sp, "--ledger", lp)
+    assert r.exit_code == 0, r.output
+    r = cli("account", "--store", sp, "--ledger", lp, "--eps", "100")
+    assert r.exit_code == 4 and "fixed --seed" in " ".join(r.output.split()), r.output
