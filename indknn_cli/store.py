@@ -28,7 +28,7 @@ from .record_keys import KEY_ARRAY, SALT_ATTR, new_salt
 from .store_append import Appender
 from .store_layout import (CHECKSUM, CHUNK_BYTES, GROUP_OF_ROLE, ROLES, SCAN_BYTES,  # noqa: F401 (re-exported)
                            ExtractorInfo, array_checksummed, checksum_compressors, chunk_rows_for, normalize_rows,
-                           read_chunks, scan_rows_for)
+                           read_chunks, scan_rows_for, DENSE_CHUNKS_ATTR)
 
 NORM_TOLERANCE = 1e-3  # |‖x‖ − 1| accepted on input before re-normalising
 ERASE_PENDING_ATTR = "erase_pending"  # group attribute: rows of an accepted, unfinished erasure (deletion.py)
@@ -52,6 +52,8 @@ class FeatureStore:
         self.label_names_source: str | None = attrs.get("label_names_source")
         self.uuid: str = attrs["store_uuid"]
         self.chunk_rows = int(attrs["chunk_rows"])
+        #: Whether every chunk written is a file (stores made since 2026-11-29): an absent one is then a lost one.
+        self.dense_chunks = bool(attrs.get(DENSE_CHUNKS_ATTR, False))
         #: Rows read per step when a whole role is scanned (a multiple of ``chunk_rows``; see SCAN_BYTES).
         self.scan_rows = scan_rows_for(self.dim, self.chunk_rows)
         #: Where the data is when the store is on object storage (``.url``, ``.options``, ``.name``), else None;
@@ -127,6 +129,7 @@ class FeatureStore:
             "normalized": True,
             "chunk_rows": int(chunk_rows),
             "checksums": CHECKSUM,
+            DENSE_CHUNKS_ATTR: True,  # every chunk written is a file, fill values only or not (review 74, F4)
             SALT_ATTR: new_salt(),  # the store records content keys (record_keys.py): private/content_key is required
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })

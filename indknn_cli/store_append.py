@@ -105,7 +105,8 @@ class Appender:
             if not parts:
                 continue
             if name not in self._arrays:  # opened once: on object storage each open is two requests
-                self._arrays[name] = self.group[name]
+                # every chunk a file, of fill values only too: an absent one is then a lost one (review 74, F4)
+                self._arrays[name] = self.group[name].with_config({"write_empty_chunks": True})
             arr = self._arrays[name]
             lo = self._written.get(name, self.start)
             chunk = int(arr.chunks[0])

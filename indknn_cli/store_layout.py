@@ -115,6 +115,10 @@ def normalize_rows(x: np.ndarray, *, what: str = "vectors") -> np.ndarray:
 #: Private arrays every live row has a non-fill value in: a chunk of them may be absent only when every row in it
 #: was erased (zarr stores no chunk that holds only its fill value, and reads an absent one as that value).
 DENSE_PRIVATE_ARRAYS = ("features", "labels", "record_id")
+#: Root attribute of a store whose every chunk written is a file (fill values only too): there every private array's
+#: absent chunk is a lost one, user ids included (review 74, F4: a lost user_id chunk split a user into one unit per
+#: record under --user-for-missing record).
+DENSE_CHUNKS_ATTR = "dense_chunks"
 
 
 def missing_row_chunks(arr, n_rows: int) -> list[int]:
@@ -146,7 +150,7 @@ def check_private_chunks(store) -> None:
         return
     g = store.group("private")
     deleted = None
-    for name in DENSE_PRIVATE_ARRAYS:
+    for name in DENSE_PRIVATE_ARRAYS + (("user_id", "content_key") if getattr(store, "dense_chunks", False) else ()):
         if name not in g:
             continue
         rows = int(g[name].chunks[0])

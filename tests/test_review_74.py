@@ -116,3 +116,30 @@ def test_f3_a_rollback_does_not_hide_seeded_answers(tmp_path):
     assert r.exit_code == 0, r.output
     r = cli("account", "--store", sp, "--ledger", lp, "--eps", "100")
     assert r.exit_code == 4 and "fixed --seed" in " ".join(r.output.split()), r.output
+
+
+def test_f4_a_lost_user_id_chunk_is_refused_on_a_dense_store(tmp_path):
+    """F4: under --privacy-unit user --user-for-missing record, a lost private/user_id chunk read back as "" for
+    16 rows of one user: each became its own privacy unit (her budget ×16), `--verify` passed and `delete --user`
+    erased nothing. A store made now writes every chunk as a file, so an absent one of any private array is refused."""
+    rng = np.random.default_rng(1)
+    st = FeatureStore.create(tmp_path / "s.zarr", extractor=ExtractorInfo("vectors", "none", "1"), dim=D,
+                             label_names=["a", "b"], chunk_rows=CHUNK)  # user_id chunks: 64 rows
+    assert st.dense_chunks
+    st.append("private", normalize_rows(rng.standard_normal((64, D))), labels=(np.arange(64) % 2).astype(np.int32),
+              record_ids=[f"r{i:03d}" for i in range(64)], user_ids=[""] * 64)  # no user ids: all-"" chunks
+    sp, lp = st.path, tmp_path / "L"
+    build_index(store_path=sp, ledger_path=lp, params=make_params(
+        epsilon=1.0, delta=1e-5, tau=0.5, sigma2=0.6, planned_queries=50, privacy_unit="user",
+        user_for_missing="record"))
+    assert (sp / "private" / "user_id" / "c" / "0").exists()  # a chunk of "" only is a file too
+    append(sp, [f"alice{i:02d}" for i in range(16)], users=["alice"] * 16)  # rows 64-79: user_id chunk 1
+    assert cli("account", "--store", sp, "--ledger", lp, "--verify").exit_code == 0
+    (sp / "private" / "user_id" / "c" / "1").unlink()  # lost in a partial copy or restore
+    q = tmp_path / "q.npy"
+    np.save(q, FeatureStore.open(sp).read("private", "features")[64:66])
+    r = cli("serve-queries", q, "--store", sp, "--ledger", lp, "--device", "cpu")
+    assert r.exit_code == 2 and "private/user_id" in " ".join(r.output.split()), r.output
+    assert not [x for x in BudgetLedger.open(lp).state.record_id if str(x).startswith("alice")]
+    r = cli("account", "--store", sp, "--ledger", lp, "--verify")
+    assert r.exit_code != 0 and "private/user_id" in " ".join(r.output.split()), r.output
