@@ -173,10 +173,22 @@ def apply_table(s: LedgerState, table: pa.Table, info: dict, *, c1: float) -> No
 def merge_rows(s: LedgerState, name: str, add: dict) -> None:
     """Union ``add`` ({"store_uuid", "rows"}) into the state's ``name`` list of the same store uuid; another uuid (a
     compaction renumbered the rows) replaces it."""
-    old = getattr(s, name)
-    old_rows = old.get("rows", []) if isinstance(old, dict) and old.get("store_uuid") == add.get("store_uuid") else []
-    setattr(s, name, {"store_uuid": add.get("store_uuid"),
-                      "rows": sorted({int(r) for r in list(old_rows) + list(add["rows"])})})
+    cur, uuid = getattr(s, name), add.get("store_uuid")
+    cache = getattr(s, "_row_sets", None)
+    if cache is None:
+        cache = {}
+        setattr(s, "_row_sets", cache)
+    held = cache.get(name)
+    if held is None or held[0] is not cur or cur.get("store_uuid") != uuid:  # a list of this state's own, and its set: each merge costs its new rows
+        # only (review 74, F6: re-sorting the whole list per event made replay quadratic in delete events)
+        same = isinstance(cur, dict) and cur.get("store_uuid") == uuid
+        cur = {"store_uuid": uuid, "rows": [int(r) for r in cur.get("rows", [])] if same else []}
+        setattr(s, name, cur)
+        held = cache[name] = (cur, set(cur["rows"]))
+    for r in add["rows"]:
+        if (r := int(r)) not in held[1]:
+            held[1].add(r)
+            cur["rows"].append(r)
 
 
 def stats_after_serve(s: LedgerState, columns: dict, params: PrivacyParams) -> dict:
