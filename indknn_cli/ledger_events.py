@@ -179,8 +179,9 @@ def merge_rows(s: LedgerState, name: str, add: dict) -> None:
         cache = {}
         setattr(s, "_row_sets", cache)
     held = cache.get(name)
-    if held is None or held[0] is not cur or cur.get("store_uuid") != uuid:  # a list of this state's own, and its set: each merge costs its new rows
-        # only (review 74, F6: re-sorting the whole list per event made replay quadratic in delete events)
+    if held is None or held[0] is not cur or cur.get("store_uuid") != uuid:
+        # a list of this state's own and its set: a merge costs its new rows only (review 74, F6: re-sorting the
+        # whole list per event made replay quadratic in delete events)
         same = isinstance(cur, dict) and cur.get("store_uuid") == uuid
         cur = {"store_uuid": uuid, "rows": [int(r) for r in cur.get("rows", [])] if same else []}
         setattr(s, name, cur)

@@ -366,8 +366,9 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # another order) is mapped there at spent = B by `add` below, not tombstoned (audit 6, F1).
     # Rows holding an id the kept ledger erased that the store's own erasure log does not name: a store restored
     # from a copy older than the erasure brought the record back; so do rows its erasures overwrote (review 72,
-    # F1: the log lost with them). They are erased again below, never brought into the ledger (audit 6 review). An id the store's log names was erased in this store and embedded again since
-    # (a re-admission the kept ledger lost in a rollback): kept, brought in retired like any other row (review 14).
+    # F1: the log lost with them). They are erased again below, never brought into the ledger (audit 6 review).
+    # An id the store's log names was erased in this store and embedded again since (a re-admission the kept
+    # ledger lost in a rollback): kept, brought in retired like any other row (review 14).
     quarantined = [quarantine / p.name for p in moved]
     lost_ids, store_erased = ids_in_lost_events(quarantined), store.erased_ids()  # each read once
     logged = {rid for rid, _ in store_erased}

@@ -38,8 +38,8 @@ import numpy as np
 from .errors import BadInputError
 from .input_spool import gunzip, spool_stdin
 from .readers_base import (DEFAULT_ID_COLUMN, DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_TEXT_COLUMN,
-                           DEFAULT_USER_COLUMN, DEFAULT_VECTOR_COLUMN, TABLE_SUFFIXES, TEXT_JOINER, RecordBatch, Source, _has_surrogates,
-                           _label_str)
+                           DEFAULT_USER_COLUMN, DEFAULT_VECTOR_COLUMN, TABLE_SUFFIXES, TEXT_JOINER, RecordBatch,
+                           Source, _has_surrogates, _label_str)
 from .readers_images import ImageFolderSource  # noqa: F401 (re-exported)
 from .readers_numpy import NumpySource  # noqa: F401 (re-exported)
 

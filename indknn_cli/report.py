@@ -280,8 +280,7 @@ def build_account_report(
     s = ledger.state
     n = len(s)
     c1 = params.c1
-    # The guarantee is every record's budget; they all equal params.budget, take the max to be safe.
-    budget = float(max([params.budget] + ([float(np.max(s.budget))] if n else [])))
+    budget = float(max([params.budget] + ([float(np.max(s.budget))] if n else [])))  # every record's B: the max
     ledger_delta = float(params.delta)
     use_delta = ledger_delta if delta is None else delta
     use_conv = conversion or params.conversion
@@ -420,7 +419,8 @@ def build_account_report(
             shown = "inf" if epsilon is None else up(epsilon)
             by = "an unbounded amount" if epsilon is None else up(epsilon - eps)
             failures.append((CheckFailedError, f"the ledger's guarantee ε({use_conv}) = {shown} at δ = "
-                             f"{given(use_delta)} ({data.get('unit', 'record')} unit, {data.get('adjacency', ADJACENCY)}) is above "
+                             f"{given(use_delta)} ({data.get('unit', 'record')} unit, "
+                             f"{data.get('adjacency', ADJACENCY)}) is above "
                              f"--eps {given(eps)} by {by} (B = {up(budget)})"))
     if min_spec is not None:
         kind, value = min_spec
