@@ -42,8 +42,8 @@ from .ledger_history import seeded_answers
 from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerIntegrityError, LedgerOlderThanStoreError
 from .ledger import BudgetLedger
 from .ledger_current import not_a_file, stand_in
-from .ledger_repair_lost import (answers_in_lost_events, checked_answers, deferred_rows, erased_rows_now,
-                                 ids_in_lost_events)
+from .ledger_repair_lost import (answers_in_lost_events, checked_answers, deferred_rows, erased_in_lost_events,
+                                 erased_rows_now, ids_in_lost_events)
 from .ledger_repair_setup import put_back_probes, put_current_back, write_current_back
 from .ledger_rows import check_rows_hold_records, compare_rows
 from .store import ERASE_PENDING_ATTR, FeatureStore
@@ -357,6 +357,9 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     gone = np.zeros(len(s), bool)
     li, other, flagged = compare_rows(s, ids=ids, deleted_rows=deleted_rows)
     gone[li] = other | flagged
+    quarantined = [quarantine / p.name for p in moved]  # their erasures count, kept-live ids too (review 75, F4)
+    lost_del_ids, lost_del_rows = erased_in_lost_events(quarantined, store.uuid)
+    gone |= ~s.deleted & np.array([str(r) in lost_del_ids for r in s.record_id], bool)
     live = np.flatnonzero(~s.deleted & ~gone & (s.spent < B))
     row_map = led.store_row_map(n_store)
     known = row_map >= 0
@@ -369,12 +372,11 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # F1: the log lost with them). They are erased again below, never brought into the ledger (audit 6 review).
     # An id the store's log names was erased in this store and embedded again since (a re-admission the kept
     # ledger lost in a rollback): kept, brought in retired like any other row (review 14).
-    quarantined = [quarantine / p.name for p in moved]
     lost_ids, store_erased = ids_in_lost_events(quarantined), store.erased_ids()  # each read once
     logged = {rid for rid, _ in store_erased}
-    erased_ids = {str(r) for r in s.record_id[s.deleted]} - logged
-    back = np.union1d([r for r in new_rows if str(ids[r]) in erased_ids],
-                      np.intersect1d(new_rows, store_erased_ids.in_ledger(led, store))).astype(np.int64)
+    erased_ids = ({str(r) for r in s.record_id[s.deleted]} | lost_del_ids) - logged
+    back = np.union1d([r for r in new_rows if str(ids[r]) in erased_ids], np.intersect1d(
+        new_rows, np.union1d(store_erased_ids.in_ledger(led, store), lost_del_rows))).astype(np.int64)
     new_rows = np.setdiff1d(new_rows, back)
     # A row whose id the kept ledger holds under another (non-empty) user stays out of the ledger, as `add_records`
     # keeps it out and `index` refuses it: an `add` would move the record, its tombstone and its spent, to the new

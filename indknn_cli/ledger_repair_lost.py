@@ -129,3 +129,35 @@ def erased_rows_now(led, store, back: np.ndarray, n_store: int) -> dict:
     flagged = np.flatnonzero(store.read("private", "deleted").astype(bool)) if n_store else np.empty(0, np.int64)
     rows = np.union1d(np.union1d(kept[kept < n_store], flagged), np.asarray(back, np.int64))
     return {"store_uuid": store.uuid, "rows": [int(r) for r in rows]}
+
+
+def erased_in_lost_events(paths: list[Path], store_uuid: str) -> tuple[set[str], list[int]]:
+    """The record ids the readable quarantined events tombstoned (their ``delete`` rows) and the store rows they
+    overwrote (``erased_rows`` of this numbering, else the rows of their ``delete`` rows): an erasure recorded there
+    is carried by repair even where the kept ledger still holds the id live (review 75, F4: with the store's rows
+    restored from an older copy the record stayed live and its vector in the store). Only the direction that erases
+    more is taken from these unverified files."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    ids: set[str] = set()
+    rows: set[int] = set()
+    for p in paths:
+        try:
+            t = pq.read_table(p, columns=["kind", "record_id", "row"])
+            info = json.loads((pq.read_schema(p).metadata or {}).get(b"indknn_event", b"{}"))
+        except Exception:  # noqa: BLE001 - the damaged event itself
+            continue
+        if not isinstance(info, dict):
+            continue
+        dele = [k == "delete" for k in t.column("kind").to_pylist()]
+        ids.update(str(r) for r, d in zip(t.column("record_id").to_pylist(), dele) if d and r)
+        e = info.get("erased_rows")
+        same = (info.get("store_seen") or {}).get("store_uuid") == store_uuid if isinstance(
+            info.get("store_seen"), dict) else False
+        if isinstance(e, dict) and e.get("store_uuid") == store_uuid:
+            rows.update(int(r) for r in e.get("rows") or [] if isinstance(r, int) and not isinstance(r, bool))
+        elif same:
+            rows.update(int(r) for r, d in zip(t.column("row").to_pylist(), dele) if d and r is not None and r >= 0)
+    return ids, sorted(rows)
