@@ -148,8 +148,10 @@ def seeded_answers(state) -> int:
     n = int(getattr(state, "seeded_not_held", 0))  # released, in events a repair could not recover
     if src is not None and src.summary is not None and "seeded" in src.summary:
         n += int(src.summary["seeded"])
-    elif src is not None:
-        n += _seeded(src.column("seed"))
+    elif src is not None:  # a snapshot from before the footer counted them: its column, read once per open
+        if getattr(src, "_seeded_n", None) is None:  # (review 75, F6: the mark counts them at every commit)
+            src._seeded_n = _seeded(src.column("seed"))
+        n += src._seeded_n
     return n + sum(_seeded(t.column("seed")) for t in state._answers_parts)
 
 
