@@ -43,7 +43,7 @@ from .errors import ConcurrentChangeError, IndknnError, LedgerError, LedgerInteg
 from .ledger import BudgetLedger
 from .ledger_current import not_a_file, stand_in
 from .ledger_repair_lost import (answers_in_lost_events, checked_answers, deferred_rows, erased_in_lost_events,
-                                 erased_rows_now, ids_in_lost_events)
+                                 erased_rows_now, ids_in_lost_events, rows_lost_erasures_name)
 from .ledger_repair_setup import put_back_probes, put_current_back, write_current_back
 from .ledger_rows import check_rows_hold_records, compare_rows
 from .store import ERASE_PENDING_ATTR, FeatureStore
@@ -87,8 +87,7 @@ class RepairResult:
                     ", and the ledger then verified against the store's high-water mark")
         else:
             cost = "utility only: every record not deleted is retired (spent = B); no spent budget goes down"
-        # review 65, F6: the counts of records and store rows are exact figures of the private data (SPEC §8)
-        return {**self.__dict__, "cost": cost, "operator_only": OPERATOR_ONLY_REPAIR}
+        return {**self.__dict__, "cost": cost, "operator_only": OPERATOR_ONLY_REPAIR}  # exact counts: review 65, F6
 
 
 OPERATOR_ONLY_REPAIR = ("operator-only: records_retired, store_rows_added_retired, tombstones_written, "
@@ -352,14 +351,15 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     deleted_rows[deferred] = True
     ids = store.read("private", "record_id")
     users = store.read("private", "user_id")
-    # Records the kept ledger holds as live whose store row is gone (erased in a lost event, or by a delete
-    # run while the ledger was unreadable): tombstoned at B, so their erasure and compaction go on.
+    # Records the kept ledger holds live whose store row is gone (erased in a lost event, or by a delete run while
+    # the ledger was unreadable) or that a readable lost event erased: tombstoned at B, their erasure goes on.
     gone = np.zeros(len(s), bool)
     li, other, flagged = compare_rows(s, ids=ids, deleted_rows=deleted_rows)
     gone[li] = other | flagged
     quarantined = [quarantine / p.name for p in moved]  # their erasures count, kept-live ids too (review 75, F4)
-    lost_del_ids, lost_del_rows = erased_in_lost_events(quarantined, store.uuid)
-    gone |= ~s.deleted & np.array([str(r) in lost_del_ids for r in s.record_id], bool)
+    lost_ids_del, lost_by_row, lost_rows = erased_in_lost_events(quarantined, store.uuid)
+    gone |= (lost_live := ~s.deleted & np.array([str(r) in lost_ids_del for r in s.record_id], bool))
+    lost_rows = rows_lost_erasures_name(s, ids, lost_by_row, lost_rows, lost_live, n_store)
     live = np.flatnonzero(~s.deleted & ~gone & (s.spent < B))
     row_map = led.store_row_map(n_store)
     known = row_map >= 0
@@ -374,9 +374,9 @@ def _repair(path: Path, store: FeatureStore, reason: str, *, dry_run: bool, show
     # ledger lost in a rollback): kept, brought in retired like any other row (review 14).
     lost_ids, store_erased = ids_in_lost_events(quarantined), store.erased_ids()  # each read once
     logged = {rid for rid, _ in store_erased}
-    erased_ids = ({str(r) for r in s.record_id[s.deleted]} | lost_del_ids) - logged
+    erased_ids = {str(r) for r in s.record_id[s.deleted]} - logged
     back = np.union1d([r for r in new_rows if str(ids[r]) in erased_ids], np.intersect1d(
-        new_rows, np.union1d(store_erased_ids.in_ledger(led, store), lost_del_rows))).astype(np.int64)
+        new_rows, np.union1d(store_erased_ids.in_ledger(led, store), lost_rows))).astype(np.int64)
     new_rows = np.setdiff1d(new_rows, back)
     # A row whose id the kept ledger holds under another (non-empty) user stays out of the ledger, as `add_records`
     # keeps it out and `index` refuses it: an `add` would move the record, its tombstone and its spent, to the new

@@ -131,17 +131,20 @@ def erased_rows_now(led, store, back: np.ndarray, n_store: int) -> dict:
     return {"store_uuid": store.uuid, "rows": [int(r) for r in rows]}
 
 
-def erased_in_lost_events(paths: list[Path], store_uuid: str) -> tuple[set[str], list[int]]:
-    """The record ids the readable quarantined events tombstoned (their ``delete`` rows) and the store rows they
-    overwrote (``erased_rows`` of this numbering, else the rows of their ``delete`` rows): an erasure recorded there
-    is carried by repair even where the kept ledger still holds the id live (review 75, F4: with the store's rows
-    restored from an older copy the record stayed live and its vector in the store). Only the direction that erases
-    more is taken from these unverified files."""
+def erased_in_lost_events(paths: list[Path], store_uuid: str) -> tuple[set[str], dict[int, str], list[int]]:
+    """What the readable quarantined ``delete`` events erased: the record ids they tombstoned, {store row: id} of
+    their tombstones (this numbering), and the rows their ``erased_rows`` name (no id: rows erased outside the
+    ledger too); a quarantined repair's own ``erased_rows_reset`` likewise. Repair carries these erasures even where
+    the kept ledger holds the id live (review 75, F4: with the store's rows restored from an older copy the record
+    stayed live and its vector in the store). A repair's own tombstones are not erasures (review 76, F1: ids it
+    retired came back embedded again and were erased). Only the direction that erases more is taken from these
+    unverified files."""
     import json
 
     import pyarrow.parquet as pq
 
     ids: set[str] = set()
+    by_row: dict[int, str] = {}
     rows: set[int] = set()
     for p in paths:
         try:
@@ -149,15 +152,30 @@ def erased_in_lost_events(paths: list[Path], store_uuid: str) -> tuple[set[str],
             info = json.loads((pq.read_schema(p).metadata or {}).get(b"indknn_event", b"{}"))
         except Exception:  # noqa: BLE001 - the damaged event itself
             continue
-        if not isinstance(info, dict):
+        if not isinstance(info, dict) or info.get("type") not in ("delete", "repair"):
             continue
-        dele = [k == "delete" for k in t.column("kind").to_pylist()]
-        ids.update(str(r) for r, d in zip(t.column("record_id").to_pylist(), dele) if d and r)
-        e = info.get("erased_rows")
-        same = (info.get("store_seen") or {}).get("store_uuid") == store_uuid if isinstance(
-            info.get("store_seen"), dict) else False
+        e = info.get("erased_rows") if info["type"] == "delete" else info.get("erased_rows_reset")
         if isinstance(e, dict) and e.get("store_uuid") == store_uuid:
             rows.update(int(r) for r in e.get("rows") or [] if isinstance(r, int) and not isinstance(r, bool))
-        elif same:
-            rows.update(int(r) for r, d in zip(t.column("row").to_pylist(), dele) if d and r is not None and r >= 0)
-    return ids, sorted(rows)
+        if info["type"] != "delete":
+            continue
+        same = isinstance(info.get("store_seen"), dict) and info["store_seen"].get("store_uuid") == store_uuid
+        for kind, rid, row in zip(*(t.column(c).to_pylist() for c in ("kind", "record_id", "row"))):
+            if kind == "delete" and rid:
+                ids.add(str(rid))
+                if same and row is not None and row >= 0:
+                    by_row[int(row)] = str(rid)
+    return ids, by_row, sorted(rows)
+
+
+def rows_lost_erasures_name(state, ids, by_row: dict[int, str], rows, lost_live: np.ndarray,
+                            n_store: int) -> np.ndarray:
+    """Store rows to erase again for the quarantined erasures (:func:`erased_in_lost_events`): the rows of their
+    tombstones and the kept ledger's rows of the records they tombstoned, each only while it still holds that id or
+    nothing (review 76, F2: an id erased and embedded again at a new row kept its new row only by this), and the rows
+    of their ``erased_rows`` lists below the store's end."""
+    pairs = list(by_row.items()) + [(int(state.row[i]), str(state.record_id[i]))
+                                    for i in np.flatnonzero(lost_live) if state.row[i] >= 0]
+    named = [r for r, rid in pairs if 0 <= r < n_store and str(ids[r]) in (rid, "")]
+    return np.union1d(np.asarray([r for r in rows if 0 <= r < n_store], np.int64),
+                      np.asarray(named, np.int64)).astype(np.int64)
