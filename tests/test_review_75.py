@@ -17,6 +17,16 @@ from indknn_cli.store import FeatureStore
 from .test_review_74 import cli, world
 
 
+def damage(ev) -> None:
+    """An event file edited (its time moved by 1 ms): its hash chain breaks there, the file stays readable."""
+    t = pq.read_table(ev)
+    meta = dict(t.schema.metadata)
+    info = json.loads(meta[b"indknn_event"])
+    info["time"] = info.get("time", 0) + 1e-3
+    meta[b"indknn_event"] = json.dumps(info).encode()
+    pq.write_table(t.replace_schema_metadata(meta), ev)
+
+
 @pytest.mark.parametrize("log", ["restored", "kept"])
 def test_f4_an_erasure_in_a_quarantined_event_is_carried_by_repair(tmp_path, log):
     sp, lp = world(tmp_path)
@@ -25,13 +35,7 @@ def test_f4_an_erasure_in_a_quarantined_event_is_carried_by_repair(tmp_path, log
     assert cli("serve-queries", q, "--store", sp, "--ledger", lp, "--device", "cpu").exit_code == 0
     shutil.copytree(sp, tmp_path / "b.zarr")  # a copy of the store with r005 live
     assert cli("delete", "--store", sp, "--ledger", lp, "--record", "r005").exit_code == 0
-    ev = sorted((lp / "events").glob("*.parquet"))[-1]  # the delete event damaged (edited), still readable
-    t = pq.read_table(ev)
-    meta = dict(t.schema.metadata)
-    info = json.loads(meta[b"indknn_event"])
-    info["time"] = info.get("time", 0) + 1e-3
-    meta[b"indknn_event"] = json.dumps(info).encode()
-    pq.write_table(t.replace_schema_metadata(meta), ev)
+    damage(sorted((lp / "events").glob("*.parquet"))[-1])  # the delete event edited, still readable
     shutil.rmtree(sp / "private")  # the store's private rows restored from the copy
     shutil.copytree(tmp_path / "b.zarr" / "private", sp / "private")
     if log == "restored":  # the copy had no erased-ids log

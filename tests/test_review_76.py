@@ -4,25 +4,15 @@ erased, a new row of an id embedded again and re-admitted too."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 from indknn_cli.ledger import BudgetLedger
 from indknn_cli.store import FeatureStore
 from .test_review_74 import append, cli, world
-
-
-def _damage(ev):  # edited, still readable (as tests/test_review_75.py)
-    t = pq.read_table(ev)
-    meta = dict(t.schema.metadata)
-    info = json.loads(meta[b"indknn_event"])
-    info["time"] = info.get("time", 0) + 1e-3
-    meta[b"indknn_event"] = json.dumps(info).encode()
-    pq.write_table(t.replace_schema_metadata(meta), ev)
+from .test_review_75 import damage
 
 
 def _serve(tmp_path, sp, lp, a, b):
@@ -43,7 +33,7 @@ def test_f1_a_quarantined_repair_events_tombstones_are_not_erasures(tmp_path):
     r1 = sorted((lp / "events").glob("*.parquet"))[-1]
     append(sp, [f"r{i:03d}" for i in range(16, 20)])  # embedded again, never erased by anyone
     _serve(tmp_path, sp, lp, 16, 18)
-    _damage(r1)
+    damage(r1)
     assert cli("repair", "--store", sp, "--ledger", lp).exit_code == 0
     st = FeatureStore.open(sp)
     assert [str(x) for x in st.read("private", "record_id")[16:20]] == [f"r{i:03d}" for i in range(16, 20)]
@@ -59,7 +49,7 @@ def test_f2_a_readmitted_id_is_not_erased_without_the_log(tmp_path):
     dele = sorted((lp / "events").glob("*.parquet"))[-1]
     append(sp, ["r005"])  # row 16
     _serve(tmp_path, sp, lp, 16, 17)
-    _damage(dele)
+    damage(dele)
     (sp / "erased-ids.jsonl").unlink()
     assert cli("repair", "--store", sp, "--ledger", lp).exit_code == 0
     st = FeatureStore.open(sp)
