@@ -84,24 +84,35 @@ def checked_answers(table, store: FeatureStore, have: set) -> tuple["object", in
     return (table.take(keep) if keep else None), table.num_rows - len(keep)
 
 
-def rows_to_erase_in_lost_events(paths: list[Path], store_uuid: str) -> list[int]:
-    """Store rows of ``store_uuid`` whose erasure a quarantined event recorded without the store's writer lease
-    (``rows_to_erase`` in its info: :mod:`.deletion_deferred`), from the events whose metadata can still be read.
-    Review 70, F1: a repair that quarantined that event forgot the request, and the row was never overwritten."""
+def _event_info(p: Path) -> dict | None:
+    """A quarantined event's metadata (its info), or None when it cannot be read (the damaged event itself)."""
     import json
 
     import pyarrow.parquet as pq
 
+    try:
+        info = json.loads((pq.read_schema(p).metadata or {}).get(b"indknn_event", b"{}"))
+    except Exception:  # noqa: BLE001 - the damaged event itself
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _listed_rows(entry, store_uuid: str) -> list[int]:
+    """The rows of a ``{"store_uuid", "rows"}`` entry (``rows_to_erase``, ``erased_rows`` and their resets) when it
+    is of this store's numbering; whole numbers only (these files are not verified)."""
+    if not (isinstance(entry, dict) and entry.get("store_uuid") == store_uuid and isinstance(entry.get("rows"), list)):
+        return []
+    return [int(r) for r in entry["rows"] if isinstance(r, int) and not isinstance(r, bool)]
+
+
+def rows_to_erase_in_lost_events(paths: list[Path], store_uuid: str) -> list[int]:
+    """Store rows of ``store_uuid`` whose erasure a quarantined event recorded without the store's writer lease
+    (``rows_to_erase`` in its info: :mod:`.deletion_deferred`), from the events whose metadata can still be read.
+    Review 70, F1: a repair that quarantined that event forgot the request, and the row was never overwritten."""
     out: set[int] = set()
     for p in paths:
-        try:
-            meta = pq.read_schema(p).metadata or {}
-            info = json.loads(meta.get(b"indknn_event", b"{}"))
-        except Exception:  # noqa: BLE001 - the damaged event itself
-            continue
-        erase = (info.get("rows_to_erase") or info.get("rows_to_erase_reset")) if isinstance(info, dict) else None
-        if isinstance(erase, dict) and erase.get("store_uuid") == store_uuid:
-            out.update(int(r) for r in erase.get("rows") or [] if isinstance(r, int) and not isinstance(r, bool))
+        info = _event_info(p) or {}
+        out.update(_listed_rows(info.get("rows_to_erase") or info.get("rows_to_erase_reset"), store_uuid))
     return sorted(out)
 
 
@@ -111,10 +122,8 @@ def deferred_rows(led, store, moved, quarantine, flagged: np.ndarray, mark: dict
     from .deletion_deferred import rows as kept_rows
 
     lost = rows_to_erase_in_lost_events([quarantine / p.name for p in moved], store.uuid)
-    e = (mark or {}).get("rows_to_erase")
-    if isinstance(e, dict) and e.get("store_uuid") == store.uuid and (mark or {}).get("ledger_uuid") == \
-            led.meta["ledger_uuid"] and isinstance(e.get("rows"), list):
-        lost = list(lost) + [int(r) for r in e["rows"] if isinstance(r, int) and not isinstance(r, bool)]
+    if (mark or {}).get("ledger_uuid") == led.meta["ledger_uuid"]:
+        lost = list(lost) + _listed_rows(mark.get("rows_to_erase"), store.uuid)
     rows = np.union1d(kept_rows(led, store), np.asarray([r for r in lost if 0 <= r < flagged.size], np.int64))
     return rows[~flagged[rows]] if rows.size else rows.astype(np.int64)
 
@@ -139,24 +148,21 @@ def erased_in_lost_events(paths: list[Path], store_uuid: str) -> tuple[set[str],
     stayed live and its vector in the store). A repair's own tombstones are not erasures (review 76, F1: ids it
     retired came back embedded again and were erased). Only the direction that erases more is taken from these
     unverified files."""
-    import json
-
     import pyarrow.parquet as pq
 
     ids: set[str] = set()
     by_row: dict[int, str] = {}
     rows: set[int] = set()
     for p in paths:
+        info = _event_info(p)
+        if info is None or info.get("type") not in ("delete", "repair"):
+            continue
         try:
             t = pq.read_table(p, columns=["kind", "record_id", "row"])
-            info = json.loads((pq.read_schema(p).metadata or {}).get(b"indknn_event", b"{}"))
         except Exception:  # noqa: BLE001 - the damaged event itself
             continue
-        if not isinstance(info, dict) or info.get("type") not in ("delete", "repair"):
-            continue
-        e = info.get("erased_rows") if info["type"] == "delete" else info.get("erased_rows_reset")
-        if isinstance(e, dict) and e.get("store_uuid") == store_uuid:
-            rows.update(int(r) for r in e.get("rows") or [] if isinstance(r, int) and not isinstance(r, bool))
+        rows.update(_listed_rows(info.get("erased_rows" if info["type"] == "delete" else "erased_rows_reset"),
+                                 store_uuid))
         if info["type"] != "delete":
             continue
         same = isinstance(info.get("store_seen"), dict) and info["store_seen"].get("store_uuid") == store_uuid
