@@ -6,7 +6,9 @@
 
 For each ε: SEEDS tuning seeds (default 20) on the bench's AG News split SPLIT_SEED (default 0), each choice served
 on 3 query draws (`benchmarks.private_tuning.chosen_point_accuracy`); prints the mean ± standard error of the
-chosen point's accuracy beside the best grid point. Without ``--sigma2s`` the grid is index's budget-relative
+chosen point's accuracy beside the best grid point and, under exp-mech, the *exact expectation* of that accuracy
+(Σ_g P[g]·accuracy(g) with P the mechanism's own softmax over the seed's un-noised scores, averaged over the seeds:
+`benchmarks.private_tuning.choice_distribution`; the sampled mean adds the luck of 20 Gumbel draws). Without ``--sigma2s`` the grid is index's budget-relative
 default; ``--sigma2s 0.5,0.8,1.2`` gives the fixed grid of earlier versions. ``--shape``, ``--runs`` and ``--share``
 override index's distribution of the number of runs, its mean and the search's share of ε (docs/TUNING.md, "Other
 run distributions and shares do no better"); ``--queries`` the number of validation shards (index --tune-queries), ``--method`` the selection

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -723,6 +724,30 @@ def test_chosen_point_accuracy_averages_served_choices_below_the_best_grid_point
     assert 0 < out["chosen_mean"] <= out["best_grid_point"] <= 1
     fixed = chosen_point_accuracy(p, cfg, eps=2.0, draws=draws, tuning_seeds=[1, 2], sigma2s=(0.5, 1.0))
     assert {g[1] for g in fixed["grid"]} == {0.5, 1.0} and fixed["sigma2_grid"] == "given"
+
+
+def test_choice_distribution_is_the_searchs_own_softmax():
+    """bench's exact expectation of the exponential mechanism's choice: the rebuilt scores reproduce the choice
+    the search made with its own Gumbel draws (otherwise it raises), the probabilities are its softmax, and the
+    Gumbel draws of many other generators fall on the grid points at those rates."""
+    from indknn_cli.benchmarks.private_tuning import choice_distribution, chosen_point_accuracy, tune_request
+    from indknn_cli.tuning_accounting import gumbel_scale
+
+    p, cfg, draws = _tiny_bench_world(300)
+    cfg.tune_taus, cfg.tune_queries = (0.3, 0.6), 30
+    rec, params = tuning.private_tune_arrays(p.priv_x, p.priv_y, n_classes=p.ds.n_classes,
+                                             req=tune_request(cfg, eps=2.0, T=p.T, seed=5, extractor=p.ds.extractor))
+    dist = choice_distribution(p, rec=rec, params=params, seed=5)
+    assert dist.shape == (len(rec.grid),) and dist.sum() == pytest.approx(1.0) and np.all(dist > 0)
+    logit = np.log(dist) * gumbel_scale(rec.rho_run)            # the scores, up to one constant
+    rng = np.random.default_rng(0)
+    picks = np.argmax(logit[None, :] + rng.gumbel(scale=gumbel_scale(rec.rho_run), size=(20000, dist.size)), axis=1)
+    assert np.allclose(np.bincount(picks, minlength=dist.size) / 20000, dist, atol=0.015)
+    wrong = dataclasses.replace(rec, chosen_tau=[t for t, _ in rec.grid if t != rec.chosen_tau][0])
+    with pytest.raises(AssertionError, match="do not reproduce"):
+        choice_distribution(p, rec=wrong, params=params, seed=5)
+    out = chosen_point_accuracy(p, cfg, eps=2.0, draws=draws, tuning_seeds=[1, 2, 3])
+    assert out["expected_se"] is not None and 0 < out["expected_mean"] <= out["best_grid_point"]
 
 
 def test_margin_share_bound_closed_forms():

@@ -125,26 +125,36 @@ def chosen_point_accuracy(p, cfg: BenchConfig, *, eps: float, draws: list[np.nda
                                          for d, idx in enumerate(draws)]))
         return served[key]
 
-    chosen = []
+    chosen, dists = [], []
     for s in tuning_seeds:
         rec, params = tuning.private_tune_arrays(p.priv_x, p.priv_y, n_classes=p.ds.n_classes,
                                                  req=tune_request(cfg_tune, eps=eps, T=p.T, seed=s,
                                                                   extractor=p.ds.extractor))
         chosen.append(serve(params))
+        if rec.method == tuning.EXP_MECH:
+            dists.append(choice_distribution(p, rec=rec, params=params, seed=s))
     grid_acc = np.asarray([serve(PrivacyParams(**{**params.as_dict(), "tau": float(t), "sigma2": float(s2)}).validate())
                            for t, s2 in rec.grid])
     best = float(grid_acc.max())
     acc = np.asarray(chosen)
+    expected = np.asarray([d @ grid_acc for d in dists])
     out = {"epsilon": float(eps), "grid": rec.grid, "sigma2_grid": rec.sigma2_grid, "tuning_seeds": len(acc),
            "chosen_mean": float(acc.mean()), "chosen_se": float(acc.std(ddof=1) / np.sqrt(acc.size)) if acc.size > 1
            else float("nan"), "chosen_median": float(np.median(acc)), "best_grid_point": best,
            "emulation": rec.emulation,
+           # exp-mech: the mean over seeds of Σ_g P[g]·accuracy(g), the choice's exact expectation per seed (no
+           # sampling of the Gumbel draw: the sampled mean above carries that luck too)
+           "expected_mean": float(expected.mean()) if expected.size else None,
+           "expected_se": (float(expected.std(ddof=1) / np.sqrt(expected.size)) if expected.size > 1 else None),
            "selection_ceiling": (selection_ceiling(grid_acc, shards=rec.validation_queries, rho=rec.rho_run)
                                  if rec.method == tuning.EXP_MECH else None)}
     ceiling = "" if out["selection_ceiling"] is None else f", selection ceiling {out['selection_ceiling']:.4f}"
+    exact = ("" if out["expected_mean"] is None else
+             f"; its exact expectation {out['expected_mean']:.4f}" + ("" if out["expected_se"] is None
+                                                                       else f" ± {out['expected_se']:.4f}"))
     progress(f"{eps_at(eps, 'total, by RDP')} ({out['sigma2_grid']}): chosen point {out['chosen_mean']:.4f} "
              f"± {out['chosen_se']:.4f} "
-             f"(mean ± s.e. over {acc.size} tuning seeds), best grid point {best:.4f}{ceiling}")
+             f"(mean ± s.e. over {acc.size} tuning seeds){exact}, best grid point {best:.4f}{ceiling}")
     return out
 
 
@@ -160,3 +170,30 @@ def selection_ceiling(grid_accuracy, *, shards: int, rho: float) -> float:
     z = shards * (a - a.max()) / gumbel_scale(rho)
     w = np.exp(z)
     return float(w @ a / w.sum())
+
+
+def choice_distribution(p, *, rec, params, seed: int) -> np.ndarray:
+    """The exponential mechanism's exact choice probabilities P[g] ∝ exp(score_g / b) for one tuning seed.
+
+    Bench only: it recomputes the search's *un-noised* scores, which ``index`` never releases or writes (an
+    operator's measurement of the search, like the oracle row). The shards, the shard noise and the scores are
+    rebuilt as :func:`indknn_cli.tuning.private_tune` built them for ``seed`` (rows given as vectors: keys from
+    each row's vector and label), and the rebuilt scores must reproduce the choice the search made with the same
+    Gumbel draws; otherwise this raises rather than report a distribution of some other search."""
+    from ..ledger_state import PrivacyParams as Params
+    from ..tuning_accounting import gumbel_scale
+    from ..tuning_base import BaseRunData
+
+    data = BaseRunData.build(p.priv_x, p.priv_y, n_shards=rec.validation_queries, seed_text=f"seed:{seed}",
+                             n_classes=p.ds.n_classes)
+    key = tuning._run_key(seed, "tune:exp-mech")
+    scores = np.asarray([
+        tuning.emulated_score(data, params=Params(**{**params.as_dict(), "tau": float(t), "sigma2": float(s2)}).validate(),
+                              run_key=key, n_shards=rec.validation_queries, planned_queries=params.planned_queries or 1000)
+        for t, s2 in rec.grid], np.float64)
+    again = tuning.exp_mech_select(scores, rho=rec.rho_run, rng=np.random.default_rng(tuning._run_key(seed, "tune:search")))
+    if [float(v) for v in rec.grid[again]] != [float(rec.chosen_tau), float(rec.chosen_sigma2)]:
+        raise AssertionError("the bench's rebuilt scores do not reproduce the search's choice")
+    z = (scores - scores.max()) / gumbel_scale(rec.rho_run)
+    w = np.exp(z)
+    return w / w.sum()
