@@ -2,7 +2,7 @@
 
     INDKNN_DATA=../shared/data python bench/private_tuning_seeds.py EPS[,EPS…] [SEEDS] [SPLIT_SEED] [--sigma2s A,B,C]
         [--shape 0|1|poisson] [--runs MEAN] [--share FRACTION] [--queries SHARDS]
-        [--method exp-mech|random-search] [--dataset ag_news|mnist] [--features hog|pixels] [--quick]
+        [--method exp-mech|random-search] [--dataset ag_news|mnist] [--features hog|pixels] [--quick] [--sharpen P]
 
 For each ε: SEEDS tuning seeds (default 20) on the bench's AG News split SPLIT_SEED (default 0), each choice served
 on 3 query draws (`benchmarks.private_tuning.chosen_point_accuracy`); prints the mean ± standard error of the
@@ -15,13 +15,17 @@ run distributions and shares do no better"); ``--queries`` the number of validat
 (index --tune-method; ``--shape`` and ``--runs`` apply to random-search). ``--dataset mnist --quick`` runs on MNIST's
 HOG features with bench's quick settings (at most 20,000 private records); ``--features pixels`` uses MNIST's raw
 pixels instead (the pixels extractor's τ prior, a feature set the shard score's power was not chosen on).
+``--sharpen P`` scores each shard's chance to the power P instead of index's ``tuning_base.SHARPEN`` (a bench
+experiment: docs/TUNING.md, "Sharpening"; the tuning record's ``emulation`` text still names the default power).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
+from indknn_cli import tuning, tuning_base
 from indknn_cli.benchmarks import private_tuning
 from indknn_cli.benchmarks.config import BenchConfig
 from indknn_cli.benchmarks.data import load_dataset, make_split
@@ -30,7 +34,7 @@ from indknn_cli.benchmarks.experiments import prepare, query_draws
 
 def main(argv: list[str]) -> None:
     opts = {}
-    for name in ("--sigma2s", "--shape", "--runs", "--share", "--queries", "--method"):
+    for name in ("--sigma2s", "--shape", "--runs", "--share", "--queries", "--method", "--sharpen"):
         if name in argv:
             i = argv.index(name)
             opts[name] = argv[i + 1]
@@ -51,6 +55,10 @@ def main(argv: list[str]) -> None:
             "tune_share": float(opts["--share"]) if "--share" in opts else None,
             "tune_queries": int(opts["--queries"]) if "--queries" in opts else None,
             "tune_method": opts.get("--method")}
+    sharpen = {}
+    if "--sharpen" in opts:  # both the search and the bench's rebuild of its scores look the score up here
+        sharpen = {"sharpen": float(opts["--sharpen"])}
+        tuning.emulated_score = functools.partial(tuning_base.emulated_expected, **sharpen)
     epss = [float(e) for e in argv[0].split(",")]
     n_seeds = int(argv[1]) if len(argv) > 1 else 20
     split_seed = int(argv[2]) if len(argv) > 2 else 0
@@ -62,7 +70,7 @@ def main(argv: list[str]) -> None:
         out = private_tuning.chosen_point_accuracy(
             p, cfg, eps=eps, draws=draws, tuning_seeds=[split_seed * 1000 + 100 + k for k in range(n_seeds)],
             sigma2s=sigma2s, progress=lambda s: print(s, file=sys.stderr, flush=True))
-        print(json.dumps(dict(out, split=split_seed, dataset=dataset, features=features,
+        print(json.dumps(dict(out, split=split_seed, dataset=dataset, features=features, **sharpen,
                               **{k: v for k, v in over.items() if v is not None})), flush=True)
 
 

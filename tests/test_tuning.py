@@ -726,26 +726,41 @@ def test_chosen_point_accuracy_averages_served_choices_below_the_best_grid_point
     assert {g[1] for g in fixed["grid"]} == {0.5, 1.0} and fixed["sigma2_grid"] == "given"
 
 
-def test_choice_distribution_is_the_searchs_own_softmax():
-    """bench's exact expectation of the exponential mechanism's choice: the rebuilt scores reproduce the choice
-    the search made with its own Gumbel draws (otherwise it raises), the probabilities are its softmax, and the
-    Gumbel draws of many other generators fall on the grid points at those rates."""
+def test_choice_distribution_is_the_searchs_own_softmax(monkeypatch):
+    """bench's exact expectation of the exponential mechanism's choice: the probabilities equal the softmax of the
+    very scores ``private_tune`` handed to its selection (captured there), with the search's own Gumbel scale; the
+    rebuild refuses a record whose choice its scores do not reproduce, and a random-search record or no seed."""
     from indknn_cli.benchmarks.private_tuning import choice_distribution, chosen_point_accuracy, tune_request
     from indknn_cli.tuning_accounting import gumbel_scale
 
     p, cfg, draws = _tiny_bench_world(300)
-    cfg.tune_taus, cfg.tune_queries = (0.3, 0.6), 30
-    rec, params = tuning.private_tune_arrays(p.priv_x, p.priv_y, n_classes=p.ds.n_classes,
-                                             req=tune_request(cfg, eps=2.0, T=p.T, seed=5, extractor=p.ds.extractor))
-    dist = choice_distribution(p, rec=rec, params=params, seed=5)
-    assert dist.shape == (len(rec.grid),) and dist.sum() == pytest.approx(1.0) and np.all(dist > 0)
-    logit = np.log(dist) * gumbel_scale(rec.rho_run)            # the scores, up to one constant
-    rng = np.random.default_rng(0)
-    picks = np.argmax(logit[None, :] + rng.gumbel(scale=gumbel_scale(rec.rho_run), size=(20000, dist.size)), axis=1)
-    assert np.allclose(np.bincount(picks, minlength=dist.size) / 20000, dist, atol=0.015)
+    cfg.tune_taus, cfg.tune_queries = (0.3, 0.45, 0.6), 30
+    seen = []
+    real = tuning.exp_mech_select
+
+    def capture(scores, *, rho, rng):
+        seen.append(np.asarray(scores, np.float64).copy())
+        return real(scores, rho=rho, rng=rng)
+
+    for seed in (5, 6, 7):
+        seen.clear()
+        monkeypatch.setattr(tuning, "exp_mech_select", capture)
+        rec, params = tuning.private_tune_arrays(p.priv_x, p.priv_y, n_classes=p.ds.n_classes,
+                                                 req=tune_request(cfg, eps=2.0, T=p.T, seed=seed,
+                                                                  extractor=p.ds.extractor))
+        monkeypatch.setattr(tuning, "exp_mech_select", real)
+        assert len(seen) == 1 and np.ptp(seen[0]) > 0           # the search's own scores, not all equal
+        z = (seen[0] - seen[0].max()) / gumbel_scale(rec.rho_run)
+        want = np.exp(z) / np.exp(z).sum()
+        dist = choice_distribution(p, rec=rec, params=params, seed=seed)
+        assert dist.shape == want.shape and np.allclose(dist, want, rtol=1e-12, atol=1e-15)
     wrong = dataclasses.replace(rec, chosen_tau=[t for t, _ in rec.grid if t != rec.chosen_tau][0])
     with pytest.raises(AssertionError, match="do not reproduce"):
-        choice_distribution(p, rec=wrong, params=params, seed=5)
+        choice_distribution(p, rec=wrong, params=params, seed=seed)
+    with pytest.raises(ValueError, match="exp-mech"):
+        choice_distribution(p, rec=dataclasses.replace(rec, method=tuning.RANDOM_SEARCH), params=params, seed=seed)
+    with pytest.raises(ValueError, match="seed"):
+        choice_distribution(p, rec=rec, params=params, seed=None)
     out = chosen_point_accuracy(p, cfg, eps=2.0, draws=draws, tuning_seeds=[1, 2, 3])
     assert out["expected_se"] is not None and 0 < out["expected_mean"] <= out["best_grid_point"]
 

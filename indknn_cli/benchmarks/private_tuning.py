@@ -178,12 +178,17 @@ def choice_distribution(p, *, rec, params, seed: int) -> np.ndarray:
     Bench only: it recomputes the search's *un-noised* scores, which ``index`` never releases or writes (an
     operator's measurement of the search, like the oracle row). The shards, the shard noise and the scores are
     rebuilt as :func:`indknn_cli.tuning.private_tune` built them for ``seed`` (rows given as vectors: keys from
-    each row's vector and label), and the rebuilt scores must reproduce the choice the search made with the same
-    Gumbel draws; otherwise this raises rather than report a distribution of some other search."""
+    each row's vector and label). As a cheap guard the rebuilt scores must reproduce the choice the search made
+    with its own Gumbel draws, or this raises; that catches a rebuild that ranks the grid differently, not every
+    small difference (``tests/test_tuning.py`` compares the result with the scores the search itself selected on)."""
     from ..ledger_state import PrivacyParams as Params
     from ..tuning_accounting import gumbel_scale
     from ..tuning_base import BaseRunData
 
+    if rec.method != tuning.EXP_MECH:
+        raise ValueError(f"choice_distribution: method {rec.method!r}; only exp-mech has a softmax choice")
+    if seed is None:
+        raise ValueError("choice_distribution: the search must have a seed (its shards and noise are keyed by it)")
     data = BaseRunData.build(p.priv_x, p.priv_y, n_shards=rec.validation_queries, seed_text=f"seed:{seed}",
                              n_classes=p.ds.n_classes)
     key = tuning._run_key(seed, "tune:exp-mech")
