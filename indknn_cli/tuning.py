@@ -102,7 +102,7 @@ from .tuning_base import (SHARPEN, BaseRunData, _coin, base_run_correct,  # noqa
 
 #: The search's shard score and its name in the ledger's tuning record (docs/TUNING.md, "What a shard computes").
 emulated_score = emulated_expected
-EMULATION = f"expected chance ** {SHARPEN:g}, margin share from label agreement"
+EMULATION = f"expected chance ** {SHARPEN:g}, margin share from label agreement, count from the shard's pairs"
 
 
 # -- the search -----------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ serving would answer it, from the shard's own records and public figures only (S
 That is :func:`emulated_correct` (a 0/1 answer per shard), the search's score until 2026-11-27. The search now scores
 with :func:`emulated_expected`: the shard's *chance* of being answered right, with serving's vote noise modelled
 (the margin share read from the label agreement of the shard's pairs within τ), which a shard's own one or two
-candidates cannot show (docs/TUNING.md, "What a shard computes").
+candidates cannot show (docs/TUNING.md, "What a shard computes"). Since 2026-11-29 it also reads the query's
+full-scale count from the share of the shard's pairs within τ instead of S × its own hits (``count="pairs"``).
 
 Privacy does not rest on any of this: the score is a sum of per-shard terms in [0, 1], and one record changes at
 most its own shard's term, whatever the shard computes (tuning.py), so the score's sensitivity is 1.
@@ -254,9 +255,14 @@ def margin_share_bound(near: np.ndarray, labels: np.ndarray) -> float:
 #: MNIST (powers 1, 2, 4, 8, 16) and checked on AG News splits 1 and 2.
 SHARPEN = 4.0
 
+#: Where a shard reads the query's full-scale count from: "pairs" (the share of the shard's pairs within τ, since
+#: 2026-11-29) or "query" (the query's own hits × S, before). :func:`emulated_expected`.
+COUNTS = ("pairs", "query")
+COUNT = "pairs"
+
 
 def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_queries: int,
-                      margin_prior: str = "agreement", sharpen: float = SHARPEN) -> float:
+                      margin_prior: str = "agreement", sharpen: float = SHARPEN, count: str = COUNT) -> float:
     """Sum over shards of the chance that serving at full scale answers the shard's validation record right.
 
     As in :func:`emulated_correct`, the query's count is K̂ = max(S·|C_s| + σ1·z, K_min) and its candidates have
@@ -274,9 +280,21 @@ def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_quer
     chance itself). This is the search's score (docs/TUNING.md); ``margin_prior="flat"`` is the earlier m = 1,
     kept for the diagnostic.
 
+    ``count="pairs"`` (:data:`COUNT`, the search's since 2026-11-29): the full-scale count is read from the shard's
+    pairs, not from the query's own hits: K = S·|P_s|·p with p the share of the shard's pairs within τ, the vote
+    weight K·w̄ with w̄ = min(κ̄, σ2·sqrt(2K̂r)) (κ̄ the pairs' mean κ), and the vote noise flips the answer with
+    f(m·K·w̄ / (σ2·sqrt(2K̂))). The query's own candidates say only which class the noiseless answer is; with none,
+    it is right with chance ½ + m/4 (the plurality share (1 + Δ̄)/2 of the margin model; no pair within τ: 1/n).
+    S·|C_s| (``count="query"``, before) conditions the count on the query's one or two sampled hits: a shard with
+    none scored 1/n although at full scale the query has candidates, and one with a hit at a high τ stood for S
+    candidates where serving has few, so the search preferred a lower τ than serving does (docs/TUNING.md, "The
+    count from the shard's pairs").
+
     Each term lies in [0, 1] (so does its power) and reads only the shard's records and public figures (S, T, B, σ1, σ2, τ, K_min),
     so the sum moves by at most 1 when one record is added or removed (docs/TUNING.md "Why one run costs ρ").
     """
+    if count not in COUNTS:
+        raise ValueError(f"count={count!r}: expected one of {COUNTS}")
     from .engine import noise_generator
 
     vrows = data.val_row[data.val_row >= 0]
@@ -292,6 +310,10 @@ def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_quer
         rng = noise_generator(run_key, int(s))  # keyed by the shard, as the engine keys by query index
         sel = kap >= params.tau
         c = int(sel.sum())
+        if count == "pairs":
+            total += _pairs_chance(data, pairs[j], v, rows, kap[sel], data.labels[rows[sel]], rng=rng, S=S, T=T, B=B,
+                                   c1=c1, params=params, u=u, margin_prior=margin_prior) ** sharpen
+            continue
         if c == 0:
             total += (1.0 / n_cls) ** sharpen
             continue
@@ -314,3 +336,31 @@ def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_quer
         f = flip_probability(share * S * w.sum(axis=1) / (s2 * np.sqrt(2.0 * k_hat)), n_cls)
         total += float(np.mean(np.where(right, 1.0 - f, f / (n_cls - 1)))) ** sharpen
     return total
+
+
+def _pairs_chance(data, kappa_pairs, v, rows, k_sel, y_sel, *, rng, S, T, B, c1, params, u, margin_prior) -> float:
+    """One shard's chance under ``count="pairs"`` (:func:`emulated_expected`): the count, the depletion and the
+    vote noise from the shard's pairs within τ; the query's own candidates ``k_sel`` (labels ``y_sel``) give the
+    noiseless answer's class, and with none it is right with chance ½ + m/4. In [0, 1]; reads the shard only."""
+    s2, n_cls = float(params.sigma2), int(data.n_classes)
+    z = rng.standard_normal(POSITIONS)
+    near = kappa_pairs >= params.tau
+    m = near.shape[0]
+    offd = near & ~np.eye(m, dtype=bool)
+    if not offd.any():
+        return 1.0 / n_cls  # no pair within τ: nothing is known of the neighbourhood
+    p_rec = float(offd.sum()) / max(m * (m - 1), 1)
+    share = margin_share_bound(near, data.labels[np.r_[v, rows][:m]]) if margin_prior == "agreement" else 1.0
+    kp = kappa_pairs[offd]
+    k_full = S * rows.size * p_rec
+    k_rec = max(k_full, params.k_min)
+    k_hat = np.maximum(k_full + params.sigma1 * z, params.k_min)
+    spent = u * T * p_rec * (c1 + float(np.mean(kp * kp)) / (2.0 * s2 * s2 * k_rec))
+    cap = s2 * np.sqrt(2.0 * k_hat * np.maximum(0.0, B - spent))  # a spent record's largest vote weight
+    f = flip_probability(share * k_full * np.minimum(float(np.mean(kp)), cap) / (s2 * np.sqrt(2.0 * k_hat)), n_cls)
+    if k_sel.size:
+        votes = np.minimum(k_sel[None, :], cap[:, None]) @ np.eye(n_cls)[y_sel]
+        right = (np.argmax(votes, axis=1) == int(data.labels[v])).astype(np.float64)
+    else:
+        right = min(1.0, 0.5 + share / 4.0)
+    return float(np.mean(right * (1.0 - f) + (1.0 - right) * f / (n_cls - 1)))

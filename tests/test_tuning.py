@@ -373,6 +373,53 @@ def test_emulated_base_run_moves_by_at_most_one_when_a_record_leaves(tune_store,
         assert max(moved) > 0  # the score does read the records
 
 
+def test_count_from_the_shards_pairs_not_from_the_querys_own_hits():
+    """count="pairs" (the search's default): a query with no sampled candidate in a neighbourhood whose pairs are
+    within τ is no longer a guess (count="query" scored it 1/n exactly, although at full scale it has candidates),
+    and a single hit where the shard's pairs are rarely within τ no longer stands for S candidates (vote noise then
+    flips it more). Both terms stay in [0, 1]."""
+    from indknn_cli.ledger import PrivacyParams
+    from indknn_cli.tuning_base import COUNT, emulated_expected
+
+    assert COUNT == "pairs" and "count from the shard's pairs" in tuning.EMULATION
+    rng = np.random.default_rng(0)
+    p = PrivacyParams(epsilon=2, delta=1e-5, conversion="rdp", budget=0.5, kernel="cosine", tau=0.5, sigma1=5.0,
+                      sigma2=0.5, nu=None, k_min=1.0, planned_queries=20).validate()
+
+    def val_of(x, y):  # one shard holding every record: its validation record has the lowest coin (by content)
+        data = tuning.BaseRunData.build(x, y, n_shards=1, seed_text="seed:9", n_classes=3)
+        return data, int(data.val_row[0])
+
+    def chance(data, count):
+        return emulated_expected(data, params=p, run_key=4, n_shards=1, planned_queries=20, sharpen=1.0, count=count)
+
+    # (a) a tight one-class cluster of 12 and one far record, scaled until its coin makes it the validation record
+    cluster = np.eye(8)[0] + 0.05 * rng.standard_normal((12, 8))
+    y = np.zeros(13, np.int64)
+    for k in range(200):
+        x = np.vstack([cluster, (1.0 + 0.01 * k) * np.eye(8)[3][None, :]]).astype(np.float32)
+        data, v = val_of(x, y)
+        if v == 12:
+            break
+    assert v == 12
+    assert chance(data, "query") == pytest.approx(1.0 / 3)                   # no candidate: a guess
+    assert 1.0 / 3 < chance(data, "pairs") <= 1.0                           # the neighbourhood answers it
+
+    # (b) records spread apart (pairs rarely within τ), and a near twin of the validation record, of its label
+    spread = np.eye(16)[:14] + 0.01 * rng.standard_normal((14, 16))
+    y = (np.arange(15) % 3).astype(np.int64)
+    _, v = val_of(spread.astype(np.float32), y[:14])
+    y[14] = y[v]
+    for k in range(200):
+        x = np.vstack([spread, (1.0 + 0.01 * k) * spread[v][None, :] + 0.001]).astype(np.float32)
+        data, v2 = val_of(x, y)
+        if v2 in (v, 14):
+            break
+    assert v2 in (v, 14)                                                     # the pair holds the validation record
+    q, pr = chance(data, "query"), chance(data, "pairs")
+    assert 0 <= pr < q <= 1                                                  # one hit no longer stands for S records
+
+
 def test_emulated_base_run_punishes_a_sigma2_that_runs_budgets_dry(tune_store):
     """At full scale a tiny σ2 spends each record within a few queries; the emulation sees it (one query would not)."""
     from indknn_cli.ledger import PrivacyParams
