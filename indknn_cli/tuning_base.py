@@ -311,8 +311,8 @@ def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_quer
         sel = kap >= params.tau
         c = int(sel.sum())
         if count == "pairs":
-            total += _pairs_chance(data, pairs[j], v, rows, kap[sel], data.labels[rows[sel]], rng=rng, S=S, T=T, B=B,
-                                   c1=c1, params=params, u=u, margin_prior=margin_prior) ** sharpen
+            total += _unit(_pairs_chance(data, pairs[j], v, rows, kap[sel], data.labels[rows[sel]], rng=rng, S=S, T=T,
+                                         B=B, c1=c1, params=params, u=u, margin_prior=margin_prior), n_cls) ** sharpen
             continue
         if c == 0:
             total += (1.0 / n_cls) ** sharpen
@@ -334,7 +334,7 @@ def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_quer
         votes = w @ onehot
         right = np.argmax(votes, axis=1) == int(data.labels[v])
         f = flip_probability(share * S * w.sum(axis=1) / (s2 * np.sqrt(2.0 * k_hat)), n_cls)
-        total += float(np.mean(np.where(right, 1.0 - f, f / (n_cls - 1)))) ** sharpen
+        total += _unit(float(np.mean(np.where(right, 1.0 - f, f / max(n_cls - 1, 1)))), n_cls) ** sharpen
     return total
 
 
@@ -344,6 +344,8 @@ def _pairs_chance(data, kappa_pairs, v, rows, k_sel, y_sel, *, rng, S, T, B, c1,
     noiseless answer's class, and with none it is right with chance ½ + m/4. In [0, 1]; reads the shard only."""
     s2, n_cls = float(params.sigma2), int(data.n_classes)
     z = rng.standard_normal(POSITIONS)
+    if n_cls < 2:
+        return 1.0  # one class: every answer is right (and f/(n − 1) would be 0/0)
     near = kappa_pairs >= params.tau
     m = near.shape[0]
     offd = near & ~np.eye(m, dtype=bool)
@@ -364,3 +366,13 @@ def _pairs_chance(data, kappa_pairs, v, rows, k_sel, y_sel, *, rng, S, T, B, c1,
     else:
         right = min(1.0, 0.5 + share / 4.0)
     return float(np.mean(right * (1.0 - f) + (1.0 - right) * f / (n_cls - 1)))
+
+
+def _unit(chance: float, n_classes: int) -> float:
+    """A shard's chance, kept in [0, 1] whatever produced it (a value that is not a finite number reads as the
+    guess 1/n): the score's sensitivity rests on every term lying in one unit interval (docs/TUNING.md, "Why one
+    run costs ρ"), so that is enforced here rather than trusted to the emulation's arithmetic (review 78, F1: one
+    class made a term 0/0)."""
+    if not math.isfinite(chance):
+        return 1.0 / max(int(n_classes), 1)
+    return min(1.0, max(0.0, float(chance)))

@@ -420,6 +420,32 @@ def test_count_from_the_shards_pairs_not_from_the_querys_own_hits():
     assert 0 <= pr < q <= 1                                                  # one hit no longer stands for S records
 
 
+@pytest.mark.parametrize("count", ["pairs", "query"])
+def test_a_one_class_store_keeps_every_term_in_the_unit_interval(count):
+    """Review 78, F1: with one class the chance's wrong-answer share f/(n − 1) was 0/0, so every shard with a pair
+    within τ scored NaN; adding one record then turned a released choice into an error. Each term is now kept in
+    [0, 1] (one class: every answer is right), and the search runs with and without the extra record."""
+    from indknn_cli.benchmarks.private_tuning import tune_request
+    from indknn_cli.ledger import PrivacyParams
+    from indknn_cli.benchmarks.config import BenchConfig
+
+    rng = np.random.default_rng(1)
+    x = (np.eye(6)[0] + 0.1 * rng.standard_normal((60, 6))).astype(np.float32)
+    y = np.zeros(60, np.int64)
+    p = PrivacyParams(epsilon=2, delta=1e-5, conversion="rdp", budget=0.05, kernel="cosine", tau=0.5, sigma1=20.0,
+                      sigma2=0.5, nu=None, k_min=5.0, planned_queries=100).validate()
+    for xs, ys in ((x, y), (np.vstack([x, x[:1]]), np.r_[y, 0])):  # and with a twin of one record added
+        data = tuning.BaseRunData.build(xs, ys, n_shards=6, seed_text="seed:2", n_classes=1)
+        score = tuning.emulated_expected(data, params=p, run_key=3, n_shards=6, planned_queries=100, count=count)
+        assert math.isfinite(score) and 0.0 <= score <= 6.0
+    if count == "pairs":  # the search's default: it selects on one-class data, before and after the extra record
+        cfg = BenchConfig.make(quick=True, seed=0, epsilons=(2.0,), draws=1)
+        cfg.tune_taus, cfg.tune_queries = (0.3, 0.6), 6
+        for xs, ys in ((x, y), (np.vstack([x, x[:1]]), np.r_[y, 0])):
+            rec, _ = tuning.private_tune_arrays(xs, ys, n_classes=1, req=tune_request(cfg, eps=2.0, T=100, seed=4))
+            assert [rec.chosen_tau, rec.chosen_sigma2] in rec.grid
+
+
 def test_emulated_base_run_punishes_a_sigma2_that_runs_budgets_dry(tune_store):
     """At full scale a tiny σ2 spends each record within a few queries; the emulation sees it (one query would not)."""
     from indknn_cli.ledger import PrivacyParams
