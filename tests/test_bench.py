@@ -355,6 +355,26 @@ def test_index_speed_table_shows_the_majority_class_beside_the_accuracies():
     assert last.startswith("majority class") and last.split()[-3:] == ["0.333"] * len(index_speed.EPSILONS)
 
 
+def test_a_long_axis_label_stays_inside_the_figure(tmp_path, monkeypatch):
+    """The accuracy-vs-ε plot's x label names every method's accountant, the unit and the adjacency; on one line it
+    ran past the figure's right edge, and the adjacency was cut ("add/remove one rec")."""
+    import matplotlib.pyplot as plt
+
+    from indknn_cli.benchmarks import report
+
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda fig: kept.append(fig))
+    label = ("total ε (δ=1e-05; Ind-KNN GDP, tuned privately RDP; P-kNN PLD; SGD PRV; per record, add/remove one "
+             "record)")
+    report.plot_lines(tmp_path / "p.png", series={"ind-knn": ([0.5, 1, 2], [0.8, 0.85, 0.86])}, xlabel=label,
+                      ylabel="median accuracy, 1000 queries (band: min–max over draws)", title="t")
+    fig = kept[0]
+    fig.canvas.draw()
+    box, width = fig.axes[0].xaxis.label.get_window_extent(), fig.bbox.width
+    assert 0 <= box.x0 and box.x1 <= width, (box.x0, box.x1, width)
+    assert fig.axes[0].get_xlabel().replace("\n", " ") == label
+
+
 def test_two_nearly_equal_references_are_told_apart(tmp_path, monkeypatch):
     """Issue 20: kNN (0.897) and logistic regression (0.896) drew one line; each reference now also has its own
     marker, at its own x right of the data, with its min–max over draws as an error bar."""

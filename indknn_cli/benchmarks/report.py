@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -131,8 +132,10 @@ def plot_lines(path: Path, *, series: dict[str, tuple], xlabel: str, ylabel: str
         ax.set_xscale("log")
     if logy:
         ax.set_yscale("log")
-    ax.set_xlabel(xlabel, fontsize=8)
-    ax.set_ylabel(ylabel, fontsize=8)
+    # a long axis label (every ε names its accountant, unit and adjacency) is wrapped: tight_layout cannot shrink
+    # text, and one line cut off the label's end ("…, add/remove one rec") at the figure's edge
+    ax.set_xlabel(textwrap.fill(xlabel, 80), fontsize=8)
+    ax.set_ylabel(textwrap.fill(ylabel, 60), fontsize=8)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
