@@ -647,6 +647,19 @@ def test_cli_index_tune(tune_store, tmp_path):
     assert "budget-relative" in " ".join(runner.invoke(app, ["index", "--help"]).stdout.split())
 
 
+def test_many_shards_at_a_large_eps_do_not_overflow_the_noise_warning(tune_store, tmp_path):
+    """Review 79, F1: the "close to a random pick" warning computed exp(0.05·S·sqrt(2ρ)), which overflowed from about
+    4,300 shards at ε = 100 (both in range): index exited 1 with an internal error after the ledger was made and the
+    search charged. The exponent is compared with ln 1.5 now."""
+    led = tmp_path / "l"
+    res = runner.invoke(app, ["index", "--store", str(tune_store.path), "--ledger", str(led), "--eps", "100",
+                              "--tune", "private", "--tune-taus", "0.3", "--tune-sigma2s", "0.5",
+                              "--tune-queries", "6000", "--planned-queries", "100"])
+    assert res.exit_code == 0, res.output
+    assert BudgetLedger.open(led).meta["tuning"]["validation_queries"] == 6000
+    assert "close to a random pick" not in res.stderr
+
+
 # -- serve-queries --min-margin ---------------------------------------------------------------------------------
 def test_the_creations_tune_command_run_again_adds_records_and_tunes_nothing(tune_store, tmp_path):
     """Review 44 (QA, L1): the README's `embed … | index --tune private …` run a second time (cron, or a pasted

@@ -146,8 +146,11 @@ def index_command(
             f"at δ={rounding.given(delta)} (RDP, record unit, add/remove one record); serving B={rounding.up(result.params.budget)}"))
     if tuned.get("mode") == "private" and result.created and tuned.get("method") == "exp-mech":
         # public figures only (ε, share, S): how much a better grid point is preferred (review 16, F1)
-        odds = math.exp(0.05 * tuned["validation_queries"] * math.sqrt(2.0 * tuned["rho_run"]))
-        if odds < 1.5:
+        # compared as a log: the exponent grows with S and ε, and exp() overflowed past ~255,000 shards at ε = 1
+        # after the ledger was made (review 79, F1)
+        log_odds = 0.05 * tuned["validation_queries"] * math.sqrt(2.0 * tuned["rho_run"])
+        if log_odds < math.log(1.5):
+            odds = math.exp(log_odds)
             stderr_console().print(escape(
                 f"warning: at this ε the search's noise is large against its {tuned['validation_queries']} shards: a "
                 f"grid point right on 5 % more of them is chosen only {odds:.2f}× as often as another, so the choice "
