@@ -671,7 +671,7 @@ def test_the_creations_tune_command_run_again_adds_records_and_tunes_nothing(tun
     res = runner.invoke(app, cmd)
     assert res.exit_code == 0, res.output
     first = BudgetLedger.open(led)
-    assert first.meta["tuning"]["request"]["share"] == 0.2 and "device" not in first.meta["tuning"]["request"]
+    assert first.meta["tuning"]["request"]["share"] == tuning.DEFAULT_TUNE_SHARE and "device" not in first.meta["tuning"]["request"]
     x, y, _ = clustered(5, 16, 3, seed=9)
     FeatureStore.open(tune_store.path, mode="a").append("private", x, labels=y,
                                                         record_ids=[f"new{i}" for i in range(5)])
@@ -682,7 +682,7 @@ def test_the_creations_tune_command_run_again_adds_records_and_tunes_nothing(tun
     assert again.meta["tuning"] == first.meta["tuning"] and again.params == first.params
     assert len(again.state) == len(first.state) + 5 and float(np.max(again.state.spent)) == 0.0
     before = sorted((p.name, p.read_bytes()) for p in led.rglob("*") if p.is_file() and p.name != "LOCK")
-    for flag, value in (("--tune-share", "0.3"), ("--tune-method", "random-search"), ("--tune-taus", "0.3"),
+    for flag, value in (("--tune-share", "0.45"), ("--tune-method", "random-search"), ("--tune-taus", "0.3"),
                         ("--eps", "1")):
         other = list(cmd)
         if flag in other:
@@ -804,7 +804,9 @@ def test_chosen_point_accuracy_averages_served_choices_below_the_best_grid_point
     cfg.tune_taus, cfg.tune_queries, cfg.tune_runs = (0.3, 0.6), 30, 3.0
     out = chosen_point_accuracy(p, cfg, eps=2.0, draws=draws, tuning_seeds=[1, 2, 3])
     assert out["tuning_seeds"] == 3 and out["sigma2_grid"].startswith("budget-relative")
-    rho = tuning.rho_for_share(epsilon=2.0, delta=cfg.delta, share=0.2, method="exp-mech")  # index's default
+    from indknn_cli.tuning_grid import DEFAULT_TUNE_SHARE
+
+    rho = tuning.rho_for_share(epsilon=2.0, delta=cfg.delta, share=DEFAULT_TUNE_SHARE, method="exp-mech")  # index's
     b = tuning.serving_budget(epsilon=2.0, delta=cfg.delta, rho_run=rho, method="exp-mech")
     assert sorted({g[1] for g in out["grid"]}) == sorted(budget_relative_sigma2s(budget=b, planned_queries=20))
     assert 0 < out["chosen_mean"] <= out["best_grid_point"] <= 1
