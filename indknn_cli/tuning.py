@@ -62,7 +62,7 @@ from .tuning_accounting import (EXP_MECH, METHODS, ORDERS, POISSON, RANDOM_SEARC
                                 search_args, search_kwargs, serving_budget, tuning_epsilon, tuning_event)
 from .tuning_grid import (DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_METHOD, DEFAULT_TUNE_QUERIES,  # noqa: F401
                           DEFAULT_TUNE_RUNS, DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE, REFERENCE_BUDGET_PER_QUERY,
-                          budget_relative_sigma2s, default_taus)
+                          budget_relative_sigma2s, default_share, default_taus)
 
 TUNING_FORMAT = 1
 
@@ -304,7 +304,7 @@ class TuneRequest:
     epsilon: float
     delta: float
     on: str = "private"            # private (accounted) | public (labelled public rows, free)
-    share: float = DEFAULT_TUNE_SHARE       # fraction of ε the search may cost (private)
+    share: float | None = None     # fraction of ε the search may cost (private); None: tuning_grid.default_share
     mean_runs: float = DEFAULT_TUNE_RUNS
     shape: float | str = DEFAULT_TUNE_SHAPE  # η: 0 logarithmic (default), 1 geometric, "poisson"
     taus: tuple | None = None      # None: the prior of the store's extractor (tuning_grid.default_taus)
@@ -320,6 +320,10 @@ class TuneRequest:
     planned_queries: int | None = None
     device: str = "cpu"
     extractor: str | None = None   # the store's extractor name (public): picks the default τ prior
+
+    def __post_init__(self):
+        if self.share is None:  # the method's own default (30 % exp-mech, 20 % random search)
+            self.share = default_share(self.method)
 
     def resolved_nu(self) -> float | None:
         """ν as serving will use it: the given one, else the paper's e^1.5 for the RBF kernel (none for cosine)."""

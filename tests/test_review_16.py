@@ -46,7 +46,7 @@ def test_changing_the_privacy_flags_of_an_existing_ledger_says_how_to_add_record
 @pytest.mark.heavy
 def test_a_search_at_small_eps_warns_that_its_choice_is_near_random(store):
     """Review 16, F1: at ε = 0.1 (share 0.2, S = 500) a grid point right on 5 % more shards is chosen only 1.18×
-    as often: the search says so (public figures only). At ε = 1 (4.0×) it does not."""
+    as often: the search says so (public figures only). At ε = 1 (7.6× at the 30 % default share) it does not."""
     p = _ok(_cli("index", "--store", "s.zarr", "--ledger", "L", "--eps", "0.1", "--tune", "private",
                  "--tune-share", "0.2", "--planned-queries", "100", cwd=store))
     assert "close to a random pick" in p.stderr and "1.18×" in p.stderr

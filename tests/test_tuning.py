@@ -647,6 +647,29 @@ def test_cli_index_tune(tune_store, tmp_path):
     assert "budget-relative" in " ".join(runner.invoke(app, ["index", "--help"]).stdout.split())
 
 
+def test_the_default_share_is_the_methods_own(tune_store, tmp_path):
+    """Review 80, F8: the default share became 30 % for the exponential mechanism, measured there; random search
+    keeps the 20 % it was measured at. F4: `--tune-share` is "given" when typed, whatever its value, so `--tune
+    public --tune-share 0.3` is refused like any other value (it passed silently when 0.3 was the default)."""
+    from indknn_cli.tuning_grid import DEFAULT_TUNE_SHARE, RANDOM_SEARCH_TUNE_SHARE
+
+    assert (DEFAULT_TUNE_SHARE, RANDOM_SEARCH_TUNE_SHARE) == (0.3, 0.2)
+    assert tuning.TuneRequest(epsilon=1, delta=1e-5).share == 0.3
+    assert tuning.TuneRequest(epsilon=1, delta=1e-5, method="random-search").share == 0.2
+    assert tuning.TuneRequest(epsilon=1, delta=1e-5, method="random-search", share=0.4).share == 0.4
+    base = ["index", "--eps", "2", "--tune", "private", "--tune-taus", "0.3", "--tune-sigma2s", "0.5",
+            "--tune-queries", "30", "--planned-queries", "100"]
+    for method, want in (("exp-mech", 0.3), ("random-search", 0.2)):
+        led, store = tmp_path / method, _own_store(tune_store, tmp_path / f"{method}.zarr")
+        res = runner.invoke(app, base + ["--store", str(store), "--ledger", str(led), "--tune-method", method])
+        assert res.exit_code == 0, res.output
+        assert BudgetLedger.open(led).meta["tuning"]["share"] == want
+    res = runner.invoke(app, ["index", "--store", str(_own_store(tune_store, tmp_path / "pub.zarr")), "--ledger",
+                              str(tmp_path / "pub"), "--eps", "2", "--tune", "public", "--tune-share",
+                              str(DEFAULT_TUNE_SHARE)])
+    assert res.exit_code == 2 and "--tune-share" in res.stderr and not (tmp_path / "pub").exists()
+
+
 def test_many_shards_at_a_large_eps_do_not_overflow_the_noise_warning(tune_store, tmp_path):
     """Review 79, F1: the "close to a random pick" warning computed exp(0.05·S·sqrt(2ρ)), which overflowed from about
     4,300 shards at ε = 100 (both in range): index exited 1 with an internal error after the ledger was made and the

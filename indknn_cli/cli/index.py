@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from ..errors import BadInputError
 from ..tuning_grid import (BROAD_TAUS, DEFAULT_SIGMA2S, DEFAULT_TAUS, DEFAULT_TUNE_METHOD, DEFAULT_TUNE_QUERIES, DEFAULT_TUNE_RUNS, REFERENCE_BUDGET_PER_QUERY,
-                           DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE)
+                           DEFAULT_TUNE_SHAPE, DEFAULT_TUNE_SHARE, RANDOM_SEARCH_TUNE_SHARE)
 from .. import rounding
 from ..wording import count
 from .common import (check_lock_timeout, emit_json, env_value, given_on_command_line, parse_number_list,
@@ -61,7 +61,7 @@ def index_command(
     max_records_per_user: Optional[int] = typer.Option(None, "--max-records-per-user", help="user unit: only a user's k most similar records (largest κ) count per query (default: all)."),
     user_for_missing: str = typer.Option("refuse", "--user-for-missing", help="user unit: rows without a user id are refused (refuse, default) or each is its own user (record)."),
     tune: Optional[str] = typer.Option(None, "--tune", help="Choose τ and σ2 when creating the ledger (docs/TUNING.md): private = a private selection on the private records (--tune-method), its cost composed into the ε target by RDP and recorded in the ledger; public = on the store's labelled public rows, free. --tau/--sigma2 are then refused (give --tune-taus/--tune-sigma2s)."),
-    tune_share: float = typer.Option(DEFAULT_TUNE_SHARE, "--tune-share", help="--tune private: fraction of --eps the search may cost (RDP, at --delta)."),
+    tune_share: Optional[float] = typer.Option(None, "--tune-share", help=f"--tune private: fraction of --eps the search may cost (RDP, at --delta). Default {DEFAULT_TUNE_SHARE:g} for exp-mech, {RANDOM_SEARCH_TUNE_SHARE:g} for random-search."),
     tune_method: str = typer.Option(DEFAULT_TUNE_METHOD, "--tune-method", help="--tune private: exp-mech (default: every grid point scored, the best chosen by the exponential mechanism, one zCDP event) or random-search (Papernot & Steinke: a random number of runs at random grid points, dp-accounting RepeatAndSelectDpEvent)."),
     tune_runs: Optional[float] = typer.Option(None, "--tune-runs", help=f"--tune-method random-search: mean number of runs K (default {DEFAULT_TUNE_RUNS:g})."),
     tune_shape: Optional[str] = typer.Option(None, "--tune-shape", help=f"--tune-method random-search: distribution of K: η ≥ 0 of the truncated negative binomial (0 logarithmic, the default {DEFAULT_TUNE_SHAPE:g}; 1 geometric) or 'poisson'."),
@@ -89,7 +89,7 @@ def index_command(
         params = None
         if planned_queries < 1:  # make_params would take 0 for "not given" and use 1000
             raise BadInputError(f"--planned-queries must be ≥ 1, got {planned_queries}")
-        given = [flag for flag, on in (("--tune-share", tune_share != DEFAULT_TUNE_SHARE),
+        given = [flag for flag, on in (("--tune-share", tune_share is not None),
                                        ("--tune-method", tune_method != DEFAULT_TUNE_METHOD),
                                        ("--tune-runs", tune_runs is not None), ("--tune-shape", tune_shape is not None),
                                        ("--tune-taus", tune_taus is not None),
