@@ -322,10 +322,7 @@ def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_quer
         # How often a record is selected over the T queries: the share p of the shard's pairs within τ (its
         # m(m−1) ordered pairs, not only the query's m − 1, whose noise the death threshold would turn into
         # spurious depletion), and the count of the queries that select it, K_rec = max(S·|P_s|·p, K_min).
-        near = pairs[j] >= params.tau
-        m = near.shape[0]
-        p_rec = float(near.sum() - np.trace(near)) / max(m * (m - 1), 1)
-        share = margin_share_bound(near, data.labels[np.r_[v, rows][:m]]) if margin_prior == "agreement" else 1.0
+        _, p_rec, share = _neighbourhood(data, pairs[j], v, rows, tau=params.tau, margin_prior=margin_prior)
         k_rec = max(S * rows.size * p_rec, params.k_min)
         spent = u * T * p_rec * (c1 + float(np.mean(k * k)) / (2.0 * s2 * s2 * k_rec))
         r = np.maximum(0.0, B - spent)
@@ -338,6 +335,18 @@ def emulated_expected(data, *, params, run_key: int, n_shards: int, planned_quer
     return total
 
 
+def _neighbourhood(data, kappa_pairs, v, rows, *, tau: float, margin_prior: str) -> tuple[np.ndarray, float, float]:
+    """What a shard's pairs say of its neighbourhood at τ: the ordered pairs within τ (the m×m mask, diagonal off),
+    their share p of the m(m−1) pairs (how often a record is selected), and the margin share's upper end m from their
+    label agreement (:func:`margin_share_bound`; 1 under the flat prior). Reads the shard's own members only."""
+    near = kappa_pairs >= tau
+    m = near.shape[0]
+    offd = near & ~np.eye(m, dtype=bool)
+    p_rec = float(offd.sum()) / max(m * (m - 1), 1)
+    share = margin_share_bound(near, data.labels[np.r_[v, rows][:m]]) if margin_prior == "agreement" else 1.0
+    return offd, p_rec, share
+
+
 def _pairs_chance(data, kappa_pairs, v, rows, k_sel, y_sel, *, rng, S, T, B, c1, params, u, margin_prior) -> float:
     """One shard's chance under ``count="pairs"`` (:func:`emulated_expected`): the count, the depletion and the
     vote noise from the shard's pairs within τ; the query's own candidates ``k_sel`` (labels ``y_sel``) give the
@@ -346,13 +355,9 @@ def _pairs_chance(data, kappa_pairs, v, rows, k_sel, y_sel, *, rng, S, T, B, c1,
     z = rng.standard_normal(POSITIONS)
     if n_cls < 2:
         return 1.0  # one class: every answer is right (and f/(n − 1) would be 0/0)
-    near = kappa_pairs >= params.tau
-    m = near.shape[0]
-    offd = near & ~np.eye(m, dtype=bool)
+    offd, p_rec, share = _neighbourhood(data, kappa_pairs, v, rows, tau=params.tau, margin_prior=margin_prior)
     if not offd.any():
         return 1.0 / n_cls  # no pair within τ: nothing is known of the neighbourhood
-    p_rec = float(offd.sum()) / max(m * (m - 1), 1)
-    share = margin_share_bound(near, data.labels[np.r_[v, rows][:m]]) if margin_prior == "agreement" else 1.0
     kp = kappa_pairs[offd]
     k_full = S * rows.size * p_rec
     k_rec = max(k_full, params.k_min)

@@ -39,6 +39,11 @@ def tune_request(cfg: BenchConfig, *, eps: float, T: int, seed: int, extractor: 
                               conversion="rdp", device=cfg.device, extractor=extractor, **kw).check()
 
 
+def _at(params: PrivacyParams, tau, sigma2) -> PrivacyParams:
+    """``params`` at grid point (τ, σ2), everything else (B_serve, σ1, K_min, T) as tuned."""
+    return PrivacyParams(**{**params.as_dict(), "tau": float(tau), "sigma2": float(sigma2)}).validate()
+
+
 def _serve(p, cfg: BenchConfig, idx: np.ndarray, params, *, tag: str, kcache: dict, d: int) -> float:
     """One query draw served with ``params`` (a fresh budget state); the draw's exact κ matrix is computed once."""
     if d not in kcache:
@@ -92,7 +97,7 @@ def oracle_row(p, cfg: BenchConfig, *, eps: float, draws: list[np.ndarray], para
     """Every grid point served at the tuned ledger's B_serve on the same draws; the best median is kept."""
     table = []
     for tau, s2 in grid:
-        prm = PrivacyParams(**{**params.as_dict(), "tau": float(tau), "sigma2": float(s2)}).validate()
+        prm = _at(params, tau, s2)
         accs = [_serve(p, cfg, idx, prm, tag=f"oracle:{eps}:{p.T}:{d}:{tau}:{s2}", kcache=kcache, d=d)
                 for d, idx in enumerate(draws)]
         table.append({"tau": float(tau), "sigma2": float(s2), **_summary(accs)})
@@ -133,8 +138,7 @@ def chosen_point_accuracy(p, cfg: BenchConfig, *, eps: float, draws: list[np.nda
         chosen.append(serve(params))
         if rec.method == tuning.EXP_MECH:
             dists.append(choice_distribution(p, rec=rec, params=params, seed=s))
-    grid_acc = np.asarray([serve(PrivacyParams(**{**params.as_dict(), "tau": float(t), "sigma2": float(s2)}).validate())
-                           for t, s2 in rec.grid])
+    grid_acc = np.asarray([serve(_at(params, t, s2)) for t, s2 in rec.grid])
     best = float(grid_acc.max())
     acc = np.asarray(chosen)
     expected = np.asarray([d @ grid_acc for d in dists])
@@ -181,7 +185,6 @@ def choice_distribution(p, *, rec, params, seed: int) -> np.ndarray:
     each row's vector and label). As a cheap guard the rebuilt scores must reproduce the choice the search made
     with its own Gumbel draws, or this raises; that catches a rebuild that ranks the grid differently, not every
     small difference (``tests/test_tuning.py`` compares the result with the scores the search itself selected on)."""
-    from ..ledger_state import PrivacyParams as Params
     from ..tuning_accounting import gumbel_scale
     from ..tuning_base import BaseRunData
 
@@ -193,8 +196,8 @@ def choice_distribution(p, *, rec, params, seed: int) -> np.ndarray:
                              n_classes=p.ds.n_classes)
     key = tuning._run_key(seed, "tune:exp-mech")
     scores = np.asarray([
-        tuning.emulated_score(data, params=Params(**{**params.as_dict(), "tau": float(t), "sigma2": float(s2)}).validate(),
-                              run_key=key, n_shards=rec.validation_queries, planned_queries=params.planned_queries or 1000)
+        tuning.emulated_score(data, params=_at(params, t, s2), run_key=key, n_shards=rec.validation_queries,
+                              planned_queries=params.planned_queries or 1000)
         for t, s2 in rec.grid], np.float64)
     again = tuning.exp_mech_select(scores, rho=rec.rho_run, rng=np.random.default_rng(tuning._run_key(seed, "tune:search")))
     if [float(v) for v in rec.grid[again]] != [float(rec.chosen_tau), float(rec.chosen_sigma2)]:
